@@ -1,0 +1,528 @@
+"""The store interface: every read and write of engine state.
+
+One interface, two backends (``sqlite.py``, ``postgres.py``) sharing the SQL in
+``core.py``. Each public method is ONE transaction; its guards (fencing,
+``NOT EXISTS``, ``SKIP LOCKED``) are visible in its SQL. Expiry is decided by
+the database clock (the SQL function ``ironflow_now()``, epoch seconds), never
+by a node's wall clock. Timestamps in records are epoch seconds (float).
+
+Nothing outside ``ironflow/store`` writes SQL.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any, Literal
+
+import msgspec
+
+from ironflow.protocol import (
+    ActiveJob,
+    ErrorInfo,
+    FunctionDef,
+    JobAssignment,
+    JobLeaseStatus,
+    JobNackReason,
+    YieldInfo,
+)
+
+# ── exceptions ──────────────────────────────────────────────────────────────
+
+
+class StoreError(Exception):
+    """Base of every error the store raises on purpose. ``code`` is API-stable."""
+
+    code = "STORE_ERROR"
+
+
+class StaleExecution(StoreError):
+    """The fence ``(run_id, execution_seq, lease_token)`` is not the live one."""
+
+    code = "STALE_EXECUTION"
+
+
+class NotFound(StoreError):
+    code = "NOT_FOUND"
+
+
+class FunctionNotFound(NotFound):
+    code = "FUNCTION_NOT_FOUND"
+
+
+class RunNotFound(NotFound):
+    code = "RUN_NOT_FOUND"
+
+
+class SessionNotFound(NotFound):
+    """The worker session expired or was closed; the worker must re-register."""
+
+    code = "SESSION_NOT_FOUND"
+
+
+class Conflict(StoreError):
+    code = "CONFLICT"
+
+
+# ── records ─────────────────────────────────────────────────────────────────
+
+
+class Fence(msgspec.Struct, frozen=True):
+    """What a mutating worker message proves: it holds this segment's lease."""
+
+    session_id: str
+    run_id: str
+    execution_seq: int
+    lease_token: str
+
+
+class Reservation(msgspec.Struct, frozen=True):
+    """A queued segment admitted to one session's free credit (not yet executing)."""
+
+    session_id: str
+    assignment: JobAssignment
+
+
+class RecoveredSegment(msgspec.Struct, frozen=True):
+    """A lease that was fenced and re-enqueued (or whose run hit the ceiling)."""
+
+    run_id: str
+    function_id: str
+    old_execution_seq: int
+    new_execution_seq: int | None  # None when the run failed with EXECUTION_RECOVERY_EXHAUSTED
+    session_id: str | None
+    recovery_count: int
+    eligible_at: float | None
+    exhausted: bool
+
+
+class JobOutcome(msgspec.Struct, frozen=True):
+    """What a terminal or yielding worker message did to the run."""
+
+    run_id: str
+    status: str  # the run's status afterwards
+    # Set when the run was requeued (retry, nack, woken yield) — for kicks/logging.
+    next_execution_seq: int | None = None
+    eligible_at: float | None = None
+    attempt: int | None = None
+    # Runs made runnable as a side effect (e.g. a parent resumed by a finished invoke).
+    kicked_run_ids: list[str] = []
+
+
+class CancelOutcome(msgspec.Struct, frozen=True):
+    run_id: str
+    # Who was executing it, so the node can send Cancel (None if nobody was).
+    session_id: str | None
+    node_id: str | None
+    job_id: str | None
+
+
+class IngestResult(msgspec.Struct, frozen=True):
+    event_id: str
+    run_ids: list[str]
+    duplicate: bool
+
+
+class SessionInfo(msgspec.Struct, frozen=True):
+    session_id: str
+    worker_id: str
+    node_id: str
+    mode: Literal["stream", "pull"]
+    max_concurrent_jobs: int
+    function_ids: list[str]
+
+
+class RunRecord(msgspec.Struct, frozen=True):
+    id: str
+    function_id: str
+    event_id: str | None
+    parent_run_id: str | None
+    status: str
+    attempt: int
+    max_attempts: int
+    recovery_count: int
+    current_execution_seq: int
+    output: Any
+    error: ErrorInfo | None
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    concurrency_key: str | None = None
+
+
+class StepRecord(msgspec.Struct, frozen=True):
+    run_id: str
+    step_id: str
+    name: str
+    kind: str
+    status: str
+    output: Any
+    error: ErrorInfo | None
+    duration_ms: float | None
+    execution_seq: int
+    created_at: float
+    wake_at: float | None = None
+
+
+class QueueRecord(msgspec.Struct, frozen=True):
+    run_id: str
+    function_id: str
+    execution_seq: int
+    eligible_at: float
+    reason: str  # new | resume | retry | recovery | nack
+    enqueued_at: float
+    reservation_owner: str | None
+    reservation_expires_at: float | None
+    # Seconds until eligible by the database clock (negative: eligible now).
+    eligible_in_s: float = 0.0
+
+
+class LeaseRecord(msgspec.Struct, frozen=True):
+    run_id: str
+    function_id: str
+    execution_seq: int
+    session_id: str
+    node_id: str
+    expires_at: float
+    activated_at: float
+    expires_in_s: float = 0.0
+
+
+class SessionRecord(msgspec.Struct, frozen=True):
+    session_id: str
+    worker_id: str
+    node_id: str
+    mode: str
+    max_concurrent_jobs: int
+    draining: bool
+    expires_at: float
+    created_at: float
+    credits_claimed: int
+    credits_held: int
+    function_ids: list[str]
+
+
+class RunDetail(msgspec.Struct, frozen=True):
+    run: RunRecord
+    steps: list[StepRecord]
+    queue: QueueRecord | None
+    lease: LeaseRecord | None
+    # Human reason the run is waiting, e.g. "recovery grace until <ts>"; None otherwise.
+    waiting_reason: str | None
+    db_now: float
+
+
+class AuditRecord(msgspec.Struct, frozen=True):
+    id: str
+    at: float
+    type: str
+    run_id: str | None
+    function_id: str | None
+    data: Any
+
+
+class FunctionRecord(msgspec.Struct, frozen=True):
+    id: str
+    definition: FunctionDef
+    version: int
+    updated_at: float
+
+
+class Principal(msgspec.Struct, frozen=True):
+    key_id: str
+    kind: Literal["org", "platform"]
+    role: str
+
+
+# ── the interface ───────────────────────────────────────────────────────────
+
+
+class Store(abc.ABC):
+    """Engine state. Async methods are safe to call from many Trio tasks at once."""
+
+    # lifecycle ------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def open(self) -> None:
+        """Connect, create the schema if missing, start backend threads."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Finish in-flight work and release connections/threads."""
+
+    @abc.abstractmethod
+    async def db_now(self) -> float:
+        """The database clock, epoch seconds."""
+
+    # nodes ----------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def register_node(self, node_id: str) -> None:
+        """Upsert the ``nodes`` row (started_at, heartbeat_at = now)."""
+
+    @abc.abstractmethod
+    async def node_heartbeat(self, node_id: str) -> None: ...
+
+    # functions, workers, sessions -------------------------------------------
+
+    @abc.abstractmethod
+    async def register_worker(
+        self,
+        *,
+        node_id: str,
+        worker_id: str,
+        mode: Literal["stream", "pull"],
+        max_concurrent_jobs: int,
+        functions: list[FunctionDef],
+        session_expiry_s: float,
+        hostname: str = "",
+    ) -> SessionInfo:
+        """Upsert every function definition (version +1 when it changed), create a
+        worker session expiring at now + ``session_expiry_s`` and one credit row
+        per slot (``max_concurrent_jobs``)."""
+
+    @abc.abstractmethod
+    async def list_functions(self) -> list[FunctionRecord]: ...
+
+    @abc.abstractmethod
+    async def heartbeat(
+        self,
+        session_id: str,
+        jobs: list[ActiveJob] | None,
+        *,
+        session_expiry_s: float,
+        lease_expiry_s: float,
+    ) -> list[JobLeaseStatus]:
+        """Push the session's expiry and refresh leases.
+
+        With ``jobs``: refresh only the leases matching each job's
+        ``(run_id, execution_seq, sha256(lease_token), session)``; answer
+        REFRESHED for those, STALE for a known run whose lease is gone or
+        superseded, UNKNOWN for a run the engine has no record of. Held-back
+        credits (AT_CAPACITY) are released when the list shows free slots.
+        With ``jobs=None`` (compatibility fallback): refresh every lease of the
+        session and answer an empty list.
+
+        Raises SessionNotFound if the session expired or was closed.
+        """
+
+    @abc.abstractmethod
+    async def mark_session_draining(self, session_id: str) -> None:
+        """No new reservations go to this session."""
+
+    @abc.abstractmethod
+    async def close_session(
+        self,
+        session_id: str,
+        *,
+        recover_leases: bool,
+        recovery_grace_s: float,
+        recovery_ceiling: int,
+    ) -> list[RecoveredSegment]:
+        """A worker went away (socket closed). Release its reservations (queue
+        rows become claimable again), delete the session and its credits.
+
+        With ``recover_leases`` (fast loss detection, beyond the seed): every
+        lease the session holds is fenced and recovered at once, exactly as the
+        scanner does on expiry (audit pair, recovery_count +1, ceiling), except
+        that a run's FIRST recovery is requeued with eligible_at = now (no
+        grace); a run that already has recoveries gets ``recovery_grace_s``.
+        """
+
+    # events and runs --------------------------------------------------------
+
+    @abc.abstractmethod
+    async def ingest_event(
+        self,
+        name: str,
+        data: Any,
+        idempotency_key: str | None,
+        *,
+        idempotency_window_s: float,
+    ) -> IngestResult:
+        """Persist the event and create one run (+ queue row, reason 'new',
+        status 'waiting_for_capacity') per function whose trigger matches (exact
+        name or ``prefix.*``), in one transaction. A key seen within the window
+        returns the first event's id and run ids and creates nothing."""
+
+    @abc.abstractmethod
+    async def invoke_function(self, function_id: str, data: Any) -> str:
+        """Start a run of ``function_id`` directly (synthetic event
+        ``ironflow/function.invoked``). Raises FunctionNotFound."""
+
+    @abc.abstractmethod
+    async def cancel_run(self, run_id: str, reason: str) -> CancelOutcome:
+        """Run → 'cancelled'; delete its queue row and lease, free the credit,
+        bump current_execution_seq so later messages from the segment are
+        refused. Raises RunNotFound; Conflict if the run already ended."""
+
+    # dispatch -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def reserve_segments(
+        self,
+        node_id: str,
+        offers: dict[str, frozenset[str]],
+        limit: int,
+        *,
+        reservation_expiry_s: float,
+    ) -> list[Reservation]:
+        """Admit runnable segments to free credits of the offered sessions.
+
+        ``offers`` maps session_id → function ids that session can run. In one
+        transaction: take queue rows with eligible_at ≤ now and no live
+        reservation (``FOR UPDATE SKIP LOCKED`` on PostgreSQL), oldest first;
+        respect each function's concurrency limit (global or per key: live
+        leases + live reservations); claim one free, not-held credit of a
+        non-draining session for each; stamp the row with reservation_owner,
+        reservation_expires_at and sha256 of a fresh lease token; build the
+        JobAssignment (event, attempt, memoised steps, execution_seq, token).
+        """
+
+    @abc.abstractmethod
+    async def release_reservation(self, session_id: str, run_id: str, execution_seq: int) -> None:
+        """An assignment could not be delivered: unreserve the row, free the credit."""
+
+    @abc.abstractmethod
+    async def seconds_until_next_eligible(self) -> float | None:
+        """Seconds (DB clock) until the earliest unreserved queue row becomes
+        eligible; 0 if one is eligible now; None if the queue is empty."""
+
+    # execution (fenced) -------------------------------------------------------
+
+    @abc.abstractmethod
+    async def activate_lease(self, fence: Fence, *, lease_expiry_s: float) -> RunRecord:
+        """THE FENCING CHOKEPOINT. Turn the session's reservation of
+        ``(run_id, execution_seq)`` into a concurrency lease (token hash must
+        match, seq must be the run's current one, run not terminal): delete the
+        queue row, insert the lease expiring at now + ``lease_expiry_s``, run →
+        'running'. Raises StaleExecution otherwise."""
+
+    @abc.abstractmethod
+    async def record_step(
+        self,
+        fence: Fence,
+        *,
+        step_id: str,
+        name: str,
+        status: Literal["completed", "failed"],
+        output: Any = None,
+        error: ErrorInfo | None = None,
+        duration_ms: float = 0.0,
+    ) -> None:
+        """Persist a step result under the live lease (idempotent per step_id;
+        a completed row is never overwritten). Raises StaleExecution."""
+
+    @abc.abstractmethod
+    async def complete_job(self, fence: Fence, output: Any) -> JobOutcome:
+        """Run → 'completed'; delete the lease; free the credit. StaleExecution."""
+
+    @abc.abstractmethod
+    async def fail_job(self, fence: Fence, error: ErrorInfo) -> JobOutcome:
+        """Retryable with attempts left: attempt +1, new seq queued at now +
+        backoff (reason 'retry'), run 'waiting'. Otherwise run 'failed' with the
+        error. Lease deleted, credit freed either way. StaleExecution."""
+
+    @abc.abstractmethod
+    async def yield_job(self, fence: Fence, *, step_id: str, name: str, info: YieldInfo) -> JobOutcome:
+        """Park the run on a sleep / wait / invoke step: step row 'sleeping' or
+        'waiting', run 'waiting', recovery_count reset to 0, lease deleted,
+        credit freed. StaleExecution."""
+
+    @abc.abstractmethod
+    async def nack_job(self, fence: Fence, reason: JobNackReason) -> JobOutcome:
+        """The worker refused the assignment: the reservation (or lease) is
+        released, run → 'waiting', next seq queued at once (no grace), attempt
+        and recovery_count unchanged. DRAINING marks the session draining;
+        AT_CAPACITY holds that session's credit back until a heartbeat shows
+        space. StaleExecution."""
+
+    # loop 1: capacity scanner --------------------------------------------------
+
+    @abc.abstractmethod
+    async def expire_reservations(self) -> int:
+        """Unreserve queue rows whose reservation expired; free their credits."""
+
+    @abc.abstractmethod
+    async def expire_leases(
+        self, *, recovery_grace_s: float, recovery_ceiling: int
+    ) -> list[RecoveredSegment]:
+        """Fence every expired lease: bump the run's seq, delete the lease, free
+        the credit, recovery_count +1, run 'running' → 'waiting', queue the new
+        seq at now + grace (reason 'recovery') and audit
+        ``capacity.lease.expired`` + ``capacity.segment.recovered`` (always).
+        A run whose recovery_count would exceed the ceiling fails with
+        EXECUTION_RECOVERY_EXHAUSTED instead."""
+
+    @abc.abstractmethod
+    async def expire_sessions(self) -> int:
+        """Delete expired sessions, cascading to credits. Leases stay (they
+        expire on their own clock)."""
+
+    @abc.abstractmethod
+    async def seconds_until_next_capacity_expiry(self) -> float | None:
+        """Earliest of reservation / lease / session expiry, seconds from now (DB clock)."""
+
+    # loop 2 and the waker -------------------------------------------------------
+
+    @abc.abstractmethod
+    async def claim_elapsed_steps(self, node_id: str, limit: int) -> list[tuple[str, str]]:
+        """Claim sleeps whose wake_at passed and waits/invokes whose timeout
+        passed: status → 'waking', claimed_by/claimed_at set, pre_claim_status
+        kept (SKIP LOCKED). Returns (run_id, step_id) pairs."""
+
+    @abc.abstractmethod
+    async def resume_claimed_step(self, node_id: str, run_id: str, step_id: str) -> JobOutcome:
+        """Finish a claim: a sleep → 'completed'; a timed-out wait → 'timed_out'
+        (output None); a timed-out invoke → 'failed' (InvokeError); then queue
+        the run's next seq (reason 'resume') and clear the claim."""
+
+    @abc.abstractmethod
+    async def reset_stale_claims(self, threshold_s: float) -> int:
+        """Restore 'waking' steps claimed longer than ``threshold_s`` ago whose
+        run holds NEITHER a lease NOR a queue row to pre_claim_status."""
+
+    @abc.abstractmethod
+    async def seconds_until_next_wake(self) -> float | None: ...
+
+    # reads ----------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def get_run(self, run_id: str) -> RunDetail:
+        """Run, its steps (oldest first), queue row, lease and waiting reason. RunNotFound."""
+
+    @abc.abstractmethod
+    async def list_runs(
+        self, *, status: str | None = None, function_id: str | None = None, limit: int = 50
+    ) -> list[RunRecord]: ...
+
+    @abc.abstractmethod
+    async def list_leases(self) -> list[LeaseRecord]: ...
+
+    @abc.abstractmethod
+    async def list_sessions(self) -> list[SessionRecord]: ...
+
+    @abc.abstractmethod
+    async def list_queue(self) -> list[QueueRecord]: ...
+
+    @abc.abstractmethod
+    async def list_audit(
+        self, *, run_id: str | None = None, type: str | None = None, limit: int = 100
+    ) -> list[AuditRecord]: ...
+
+    # keys -------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def create_api_key(
+        self, kind: Literal["org", "platform"], role: str = "admin", key: str | None = None
+    ) -> tuple[str, str]:
+        """Mint a key (``ifkey_``/``ifplatform_`` + 32 hex; or store ``key`` as
+        given), store only its SHA-256. Returns (key_id, key)."""
+
+    @abc.abstractmethod
+    async def authenticate(self, key: str) -> Principal | None: ...
+
+    # tests -------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def advance_clock(self, seconds: float) -> None:
+        """Move this store's view of the database clock forward (tests only)."""
