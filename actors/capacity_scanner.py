@@ -1,0 +1,93 @@
+"""Loop 1 — the capacity scanner (seed: crash-recovery.txt).
+
+Every ``scanner_interval`` — and also exactly at the earliest known expiry, so
+that no scan tick is added to recovery latency — it:
+
+- frees expired reservations (the worker died after admission, before acking);
+- fences expired leases: the run's execution_seq is bumped, the audit pair
+  ``capacity.lease.expired`` / ``capacity.segment.recovered`` is recorded and
+  the segment is re-enqueued with ``eligible_at = now + recovery_grace`` — or
+  the run fails with EXECUTION_RECOVERY_EXHAUSTED past the recovery ceiling;
+- deletes expired worker sessions, cascading to their credits (their leases
+  expire on their own clock).
+
+Expiry is decided by the database clock, so a dead node's sessions and leases
+are reaped by any surviving node's scanner.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from actors.messages import Kick, kick
+from ironflow import logs, metrics
+from ironflow.config import NodeConfig
+from ironflow.store import Store
+
+log = logging.getLogger("ironflow.capacity")
+
+# Wake this long after the earliest expiry: expiry is `expires_at < now` in
+# SQL, and the database clock must have moved strictly past it.
+EXPIRY_SLACK_S = 0.005
+
+
+async def scan_once(store: Store, config: NodeConfig, kicks: trio.abc.SendChannel[Kick]) -> int:
+    """One pass over the three expiry clocks; returns how many things it reclaimed."""
+    t = config.timings
+    freed = await store.expire_reservations()
+    recovered = await store.expire_leases(
+        recovery_grace_s=t.recovery_grace_s, recovery_ceiling=int(t.recovery_ceiling)
+    )
+    sessions = await store.expire_sessions()
+    if freed:
+        logs.event(log, logging.INFO, "capacity: reservations expired, slots freed", count=freed)
+    for seg in recovered:
+        metrics.RECOVERIES.labels(path="lease_expiry").inc()
+        if seg.exhausted:
+            logs.event(
+                log,
+                logging.WARNING,
+                "capacity: lease expired, recovery ceiling reached, run failed",
+                run_id=seg.run_id,
+                execution_seq=seg.old_execution_seq,
+                recovery_count=seg.recovery_count,
+                code="EXECUTION_RECOVERY_EXHAUSTED",
+            )
+        else:
+            logs.event(
+                log,
+                logging.WARNING,
+                "capacity: lease expired, segment recovered",
+                run_id=seg.run_id,
+                old_execution_seq=seg.old_execution_seq,
+                execution_seq=seg.new_execution_seq,
+                session_id=seg.session_id,
+                recovery_count=seg.recovery_count,
+                eligible_at=seg.eligible_at,
+            )
+    if sessions:
+        logs.event(log, logging.INFO, "capacity: worker sessions expired", count=sessions)
+    if freed or recovered:
+        kick(kicks, "capacity scan")
+    return freed + len(recovered) + sessions
+
+
+async def run(
+    store: Store,
+    config: NodeConfig,
+    kicks: trio.abc.SendChannel[Kick],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run loop 1 until cancelled. Sleeps use Trio's clock (MockClock in tests)."""
+    interval = config.timings.scanner_interval_s
+    task_status.started()
+    while True:
+        await scan_once(store, config, kicks)
+        next_expiry = await store.seconds_until_next_capacity_expiry()
+        delay = interval
+        if next_expiry is not None:
+            delay = min(interval, max(next_expiry, 0.0) + EXPIRY_SLACK_S)
+        await trio.sleep(delay)

@@ -1,0 +1,71 @@
+"""The node's directory of local worker sessions and their outboxes.
+
+Owned by the node, not by any actor, so that it survives an actor restart: a
+restarted dispatcher finds every connected session again. Sessions add and
+remove themselves; the dispatcher and the drain coordinator look them up to
+deliver engine messages. Nothing here touches the database.
+"""
+
+from __future__ import annotations
+
+import trio
+
+from ironflow.protocol import EngineMessage
+
+
+class LocalSession:
+    """A worker session attached to this node: a streaming socket or a pull poll."""
+
+    def __init__(
+        self,
+        session_id: str,
+        function_ids: frozenset[str],
+        outbox: trio.abc.SendChannel[EngineMessage],
+        *,
+        mode: str = "stream",
+    ) -> None:
+        self.session_id = session_id
+        self.function_ids = function_ids
+        self.outbox = outbox
+        self.mode = mode
+        self.draining = False
+
+
+class SessionDirectory:
+    """session_id → :class:`LocalSession` for this node, with a change signal."""
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, LocalSession] = {}
+        self._changed = trio.Event()
+
+    def add(self, session: LocalSession) -> None:
+        self._sessions[session.session_id] = session
+        self._signal()
+
+    def remove(self, session_id: str, outbox: object | None = None) -> None:
+        """Forget a session (only if ``outbox`` still matches, when given)."""
+        current = self._sessions.get(session_id)
+        if current is not None and (outbox is None or current.outbox is outbox):
+            del self._sessions[session_id]
+            self._signal()
+
+    def get(self, session_id: str) -> LocalSession | None:
+        return self._sessions.get(session_id)
+
+    def offers(self) -> dict[str, frozenset[str]]:
+        """What the dispatcher may offer work to: non-draining sessions and their functions."""
+        return {s.session_id: s.function_ids for s in self._sessions.values() if not s.draining}
+
+    def streaming(self) -> list[LocalSession]:
+        return [s for s in self._sessions.values() if s.mode == "stream"]
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    async def wait_changed(self) -> None:
+        """Return at the next add or remove."""
+        await self._changed.wait()
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()

@@ -1,0 +1,107 @@
+"""The dispatcher: matches runnable segments to local sessions with free credits.
+
+Kicked, not polling: it runs a round whenever a producer sends a
+:class:`~actors.messages.Kick` (event ingested, result, nack, recovery,
+session opened), and otherwise sleeps exactly until the earliest
+``eligible_at`` in the queue — so a recovery-grace or retry-delay countdown is
+followed by dispatch with no tick added (deliberately beyond the seed).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from actors.directory import SessionDirectory
+from actors.messages import Kick
+from ironflow import logs, metrics
+from ironflow.config import NodeConfig
+from ironflow.store import Store
+
+log = logging.getLogger("ironflow.dispatcher")
+
+# Segments admitted per store round trip: large enough to fill a 50-slot
+# worker in one transaction, small enough to keep one transaction short.
+BATCH = 64
+
+
+async def _dispatch_round(
+    store: Store, config: NodeConfig, node_id: str, directory: SessionDirectory
+) -> int:
+    """Reserve and hand out segments until the queue or the credits run dry."""
+    handed = 0
+    while True:
+        offers = directory.offers()
+        if not offers:
+            return handed
+        reservations = await store.reserve_segments(
+            node_id,
+            offers,
+            BATCH,
+            reservation_expiry_s=config.timings.reservation_expiry_s,
+        )
+        for reservation in reservations:
+            assignment = reservation.assignment
+            session = directory.get(reservation.session_id)
+            try:
+                if session is None:
+                    raise trio.BrokenResourceError
+                session.outbox.send_nowait(assignment)
+            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                # The session went away between offer and delivery: give the
+                # segment back at once instead of waiting for reservation expiry.
+                await store.release_reservation(
+                    reservation.session_id, assignment.run_id, assignment.execution_seq
+                )
+                continue
+            handed += 1
+            metrics.ASSIGNMENTS.inc()
+            logs.event(
+                log,
+                logging.DEBUG,
+                "dispatch: assigned",
+                run_id=assignment.run_id,
+                execution_seq=assignment.execution_seq,
+                session_id=reservation.session_id,
+            )
+        if len(reservations) < BATCH:
+            return handed
+
+
+async def run(
+    store: Store,
+    config: NodeConfig,
+    node_id: str,
+    directory: SessionDirectory,
+    kicks: trio.abc.ReceiveChannel[Kick],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run the dispatcher until cancelled.
+
+    Args:
+      store: engine state; every reservation is one store transaction.
+      config: timings (reservation expiry, idle re-check).
+      node_id: this node, recorded on reservations.
+      directory: local sessions and their outboxes (owned by the node).
+      kicks: wake-ups from producers; several pending kicks make one round.
+    """
+    task_status.started()
+    while True:
+        # Swallow every pending kick: one round serves them all.
+        while True:
+            try:
+                kicks.receive_nowait()
+            except trio.WouldBlock:
+                break
+        await _dispatch_round(store, config, node_id, directory)
+        wait_s = config.timings.dispatch_idle_poll_s
+        if directory.offers():
+            next_eligible = await store.seconds_until_next_eligible()
+            # 0 means "eligible now but nobody had a free credit": only a kick
+            # (a freed slot, a new session) can change that.
+            if next_eligible is not None and next_eligible > 0:
+                wait_s = min(wait_s, next_eligible)
+        with trio.move_on_after(wait_s):
+            await kicks.receive()

@@ -1,0 +1,301 @@
+"""The session supervisor: one per connected streaming worker.
+
+It turns the worker's frames into store calls and answers on the worker's
+outbox. Messages of different jobs are handled concurrently (their store
+calls share a group commit); messages of one job are handled strictly in the
+order they arrived, so a step result is never overtaken by its job's final
+result. A stale fence is refused for that job only; the connection carries on.
+
+When the socket closes without a drain, the worker is known dead at once: its
+leases are fenced and recovered immediately (beyond the seed; lease expiry
+stays the backstop for what no socket reports).
+
+:func:`handle` is shared with the pull-worker HTTP endpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+
+import trio
+
+from actors.directory import LocalSession, SessionDirectory
+from actors.messages import Kick, kick
+from ironflow import logs, metrics
+from ironflow.config import NodeConfig
+from ironflow.protocol import (
+    EngineMessage,
+    FencedMessage,
+    Heartbeat,
+    JobAck,
+    JobCompleted,
+    JobFailed,
+    JobNack,
+    JobYielded,
+    LeaseStatus,
+    Refused,
+    Register,
+    Registered,
+    StepCompleted,
+    StepFailed,
+    WorkerMessage,
+)
+from ironflow.store import Fence, SessionNotFound, StaleExecution, Store
+
+log = logging.getLogger("ironflow.session")
+
+
+class ProtocolViolation(Exception):
+    """The worker broke the protocol (e.g. no Register first); the socket is closed."""
+
+
+class SessionExpired(Exception):
+    """The store no longer knows this session; the worker must reconnect."""
+
+
+def _fence(session_id: str, msg: FencedMessage) -> Fence:
+    return Fence(session_id, msg.run_id, msg.execution_seq, msg.lease_token)
+
+
+async def handle(
+    store: Store,
+    config: NodeConfig,
+    session_id: str,
+    msg: WorkerMessage,
+    kicks: trio.abc.SendChannel[Kick],
+) -> EngineMessage | None:
+    """Apply one worker message to the store; return the answer to send, if any.
+
+    Raises:
+      StaleExecution: the message's fence is not the live one (caller refuses
+        it for that job only).
+      SessionNotFound: the session expired or was closed.
+      ProtocolViolation: a message that makes no sense here (a second Register).
+    """
+    t = config.timings
+    if isinstance(msg, Heartbeat):
+        statuses = await store.heartbeat(
+            session_id, msg.jobs, session_expiry_s=t.session_expiry_s, lease_expiry_s=t.lease_expiry_s
+        )
+        kick(kicks, "heartbeat")  # a held-back credit may have been released
+        return LeaseStatus(statuses)
+    if isinstance(msg, JobAck):
+        await store.activate_lease(_fence(session_id, msg), lease_expiry_s=t.lease_expiry_s)
+        return None
+    if isinstance(msg, StepCompleted):
+        await store.record_step(
+            _fence(session_id, msg),
+            step_id=msg.step_id,
+            name=msg.name,
+            status="completed",
+            output=msg.output,
+            duration_ms=msg.duration_ms,
+        )
+        metrics.STEPS_RECORDED.labels(status="completed").inc()
+        return None
+    if isinstance(msg, StepFailed):
+        await store.record_step(
+            _fence(session_id, msg),
+            step_id=msg.step_id,
+            name=msg.name,
+            status="failed",
+            error=msg.error,
+            duration_ms=msg.duration_ms,
+        )
+        metrics.STEPS_RECORDED.labels(status="failed").inc()
+        return None
+    if isinstance(msg, JobCompleted):
+        await store.complete_job(_fence(session_id, msg), msg.output)
+        metrics.RUNS_FINISHED.labels(status="completed").inc()
+        kick(kicks, "job completed")
+        return None
+    if isinstance(msg, JobFailed):
+        outcome = await store.fail_job(_fence(session_id, msg), msg.error)
+        if outcome.status == "failed":
+            metrics.RUNS_FINISHED.labels(status="failed").inc()
+            logs.event(log, logging.INFO, "run: failed", run_id=msg.run_id, code=msg.error.code)
+        else:
+            logs.event(
+                log,
+                logging.INFO,
+                "run: attempt failed, retry queued",
+                run_id=msg.run_id,
+                attempt=outcome.attempt,
+                execution_seq=outcome.next_execution_seq,
+                eligible_at=outcome.eligible_at,
+            )
+        kick(kicks, "job failed")
+        return None
+    if isinstance(msg, JobYielded):
+        await store.yield_job(
+            _fence(session_id, msg), step_id=msg.step_id, name=msg.name, info=msg.yield_info
+        )
+        kick(kicks, "job yielded")
+        return None
+    if isinstance(msg, JobNack):
+        outcome = await store.nack_job(_fence(session_id, msg), msg.reason)
+        metrics.NACKS.labels(reason=msg.reason).inc()
+        logs.event(
+            log,
+            logging.INFO,
+            "capacity: job nacked, re-queued with no attempt used",
+            run_id=msg.run_id,
+            reason=msg.reason,
+            session_id=session_id,
+            execution_seq=outcome.next_execution_seq,
+        )
+        kick(kicks, "job nacked")
+        return None
+    raise ProtocolViolation(f"unexpected message {type(msg).__name__} after Register")
+
+
+def _run_key(msg: WorkerMessage) -> str:
+    """Messages of one run are serialised; everything else may run concurrently."""
+    run_id = getattr(msg, "run_id", None)
+    return run_id if run_id is not None else f"~{type(msg).__name__}"
+
+
+async def _handle_batch(
+    store: Store,
+    config: NodeConfig,
+    session_id: str,
+    batch: list[WorkerMessage],
+    outbox: trio.abc.SendChannel[EngineMessage],
+    kicks: trio.abc.SendChannel[Kick],
+) -> None:
+    by_run: dict[str, list[WorkerMessage]] = defaultdict(list)
+    for msg in batch:
+        by_run[_run_key(msg)].append(msg)
+
+    async def handle_in_order(messages: list[WorkerMessage]) -> None:
+        for msg in messages:
+            try:
+                answer = await handle(store, config, session_id, msg, kicks)
+            except StaleExecution as exc:
+                metrics.STALE_REFUSED.inc()
+                run_id = getattr(msg, "run_id", None)
+                logs.event(
+                    log,
+                    logging.INFO,
+                    "fence: stale message refused",
+                    run_id=run_id,
+                    execution_seq=getattr(msg, "execution_seq", None),
+                    session_id=session_id,
+                    message=type(msg).__name__,
+                )
+                answer = Refused(exc.code, str(exc) or "stale execution", getattr(msg, "job_id", None), run_id)
+            if answer is not None:
+                await outbox.send(answer)
+
+    if len(by_run) == 1:
+        await handle_in_order(batch)
+        return
+    async with trio.open_nursery() as nursery:
+        for messages in by_run.values():
+            nursery.start_soon(handle_in_order, messages)
+
+
+async def run(
+    store: Store,
+    config: NodeConfig,
+    node_id: str,
+    directory: SessionDirectory,
+    kicks: trio.abc.SendChannel[Kick],
+    inbound: trio.abc.ReceiveChannel[WorkerMessage],
+    outbox: trio.abc.SendChannel[EngineMessage],
+    *,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve one streaming worker until its inbound channel closes.
+
+    Args:
+      inbound: decoded frames from the socket; closed when the socket closes.
+      outbox: frames to the socket (assignments are also put here by the
+        dispatcher through the directory).
+    Reports the session id through ``task_status`` once registered.
+
+    Raises ProtocolViolation if the first message is not Register, and
+    SessionExpired if the store dropped the session; the caller closes the
+    socket either way. The session is always closed in the store on exit, its
+    leases recovered at once.
+    """
+    t = config.timings
+    first = await inbound.receive()
+    if not isinstance(first, Register):
+        raise ProtocolViolation(f"first message must be register, got {type(first).__name__}")
+    info = await store.register_worker(
+        node_id=node_id,
+        worker_id=first.worker_id,
+        mode="stream",
+        max_concurrent_jobs=first.max_concurrent_jobs,
+        functions=first.functions,
+        session_expiry_s=t.session_expiry_s,
+        hostname=first.hostname,
+    )
+    session_id = info.session_id
+    await outbox.send(
+        Registered(session_id, int(t.heartbeat_interval_s * 1000), int(t.lease_expiry_s * 1000))
+    )
+    local = LocalSession(session_id, frozenset(info.function_ids), outbox)
+    directory.add(local)
+    metrics.WORKERS_CONNECTED.inc()
+    logs.event(
+        log,
+        logging.INFO,
+        "session: worker registered",
+        session_id=session_id,
+        worker_id=first.worker_id,
+        functions=",".join(info.function_ids),
+        max_concurrent_jobs=first.max_concurrent_jobs,
+    )
+    kick(kicks, "session opened")
+    task_status.started(session_id)
+    try:
+        while True:
+            try:
+                msg = await inbound.receive()
+            except trio.EndOfChannel:
+                break
+            batch = [msg]
+            while True:
+                try:
+                    batch.append(inbound.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+            if any(isinstance(m, Register) for m in batch):
+                raise ProtocolViolation("register sent twice on one connection")
+            try:
+                await _handle_batch(store, config, session_id, batch, outbox, kicks)
+            except SessionNotFound as exc:
+                raise SessionExpired(str(exc)) from exc
+    finally:
+        directory.remove(session_id, outbox)
+        metrics.WORKERS_CONNECTED.dec()
+        metrics.WORKER_DISCONNECTS.inc()
+        with trio.CancelScope(shield=True):
+            recovered = await store.close_session(
+                session_id,
+                recover_leases=True,
+                recovery_grace_s=t.recovery_grace_s,
+                recovery_ceiling=int(t.recovery_ceiling),
+            )
+            for seg in recovered:
+                metrics.RECOVERIES.labels(path="disconnect").inc()
+                logs.event(
+                    log,
+                    logging.WARNING,
+                    "capacity: worker lost, segment recovered"
+                    if not seg.exhausted
+                    else "capacity: worker lost, recovery ceiling reached, run failed",
+                    run_id=seg.run_id,
+                    execution_seq=seg.new_execution_seq,
+                    old_execution_seq=seg.old_execution_seq,
+                    session_id=session_id,
+                    recovery_count=seg.recovery_count,
+                    eligible_at=seg.eligible_at,
+                )
+            logs.event(
+                log, logging.INFO, "session: closed", session_id=session_id, recovered=len(recovered)
+            )
+            kick(kicks, "session closed")

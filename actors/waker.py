@@ -1,0 +1,47 @@
+"""The waker: claims elapsed sleeps and timed-out waits/invokes and resumes their runs.
+
+A claim moves the step to ``waking`` (claimed_by = this node, SKIP LOCKED so
+exactly one node claims it); resuming queues the run's next segment. If the
+node dies between the two, loop 2 (the stale-claim sweeper) restores the step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import trio
+
+from actors.messages import Kick, kick
+from ironflow import logs
+from ironflow.config import NodeConfig
+from ironflow.store import Store
+
+log = logging.getLogger("ironflow.waker")
+
+# Steps claimed per transaction.
+BATCH = 100
+
+
+async def run(
+    store: Store,
+    config: NodeConfig,
+    node_id: str,
+    kicks: trio.abc.SendChannel[Kick],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run until cancelled; sleeps until the earliest wake time (at most ``waker_interval``)."""
+    interval = config.timings.waker_interval_s
+    task_status.started()
+    while True:
+        claimed = await store.claim_elapsed_steps(node_id, BATCH)
+        for run_id, step_id in claimed:
+            await store.resume_claimed_step(node_id, run_id, step_id)
+            logs.event(log, logging.INFO, "waker: step woke, run resumed", run_id=run_id, step_id=step_id)
+        if claimed:
+            kick(kicks, "steps woke")
+            if len(claimed) == BATCH:
+                continue
+        next_wake = await store.seconds_until_next_wake()
+        delay = interval if next_wake is None else min(interval, max(next_wake, 0.0) + 0.005)
+        await trio.sleep(delay)

@@ -1,0 +1,3 @@
+from ironflow.cli import main
+
+main()

@@ -1,0 +1,557 @@
+"""The node's HTTP and websocket surface (quart-trio under hypercorn).
+
+REST under ``/v1`` for events, runs, functions, audit, keys and capacity; the
+streaming-worker websocket ``/v1/worker`` (one session actor per socket); the
+pull-worker long-poll endpoints; ``/healthz``, ``/readyz``, ``/metrics``.
+See ``docs/http-api.md``.
+
+Bad input never takes the node down: bodies are decoded with typed msgspec
+decoders and every failure becomes ``{code, message}`` with a 4xx status; a
+bad websocket frame closes that socket with 1002/1003/1009 and a reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Any, NoReturn, TypeVar
+
+import msgspec
+import trio
+from quart import Response, request, websocket
+from quart_trio import QuartTrio
+
+from actors import session as session_actor
+from actors.directory import LocalSession, SessionDirectory
+from actors.messages import Kick, kick
+from ironflow import logs, metrics
+from ironflow.config import NodeConfig
+from ironflow.protocol import (
+    Cancel,
+    CancelRequest,
+    EmitRequest,
+    EmitResponse,
+    EngineMessage,
+    FencedResponse,
+    Heartbeat,
+    InvokeRequest,
+    JobAck,
+    JobCompleted,
+    JobFailed,
+    JobNack,
+    JobYielded,
+    KeyCreateRequest,
+    KeyCreateResponse,
+    PullPollRequest,
+    PullPollResponse,
+    Register,
+    Registered,
+    StepCompleted,
+    StepFailed,
+    WorkerMessage,
+    encoder,
+    worker_message_decoder,
+)
+from ironflow.store import Principal, SessionNotFound, StaleExecution, Store, StoreError
+
+log = logging.getLogger("ironflow.api")
+
+T = TypeVar("T")
+
+# How long a verified API key is trusted without asking the database again.
+AUTH_CACHE_S = 30.0
+# Websocket close codes (RFC 6455).
+WS_PROTOCOL_ERROR = 1002
+WS_UNSUPPORTED_DATA = 1003
+WS_POLICY_VIOLATION = 1008
+WS_INTERNAL_ERROR = 1011
+WS_GOING_AWAY = 1001
+
+_STATUS_FOR_CODE = {
+    "STALE_EXECUTION": 409,
+    "CONFLICT": 409,
+    "NOT_FOUND": 404,
+    "FUNCTION_NOT_FOUND": 404,
+    "RUN_NOT_FOUND": 404,
+    "SESSION_NOT_FOUND": 404,
+}
+
+
+class ApiFailure(Exception):
+    """An error answer: HTTP ``status`` with a stable ``code`` and a human message."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class _CloseSocket(Exception):
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+class ApiDeps:
+    """Everything the API needs from the node, passed in once."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        config: NodeConfig,
+        node_id: str,
+        directory: SessionDirectory,
+        kicks: trio.abc.SendChannel[Kick],
+        shutdown_requested: trio.Event,
+        ready: trio.Event,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.node_id = node_id
+        self.directory = directory
+        self.kicks = kicks
+        self.shutdown_requested = shutdown_requested
+        self.ready = ready
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(encoder.encode(obj), status=status, content_type="application/json")
+
+
+def _error(status: int, code: str, message: str) -> Response:
+    return _json({"code": code, "message": message}, status)
+
+
+def _fail(status: int, code: str, message: str) -> NoReturn:
+    raise ApiFailure(status, code, message)
+
+
+def _decode(body: bytes, kind: type[T]) -> T:
+    if not body.strip():
+        _fail(400, "BAD_REQUEST", "request body is empty; expected a JSON object")
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as exc:
+        _fail(400, "VALIDATION_ERROR", f"invalid {kind.__name__}: {exc}")
+    except msgspec.DecodeError as exc:
+        _fail(400, "BAD_REQUEST", f"invalid JSON body: {exc}")
+
+
+def _query_int(name: str, default: int, *, low: int = 1, high: int = 1000) -> int:
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        _fail(400, "VALIDATION_ERROR", f"query parameter {name} must be an integer, got {raw!r}")
+    if not low <= value <= high:
+        _fail(400, "VALIDATION_ERROR", f"query parameter {name} must be in {low}..{high}")
+    return value
+
+
+def create_app(deps: ApiDeps) -> QuartTrio:
+    """Build the quart-trio application serving ``deps``."""
+    app = QuartTrio("ironflow")
+    app.config["MAX_CONTENT_LENGTH"] = deps.config.max_frame_bytes
+    store = deps.store
+    config = deps.config
+    auth_cache: dict[str, tuple[float, Principal]] = {}
+    pull_functions: dict[str, frozenset[str]] = {}
+
+    async def principal(headers: Any) -> Principal | None:
+        header = headers.get("Authorization", "")
+        if not header:
+            return None
+        scheme, _, key = header.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            _fail(401, "UNAUTHORIZED", "Authorization header must be 'Bearer <key>'")
+        digest = hashlib.sha256(key.strip().encode()).hexdigest()
+        cached = auth_cache.get(digest)
+        if cached is not None and cached[0] > time.monotonic():
+            return cached[1]
+        found = await store.authenticate(key.strip())
+        if found is None:
+            _fail(401, "UNAUTHORIZED", "invalid API key")
+        auth_cache[digest] = (time.monotonic() + AUTH_CACHE_S, found)
+        return found
+
+    async def require_org(headers: Any = None) -> Principal | None:
+        found = await principal(headers if headers is not None else request.headers)
+        if found is None and not config.dev:
+            _fail(401, "UNAUTHORIZED", "an API key is required (Authorization: Bearer ifkey_…)")
+        return found
+
+    async def require_platform() -> Principal:
+        found = await principal(request.headers)
+        if found is None or found.kind != "platform":
+            _fail(403, "FORBIDDEN", "platform credentials required here")
+        return found
+
+    @app.errorhandler(ApiFailure)
+    async def on_api_failure(exc: ApiFailure) -> Response:
+        return _error(exc.status, exc.code, exc.message)
+
+    @app.errorhandler(StoreError)
+    async def on_store_error(exc: StoreError) -> Response:
+        return _error(_STATUS_FOR_CODE.get(exc.code, 400), exc.code, str(exc) or exc.code)
+
+    @app.errorhandler(404)
+    async def on_not_found(_: Any) -> Response:
+        return _error(404, "NOT_FOUND", f"no route for {request.method} {request.path}")
+
+    @app.errorhandler(405)
+    async def on_bad_method(_: Any) -> Response:
+        return _error(405, "METHOD_NOT_ALLOWED", f"{request.method} is not allowed on {request.path}")
+
+    @app.errorhandler(413)
+    async def on_too_large(_: Any) -> Response:
+        return _error(
+            413, "PAYLOAD_TOO_LARGE", f"request body exceeds {config.max_frame_bytes} bytes"
+        )
+
+    @app.errorhandler(Exception)
+    async def on_unexpected(exc: Exception) -> Response:
+        log.exception("api: unhandled error on %s %s", request.method, request.path)
+        return _error(500, "INTERNAL", f"internal error: {type(exc).__name__}")
+
+    # ── health ──────────────────────────────────────────────────────────────
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return _json({"status": "ok", "node_id": deps.node_id})
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        if deps.shutdown_requested.is_set():
+            return _json({"status": "draining"}, 503)
+        if not deps.ready.is_set():
+            return _json({"status": "starting"}, 503)
+        return _json({"status": "ready", "node_id": deps.node_id})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), content_type="text/plain; version=0.0.4")
+
+    # ── events, runs, functions ───────────────────────────────────────────────
+
+    @app.post("/v1/events")
+    async def emit() -> Response:
+        await require_org()
+        body = _decode(await request.get_data(), EmitRequest)
+        if not body.name or len(body.name) > 256:
+            _fail(400, "VALIDATION_ERROR", "event name must be 1..256 characters")
+        result = await store.ingest_event(
+            body.name, body.data, body.idempotency_key, idempotency_window_s=config.idempotency_window_s
+        )
+        if not result.duplicate:
+            metrics.EVENTS_EMITTED.inc()
+            if result.run_ids:
+                kick(deps.kicks, "event ingested")
+        logs.event(
+            log,
+            logging.DEBUG,
+            "event: ingested",
+            event_id=result.event_id,
+            runs=len(result.run_ids),
+            duplicate=result.duplicate,
+        )
+        return _json(EmitResponse(result.event_id, result.run_ids, result.duplicate), 200 if result.duplicate else 201)
+
+    @app.get("/v1/runs")
+    async def list_runs() -> Response:
+        await require_org()
+        runs = await store.list_runs(
+            status=request.args.get("status") or None,
+            function_id=request.args.get("function") or None,
+            limit=_query_int("limit", 50),
+        )
+        return _json({"runs": runs})
+
+    @app.get("/v1/runs/<run_id>")
+    async def get_run(run_id: str) -> Response:
+        await require_org()
+        return _json(await store.get_run(run_id))
+
+    @app.post("/v1/runs/<run_id>/cancel")
+    async def cancel_run(run_id: str) -> Response:
+        await require_org()
+        raw = await request.get_data()
+        body = _decode(raw, CancelRequest) if raw.strip() else CancelRequest()
+        outcome = await store.cancel_run(run_id, body.reason)
+        if outcome.session_id is not None and outcome.job_id is not None:
+            local = deps.directory.get(outcome.session_id)
+            if local is not None:
+                try:
+                    local.outbox.send_nowait(Cancel(outcome.job_id, run_id, body.reason))
+                except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # the fence refuses anything the segment still sends
+        metrics.RUNS_FINISHED.labels(status="cancelled").inc()
+        logs.event(log, logging.INFO, "run: cancelled", run_id=run_id, session_id=outcome.session_id)
+        kick(deps.kicks, "run cancelled")
+        return _json({"run_id": run_id, "status": "cancelled"})
+
+    @app.get("/v1/functions")
+    async def list_functions() -> Response:
+        await require_org()
+        return _json({"functions": await store.list_functions()})
+
+    @app.post("/v1/functions/<function_id>/invoke")
+    async def invoke(function_id: str) -> Response:
+        await require_org()
+        raw = await request.get_data()
+        body = _decode(raw, InvokeRequest) if raw.strip() else InvokeRequest()
+        run_id = await store.invoke_function(function_id, body.data)
+        kick(deps.kicks, "function invoked")
+        return _json({"run_id": run_id}, 201)
+
+    @app.get("/v1/audit")
+    async def audit() -> Response:
+        await require_org()
+        events = await store.list_audit(
+            run_id=request.args.get("run_id") or None,
+            type=request.args.get("type") or None,
+            limit=_query_int("limit", 100),
+        )
+        return _json({"events": events})
+
+    @app.post("/v1/keys")
+    async def create_key() -> Response:
+        raw = await request.get_data()
+        body = _decode(raw, KeyCreateRequest) if raw.strip() else KeyCreateRequest()
+        caller = await principal(request.headers)
+        if body.platform:
+            if caller is None or caller.kind != "platform":
+                _fail(403, "FORBIDDEN", "platform credentials required here")
+        elif caller is None:
+            if not config.dev:
+                _fail(401, "UNAUTHORIZED", "an admin API key is required to create keys")
+        elif caller.kind == "org" and caller.role != "admin":
+            _fail(403, "FORBIDDEN", "only an admin key can create keys")
+        kind = "platform" if body.platform else "org"
+        key_id, key = await store.create_api_key(kind, body.role)
+        return _json(KeyCreateResponse(key_id, key, kind, body.role), 201)
+
+    # ── capacity (platform principal only) ───────────────────────────────────
+
+    @app.get("/v1/capacity/leases")
+    async def capacity_leases() -> Response:
+        await require_platform()
+        return _json({"leases": await store.list_leases()})
+
+    @app.get("/v1/capacity/sessions")
+    async def capacity_sessions() -> Response:
+        await require_platform()
+        return _json({"sessions": await store.list_sessions()})
+
+    @app.get("/v1/capacity/queue")
+    async def capacity_queue() -> Response:
+        await require_platform()
+        return _json({"queue": await store.list_queue()})
+
+    # ── pull workers ──────────────────────────────────────────────────────────
+
+    @app.post("/v1/worker/register")
+    async def pull_register() -> Response:
+        await require_org()
+        if deps.shutdown_requested.is_set():
+            _fail(503, "DRAINING", "this node is draining; register with another node")
+        body = _decode(await request.get_data(), Register)
+        if body.max_concurrent_jobs < 1:
+            _fail(400, "VALIDATION_ERROR", "max_concurrent_jobs must be at least 1")
+        t = config.timings
+        info = await store.register_worker(
+            node_id=deps.node_id,
+            worker_id=body.worker_id,
+            mode="pull",
+            max_concurrent_jobs=body.max_concurrent_jobs,
+            functions=body.functions,
+            session_expiry_s=t.session_expiry_s,
+            hostname=body.hostname,
+        )
+        pull_functions[info.session_id] = frozenset(info.function_ids)
+        logs.event(
+            log, logging.INFO, "session: pull worker registered", session_id=info.session_id, worker_id=body.worker_id
+        )
+        return _json(
+            Registered(info.session_id, int(t.heartbeat_interval_s * 1000), int(t.lease_expiry_s * 1000)), 201
+        )
+
+    async def pull_session_functions(session_id: str) -> frozenset[str]:
+        known = pull_functions.get(session_id)
+        if known is not None:
+            return known
+        for record in await store.list_sessions():
+            if record.session_id == session_id:
+                pull_functions[session_id] = frozenset(record.function_ids)
+                return pull_functions[session_id]
+        _fail(404, "SESSION_NOT_FOUND", f"worker session {session_id} is unknown or expired; register again")
+
+    @app.post("/v1/worker/sessions/<session_id>/poll")
+    async def pull_poll(session_id: str) -> Response:
+        await require_org()
+        raw = await request.get_data()
+        body = _decode(raw, PullPollRequest) if raw.strip() else PullPollRequest()
+        if body.max_jobs < 1 or body.wait_s < 0:
+            _fail(400, "VALIDATION_ERROR", "max_jobs must be ≥ 1 and wait_s ≥ 0")
+        functions = await pull_session_functions(session_id)
+        wait_s = min(body.wait_s, config.timings.poll_max_wait_s)
+        send, receive = trio.open_memory_channel[EngineMessage](body.max_jobs)
+        local = LocalSession(session_id, functions, send, mode="pull")
+        jobs: list[Any] = []
+        deps.directory.add(local)
+        try:
+            kick(deps.kicks, "pull poll")
+            with trio.move_on_after(wait_s):
+                jobs.append(await receive.receive())
+            # No checkpoint between draining and closing: the dispatcher cannot
+            # slip an assignment into the buffer after we looked; a later send
+            # fails and the dispatcher releases that reservation at once.
+            while True:
+                try:
+                    jobs.append(receive.receive_nowait())
+                except trio.WouldBlock:
+                    break
+        finally:
+            deps.directory.remove(session_id, send)
+            receive.close()
+        return _json(PullPollResponse(jobs))
+
+    async def pull_message(session_id: str, kinds: tuple[type, ...]) -> Response:
+        await require_org()
+        msg: WorkerMessage = _decode(await request.get_data(), WorkerMessage)  # type: ignore[arg-type]
+        if not isinstance(msg, kinds):
+            _fail(
+                400,
+                "VALIDATION_ERROR",
+                f"{type(msg).__name__} is not accepted here; expected {' or '.join(k.__name__ for k in kinds)}",
+            )
+        try:
+            answer = await session_actor.handle(store, config, session_id, msg, deps.kicks)
+        except StaleExecution as exc:
+            metrics.STALE_REFUSED.inc()
+            _fail(409, "STALE_EXECUTION", str(exc) or "stale execution: this segment was fenced")
+        except SessionNotFound as exc:
+            pull_functions.pop(session_id, None)
+            _fail(404, "SESSION_NOT_FOUND", str(exc) or "worker session unknown or expired")
+        except session_actor.ProtocolViolation as exc:
+            _fail(400, "PROTOCOL_ERROR", str(exc))
+        return _json(answer if answer is not None else FencedResponse())
+
+    @app.post("/v1/worker/sessions/<session_id>/heartbeat")
+    async def pull_heartbeat(session_id: str) -> Response:
+        return await pull_message(session_id, (Heartbeat,))
+
+    @app.post("/v1/worker/sessions/<session_id>/ack")
+    async def pull_ack(session_id: str) -> Response:
+        return await pull_message(session_id, (JobAck,))
+
+    @app.post("/v1/worker/sessions/<session_id>/nack")
+    async def pull_nack(session_id: str) -> Response:
+        return await pull_message(session_id, (JobNack,))
+
+    @app.post("/v1/worker/sessions/<session_id>/steps")
+    async def pull_steps(session_id: str) -> Response:
+        return await pull_message(session_id, (StepCompleted, StepFailed))
+
+    @app.post("/v1/worker/sessions/<session_id>/result")
+    async def pull_result(session_id: str) -> Response:
+        return await pull_message(session_id, (JobCompleted, JobFailed, JobYielded))
+
+    @app.delete("/v1/worker/sessions/<session_id>")
+    async def pull_goodbye(session_id: str) -> Response:
+        await require_org()
+        pull_functions.pop(session_id, None)
+        t = config.timings
+        # A pull worker says goodbye after its jobs ended; anything it still
+        # held is recovered now rather than at lease expiry.
+        recovered = await store.close_session(
+            session_id,
+            recover_leases=True,
+            recovery_grace_s=t.recovery_grace_s,
+            recovery_ceiling=int(t.recovery_ceiling),
+        )
+        if recovered:
+            kick(deps.kicks, "pull session closed")
+        return _json(FencedResponse())
+
+    # ── streaming workers ─────────────────────────────────────────────────────
+
+    @app.websocket("/v1/worker")
+    async def worker_socket() -> Response | None:
+        if deps.shutdown_requested.is_set():
+            return _error(503, "DRAINING", "this node is draining; connect to another node")
+        try:
+            await require_org(websocket.headers)
+        except ApiFailure as exc:
+            return _error(exc.status, exc.code, exc.message)
+        await websocket.accept()
+        ws = websocket._get_current_object()  # the tasks below outlive the context lookup
+        await _serve_socket(ws, deps)
+        return None
+
+    return app
+
+
+async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
+    """Shuttle frames between one websocket and its session actor."""
+    inbound_send, inbound_receive = trio.open_memory_channel[WorkerMessage](256)
+    outbox_send, outbox_receive = trio.open_memory_channel[EngineMessage](1024)
+    close_code, close_reason = 1000, ""
+
+    async def reader() -> None:
+        async with inbound_send:
+            while True:
+                data = await ws.receive()
+                if isinstance(data, bytes):
+                    raise _CloseSocket(WS_UNSUPPORTED_DATA, "binary frames are not supported: send JSON text frames")
+                try:
+                    msg = worker_message_decoder.decode(data)
+                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                    raise _CloseSocket(WS_PROTOCOL_ERROR, _short(f"invalid message: {exc}")) from exc
+                await inbound_send.send(msg)
+
+    async def writer() -> None:
+        async with outbox_receive:
+            async for msg in outbox_receive:
+                await ws.send(encoder.encode(msg).decode())
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            nursery.start_soon(writer)
+            await session_actor.run(
+                deps.store,
+                deps.config,
+                deps.node_id,
+                deps.directory,
+                deps.kicks,
+                inbound_receive,
+                outbox_send,
+            )
+            nursery.cancel_scope.cancel()
+    except* _CloseSocket as group:
+        exc = group.exceptions[0]
+        assert isinstance(exc, _CloseSocket)
+        close_code, close_reason = exc.code, exc.reason
+    except* session_actor.ProtocolViolation as group:
+        close_code, close_reason = WS_PROTOCOL_ERROR, _short(str(group.exceptions[0]))
+    except* session_actor.SessionExpired as group:
+        close_code, close_reason = WS_POLICY_VIOLATION, _short(f"session expired: {group.exceptions[0]}; reconnect")
+    except* Exception as group:
+        log.error("api: worker socket failed", exc_info=group)
+        close_code, close_reason = WS_INTERNAL_ERROR, "internal error"
+    if close_code != 1000:
+        logs.event(log, logging.INFO, "api: closing worker socket", code=close_code, reason=close_reason)
+    with trio.move_on_after(1):
+        await ws.close(close_code, close_reason)
+
+
+def _short(reason: str) -> str:
+    """A close reason must fit in 123 bytes of UTF-8."""
+    encoded = reason.encode()
+    return reason if len(encoded) <= 120 else encoded[:117].decode(errors="ignore") + "..."

@@ -1,0 +1,238 @@
+"""The engine node: builds the nursery tree of actors and serves the API.
+
+``python -m ironflow.node [--dev]`` (also ``ironflow serve``) runs
+``trio.run`` once::
+
+    node supervisor
+    ├── api                 hypercorn + quart-trio (session actor per websocket)
+    ├── dispatcher          segments → sessions with free credits
+    ├── capacity-scanner    loop 1
+    ├── waker               elapsed sleeps, timed-out waits/invokes
+    ├── stale-claim-sweeper loop 2
+    ├── node-heartbeat
+    └── drain-coordinator   SIGTERM/SIGINT → Shutdown to every session
+
+This is the only module that knows every part.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import signal
+import socket
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import hypercorn.trio
+import trio
+from hypercorn.config import Config as HypercornConfig
+
+from actors import (
+    capacity_scanner,
+    dispatcher,
+    drain_coordinator,
+    node_heartbeat,
+    stale_claim_sweeper,
+    waker,
+)
+from actors.directory import SessionDirectory
+from actors.messages import Kick
+from actors.supervisor import Supervisor
+from ironflow import logs
+from ironflow.api import ApiDeps, create_app
+from ironflow.config import NodeConfig
+from ironflow.ids import new_id
+from ironflow.store import Store, open_store
+
+log = logging.getLogger("ironflow.node")
+
+# Kicks coalesce; this only bounds how many can be pending at once.
+KICK_BUFFER = 1024
+BOOTSTRAP_KEY_FILE = ".ironflow_bootstrap_key.json"
+
+
+class Node:
+    """One engine node. ``await nursery.start(node.run)`` returns once it serves.
+
+    Attributes set once running: ``port``, ``url``, ``store``, ``supervisor``,
+    ``node_id``, ``directory``, ``bootstrap_key`` (dev only).
+    """
+
+    def __init__(self, config: NodeConfig, *, store: Store | None = None) -> None:
+        self.config = config
+        self.node_id = config.node_id or f"{socket.gethostname()}-{new_id('node')[-8:]}"
+        self.store: Store = store if store is not None else open_store(config.database_url)
+        self.directory = SessionDirectory()
+        self.shutdown_requested = trio.Event()
+        self.ready = trio.Event()
+        self.supervisor: Supervisor | None = None
+        self.port: int | None = None
+        self.url = ""
+        self.bootstrap_key: str | None = None
+        self._stop = trio.Event()
+
+    def request_shutdown(self) -> None:
+        """Begin a graceful drain (what the first SIGTERM/SIGINT does)."""
+        self.shutdown_requested.set()
+
+    def stop(self) -> None:
+        """Stop at once (what a second signal does)."""
+        self._stop.set()
+
+    async def _bootstrap_key(self) -> None:
+        """--dev: make sure an org admin key exists and is written under state_dir."""
+        path = Path(self.config.state_dir) / BOOTSTRAP_KEY_FILE
+        key = os.environ.get("IRONFLOW_BOOTSTRAP_ADMIN_KEY")
+        if key is None and path.exists():
+            try:
+                key = json.loads(path.read_text())["key"]
+            except (OSError, ValueError, KeyError):
+                key = None
+        if key is None:
+            key = "ifkey_" + secrets.token_hex(16)
+        if await self.store.authenticate(key) is None:
+            await self.store.create_api_key("org", "admin", key=key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"key": key}))
+        self.bootstrap_key = key
+
+    async def run(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
+        """Open the store, start every actor and the API, serve until stopped."""
+        config = self.config
+        await self.store.open()
+        try:
+            if config.dev:
+                await self._bootstrap_key()
+            kick_send, kick_receive = trio.open_memory_channel[Kick](KICK_BUFFER)
+            drained = trio.Event()
+            async with trio.open_nursery() as nursery:
+                supervisor = Supervisor(nursery, config.timings)
+                self.supervisor = supervisor
+                store = self.store
+                await supervisor.start("node-heartbeat", node_heartbeat.run, store, config, self.node_id)
+                await supervisor.start(
+                    "dispatcher", dispatcher.run, store, config, self.node_id, self.directory, kick_receive
+                )
+                await supervisor.start("capacity-scanner", capacity_scanner.run, store, config, kick_send)
+                await supervisor.start("waker", waker.run, store, config, self.node_id, kick_send)
+                await supervisor.start("stale-claim-sweeper", stale_claim_sweeper.run, store, config)
+                await supervisor.start(
+                    "drain-coordinator",
+                    drain_coordinator.run,
+                    config,
+                    self.directory,
+                    self.shutdown_requested,
+                    drained,
+                )
+                app = create_app(
+                    ApiDeps(
+                        store=store,
+                        config=config,
+                        node_id=self.node_id,
+                        directory=self.directory,
+                        kicks=kick_send,
+                        shutdown_requested=self.shutdown_requested,
+                        ready=self.ready,
+                    )
+                )
+                hcfg = HypercornConfig()
+                hcfg.bind = [f"{config.host}:{config.port}"]
+                hcfg.websocket_max_message_size = config.max_frame_bytes
+                hcfg.graceful_timeout = 1.0
+                hcfg.accesslog = None
+                hcfg.errorlog = logging.getLogger("hypercorn.error")
+                server_stop = trio.Event()
+                urls = await nursery.start(
+                    partial(hypercorn.trio.serve, app, hcfg, shutdown_trigger=server_stop.wait)
+                )
+                self.port = _port_of(urls)
+                self.url = f"http://{config.host}:{self.port}"
+                self.ready.set()
+                logs.event(
+                    log,
+                    logging.INFO,
+                    "node: serving",
+                    node_id=self.node_id,
+                    url=self.url,
+                    db=_redact(config.database_url),
+                    dev=config.dev,
+                )
+                if config.dev:
+                    logs.event(
+                        log,
+                        logging.INFO,
+                        "node: --dev: org endpoints need no API key; bootstrap org admin key in "
+                        f"{Path(config.state_dir) / BOOTSTRAP_KEY_FILE}",
+                    )
+                task_status.started(self)
+                async with trio.open_nursery() as wait:
+                    async def on_drained() -> None:
+                        await drained.wait()
+                        wait.cancel_scope.cancel()
+
+                    async def on_stop() -> None:
+                        await self._stop.wait()
+                        wait.cancel_scope.cancel()
+
+                    wait.start_soon(on_drained)
+                    wait.start_soon(on_stop)
+                server_stop.set()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.store.close()
+            logs.event(log, logging.INFO, "node: stopped", node_id=self.node_id)
+
+
+def _port_of(urls: Any) -> int:
+    for url in urls:
+        tail = str(url).rsplit(":", 1)[-1].rstrip("/")
+        if tail.isdigit():
+            return int(tail)
+    raise RuntimeError(f"hypercorn reported no port: {urls!r}")
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.split('@', 1)[1]}"
+    return url
+
+
+async def _watch_signals(signals: Any, node: Node) -> None:
+    count = 0
+    async for signum in signals:
+        count += 1
+        if count == 1:
+            logs.event(log, logging.INFO, "node: signal received, draining", signal=signum)
+            node.request_shutdown()
+        else:
+            logs.event(log, logging.WARNING, "node: second signal, stopping now", signal=signum)
+            node.stop()
+
+
+async def serve(config: NodeConfig) -> None:
+    """Run a node until a signal: first SIGTERM/SIGINT drains, a second stops at once."""
+    node = Node(config)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_signals, signals, node)
+            await node.run()
+            nursery.cancel_scope.cancel()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m ironflow.node``: same flags as ``ironflow serve``."""
+    from ironflow.cli import main as cli_main
+
+    cli_main(["serve", *(argv if argv is not None else [])], standalone_mode=True)
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])
