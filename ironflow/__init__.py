@@ -1,0 +1,65 @@
+"""Ironflow in Python: durable functions made of memoised steps.
+
+The public worker SDK is re-exported here lazily, so ``import
+ironflow.protocol`` (the engine node does) loads neither Trio's websocket
+client nor httpx::
+
+    import ironflow
+
+    @ironflow.function(id="send-welcome", triggers=[ironflow.event("user.created")])
+    async def send_welcome(ctx):
+        return await ctx.step.run("send", send_email, ctx.event.data["email"])
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "Concurrency",
+    "Context",
+    "Function",
+    "InvokeError",
+    "Ironflow",
+    "IronflowAPIError",
+    "IronflowError",
+    "NonRetryableError",
+    "PullWorker",
+    "RetryPolicy",
+    "SerializationError",
+    "StepError",
+    "StepTimeoutError",
+    "StreamingWorker",
+    "WorkerAuthError",
+    "event",
+    "function",
+]
+
+if TYPE_CHECKING:
+    from ironflow.sdk import (
+        Concurrency,
+        Context,
+        Function,
+        InvokeError,
+        Ironflow,
+        IronflowAPIError,
+        IronflowError,
+        NonRetryableError,
+        PullWorker,
+        RetryPolicy,
+        SerializationError,
+        StepError,
+        StepTimeoutError,
+        StreamingWorker,
+        WorkerAuthError,
+        event,
+        function,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        import ironflow.sdk as sdk
+
+        return getattr(sdk, name)
+    raise AttributeError(f"module 'ironflow' has no attribute {name!r}")

@@ -1,0 +1,45 @@
+"""The worker SDK: declare functions, run them in a worker, emit events.
+
+Imports ``ironflow.protocol`` only — never the store, actors or API — so a
+worker process loads no database or server code.
+"""
+
+from ironflow.protocol import Concurrency, RetryPolicy, Trigger
+from ironflow.sdk.client import Ironflow
+from ironflow.sdk.context import Context, RunInfo, Step
+from ironflow.sdk.errors import (
+    InvokeError,
+    IronflowAPIError,
+    IronflowError,
+    NonRetryableError,
+    SerializationError,
+    StepError,
+    StepTimeoutError,
+    WorkerAuthError,
+)
+from ironflow.sdk.function import Function, event, function
+from ironflow.sdk.pull import PullWorker
+from ironflow.sdk.streaming import StreamingWorker
+
+__all__ = [
+    "Concurrency",
+    "Context",
+    "Function",
+    "InvokeError",
+    "Ironflow",
+    "IronflowAPIError",
+    "IronflowError",
+    "NonRetryableError",
+    "PullWorker",
+    "RetryPolicy",
+    "RunInfo",
+    "SerializationError",
+    "Step",
+    "StepError",
+    "StepTimeoutError",
+    "StreamingWorker",
+    "Trigger",
+    "WorkerAuthError",
+    "event",
+    "function",
+]

@@ -1,0 +1,105 @@
+"""``@ironflow.function``: declare a durable function for a worker to register.
+
+The decorator returns a ``Function`` holding the full ``FunctionDef`` (what
+the worker registers) and the untouched handler coroutine function.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from ironflow.protocol import Concurrency, FunctionDef, RetryPolicy, Trigger
+
+if TYPE_CHECKING:
+    from ironflow.sdk.context import Context
+
+Handler = Callable[["Context"], Awaitable[Any]]
+
+
+def event(name: str) -> Trigger:
+    """A trigger on event ``name``: an exact name (``order.created``) or ``prefix.*``."""
+    if not name:
+        raise ValueError("an event trigger needs a name")
+    return Trigger(event=name)
+
+
+class Function:
+    """A declared function: ``definition`` (a ``FunctionDef``) and its ``handler``."""
+
+    __slots__ = ("definition", "handler")
+
+    def __init__(self, definition: FunctionDef, handler: Handler):
+        self.definition = definition
+        self.handler = handler
+
+    @property
+    def id(self) -> str:
+        return self.definition.id
+
+    def __repr__(self) -> str:
+        return f"Function(id={self.id!r})"
+
+
+def _trigger(t: Trigger | str | Mapping[str, Any]) -> Trigger:
+    if isinstance(t, Trigger):
+        return t
+    if isinstance(t, str):
+        return event(t)
+    return Trigger(**t)
+
+
+def _retries(r: RetryPolicy | Mapping[str, Any] | int | None) -> RetryPolicy:
+    if r is None:
+        return RetryPolicy()
+    if isinstance(r, RetryPolicy):
+        return r
+    if isinstance(r, int):
+        return RetryPolicy(max_attempts=r)
+    return RetryPolicy(**r)
+
+
+def _concurrency(c: Concurrency | Mapping[str, Any] | int | None) -> Concurrency | None:
+    if c is None or isinstance(c, Concurrency):
+        return c
+    if isinstance(c, int):
+        return Concurrency(limit=c)
+    return Concurrency(**c)
+
+
+def function(
+    id: str | None = None,
+    *,
+    triggers: Iterable[Trigger | str | Mapping[str, Any]] = (),
+    retries: RetryPolicy | Mapping[str, Any] | int | None = None,
+    concurrency: Concurrency | Mapping[str, Any] | int | None = None,
+    timeout_s: float | None = None,
+    audit: bool = False,
+    name: str | None = None,
+) -> Callable[[Handler], Function]:
+    """Declare ``async def handler(ctx)`` as a durable function.
+
+    ``id`` defaults to the handler's name. ``triggers`` are ``event(...)``
+    triggers (a bare string is accepted); ``retries`` a ``RetryPolicy``, a
+    dict of its fields or a max attempt count; ``concurrency`` a
+    ``Concurrency``, a dict or a limit. A sync handler is a ``TypeError``.
+    """
+
+    def decorate(handler: Handler) -> Function:
+        if not inspect.iscoroutinefunction(handler):
+            raise TypeError(
+                f"@ironflow.function needs an async def handler, got {handler!r}"
+            )
+        definition = FunctionDef(
+            id=id or handler.__name__,
+            triggers=[_trigger(t) for t in triggers],
+            retries=_retries(retries),
+            concurrency=_concurrency(concurrency),
+            timeout_s=timeout_s,
+            audit=audit,
+            name=name,
+        )
+        return Function(definition, handler)
+
+    return decorate

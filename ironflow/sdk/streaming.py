@@ -1,0 +1,462 @@
+"""``StreamingWorker``: runs functions for an engine over the ``/v1/worker`` websocket.
+
+One connection ("worker session") at a time. Inside a session four kinds of
+task share one nursery: the receive loop (assignments, lease status,
+cancels, shutdown), one writer draining a single outbox channel, the
+heartbeat loop, and one task per job. Losing the connection cancels every
+job without reporting (their fences belong to a dead session) and
+reconnects; a drain refuses new work, lets running jobs finish until the
+deadline, flushes the outbox and closes the socket with 1000.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import msgspec
+import trio
+from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError, open_websocket_url
+
+from ironflow.protocol import (
+    MAX_FRAME_BYTES,
+    Cancel,
+    Heartbeat,
+    JobAck,
+    JobAssignment,
+    JobNack,
+    JobNackReason,
+    LeaseStatus,
+    Refused,
+    Register,
+    Registered,
+    Shutdown,
+    encoder,
+    engine_message_decoder,
+)
+from ironflow.sdk.context import JobState, execute_job
+from ironflow.sdk.errors import IronflowError, WorkerAuthError
+from ironflow.sdk.function import Function
+
+# The reference SDKs hold 256 queued messages per connection; more means the
+# socket is not keeping up and backpressure on the jobs is the right answer.
+OUTBOX_SIZE = 256
+# Frames the websocket library buffers before it stops reading the socket.
+RECEIVE_QUEUE_SIZE = 64
+# Bound on flushing the outbox and the close handshake once a drain ends.
+CLOSE_TIMEOUT_S = 5.0
+# How long a connect (TCP + websocket handshake) may take.
+CONNECT_TIMEOUT_S = 10.0
+
+_log = logging.getLogger("ironflow.worker")
+_CLOSE = object()  # outbox sentinel: flush done, close the socket with 1000
+
+
+def _fields(**fields: Any) -> dict[str, Any]:
+    return {"fields": {k: v for k, v in fields.items() if v is not None}}
+
+
+def websocket_url(server_url: str) -> str:
+    """``http(s)://host[:port]`` → ``ws(s)://host[:port]/v1/worker``."""
+    url = server_url.rstrip("/")
+    if url.startswith("https://"):
+        url = "wss://" + url[len("https://") :]
+    elif url.startswith("http://"):
+        url = "ws://" + url[len("http://") :]
+    elif not url.startswith(("ws://", "wss://")):
+        url = "ws://" + url
+    return url + "/v1/worker"
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class _OutboxReporter:
+    """Queues a job's messages on its session's outbox, unless the job was abandoned."""
+
+    __slots__ = ("_send",)
+
+    def __init__(self, send: trio.MemorySendChannel[Any]):
+        self._send = send
+
+    async def step(self, job: JobState, msg: Any) -> None:
+        if not job.abandoned:
+            await self._send.send(msg)
+
+    result = step
+
+
+class StreamingWorker:
+    """Executes ``functions`` for the engine at ``server_url`` over a websocket.
+
+    ``max_concurrent_jobs`` bounds running jobs (assignments beyond it are
+    nacked ``AT_CAPACITY``); ``drain_timeout`` is the drain deadline in
+    seconds unless an engine ``Shutdown`` brings a positive one;
+    ``heartbeat_interval`` overrides the engine's; ``handle_signals`` makes
+    SIGTERM/SIGINT drain (a second signal stops at once).
+    """
+
+    def __init__(
+        self,
+        server_url: str,
+        functions: Iterable[Function],
+        *,
+        api_key: str | None = None,
+        max_concurrent_jobs: int = 10,
+        drain_timeout: float = 30.0,
+        worker_id: str | None = None,
+        heartbeat_interval: float | None = None,
+        reconnect_delay: float = 5.0,
+        handle_signals: bool = True,
+    ):
+        if max_concurrent_jobs < 1:
+            raise ValueError("max_concurrent_jobs must be at least 1")
+        self.server_url = server_url
+        self.functions = {f.id: f for f in functions}
+        self.api_key = api_key
+        self.max_concurrent_jobs = max_concurrent_jobs
+        self.drain_timeout = drain_timeout
+        self.worker_id = worker_id or default_worker_id()
+        self.heartbeat_interval = heartbeat_interval
+        self.reconnect_delay = reconnect_delay
+        self.handle_signals = handle_signals
+        self.session_id: str | None = None
+        self.state = "idle"  # idle | connecting | connected | draining | stopped
+        self._jobs: dict[str, JobState] = {}
+        self._jobs_changed = trio.Event()
+        self._draining = False
+        self._drain_deadline = 0.0
+        self._drain_requested = trio.Event()
+        self._stopped = False
+        self._running = False
+        self._finished = trio.Event()
+        self._root_scope: trio.CancelScope | None = None
+        self._session_scope: trio.CancelScope | None = None
+        self._outbox: trio.MemorySendChannel[Any] | None = None
+
+    # ── public control ───────────────────────────────────────────────────
+
+    @property
+    def active_jobs(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Connect, register and execute jobs until drained or stopped.
+
+        ``task_status.started()`` fires after the first ``Registered``. A lost
+        connection reconnects after ``reconnect_delay``; 401/403 raises
+        ``WorkerAuthError``.
+        """
+        self._running = True
+        fatal: WorkerAuthError | None = None
+        try:
+            async with trio.open_nursery() as nursery:
+                self._root_scope = nursery.cancel_scope
+                if self._stopped:
+                    nursery.cancel_scope.cancel()
+                if self.handle_signals:
+                    nursery.start_soon(self._watch_signals)
+                try:
+                    await self._connect_loop(task_status)
+                except WorkerAuthError as exc:
+                    _log.error("%s; not reconnecting", exc)
+                    fatal = exc
+                nursery.cancel_scope.cancel()
+            if fatal is not None:
+                raise fatal
+        finally:
+            self.state = "stopped"
+            self._running = False
+            self._finished.set()
+            _log.info("Worker stopped", extra=_fields(worker_id=self.worker_id))
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Drain now (refuse new jobs, finish running ones until the deadline) and wait."""
+        self._begin_drain(self.drain_timeout if timeout is None else timeout)
+        if self._running:
+            await self._finished.wait()
+
+    def stop(self) -> None:
+        """Stop at once: running jobs are cancelled and report nothing."""
+        self._stopped = True
+        if self._root_scope is not None:
+            self._root_scope.cancel()
+
+    # ── connection management ────────────────────────────────────────────
+
+    def _begin_drain(self, timeout: float) -> None:
+        if self._draining:
+            return  # a drain in progress keeps its original deadline
+        self._draining = True
+        self.state = "draining"
+        self._drain_deadline = trio.current_time() + max(timeout, 0.0)
+        _log.info("Draining worker...", extra=_fields(worker_id=self.worker_id))
+        self._drain_requested.set()
+        if self._session_scope is None and self._root_scope is not None:
+            self._root_scope.cancel()  # not connected: nothing to drain
+
+    async def _watch_signals(self) -> None:
+        try:
+            receiver = trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
+        except RuntimeError as exc:  # not the main thread
+            _log.warning("signal handling unavailable: %s", exc)
+            return
+        with receiver as signals:
+            async for signum in signals:
+                if not self._draining:
+                    _log.info("Received signal %s", signal.Signals(signum).name)
+                    self._begin_drain(self.drain_timeout)
+                else:
+                    _log.info("Second signal; stopping now")
+                    self.stop()
+                    return
+
+    async def _connect_loop(self, task_status: trio.TaskStatus[None]) -> None:
+        started = [False]
+
+        def on_registered() -> None:
+            if not started[0]:
+                started[0] = True
+                task_status.started()
+
+        while not (self._stopped or self._draining):
+            self.state = "connecting"
+            try:
+                await self._session(on_registered)
+            except WorkerAuthError:
+                raise
+            except (HandshakeError, ConnectionClosed, OSError, trio.BrokenResourceError) as exc:
+                _log.warning(
+                    "Connection to engine lost: %r", exc, extra=_fields(worker_id=self.worker_id)
+                )
+            if self._stopped or self._draining:
+                return
+            await trio.sleep(self.reconnect_delay)
+
+    async def _session(self, on_registered: Any) -> None:
+        headers = None
+        if self.api_key:
+            headers = [(b"authorization", f"Bearer {self.api_key}".encode())]
+        try:
+            async with open_websocket_url(
+                websocket_url(self.server_url),
+                extra_headers=headers,
+                max_message_size=MAX_FRAME_BYTES,
+                message_queue_size=RECEIVE_QUEUE_SIZE,
+                connect_timeout=CONNECT_TIMEOUT_S,
+                disconnect_timeout=CLOSE_TIMEOUT_S,
+            ) as ws:
+                await self._serve(ws, on_registered)
+        except ConnectionRejected as exc:
+            if exc.status_code in (401, 403):
+                raise WorkerAuthError(
+                    f"engine refused the worker's credentials (HTTP {exc.status_code})"
+                ) from exc
+            raise
+
+    async def _serve(self, ws: Any, on_registered: Any) -> None:
+        register = Register(
+            worker_id=self.worker_id,
+            functions=[f.definition for f in self.functions.values()],
+            max_concurrent_jobs=self.max_concurrent_jobs,
+            hostname=socket.gethostname(),
+        )
+        await ws.send_message(encoder.encode(register).decode())
+        first = engine_message_decoder.decode(await ws.get_message())
+        if isinstance(first, Refused):
+            if first.code in ("UNAUTHENTICATED", "UNAUTHORIZED", "FORBIDDEN"):
+                raise WorkerAuthError(f"{first.code}: {first.message}")
+            raise IronflowError(f"registration refused: {first.code}: {first.message}")
+        if not isinstance(first, Registered):
+            raise IronflowError(f"expected 'registered', got {type(first).__name__}")
+        self.session_id = first.session_id
+        interval = self.heartbeat_interval or first.heartbeat_interval_ms / 1000.0
+        send, recv = trio.open_memory_channel[Any](OUTBOX_SIZE)
+        reporter = _OutboxReporter(send)
+        _log.info(
+            "Worker registered",
+            extra=_fields(
+                worker_id=self.worker_id,
+                session_id=self.session_id,
+                functions=",".join(self.functions),
+            ),
+        )
+        try:
+            async with trio.open_nursery() as nursery:
+                self._session_scope = nursery.cancel_scope
+                self._outbox = send
+                if not self._draining:
+                    self.state = "connected"
+                on_registered()
+                nursery.start_soon(self._writer, ws, recv, nursery.cancel_scope)
+                nursery.start_soon(self._heartbeat_loop, send, interval)
+                nursery.start_soon(self._drain_watch, send)
+                await self._receive_loop(ws, send, reporter, nursery)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._session_scope = None
+            self._outbox = None
+            for job in self._jobs.values():
+                job.abandon()
+            self._jobs.clear()
+
+    # ── session tasks ────────────────────────────────────────────────────
+
+    async def _writer(
+        self, ws: Any, recv: trio.MemoryReceiveChannel[Any], scope: trio.CancelScope
+    ) -> None:
+        """The only task that writes the socket: one frame per queued message."""
+        try:
+            async for msg in recv:
+                if msg is _CLOSE:
+                    await ws.aclose(1000)
+                    break
+                await ws.send_message(encoder.encode(msg).decode())
+        except ConnectionClosed:
+            pass
+        scope.cancel()
+
+    async def _heartbeat_loop(self, send: trio.MemorySendChannel[Any], interval: float) -> None:
+        while True:
+            await trio.sleep(interval)
+            jobs = [j.active_job() for j in self._jobs.values() if not j.abandoned]
+            await send.send(Heartbeat(jobs=jobs))
+
+    async def _drain_watch(self, send: trio.MemorySendChannel[Any]) -> None:
+        await self._drain_requested.wait()
+        if self._jobs:
+            _log.info(f"Waiting for {len(self._jobs)} jobs to complete...")
+        with trio.move_on_at(self._drain_deadline):
+            while self._jobs:
+                self._jobs_changed = trio.Event()
+                await self._jobs_changed.wait()
+        if self._jobs:
+            _log.warning(f"Drain deadline reached; cancelling {len(self._jobs)} active jobs")
+            for job in list(self._jobs.values()):
+                job.abandon()
+        # Flush what the jobs queued, then half-close and wait for the engine's close.
+        with trio.move_on_after(CLOSE_TIMEOUT_S):
+            await send.send(_CLOSE)
+            await trio.sleep_forever()  # the writer cancels the session once closed
+
+    async def _receive_loop(
+        self,
+        ws: Any,
+        send: trio.MemorySendChannel[Any],
+        reporter: _OutboxReporter,
+        nursery: trio.Nursery,
+    ) -> None:
+        while True:
+            try:
+                text = await ws.get_message()
+            except ConnectionClosed as exc:
+                if not self._draining:
+                    _log.warning("Engine closed the connection: %s", exc.reason)
+                return
+            try:
+                msg = engine_message_decoder.decode(text)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                _log.warning("Ignoring a bad frame from the engine: %s", exc)
+                continue
+            if isinstance(msg, JobAssignment):
+                await self._on_assignment(msg, send, reporter, nursery)
+            elif isinstance(msg, LeaseStatus):
+                for js in msg.jobs:
+                    if js.state in ("STALE", "UNKNOWN"):
+                        job = self._jobs.get(js.job_id)
+                        if job is not None and job.assignment.execution_seq == js.execution_seq:
+                            _log.warning(
+                                "Lease lost; abandoning job",
+                                extra=_fields(
+                                    run_id=js.run_id,
+                                    execution_seq=js.execution_seq,
+                                    state=js.state,
+                                ),
+                            )
+                            job.abandon()
+            elif isinstance(msg, Cancel):
+                job = self._jobs.get(msg.job_id)
+                if job is not None:
+                    _log.info(
+                        "Run cancelled; cancelling job",
+                        extra=_fields(run_id=msg.run_id, reason=msg.reason),
+                    )
+                    job.abandon()
+            elif isinstance(msg, Refused):
+                job = self._jobs.get(msg.job_id) if msg.job_id else None
+                if job is not None:
+                    _log.warning(
+                        "Engine refused a message; abandoning job",
+                        extra=_fields(run_id=msg.run_id, code=msg.code),
+                    )
+                    job.abandon()
+                else:
+                    _log.warning("Engine refused a message: %s: %s", msg.code, msg.message)
+            elif isinstance(msg, Shutdown):
+                _log.info("Engine asked to shut down: %s", msg.reason)
+                timeout = (
+                    msg.drain_timeout_ms / 1000.0 if msg.drain_timeout_ms > 0 else self.drain_timeout
+                )
+                self._begin_drain(timeout)
+
+    async def _on_assignment(
+        self,
+        a: JobAssignment,
+        send: trio.MemorySendChannel[Any],
+        reporter: _OutboxReporter,
+        nursery: trio.Nursery,
+    ) -> None:
+        if a.job_id in self._jobs:
+            return  # still running here: a nack would requeue a running job
+        reason: JobNackReason | None = None
+        if self._draining:
+            reason = "DRAINING"
+            _log.info("Draining, refusing job", extra=_fields(run_id=a.run_id, execution_seq=a.execution_seq))
+        elif len(self._jobs) >= self.max_concurrent_jobs:
+            reason = "AT_CAPACITY"
+            _log.info(
+                "At capacity, refusing job",
+                extra=_fields(run_id=a.run_id, execution_seq=a.execution_seq),
+            )
+        if reason is not None:
+            await send.send(
+                JobNack(
+                    job_id=a.job_id,
+                    run_id=a.run_id,
+                    execution_seq=a.execution_seq,
+                    lease_token=a.lease_token,
+                    reason=reason,
+                )
+            )
+            return
+        job = JobState(a)
+        self._jobs[a.job_id] = job
+        await send.send(
+            JobAck(
+                job_id=a.job_id,
+                run_id=a.run_id,
+                execution_seq=a.execution_seq,
+                lease_token=a.lease_token,
+            )
+        )
+        nursery.start_soon(self._run_job, job, reporter)
+
+    async def _run_job(self, job: JobState, reporter: _OutboxReporter) -> None:
+        try:
+            with job.scope:
+                await execute_job(self.functions.get(job.assignment.function_id), job, reporter)
+        finally:
+            job.done = True
+            if self._jobs.get(job.assignment.job_id) is job:
+                del self._jobs[job.assignment.job_id]
+            self._jobs_changed.set()

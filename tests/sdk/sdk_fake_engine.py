@@ -1,0 +1,128 @@
+"""A fake engine for SDK tests: a real trio-websocket server speaking the protocol."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import trio
+from trio_websocket import serve_websocket
+
+from ironflow.protocol import (
+    MAX_FRAME_BYTES,
+    EventInfo,
+    JobAssignment,
+    MemoStep,
+    Registered,
+    encoder,
+    worker_message_decoder,
+)
+
+_seq = itertools.count(1)
+
+
+def make_assignment(
+    function_id: str = "fn",
+    *,
+    run_id: str | None = None,
+    execution_seq: int = 1,
+    completed_steps: list[MemoStep] | None = None,
+    data: Any = None,
+    attempt: int = 1,
+) -> JobAssignment:
+    run_id = run_id or f"run{next(_seq)}"
+    return JobAssignment(
+        job_id=f"{run_id}/{execution_seq}",
+        run_id=run_id,
+        function_id=function_id,
+        event=EventInfo(id="ev1", name="test.event", data=data or {}, received_at=0.0),
+        attempt=attempt,
+        max_attempts=3,
+        completed_steps=completed_steps or [],
+        execution_seq=execution_seq,
+        lease_token=f"tok-{run_id}-{execution_seq}",
+    )
+
+
+class ListReporter:
+    """Records what a job reports, in order."""
+
+    def __init__(self) -> None:
+        self.messages: list[Any] = []
+
+    async def step(self, job: Any, msg: Any) -> None:
+        self.messages.append(msg)
+
+    async def result(self, job: Any, msg: Any) -> None:
+        self.messages.append(msg)
+
+
+class EngineConn:
+    """The engine's side of one worker connection."""
+
+    def __init__(self, ws: Any):
+        self.ws = ws
+        self.register: Any = None
+
+    async def recv(self) -> Any:
+        return worker_message_decoder.decode(await self.ws.get_message())
+
+    async def recv_until(self, kind: type, *, skip_heartbeats: bool = True) -> Any:
+        while True:
+            msg = await self.recv()
+            if isinstance(msg, kind):
+                return msg
+            if skip_heartbeats and type(msg).__name__ == "Heartbeat":
+                continue
+            raise AssertionError(f"expected {kind.__name__}, got {msg!r}")
+
+    async def send(self, msg: Any) -> None:
+        await self.ws.send_message(encoder.encode(msg).decode())
+
+
+class FakeEngine:
+    def __init__(self, heartbeat_interval_ms: int = 60_000, reject_status: int | None = None):
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.reject_status = reject_status
+        self.url = ""
+        self.auth_headers: list[str | None] = []
+        self._send, self._recv = trio.open_memory_channel[EngineConn](10)
+
+    async def _handler(self, request: Any) -> None:
+        headers = dict(request.headers)
+        self.auth_headers.append(
+            headers.get(b"authorization", b"").decode() or None
+        )
+        if self.reject_status is not None:
+            await request.reject(self.reject_status)
+            return
+        ws = await request.accept()
+        conn = EngineConn(ws)
+        conn.register = worker_message_decoder.decode(await ws.get_message())
+        await conn.send(
+            Registered(
+                session_id="sess-1",
+                heartbeat_interval_ms=self.heartbeat_interval_ms,
+                lease_expiry_ms=90_000,
+            )
+        )
+        await self._send.send(conn)
+        await trio.sleep_forever()
+
+    async def accept(self) -> EngineConn:
+        return await self._recv.receive()
+
+    async def start(self, nursery: trio.Nursery) -> None:
+        server = await nursery.start(
+            lambda task_status: serve_websocket(
+                self._handler,
+                "127.0.0.1",
+                0,
+                None,
+                max_message_size=MAX_FRAME_BYTES,
+                task_status=task_status,
+            )
+        )
+        self.url = f"http://127.0.0.1:{server.port}"
+
+

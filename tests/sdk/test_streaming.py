@@ -1,0 +1,261 @@
+"""StreamingWorker against a fake engine on a real local websocket."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import trio
+from sdk_fake_engine import FakeEngine, make_assignment
+
+import ironflow
+from ironflow.protocol import (
+    Cancel,
+    Heartbeat,
+    JobAck,
+    JobCompleted,
+    JobLeaseStatus,
+    JobNack,
+    LeaseStatus,
+    Refused,
+    Register,
+    Shutdown,
+    StepCompleted,
+)
+
+
+def _worker(engine, functions, **kw):
+    kw.setdefault("handle_signals", False)
+    kw.setdefault("reconnect_delay", 0.05)
+    return ironflow.StreamingWorker(engine.url, functions, **kw)
+
+
+def _gated(function_id="fn"):
+    """A function whose handler blocks until ``gate`` is set; ``started`` counts starts."""
+    gate = trio.Event()
+    started = []
+
+    @ironflow.function(id=function_id)
+    async def handler(ctx):
+        started.append(ctx.run.id)
+        await gate.wait()
+        return await ctx.step.run("s", lambda: {"done": True})
+
+    return handler, gate, started
+
+
+async def test_handshake_registers_full_definitions_and_sends_auth(engine: FakeEngine, nursery):
+    fn, gate, _ = _gated()
+    worker = _worker(engine, [fn], api_key="ifkey_x", max_concurrent_jobs=3)
+    await nursery.start(worker.run)
+    conn = await engine.accept()
+    assert isinstance(conn.register, Register)
+    assert conn.register.functions == [fn.definition]
+    assert conn.register.max_concurrent_jobs == 3
+    assert engine.auth_headers == ["Bearer ifkey_x"]
+    assert worker.session_id == "sess-1" and worker.state == "connected"
+    worker.stop()
+
+
+async def test_ack_then_run_then_complete(engine, nursery):
+    @ironflow.function(id="fn")
+    async def handler(ctx):
+        a = await ctx.step.run("a", lambda: 1)
+        b = await ctx.step.run("b", lambda: 2)
+        return {"sum": a + b}
+
+    worker = _worker(engine, [handler])
+    await nursery.start(worker.run)
+    conn = await engine.accept()
+    a = make_assignment(run_id="rA")
+    await conn.send(a)
+    ack = await conn.recv_until(JobAck)
+    assert (ack.job_id, ack.execution_seq, ack.lease_token) == (a.job_id, 1, a.lease_token)
+    s1 = await conn.recv_until(StepCompleted)
+    s2 = await conn.recv_until(StepCompleted)
+    assert (s1.step_id, s2.step_id) == ("rA:a:0", "rA:b:0")
+    done = await conn.recv_until(JobCompleted)
+    assert done.output == {"sum": 3} and done.lease_token == a.lease_token
+    worker.stop()
+
+
+async def test_at_capacity_nack_and_duplicate_assignment_dropped(engine, nursery, caplog):
+    caplog.set_level(logging.INFO, "ironflow")
+    fn, gate, started = _gated()
+    worker = _worker(engine, [fn], max_concurrent_jobs=1)
+    await nursery.start(worker.run)
+    conn = await engine.accept()
+    a1, a2 = make_assignment(run_id="r1"), make_assignment(run_id="r2")
+    await conn.send(a1)
+    await conn.recv_until(JobAck)
+    await conn.send(a1)  # duplicate of a running job: dropped silently
+    await conn.send(a2)
+    nack = await conn.recv_until(JobNack)
+    assert (nack.job_id, nack.reason, nack.lease_token) == (a2.job_id, "AT_CAPACITY", a2.lease_token)
+    assert "At capacity, refusing job" in caplog.text
+    gate.set()
+    await conn.recv_until(StepCompleted)
+    assert (await conn.recv_until(JobCompleted)).job_id == a1.job_id
+    assert started == ["r1"]
+    worker.stop()
+
+
+async def test_draining_nack_wins_over_at_capacity_and_drain_waits_for_job(
+    engine, nursery, caplog
+):
+    caplog.set_level(logging.INFO, "ironflow")
+    fn, gate, started = _gated()
+    worker = _worker(engine, [fn], max_concurrent_jobs=1, drain_timeout=10)
+    await nursery.start(worker.run)
+    conn = await engine.accept()
+    a1, a2 = make_assignment(run_id="r1"), make_assignment(run_id="r2")
+    await conn.send(a1)
+    await conn.recv_until(JobAck)
+    while not started:
+        await trio.sleep(0.001)
+
+    drained = trio.Event()
+
+    async def drain():
+        await worker.drain()
+        drained.set()
+
+    nursery.start_soon(drain)
+    await trio.sleep(0.01)
+    assert worker.state == "draining"
+    await conn.send(a2)  # full AND draining: DRAINING wins
+    nack = await conn.recv_until(JobNack)
+    assert nack.reason == "DRAINING"
+    assert not drained.is_set()
+    gate.set()
+    await conn.recv_until(StepCompleted)
+    await conn.recv_until(JobCompleted)
+    # The worker closes the socket with 1000 once the job's result is flushed.
+    with pytest.raises(Exception) as excinfo:
+        await conn.recv_until(type(None))
+    assert getattr(excinfo.value, "reason", None) is not None
+    assert excinfo.value.reason.code == 1000
+    with trio.fail_after(5):
+        await drained.wait()
+    assert "Draining worker..." in caplog.text
+    assert "Waiting for 1 jobs to complete..." in caplog.text
+    assert "Draining, refusing job" in caplog.text
+
+
+async def test_drain_deadline_cancels_running_job(engine, nursery, caplog):
+    caplog.set_level(logging.INFO, "ironflow")
+    fn, gate, started = _gated()
+    worker = _worker(engine, [fn])
+    await nursery.start(worker.run)
+    conn = await engine.accept()
+    await conn.send(make_assignment(run_id="r1"))
+    await conn.recv_until(JobAck)
+    while not started:
+        await trio.sleep(0.001)
+    with trio.fail_after(5):
+        await conn.send(Shutdown(reason="node stopping", drain_timeout_ms=50))
+        with pytest.raises(Exception) as excinfo:
+            await conn.recv_until(type(None))  # nothing but the close arrives
+        await worker._finished.wait()
+    assert excinfo.value.reason.code == 1000
+    assert "Drain deadline reached; cancelling 1 active jobs" in caplog.text
+
+
+async def test_lease_status_stale_abandons_only_that_job(engine, nursery):
+    fn, gate, started = _gated()
+    worker = _worker(engine, [fn])
+    await nursery.start(worker.run)
+    conn = await engine.accept()
+    a1, a2 = make_assignment(run_id="r1"), make_assignment(run_id="r2")
+    for a in (a1, a2):
+        await conn.send(a)
+        await conn.recv_until(JobAck)
+    while len(started) < 2:
+        await trio.sleep(0.001)
+    await conn.send(
+        LeaseStatus(
+            jobs=[
+                JobLeaseStatus(job_id=a1.job_id, run_id="r1", execution_seq=1, state="STALE"),
+                JobLeaseStatus(job_id=a2.job_id, run_id="r2", execution_seq=1, state="REFRESHED"),
+            ]
+        )
+    )
+    while worker.active_jobs != 1:
+        await trio.sleep(0.001)
+    gate.set()
+    await conn.recv_until(StepCompleted)
+    done = await conn.recv_until(JobCompleted)
+    assert done.job_id == a2.job_id
+    worker.stop()
+
+
+async def test_cancel_and_refused_abandon_without_reporting(engine, nursery):
+    fn, gate, started = _gated()
+    worker = _worker(engine, [fn])
+    await nursery.start(worker.run)
+    conn = await engine.accept()
+    a1, a2, a3 = (make_assignment(run_id=f"r{i}") for i in (1, 2, 3))
+    for a in (a1, a2, a3):
+        await conn.send(a)
+        await conn.recv_until(JobAck)
+    while len(started) < 3:
+        await trio.sleep(0.001)
+    await conn.send(Cancel(job_id=a1.job_id, run_id="r1"))
+    await conn.send(
+        Refused(code="STALE_EXECUTION", message="stale", job_id=a2.job_id, run_id="r2")
+    )
+    while worker.active_jobs != 1:
+        await trio.sleep(0.001)
+    gate.set()
+    await conn.recv_until(StepCompleted)
+    assert (await conn.recv_until(JobCompleted)).job_id == a3.job_id
+    worker.stop()
+
+
+async def test_heartbeat_lists_active_jobs_with_fences(nursery):
+    engine = FakeEngine(heartbeat_interval_ms=20)
+    await engine.start(nursery)
+    fn, gate, started = _gated()
+    worker = _worker(engine, [fn])
+    await nursery.start(worker.run)
+    conn = await engine.accept()
+    a = make_assignment(run_id="r1")
+    await conn.send(a)
+    await conn.recv_until(JobAck)
+    while True:
+        hb = await conn.recv()
+        assert isinstance(hb, Heartbeat)
+        if hb.jobs:
+            break
+    (job,) = hb.jobs
+    assert (job.job_id, job.run_id, job.execution_seq, job.lease_token) == (
+        a.job_id, "r1", 1, a.lease_token,
+    )
+    worker.stop()
+
+
+async def test_lost_connection_cancels_jobs_and_reconnects(engine, nursery):
+    fn, gate, started = _gated()
+    worker = _worker(engine, [fn])
+    await nursery.start(worker.run)
+    conn = await engine.accept()
+    await conn.send(make_assignment(run_id="r1"))
+    await conn.recv_until(JobAck)
+    while not started:
+        await trio.sleep(0.001)
+    await conn.ws.aclose()
+    with trio.fail_after(5):
+        conn2 = await engine.accept()
+    assert worker.active_jobs == 0
+    assert isinstance(conn2.register, Register)
+    worker.stop()
+
+
+async def test_auth_rejection_stops_without_reconnect(nursery):
+    engine = FakeEngine(reject_status=401)
+    await engine.start(nursery)
+    fn, _, _ = _gated()
+    worker = _worker(engine, [fn])
+    with pytest.raises(ironflow.WorkerAuthError):
+        await worker.run()
+    assert len(engine.auth_headers) == 1
