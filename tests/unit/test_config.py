@@ -1,0 +1,48 @@
+"""Configuration: precedence, the --dev profile, and validation with clear errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ironflow.config import ConfigError, load_config
+
+
+def test_defaults_are_the_seed_numbers() -> None:
+    t = load_config(env={}).timings
+    assert (t.heartbeat_interval_s, t.scanner_interval_s, t.reservation_expiry_s) == (30, 30, 30)
+    assert (t.lease_expiry_s, t.recovery_grace_s, t.recovery_ceiling) == (90, 30, 10)
+    assert (t.stale_claim_interval_s, t.stale_claim_threshold_s) == (60, 120)
+
+
+def test_dev_shortens_loop_one_and_loop_two() -> None:
+    t = load_config(env={}, dev=True).timings
+    assert (t.heartbeat_interval_s, t.lease_expiry_s, t.scanner_interval_s, t.recovery_grace_s) == (2, 6, 1, 1)
+    assert (t.stale_claim_interval_s, t.stale_claim_threshold_s) == (5, 45)
+
+
+def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
+    f = tmp_path / "ironflow.yaml"
+    f.write_text("port: 9200\ntimings:\n  lease_expiry_s: 120\n  recovery_grace_s: 5\n")
+    env = {"IRONFLOW_LEASE_EXPIRY_S": "150", "IRONFLOW_PORT": "9300"}
+    c = load_config(file=f, env=env, timing_overrides={"recovery_grace_s": 7})
+    assert c.port == 9300
+    assert c.timings.lease_expiry_s == 150
+    assert c.timings.recovery_grace_s == 7
+
+
+def test_lease_too_close_to_heartbeat_is_refused() -> None:
+    with pytest.raises(ConfigError, match="lease_expiry_s=40s must be at least 2× the heartbeat"):
+        load_config(env={}, timing_overrides={"lease_expiry_s": 40})
+
+
+def test_non_positive_and_malformed_values_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="scanner_interval_s must be positive"):
+        load_config(env={}, timing_overrides={"scanner_interval_s": 0})
+    with pytest.raises(ConfigError, match="invalid configuration"):
+        load_config(env={"IRONFLOW_LEASE_EXPIRY_S": "soon"})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("timings:\n  no_such_timing: 3\n")
+    with pytest.raises(ConfigError, match="no_such_timing"):
+        load_config(file=bad, env={})
