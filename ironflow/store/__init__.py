@@ -1,3 +1,28 @@
 """Engine state: one interface (:mod:`ironflow.store.base`), two backends."""
 
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
 from ironflow.store.base import *  # noqa: F403
+from ironflow.store.base import Store
+
+
+def open_store(url: str, *, now: Callable[[], float] | None = None) -> Store:
+    """Build (not yet open) the backend ``url`` names.
+
+    ``postgres://`` / ``postgresql://`` → :class:`~ironflow.store.postgres.PostgresStore`;
+    anything else is a SQLite path or ``sqlite:///path`` (parent directories are
+    created). ``now`` drives the SQLite clock in tests; PostgreSQL uses its own.
+    Call ``await store.open()`` before use and ``await store.close()`` after.
+    """
+    if url.startswith(("postgres://", "postgresql://")):
+        from ironflow.store.postgres import PostgresStore
+
+        return PostgresStore(url)
+    from ironflow.store.sqlite import SqliteStore, _sqlite_path
+
+    path = _sqlite_path(url)
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    return SqliteStore(path, now=now)

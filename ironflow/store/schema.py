@@ -1,0 +1,200 @@
+"""DDL of the whole data model (DESIGN §3) for SQLite and PostgreSQL.
+
+One text, two dialects: ``{REAL}`` becomes ``REAL`` (SQLite) or
+``DOUBLE PRECISION`` (PostgreSQL). Timestamps are epoch seconds from the
+database clock ``ironflow_now()``; JSON payloads are stored as text (msgspec
+encodes them), booleans as 0/1 integers so the shared SQL reads the same on
+both backends.
+"""
+
+from __future__ import annotations
+
+__all__ = ["statements", "PG_NOW_FUNCTION", "SCHEMA_LOCK_KEY"]
+
+# Arbitrary constant: the advisory lock that serialises schema creation when
+# several nodes start against one PostgreSQL at once.
+SCHEMA_LOCK_KEY = 0x1F0F10
+
+_DDL = """
+CREATE TABLE IF NOT EXISTS functions (
+    id          TEXT PRIMARY KEY,
+    definition  TEXT NOT NULL,
+    audit       INTEGER NOT NULL DEFAULT 0,
+    version     INTEGER NOT NULL,
+    updated_at  {REAL} NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS events (
+    id              TEXT PRIMARY KEY,
+    name            TEXT NOT NULL,
+    data            TEXT NOT NULL,
+    idempotency_key TEXT,
+    received_at     {REAL} NOT NULL,
+    run_ids         TEXT NOT NULL DEFAULT '[]'
+);
+CREATE INDEX IF NOT EXISTS events_idempotency ON events (idempotency_key, received_at)
+    WHERE idempotency_key IS NOT NULL;
+
+CREATE TABLE IF NOT EXISTS runs (
+    id                    TEXT PRIMARY KEY,
+    function_id           TEXT NOT NULL,
+    event_id              TEXT,
+    parent_run_id         TEXT,
+    parent_step_id        TEXT,
+    status                TEXT NOT NULL,
+    attempt               INTEGER NOT NULL DEFAULT 1,
+    max_attempts          INTEGER NOT NULL,
+    recovery_count        INTEGER NOT NULL DEFAULT 0,
+    current_execution_seq INTEGER NOT NULL DEFAULT 1,
+    concurrency_key       TEXT,
+    output                TEXT,
+    error                 TEXT,
+    created_at            {REAL} NOT NULL,
+    started_at            {REAL},
+    ended_at              {REAL},
+    updated_at            {REAL} NOT NULL
+);
+CREATE INDEX IF NOT EXISTS runs_status ON runs (status, created_at);
+CREATE INDEX IF NOT EXISTS runs_function ON runs (function_id, created_at);
+CREATE INDEX IF NOT EXISTS runs_parent ON runs (parent_run_id) WHERE parent_run_id IS NOT NULL;
+
+CREATE TABLE IF NOT EXISTS steps (
+    run_id            TEXT NOT NULL,
+    step_id           TEXT NOT NULL,
+    name              TEXT NOT NULL,
+    kind              TEXT NOT NULL,
+    status            TEXT NOT NULL,
+    output            TEXT,
+    error             TEXT,
+    duration_ms       {REAL},
+    execution_seq     INTEGER NOT NULL,
+    created_at        {REAL} NOT NULL,
+    seq               BIGINT NOT NULL DEFAULT 0,
+    wake_at           {REAL},
+    wait_event        TEXT,
+    wait_match        TEXT,
+    wait_match_value  TEXT,
+    invoke_run_id     TEXT,
+    claimed_by        TEXT,
+    claimed_at        {REAL},
+    pre_claim_status  TEXT,
+    PRIMARY KEY (run_id, step_id)
+);
+CREATE INDEX IF NOT EXISTS steps_wake ON steps (wake_at)
+    WHERE status IN ('sleeping', 'waiting') AND wake_at IS NOT NULL;
+CREATE INDEX IF NOT EXISTS steps_wait_event ON steps (wait_event)
+    WHERE status = 'waiting' AND kind = 'wait';
+CREATE INDEX IF NOT EXISTS steps_waking ON steps (claimed_at) WHERE status = 'waking';
+
+CREATE TABLE IF NOT EXISTS dispatch_queue (
+    run_id                  TEXT PRIMARY KEY,
+    execution_seq           INTEGER NOT NULL,
+    function_id             TEXT NOT NULL,
+    concurrency_key         TEXT,
+    eligible_at             {REAL} NOT NULL,
+    reason                  TEXT NOT NULL,
+    enqueued_at             {REAL} NOT NULL,
+    reservation_owner       TEXT,
+    reservation_expires_at  {REAL},
+    lease_token_hash        TEXT
+);
+CREATE INDEX IF NOT EXISTS dispatch_queue_eligible ON dispatch_queue (eligible_at, enqueued_at)
+    WHERE reservation_owner IS NULL;
+CREATE INDEX IF NOT EXISTS dispatch_queue_reservation ON dispatch_queue (reservation_expires_at)
+    WHERE reservation_owner IS NOT NULL;
+
+CREATE TABLE IF NOT EXISTS concurrency_leases (
+    run_id            TEXT PRIMARY KEY,
+    execution_seq     INTEGER NOT NULL,
+    function_id       TEXT NOT NULL,
+    concurrency_key   TEXT,
+    session_id        TEXT NOT NULL,
+    node_id           TEXT NOT NULL,
+    lease_token_hash  TEXT NOT NULL,
+    expires_at        {REAL} NOT NULL,
+    activated_at      {REAL} NOT NULL
+);
+CREATE INDEX IF NOT EXISTS leases_expires ON concurrency_leases (expires_at);
+CREATE INDEX IF NOT EXISTS leases_session ON concurrency_leases (session_id);
+CREATE INDEX IF NOT EXISTS leases_function ON concurrency_leases (function_id, concurrency_key);
+
+CREATE TABLE IF NOT EXISTS worker_sessions (
+    id                   TEXT PRIMARY KEY,
+    worker_id            TEXT NOT NULL,
+    node_id              TEXT NOT NULL,
+    mode                 TEXT NOT NULL,
+    max_concurrent_jobs  INTEGER NOT NULL,
+    draining             INTEGER NOT NULL DEFAULT 0,
+    function_ids         TEXT NOT NULL,
+    hostname             TEXT NOT NULL DEFAULT '',
+    created_at           {REAL} NOT NULL,
+    expires_at           {REAL} NOT NULL
+);
+CREATE INDEX IF NOT EXISTS sessions_expires ON worker_sessions (expires_at);
+
+CREATE TABLE IF NOT EXISTS worker_credits (
+    session_id             TEXT NOT NULL REFERENCES worker_sessions (id) ON DELETE CASCADE,
+    slot                   INTEGER NOT NULL,
+    claimed_run_id         TEXT,
+    claimed_execution_seq  INTEGER,
+    held                   INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (session_id, slot)
+);
+CREATE INDEX IF NOT EXISTS credits_claim ON worker_credits (claimed_run_id)
+    WHERE claimed_run_id IS NOT NULL;
+
+CREATE TABLE IF NOT EXISTS nodes (
+    id            TEXT PRIMARY KEY,
+    started_at    {REAL} NOT NULL,
+    heartbeat_at  {REAL} NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS audit_log (
+    id           TEXT PRIMARY KEY,
+    at           {REAL} NOT NULL,
+    type         TEXT NOT NULL,
+    run_id       TEXT,
+    function_id  TEXT,
+    data         TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS audit_run ON audit_log (run_id, at);
+CREATE INDEX IF NOT EXISTS audit_type ON audit_log (type, at);
+
+CREATE TABLE IF NOT EXISTS api_keys (
+    id          TEXT PRIMARY KEY,
+    kind        TEXT NOT NULL,
+    role        TEXT NOT NULL,
+    key_hash    TEXT NOT NULL UNIQUE,
+    created_at  {REAL} NOT NULL
+);
+"""
+
+_PG_EXTRA = """
+CREATE TABLE IF NOT EXISTS clock_skew (
+    id    INTEGER PRIMARY KEY CHECK (id = 1),
+    skew  DOUBLE PRECISION NOT NULL DEFAULT 0
+);
+INSERT INTO clock_skew (id, skew) VALUES (1, 0) ON CONFLICT (id) DO NOTHING;
+"""
+
+# The database clock on PostgreSQL: transaction time plus a test-only skew
+# (``advance_clock``); production never writes ``clock_skew``.
+PG_NOW_FUNCTION = """
+CREATE OR REPLACE FUNCTION ironflow_now() RETURNS double precision
+LANGUAGE sql STABLE AS $$
+    SELECT extract(epoch FROM now())::double precision
+         + coalesce((SELECT skew FROM clock_skew WHERE id = 1), 0)
+$$
+"""
+
+
+def statements(dialect: str) -> list[str]:
+    """The DDL statements for ``dialect`` (``"sqlite"`` or ``"postgres"``), in order."""
+    real = "DOUBLE PRECISION" if dialect == "postgres" else "REAL"
+    text = _DDL.replace("{REAL}", real)
+    if dialect == "postgres":
+        text += _PG_EXTRA
+    out = [s.strip() for s in text.split(";") if s.strip()]
+    if dialect == "postgres":
+        out.append(PG_NOW_FUNCTION.strip())
+    return out

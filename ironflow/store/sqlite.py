@@ -1,0 +1,215 @@
+"""The embedded backend: one SQLite file in WAL mode, one writer thread, group commit.
+
+Every request (read or write) is a closure queued to a single dedicated
+thread that owns the connection. The thread takes everything pending, runs it
+in ONE ``BEGIN IMMEDIATE`` transaction with a SAVEPOINT per request (a failing
+request rolls back only its own work), commits once, then hands each result
+back to its Trio task with ``run_sync_soon``. The awaiting side waits shielded:
+once a request is queued, its committed result is never dropped.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import sqlite3
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import outcome
+import trio
+
+from ironflow.store.core import SqlStore, Tx
+from ironflow.store.schema import statements
+
+__all__ = ["SqliteStore"]
+
+T = TypeVar("T")
+
+# Most requests one group commit takes: bounds the latency of the first
+# request in a burst while still amortising the fsync over many.
+MAX_GROUP = 256
+
+
+class _SqliteTx:
+    """:class:`~ironflow.store.core.Tx` over the writer thread's connection."""
+
+    dialect = "sqlite"
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        return self._conn.execute(sql, params).rowcount
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        self._conn.executemany(sql, rows)
+
+    def fetchone(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+        cur = self._conn.execute(sql, params)
+        row = cur.fetchone()
+        cur.fetchall()  # drain so RETURNING statements finish before the next one
+        return row
+
+    def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        return self._conn.execute(sql, params).fetchall()
+
+    def lock(self, of: str | None = None) -> str:
+        return ""  # the single writer already serialises every transaction
+
+    def advisory_lock(self, key: str) -> None:
+        pass
+
+
+def _sqlite_path(url: str) -> str:
+    for prefix in ("sqlite:///", "sqlite://", "sqlite:"):
+        if url.startswith(prefix):
+            url = url[len(prefix) :]
+            break
+    if url in ("", ":memory:") or url.startswith("file::memory:"):
+        # Several statements per request and WAL need a real file.
+        fd, path = tempfile.mkstemp(prefix="ironflow-", suffix=".db")
+        os.close(fd)
+        return path
+    return url
+
+
+class SqliteStore(SqlStore):
+    """Engine state in one SQLite file.
+
+    ``path``: a filesystem path, ``sqlite:///path``, or ``:memory:`` (a temp
+    file). ``now``: the clock behind ``ironflow_now()`` (default
+    ``time.time``); tests pass one driven by ``trio.testing.MockClock``.
+    """
+
+    def __init__(self, path: str, *, now: Callable[[], float] | None = None) -> None:
+        super().__init__()
+        self.path = _sqlite_path(path)
+        self._clock = now or time.time
+        self._skew = 0.0
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def _db_clock(self) -> float:
+        return self._clock() + self._skew
+
+    # lifecycle --------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self._thread is not None:
+            return
+        ready: trio.Event = trio.Event()
+        failure: list[BaseException] = []
+        token = trio.lowlevel.current_trio_token()
+
+        def started(exc: BaseException | None) -> None:
+            if exc is not None:
+                failure.append(exc)
+            token.run_sync_soon(ready.set)
+
+        self._thread = threading.Thread(
+            target=self._writer, args=(started,), name="ironflow-sqlite-writer", daemon=True
+        )
+        self._thread.start()
+        with trio.CancelScope(shield=True):
+            await ready.wait()
+        if failure:
+            await trio.to_thread.run_sync(self._thread.join)
+            self._thread = None
+            raise failure[0]
+
+    async def close(self) -> None:
+        if self._thread is None:
+            return
+        self._requests.put(None)
+        thread, self._thread = self._thread, None
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(thread.join)
+
+    async def advance_clock(self, seconds: float) -> None:
+        self._skew += seconds
+
+    # the writer thread ------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        conn.execute("PRAGMA busy_timeout=5000")
+        conn.create_function("ironflow_now", 0, self._db_clock)
+        conn.execute("BEGIN IMMEDIATE")
+        for stmt in statements("sqlite"):
+            conn.execute(stmt)
+        conn.execute("COMMIT")
+        return conn
+
+    def _writer(self, started: Callable[[BaseException | None], None]) -> None:
+        try:
+            conn = self._connect()
+        except BaseException as exc:  # reported to open(), which re-raises it
+            started(exc)
+            return
+        started(None)
+        tx = _SqliteTx(conn)
+        try:
+            stop = False
+            while not stop:
+                batch = [self._requests.get()]
+                while len(batch) < MAX_GROUP:
+                    try:
+                        batch.append(self._requests.get_nowait())
+                    except queue.Empty:
+                        break
+                if None in batch:
+                    stop = True
+                    batch = [b for b in batch if b is not None]
+                if batch:
+                    self._commit_group(conn, tx, batch)
+        finally:
+            conn.close()
+
+    @staticmethod
+    def _commit_group(conn: sqlite3.Connection, tx: _SqliteTx, batch: list[Any]) -> None:
+        results: list[outcome.Outcome[Any]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for work, _, _ in batch:
+                conn.execute("SAVEPOINT req")
+                result = outcome.capture(work, tx)
+                if isinstance(result, outcome.Error):
+                    conn.execute("ROLLBACK TO req")
+                conn.execute("RELEASE req")
+                results.append(result)
+            conn.execute("COMMIT")
+        except BaseException as exc:  # the whole group failed: every caller hears it
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            results = [outcome.Error(exc)] * len(batch)
+        for (_, token, deliver), result in zip(batch, results, strict=True):
+            try:
+                token.run_sync_soon(deliver, result)
+            except trio.RunFinishedError:
+                pass
+
+    # the Trio side ----------------------------------------------------------------
+
+    async def _transact(self, work: Callable[[Tx], T]) -> T:
+        if self._thread is None:
+            raise RuntimeError("SqliteStore is not open")
+        done = trio.Event()
+        box: list[outcome.Outcome[T]] = []
+
+        def deliver(result: outcome.Outcome[T]) -> None:
+            box.append(result)
+            done.set()
+
+        self._requests.put((work, trio.lowlevel.current_trio_token(), deliver))
+        # Shielded: a request in the writer's hands will commit; its result must
+        # reach the caller (cancellation is delivered at the next checkpoint).
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        return box[0].unwrap()
