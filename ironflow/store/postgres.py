@@ -1,0 +1,138 @@
+"""The production backend: PostgreSQL shared by many nodes.
+
+psycopg's async API is asyncio-only, so each transaction runs on a pooled
+sync connection in a Trio worker thread. The thread call is shielded: a
+committed result is never dropped and a thread holding a connection is never
+abandoned. If the caller is cancelled meanwhile, the running statement is
+interrupted with ``conn.cancel_safe()`` (the transaction rolls back) and the
+cancellation propagates once the thread is done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+import outcome
+import psycopg
+import trio
+from psycopg_pool import ConnectionPool
+
+from ironflow.store.core import SqlStore, Tx
+from ironflow.store.schema import SCHEMA_LOCK_KEY, statements
+
+__all__ = ["PostgresStore"]
+
+T = TypeVar("T")
+
+_sql_cache: dict[str, str] = {}
+
+
+def _pg_sql(sql: str) -> str:
+    """``?`` placeholders → psycopg's ``%s`` (literal ``%`` escaped), memoised."""
+    out = _sql_cache.get(sql)
+    if out is None:
+        out = _sql_cache[sql] = sql.replace("%", "%%").replace("?", "%s")
+    return out
+
+
+class _PgTx:
+    """:class:`~ironflow.store.core.Tx` over one psycopg connection inside a transaction."""
+
+    dialect = "postgres"
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._cur = conn.cursor()
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        self._cur.execute(_pg_sql(sql), params, prepare=True)
+        return self._cur.rowcount
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
+        self._cur.executemany(_pg_sql(sql), list(rows))
+
+    def fetchone(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
+        self._cur.execute(_pg_sql(sql), params, prepare=True)
+        return self._cur.fetchone()
+
+    def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        self._cur.execute(_pg_sql(sql), params, prepare=True)
+        return self._cur.fetchall()
+
+    def lock(self, of: str | None = None) -> str:
+        return f"FOR UPDATE OF {of} SKIP LOCKED" if of else "FOR UPDATE SKIP LOCKED"
+
+    def advisory_lock(self, key: str) -> None:
+        self._cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (key,))
+
+
+class PostgresStore(SqlStore):
+    """Engine state in PostgreSQL at ``url`` (``postgresql://…``), pooled connections."""
+
+    def __init__(self, url: str, *, min_size: int = 2, max_size: int = 8) -> None:
+        super().__init__()
+        self.url = url.replace("postgres://", "postgresql://", 1)
+        self._pool = ConnectionPool(
+            self.url, min_size=min_size, max_size=max_size, open=False, kwargs={"autocommit": True}
+        )
+        self._open = False
+
+    # lifecycle --------------------------------------------------------------------
+
+    async def open(self) -> None:
+        if self._open:
+            return
+        await trio.to_thread.run_sync(self._open_sync)
+        self._open = True
+
+    def _open_sync(self) -> None:
+        self._pool.open(wait=True, timeout=30.0)
+        with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+            # Two nodes starting together must not race on CREATE … IF NOT EXISTS.
+            cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
+            for stmt in statements("postgres"):
+                cur.execute(stmt)
+
+    async def close(self) -> None:
+        if not self._open:
+            return
+        self._open = False
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(self._pool.close)
+
+    async def advance_clock(self, seconds: float) -> None:
+        def work(tx: Tx) -> None:
+            tx.execute("UPDATE clock_skew SET skew = skew + ? WHERE id = 1", (float(seconds),))
+
+        await self._transact(work)
+
+    # transactions -----------------------------------------------------------------
+
+    async def _transact(self, work: Callable[[Tx], T]) -> T:
+        held: list[psycopg.Connection[Any]] = []
+        finished = False
+
+        def run() -> T:
+            with self._pool.connection() as conn:
+                held.append(conn)
+                try:
+                    with conn.transaction():
+                        return work(_PgTx(conn))
+                finally:
+                    held.clear()
+
+        async def interrupt_on_cancel() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                if not finished and held:
+                    held[0].cancel_safe(timeout=5.0)
+
+        result: outcome.Outcome[T]
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(interrupt_on_cancel)
+            with trio.CancelScope(shield=True):
+                result = await outcome.acapture(trio.to_thread.run_sync, run)
+            finished = True
+            nursery.cancel_scope.cancel()
+        return result.unwrap()

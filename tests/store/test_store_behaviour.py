@@ -1,0 +1,691 @@
+"""The store's behaviour, run once per backend through the ``store`` fixture."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+from ironflow.protocol import (
+    ActiveJob,
+    Concurrency,
+    ErrorInfo,
+    FunctionDef,
+    InvokeYield,
+    RetryPolicy,
+    SleepYield,
+    Trigger,
+    WaitYield,
+)
+from ironflow.store import (
+    Conflict,
+    Fence,
+    FunctionNotFound,
+    RunNotFound,
+    SessionNotFound,
+    StaleExecution,
+    Store,
+)
+
+LEASE = 90.0
+SESSION = 90.0
+RESERVATION = 30.0
+GRACE = 30.0
+
+
+def fn(fid: str = "f", *triggers: str, **kw) -> FunctionDef:
+    return FunctionDef(id=fid, triggers=[Trigger(t) for t in (triggers or ("order.created",))], **kw)
+
+
+async def worker(store: Store, *functions: FunctionDef, slots: int = 2, node: str = "n1"):
+    return await store.register_worker(
+        node_id=node,
+        worker_id="w1",
+        mode="stream",
+        max_concurrent_jobs=slots,
+        functions=list(functions or (fn(),)),
+        session_expiry_s=SESSION,
+    )
+
+
+async def reserve(store: Store, session, limit: int = 10, node: str = "n1"):
+    return await store.reserve_segments(
+        node,
+        {session.session_id: frozenset(session.function_ids)},
+        limit,
+        reservation_expiry_s=RESERVATION,
+    )
+
+
+def fence_of(res) -> Fence:
+    a = res.assignment
+    return Fence(res.session_id, a.run_id, a.execution_seq, a.lease_token)
+
+
+async def emit(store: Store, name: str = "order.created", data=None, key=None):
+    return await store.ingest_event(name, data or {}, key, idempotency_window_s=3600)
+
+
+async def running(store: Store, session=None, **kw) -> Fence:
+    """Emit one event and take its run to 'running'; returns the live fence."""
+    session = session or await worker(store)
+    await emit(store, **kw)
+    (res,) = await reserve(store, session, limit=1)
+    f = fence_of(res)
+    await store.activate_lease(f, lease_expiry_s=LEASE)
+    return f
+
+
+# ── register_worker ─────────────────────────────────────────────────────────
+
+
+async def test_register_worker_upserts_functions_and_bumps_version_only_on_change(store):
+    s = await worker(store, fn("a"), fn("b"), slots=3)
+    assert s.max_concurrent_jobs == 3 and s.function_ids == ["a", "b"]
+    await worker(store, fn("a"), fn("b"))
+    assert {f.id: f.version for f in await store.list_functions()} == {"a": 1, "b": 1}
+    await worker(store, fn("a", "other.event"))
+    funcs = {f.id: f for f in await store.list_functions()}
+    assert funcs["a"].version == 2 and funcs["a"].definition.triggers == [Trigger("other.event")]
+    sessions = await store.list_sessions()
+    assert len(sessions) == 3
+    first = next(x for x in sessions if x.session_id == s.session_id)
+    assert first.max_concurrent_jobs == 3 and first.credits_claimed == 0
+
+
+# ── ingest_event ─────────────────────────────────────────────────────────────
+
+
+async def test_ingest_matches_exact_and_prefix_triggers(store):
+    await worker(store, fn("exact", "order.created"), fn("prefix", "order.*"), fn("other", "x.y"))
+    r = await emit(store, "order.created", {"id": 1})
+    assert len(r.run_ids) == 2 and not r.duplicate
+    runs = {x.function_id: x for x in await store.list_runs()}
+    assert set(runs) == {"exact", "prefix"}
+    assert all(x.status == "waiting_for_capacity" and x.current_execution_seq == 1 for x in runs.values())
+    queue = await store.list_queue()
+    assert {q.run_id for q in queue} == set(r.run_ids)
+    assert all(q.reason == "new" and q.execution_seq == 1 for q in queue)
+    nothing = await emit(store, "nobody.listens")
+    assert nothing.run_ids == [] and len(await store.list_runs()) == 2
+
+
+async def test_idempotency_key_returns_first_event_and_creates_nothing(store):
+    await worker(store)
+    first = await emit(store, key="k1")
+    again = await emit(store, key="k1")
+    assert again.duplicate and again.event_id == first.event_id and again.run_ids == first.run_ids
+    assert len(await store.list_runs()) == 1
+    await store.advance_clock(3601)
+    later = await emit(store, key="k1")
+    assert not later.duplicate and later.event_id != first.event_id
+    assert len(await store.list_runs()) == 2
+
+
+# ── reserve_segments ────────────────────────────────────────────────────────
+
+
+async def test_reserve_only_offered_functions_and_respects_credits(store):
+    s = await worker(store, fn("a", "e"), fn("b", "e"), slots=2)
+    for _ in range(3):
+        await emit(store, "e")
+    got = await store.reserve_segments(
+        "n1", {s.session_id: frozenset({"a"})}, 10, reservation_expiry_s=RESERVATION
+    )
+    assert len(got) == 2 and all(r.assignment.function_id == "a" for r in got)
+    assert await reserve(store, s) == []  # no credits left
+    sess = (await store.list_sessions())[0]
+    assert sess.credits_claimed == 2
+    a = got[0].assignment
+    assert a.attempt == 1 and a.max_attempts == 3 and a.execution_seq == 1
+    assert a.event.name == "e" and a.job_id == f"{a.run_id}/1" and len(a.lease_token) == 32
+
+
+async def test_reserve_oldest_first_and_not_future_or_reserved_rows(store):
+    s = await worker(store, slots=1)
+    first = await emit(store)
+    second = await emit(store)
+    (res,) = await reserve(store, s)
+    assert res.assignment.run_id == first.run_ids[0]
+    s2 = await worker(store, slots=5)
+    got = await reserve(store, s2)
+    assert [r.assignment.run_id for r in got] != [first.run_ids[0]] and len(got) == 1
+    assert await reserve(store, s2) == []
+    # reservation expiry makes both rows reservable again, oldest first
+    await store.advance_clock(RESERVATION + 1)
+    await store.heartbeat(s2.session_id, None, session_expiry_s=SESSION, lease_expiry_s=LEASE)
+    again = await reserve(store, s2)
+    assert [r.assignment.run_id for r in again] == first.run_ids + second.run_ids
+
+
+async def test_reserve_skips_rows_not_yet_eligible(store):
+    s = await worker(store)
+    f = await running(store, s)
+    await store.fail_job(f, ErrorInfo("boom"))
+    assert await reserve(store, s) == []
+    assert 0 < await store.seconds_until_next_eligible() <= 1.0
+    await store.advance_clock(1.5)
+    assert len(await reserve(store, s)) == 1
+
+
+async def test_reserve_respects_global_concurrency_limit(store):
+    s = await worker(store, fn(concurrency=Concurrency(limit=1)), slots=5)
+    await emit(store)
+    await emit(store)
+    got = await reserve(store, s)
+    assert len(got) == 1
+    await store.activate_lease(fence_of(got[0]), lease_expiry_s=LEASE)
+    assert await reserve(store, s) == []
+    await store.complete_job(fence_of(got[0]), None)
+    assert len(await reserve(store, s)) == 1
+
+
+async def test_reserve_respects_per_key_concurrency_limit(store):
+    s = await worker(store, fn(concurrency=Concurrency(limit=1, key="event.data.customer")), slots=5)
+    await emit(store, data={"customer": "a"})
+    await emit(store, data={"customer": "a"})
+    await emit(store, data={"customer": "b"})
+    await emit(store, data={})
+    await emit(store, data={})
+    got = await reserve(store, s)
+    keys = sorted([str((await store.get_run(r.assignment.run_id)).run.concurrency_key) for r in got])
+    assert keys == ["None", "a", "b"]
+
+
+async def test_draining_session_gets_nothing(store):
+    s = await worker(store)
+    await emit(store)
+    await store.mark_session_draining(s.session_id)
+    assert await reserve(store, s) == []
+
+
+async def test_release_reservation_frees_row_and_credit(store):
+    s = await worker(store, slots=1)
+    await emit(store)
+    (res,) = await reserve(store, s)
+    await store.release_reservation(s.session_id, res.assignment.run_id, 1)
+    (again,) = await reserve(store, s)
+    assert again.assignment.run_id == res.assignment.run_id
+    assert again.assignment.lease_token != res.assignment.lease_token
+
+
+# ── activate_lease ──────────────────────────────────────────────────────────
+
+
+async def test_activate_lease_happy_path(store):
+    s = await worker(store)
+    await emit(store)
+    (res,) = await reserve(store, s)
+    run = await store.activate_lease(fence_of(res), lease_expiry_s=LEASE)
+    assert run.status == "running" and run.started_at is not None
+    assert await store.list_queue() == []
+    (lease,) = await store.list_leases()
+    assert lease.run_id == run.id and lease.session_id == s.session_id and lease.node_id == "n1"
+    assert 80 < lease.expires_in_s <= LEASE
+
+
+async def test_activate_lease_refuses_wrong_fences(store):
+    s = await worker(store)
+    other = await worker(store)
+    await emit(store)
+    (res,) = await reserve(store, s)
+    good = fence_of(res)
+    for bad in (
+        Fence(good.session_id, good.run_id, good.execution_seq, "0" * 32),
+        Fence(good.session_id, good.run_id, good.execution_seq + 1, good.lease_token),
+        Fence(other.session_id, good.run_id, good.execution_seq, good.lease_token),
+    ):
+        with pytest.raises(StaleExecution):
+            await store.activate_lease(bad, lease_expiry_s=LEASE)
+    await store.cancel_run(good.run_id, "test")
+    with pytest.raises(StaleExecution):
+        await store.activate_lease(good, lease_expiry_s=LEASE)
+
+
+# ── record_step / complete / fail ──────────────────────────────────────────
+
+
+async def test_record_step_is_idempotent_and_fenced(store):
+    f = await running(store)
+    await store.record_step(f, step_id="s1", name="one", status="completed", output={"v": 1})
+    await store.record_step(f, step_id="s1", name="one", status="completed", output={"v": 2})
+    await store.record_step(f, step_id="s2", name="two", status="failed", error=ErrorInfo("x"))
+    detail = await store.get_run(f.run_id)
+    assert [(s.step_id, s.status, s.output) for s in detail.steps] == [
+        ("s1", "completed", {"v": 1}),
+        ("s2", "failed", None),
+    ]
+    stale = Fence(f.session_id, f.run_id, f.execution_seq, "f" * 32)
+    with pytest.raises(StaleExecution):
+        await store.record_step(stale, step_id="s3", name="three", status="completed")
+
+
+async def test_complete_job_frees_everything(store):
+    s = await worker(store, slots=1)
+    f = await running(store, s)
+    out = await store.complete_job(f, {"done": True})
+    assert out.status == "completed"
+    run = (await store.get_run(f.run_id)).run
+    assert run.status == "completed" and run.output == {"done": True} and run.ended_at
+    assert await store.list_leases() == []
+    assert (await store.list_sessions())[0].credits_claimed == 0
+    with pytest.raises(StaleExecution):
+        await store.complete_job(f, None)
+
+
+async def test_fail_job_retries_with_backoff_then_fails(store):
+    s = await worker(store)
+    f = await running(store, s)
+    now = await store.db_now()
+    out = await store.fail_job(f, ErrorInfo("boom"))
+    assert out.status == "waiting" and out.attempt == 2 and out.next_execution_seq == 2
+    assert out.eligible_at == pytest.approx(now + 1, abs=0.5)
+    detail = await store.get_run(f.run_id)
+    assert detail.queue.reason == "retry" and detail.waiting_reason.startswith("retry delay until ")
+    await store.advance_clock(1.1)
+    (res,) = await reserve(store, s)
+    assert res.assignment.attempt == 2
+    f2 = fence_of(res)
+    await store.activate_lease(f2, lease_expiry_s=LEASE)
+    now = await store.db_now()
+    out = await store.fail_job(f2, ErrorInfo("boom"))
+    assert out.attempt == 3 and out.eligible_at == pytest.approx(now + 2, abs=0.5)
+    await store.advance_clock(2.1)
+    (res,) = await reserve(store, s)
+    f3 = fence_of(res)
+    await store.activate_lease(f3, lease_expiry_s=LEASE)
+    out = await store.fail_job(f3, ErrorInfo("final", code="E1"))
+    run = (await store.get_run(f.run_id)).run
+    assert out.status == "failed" and run.status == "failed" and run.error.code == "E1"
+    assert await store.list_queue() == []
+
+
+async def test_non_retryable_failure_fails_at_once(store):
+    f = await running(store)
+    out = await store.fail_job(f, ErrorInfo("no", retryable=False))
+    assert out.status == "failed" and await store.list_queue() == []
+
+
+# ── nack ─────────────────────────────────────────────────────────────────────
+
+
+async def test_nack_draining_requeues_without_attempt_or_grace(store):
+    s = await worker(store)
+    await emit(store)
+    (res,) = await reserve(store, s)
+    f = fence_of(res)
+    out = await store.nack_job(f, "DRAINING")
+    assert out.status == "waiting" and out.next_execution_seq == 2 and out.attempt == 1
+    detail = await store.get_run(f.run_id)
+    assert detail.run.status == "waiting" and detail.run.recovery_count == 0
+    assert detail.queue.reason == "nack" and detail.queue.eligible_in_s <= 0
+    assert detail.waiting_reason == "requeued after nack"
+    assert (await store.list_sessions())[0].draining
+    assert await reserve(store, s) == []
+    other = await worker(store)
+    (res2,) = await reserve(store, other)
+    assert res2.assignment.execution_seq == 2 and res2.assignment.attempt == 1
+    with pytest.raises(StaleExecution):
+        await store.activate_lease(f, lease_expiry_s=LEASE)
+
+
+async def test_nack_at_capacity_holds_credit_until_heartbeat_shows_space(store):
+    s = await worker(store, slots=1)
+    await emit(store)
+    (res,) = await reserve(store, s)
+    await store.nack_job(fence_of(res), "AT_CAPACITY")
+    sess = (await store.list_sessions())[0]
+    assert sess.credits_held == 1 and not sess.draining
+    assert await reserve(store, s) == []
+    busy = [ActiveJob("j", "run_x", 1, "t")]
+    await store.heartbeat(s.session_id, busy, session_expiry_s=SESSION, lease_expiry_s=LEASE)
+    assert await reserve(store, s) == []
+    await store.heartbeat(s.session_id, [], session_expiry_s=SESSION, lease_expiry_s=LEASE)
+    (again,) = await reserve(store, s)
+    assert again.assignment.execution_seq == 2
+
+
+async def test_nack_after_activation_releases_lease(store):
+    f = await running(store)
+    out = await store.nack_job(f, "DRAINING")
+    assert out.next_execution_seq == 2 and await store.list_leases() == []
+    with pytest.raises(StaleExecution):
+        await store.nack_job(f, "DRAINING")
+
+
+# ── heartbeat ────────────────────────────────────────────────────────────────
+
+
+async def test_heartbeat_states_and_unreported_lease_expires(store):
+    s = await worker(store)
+    f1 = await running(store, s)
+    f2 = await running(store, s)
+    jobs = [
+        ActiveJob("j1", f1.run_id, f1.execution_seq, f1.lease_token),
+        ActiveJob("j2", f2.run_id, f2.execution_seq + 5, f2.lease_token),
+        ActiveJob("j3", "run_unknown", 1, "x"),
+    ]
+    await store.advance_clock(60)
+    states = await store.heartbeat(s.session_id, jobs, session_expiry_s=SESSION, lease_expiry_s=LEASE)
+    assert [(x.job_id, x.state) for x in states] == [
+        ("j1", "REFRESHED"), ("j2", "STALE"), ("j3", "UNKNOWN"),
+    ]
+    await store.advance_clock(40)
+    recovered = await store.expire_leases(recovery_grace_s=GRACE, recovery_ceiling=10)
+    assert [r.run_id for r in recovered] == [f2.run_id]
+    assert [lease.run_id for lease in await store.list_leases()] == [f1.run_id]
+
+
+async def test_heartbeat_without_jobs_refreshes_all(store):
+    s = await worker(store)
+    await running(store, s)
+    await running(store, s)
+    await store.advance_clock(60)
+    assert await store.heartbeat(s.session_id, None, session_expiry_s=SESSION, lease_expiry_s=LEASE) == []
+    await store.advance_clock(40)
+    assert await store.expire_leases(recovery_grace_s=GRACE, recovery_ceiling=10) == []
+
+
+async def test_heartbeat_unknown_session(store):
+    with pytest.raises(SessionNotFound):
+        await store.heartbeat("ses_nope", None, session_expiry_s=SESSION, lease_expiry_s=LEASE)
+    s = await worker(store)
+    await store.advance_clock(SESSION + 1)
+    with pytest.raises(SessionNotFound):
+        await store.heartbeat(s.session_id, [], session_expiry_s=SESSION, lease_expiry_s=LEASE)
+
+
+# ── loop 1 ───────────────────────────────────────────────────────────────────
+
+
+async def test_expire_reservations_frees_credit(store):
+    s = await worker(store, slots=1)
+    await emit(store)
+    await reserve(store, s)
+    assert await store.expire_reservations() == 0
+    await store.advance_clock(RESERVATION + 1)
+    await store.heartbeat(s.session_id, None, session_expiry_s=SESSION, lease_expiry_s=LEASE)
+    assert await store.expire_reservations() == 1
+    q = (await store.list_queue())[0]
+    assert q.reservation_owner is None
+    assert (await store.list_sessions())[0].credits_claimed == 0
+
+
+async def test_expire_leases_fences_and_requeues_with_grace_and_audits(store):
+    s = await worker(store)
+    f = await running(store, s)
+    assert await store.expire_leases(recovery_grace_s=GRACE, recovery_ceiling=10) == []
+    await store.advance_clock(LEASE + 1)
+    now = await store.db_now()
+    (rec,) = await store.expire_leases(recovery_grace_s=GRACE, recovery_ceiling=10)
+    assert rec.old_execution_seq == 1 and rec.new_execution_seq == 2 and not rec.exhausted
+    assert rec.recovery_count == 1 and rec.session_id == s.session_id
+    assert rec.eligible_at == pytest.approx(now + GRACE, abs=1)
+    detail = await store.get_run(f.run_id)
+    assert detail.run.status == "waiting" and detail.run.current_execution_seq == 2
+    assert detail.queue.reason == "recovery" and detail.lease is None
+    assert detail.waiting_reason.startswith("recovery grace until ")
+    assert (await store.list_sessions())[0].credits_claimed == 0
+    with pytest.raises(StaleExecution):
+        await store.record_step(f, step_id="s", name="s", status="completed")
+    audit = await store.list_audit(run_id=f.run_id)
+    assert [a.type for a in audit] == ["capacity.lease.expired", "capacity.segment.recovered"]
+    assert audit[1].data["old_execution_seq"] == 1 and audit[1].data["new_execution_seq"] == 2
+    assert audit[1].data["recovery_count"] == 1
+
+
+async def test_recovery_ceiling_fails_run_with_recovery_exhausted(store):
+    s = await worker(store, slots=1)
+    await store.heartbeat(s.session_id, [], session_expiry_s=10_000, lease_expiry_s=LEASE)
+    await emit(store)
+    ceiling = 2
+    for i in range(ceiling + 1):
+        await store.advance_clock(GRACE + 1)
+        await store.heartbeat(s.session_id, None, session_expiry_s=10_000, lease_expiry_s=LEASE)
+        (res,) = await reserve(store, s)
+        f = fence_of(res)
+        await store.activate_lease(f, lease_expiry_s=LEASE)
+        if i == 0:
+            await store.record_step(f, step_id="s", name="s", status="completed")
+        await store.advance_clock(LEASE + 1)
+        await store.heartbeat(s.session_id, [], session_expiry_s=10_000, lease_expiry_s=LEASE)
+        (rec,) = await store.expire_leases(recovery_grace_s=GRACE, recovery_ceiling=ceiling)
+    assert rec.exhausted and rec.new_execution_seq is None and rec.recovery_count == ceiling + 1
+    run = (await store.get_run(f.run_id)).run
+    assert run.status == "failed" and run.error.code == "EXECUTION_RECOVERY_EXHAUSTED"
+
+
+async def test_accepted_yield_resets_recovery_count(store):
+    s = await worker(store, slots=1)
+    await store.heartbeat(s.session_id, [], session_expiry_s=10_000, lease_expiry_s=LEASE)
+    f = await running(store, s)
+    await store.advance_clock(LEASE + 1)
+    await store.heartbeat(s.session_id, [], session_expiry_s=10_000, lease_expiry_s=LEASE)
+    await store.expire_leases(recovery_grace_s=0, recovery_ceiling=10)
+    (res,) = await reserve(store, s)
+    f = fence_of(res)
+    await store.activate_lease(f, lease_expiry_s=LEASE)
+    assert (await store.get_run(f.run_id)).run.recovery_count == 1
+    now = await store.db_now()
+    await store.yield_job(f, step_id="z", name="nap", info=SleepYield(until=now + 100))
+    detail = await store.get_run(f.run_id)
+    assert detail.run.recovery_count == 0 and detail.run.status == "waiting"
+    assert detail.waiting_reason.startswith("sleeping until ")
+
+
+async def test_expire_sessions_cascades_credits_but_keeps_leases(store):
+    s = await worker(store)
+    await running(store, s)
+    assert await store.expire_sessions() == 0
+    await store.advance_clock(SESSION + 1)
+    assert await store.expire_sessions() == 1
+    assert await store.list_sessions() == []
+    assert len(await store.list_leases()) == 1
+    assert await store.seconds_until_next_capacity_expiry() == 0
+
+
+async def test_close_session_recovers_leases_first_without_grace(store):
+    s = await worker(store, slots=1)
+    f = await running(store, s)
+    (rec,) = await store.close_session(
+        s.session_id, recover_leases=True, recovery_grace_s=GRACE, recovery_ceiling=10
+    )
+    assert rec.recovery_count == 1 and rec.new_execution_seq == 2
+    assert (await store.get_run(f.run_id)).queue.eligible_in_s <= 0
+    assert await store.list_sessions() == []
+    s2 = await worker(store, slots=1)
+    (res,) = await reserve(store, s2)
+    await store.activate_lease(fence_of(res), lease_expiry_s=LEASE)
+    (rec2,) = await store.close_session(
+        s2.session_id, recover_leases=True, recovery_grace_s=GRACE, recovery_ceiling=10
+    )
+    assert rec2.recovery_count == 2
+    assert (await store.get_run(f.run_id)).queue.eligible_in_s > GRACE - 2
+    types = [a.type for a in await store.list_audit(run_id=f.run_id)]
+    assert types.count("capacity.segment.recovered") == 2
+
+
+async def test_close_session_without_recovery_releases_reservations(store):
+    s = await worker(store, slots=1)
+    await emit(store)
+    await reserve(store, s)
+    assert await store.close_session(
+        s.session_id, recover_leases=False, recovery_grace_s=GRACE, recovery_ceiling=10
+    ) == []
+    assert (await store.list_queue())[0].reservation_owner is None
+
+
+# ── cancel ───────────────────────────────────────────────────────────────────
+
+
+async def test_cancel_run_fences_and_names_holder(store):
+    s = await worker(store, slots=1)
+    f = await running(store, s)
+    out = await store.cancel_run(f.run_id, "user")
+    assert out.session_id == s.session_id and out.node_id == "n1" and out.job_id == f"{f.run_id}/1"
+    assert (await store.get_run(f.run_id)).run.status == "cancelled"
+    with pytest.raises(StaleExecution):
+        await store.complete_job(f, None)
+    with pytest.raises(Conflict):
+        await store.cancel_run(f.run_id, "again")
+    with pytest.raises(RunNotFound):
+        await store.cancel_run("run_nope", "x")
+    assert (await store.list_sessions())[0].credits_claimed == 0
+
+
+# ── yields, waits, invokes, waker ────────────────────────────────────────────
+
+
+async def test_sleep_is_claimed_and_resumed(store):
+    s = await worker(store, slots=1)
+    f = await running(store, s)
+    now = await store.db_now()
+    await store.yield_job(f, step_id="z", name="nap", info=SleepYield(until=now + 10))
+    assert await store.claim_elapsed_steps("n1", 10) == []
+    assert 8 < await store.seconds_until_next_wake() <= 10
+    await store.advance_clock(11)
+    assert await store.claim_elapsed_steps("n1", 10) == [(f.run_id, "z")]
+    assert await store.claim_elapsed_steps("n1", 10) == []
+    out = await store.resume_claimed_step("n1", f.run_id, "z")
+    assert out.next_execution_seq == 2
+    await store.heartbeat(s.session_id, None, session_expiry_s=SESSION, lease_expiry_s=LEASE)
+    (res,) = await reserve(store, s)
+    memo = res.assignment.completed_steps
+    assert [(m.step_id, m.kind, m.status) for m in memo] == [("z", "sleep", "completed")]
+
+
+async def test_wait_for_event_resolved_by_matching_event(store):
+    s = await worker(store, slots=1)
+    f = await running(store, s)
+    now = await store.db_now()
+    info = WaitYield(event="payment.done", timeout_at=now + 100, match="data.order", match_value=7)
+    await store.yield_job(f, step_id="w", name="w", info=info)
+    assert (await store.get_run(f.run_id)).waiting_reason.startswith("waiting for event payment.done")
+    await store.ingest_event("payment.done", {"order": 8}, None, idempotency_window_s=1)
+    assert (await store.get_run(f.run_id)).queue is None
+    r = await store.ingest_event("payment.done", {"order": 7}, None, idempotency_window_s=1)
+    assert r.resumed_run_ids == [f.run_id]
+    detail = await store.get_run(f.run_id)
+    assert detail.queue.reason == "resume" and detail.steps[0].output["data"] == {"order": 7}
+
+
+async def test_wait_times_out_via_waker(store):
+    f = await running(store)
+    now = await store.db_now()
+    await store.yield_job(f, step_id="w", name="w", info=WaitYield(event="e", timeout_at=now + 5))
+    await store.advance_clock(6)
+    assert await store.claim_elapsed_steps("n1", 10) == [(f.run_id, "w")]
+    await store.resume_claimed_step("n1", f.run_id, "w")
+    assert (await store.get_run(f.run_id)).steps[0].status == "timed_out"
+
+
+async def test_invoke_child_completion_resumes_parent(store):
+    s = await worker(store, fn("parent"), fn("child", "never"), slots=2)
+    f = await running(store, s)
+    out = await store.yield_job(f, step_id="i", name="i", info=InvokeYield("child", {"x": 1}))
+    (child_id,) = out.kicked_run_ids
+    assert (await store.get_run(f.run_id)).waiting_reason == f"waiting for invoked run {child_id}"
+    (res,) = await reserve(store, s)
+    assert res.assignment.run_id == child_id and res.assignment.event.data == {"x": 1}
+    cf = fence_of(res)
+    await store.activate_lease(cf, lease_expiry_s=LEASE)
+    done = await store.complete_job(cf, 42)
+    assert done.kicked_run_ids == [f.run_id]
+    detail = await store.get_run(f.run_id)
+    assert detail.steps[0].status == "completed" and detail.steps[0].output == 42
+    assert detail.queue.reason == "resume"
+
+
+async def test_invoke_unknown_function_fails_step_and_resumes(store):
+    f = await running(store)
+    out = await store.yield_job(f, step_id="i", name="i", info=InvokeYield("missing"))
+    assert out.next_execution_seq == 2
+    step = (await store.get_run(f.run_id)).steps[0]
+    assert step.status == "failed" and step.error.code == FunctionNotFound.code
+
+
+async def test_reset_stale_claims_only_without_lease_or_queue(store):
+    f = await running(store)
+    now = await store.db_now()
+    await store.yield_job(f, step_id="z", name="z", info=SleepYield(until=now + 1))
+    await store.advance_clock(2)
+    assert await store.claim_elapsed_steps("dead-node", 10) == [(f.run_id, "z")]
+    assert await store.reset_stale_claims(120) == 0
+    await store.advance_clock(121)
+    assert await store.reset_stale_claims(120) == 1
+    step = (await store.get_run(f.run_id)).steps[0]
+    assert step.status == "sleeping"
+    assert await store.claim_elapsed_steps("n1", 10) == [(f.run_id, "z")]
+
+
+# ── misc reads, keys, functions ──────────────────────────────────────────────
+
+
+async def test_invoke_function_and_not_found(store):
+    await worker(store, fn("a", "never"))
+    run_id = await store.invoke_function("a", {"k": 1})
+    detail = await store.get_run(run_id)
+    assert detail.run.function_id == "a" and detail.waiting_reason == "waiting for capacity"
+    with pytest.raises(FunctionNotFound):
+        await store.invoke_function("zzz", {})
+    with pytest.raises(RunNotFound):
+        await store.get_run("run_missing")
+
+
+async def test_list_runs_filters(store):
+    await worker(store, fn("a", "e"), fn("b", "e"))
+    await emit(store, "e")
+    assert len(await store.list_runs()) == 2
+    assert [r.function_id for r in await store.list_runs(function_id="a")] == ["a"]
+    assert await store.list_runs(status="completed") == []
+    assert len(await store.list_runs(limit=1)) == 1
+
+
+async def test_audit_toggle_records_ordinary_events(store):
+    s = await worker(store, fn(audit=True))
+    f = await running(store, s)
+    await store.record_step(f, step_id="s", name="s", status="completed")
+    await store.complete_job(f, 1)
+    types = [a.type for a in await store.list_audit(run_id=f.run_id)]
+    assert types == ["run.started", "step.completed", "run.completed"]
+
+
+async def test_api_keys_hashed_and_authenticated(store):
+    key_id, key = await store.create_api_key("org")
+    assert key.startswith("ifkey_") and len(key) == len("ifkey_") + 32
+    pid, pkey = await store.create_api_key("platform", role="ops")
+    assert pkey.startswith("ifplatform_")
+    p = await store.authenticate(pkey)
+    assert p.key_id == pid and p.kind == "platform" and p.role == "ops"
+    assert (await store.authenticate(key)).kind == "org"
+    assert await store.authenticate("ifkey_wrong") is None
+    fixed_id, fixed = await store.create_api_key("org", key="ifkey_" + "a" * 32)
+    assert fixed == "ifkey_" + "a" * 32 and (await store.authenticate(fixed)).key_id == fixed_id
+    assert hashlib.sha256(key.encode()).hexdigest()  # only the hash is stored (see schema)
+
+
+async def test_seconds_until_helpers(store):
+    assert await store.seconds_until_next_eligible() is None
+    assert await store.seconds_until_next_capacity_expiry() is None
+    assert await store.seconds_until_next_wake() is None
+    s = await worker(store)
+    await emit(store)
+    assert await store.seconds_until_next_eligible() == 0
+    assert 80 < await store.seconds_until_next_capacity_expiry() <= SESSION
+    await reserve(store, s)
+    assert await store.seconds_until_next_eligible() is None
+    assert RESERVATION - 5 < await store.seconds_until_next_capacity_expiry() <= RESERVATION
+
+
+async def test_nodes_register_and_heartbeat(store):
+    await store.register_node("n1")
+    await store.node_heartbeat("n1")
+    await store.node_heartbeat("n2")
+    assert await store.db_now() > 1e9
+
+
+async def test_retry_policy_from_function_definition(store):
+    s = await worker(store, fn(retries=RetryPolicy(max_attempts=1)))
+    f = await running(store, s)
+    out = await store.fail_job(f, ErrorInfo("x"))
+    assert out.status == "failed"
