@@ -1,0 +1,80 @@
+"""PostgreSQL-only behaviour: several nodes claiming from one database."""
+
+from __future__ import annotations
+
+import trio
+
+from ironflow.protocol import Concurrency, FunctionDef, Trigger
+from ironflow.store import Reservation, open_store
+
+
+async def test_concurrent_reservations_from_two_nodes_never_share_a_row(pg_url):
+    nodes = [open_store(pg_url), open_store(pg_url)]
+    for s in nodes:
+        await s.open()
+    try:
+        fd = FunctionDef(id="f", triggers=[Trigger("e")])
+        sessions = [
+            await s.register_worker(
+                node_id=f"n{i}", worker_id=f"w{i}", mode="stream", max_concurrent_jobs=200,
+                functions=[fd], session_expiry_s=300,
+            )
+            for i, s in enumerate(nodes)
+        ]
+        for _ in range(150):
+            await nodes[0].ingest_event("e", {}, None, idempotency_window_s=1)
+        got: list[list[Reservation]] = [[], []]
+
+        async def claim(i: int) -> None:
+            offer = {sessions[i].session_id: frozenset({"f"})}
+            for _ in range(20):
+                got[i].extend(
+                    await nodes[i].reserve_segments(f"n{i}", offer, 5, reservation_expiry_s=60)
+                )
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(claim, i)
+        run_ids = [r.assignment.run_id for r in got[0] + got[1]]
+        assert len(run_ids) == len(set(run_ids)) == 150
+        assert got[0] and got[1]
+        queue = await nodes[0].list_queue()
+        owners = {q.run_id: q.reservation_owner for q in queue}
+        for i in range(2):
+            assert all(owners[r.assignment.run_id] == sessions[i].session_id for r in got[i])
+    finally:
+        for s in nodes:
+            await s.close()
+
+
+async def test_concurrency_limit_holds_across_two_nodes(pg_url):
+    nodes = [open_store(pg_url), open_store(pg_url)]
+    for s in nodes:
+        await s.open()
+    try:
+        fd = FunctionDef(id="f", triggers=[Trigger("e")], concurrency=Concurrency(limit=3))
+        sessions = [
+            await s.register_worker(
+                node_id=f"n{i}", worker_id=f"w{i}", mode="stream", max_concurrent_jobs=50,
+                functions=[fd], session_expiry_s=300,
+            )
+            for i, s in enumerate(nodes)
+        ]
+        for _ in range(20):
+            await nodes[0].ingest_event("e", {}, None, idempotency_window_s=1)
+        got: list[Reservation] = []
+
+        async def claim(i: int) -> None:
+            offer = {sessions[i].session_id: frozenset({"f"})}
+            for _ in range(5):
+                got.extend(
+                    await nodes[i].reserve_segments(f"n{i}", offer, 10, reservation_expiry_s=60)
+                )
+
+        async with trio.open_nursery() as nursery:
+            for i in range(2):
+                nursery.start_soon(claim, i)
+        assert len(got) == 3
+    finally:
+        for s in nodes:
+            await s.close()
