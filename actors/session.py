@@ -182,7 +182,7 @@ async def _handle_batch(
                     run_id=run_id,
                     execution_seq=getattr(msg, "execution_seq", None),
                     session_id=session_id,
-                    message=type(msg).__name__,
+                    msg_type=type(msg).__name__,
                 )
                 answer = Refused(exc.code, str(exc) or "stale execution", getattr(msg, "job_id", None), run_id)
             if answer is not None:
@@ -221,7 +221,10 @@ async def run(
     leases recovered at once.
     """
     t = config.timings
-    first = await inbound.receive()
+    try:
+        first = await inbound.receive()
+    except trio.EndOfChannel:
+        return  # the socket closed before registering: nothing to clean up
     if not isinstance(first, Register):
         raise ProtocolViolation(f"first message must be register, got {type(first).__name__}")
     info = await store.register_worker(

@@ -504,7 +504,9 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
     close_code, close_reason = 1000, ""
 
     async def reader() -> None:
-        async with inbound_send:
+        # close() rather than `async with`: aclose() checkpoints, and a cancel
+        # arriving there would swallow the _CloseSocket that explains the close.
+        try:
             while True:
                 data = await ws.receive()
                 if isinstance(data, bytes):
@@ -514,6 +516,8 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
                 except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                     raise _CloseSocket(WS_PROTOCOL_ERROR, _short(f"invalid message: {exc}")) from exc
                 await inbound_send.send(msg)
+        finally:
+            inbound_send.close()
 
     async def writer() -> None:
         async with outbox_receive:
@@ -542,9 +546,12 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
         close_code, close_reason = WS_PROTOCOL_ERROR, _short(str(group.exceptions[0]))
     except* session_actor.SessionExpired as group:
         close_code, close_reason = WS_POLICY_VIOLATION, _short(f"session expired: {group.exceptions[0]}; reconnect")
+    except* trio.EndOfChannel:
+        pass  # the reader stopped first; its own error (above) says why
     except* Exception as group:
         log.error("api: worker socket failed", exc_info=group)
-        close_code, close_reason = WS_INTERNAL_ERROR, "internal error"
+        if close_code == 1000:
+            close_code, close_reason = WS_INTERNAL_ERROR, "internal error"
     if close_code != 1000:
         logs.event(log, logging.INFO, "api: closing worker socket", code=close_code, reason=close_reason)
     with trio.move_on_after(1):
