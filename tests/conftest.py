@@ -69,22 +69,48 @@ def pg_server() -> Iterator[str]:
     port = _free_port()
     run = {"cwd": "/", "check": True, "capture_output": True}
     subprocess.run(
-        _pg_cmd([f"{bin_dir}/initdb", "-D", data, "-U", "postgres", "-A", "trust", "-E", "UTF8",
-                 "--no-sync"]),
+        _pg_cmd(
+            [
+                f"{bin_dir}/initdb",
+                "-D",
+                data,
+                "-U",
+                "postgres",
+                "-A",
+                "trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ]
+        ),
         **run,
     )
     pg_ctl = f"{bin_dir}/pg_ctl"
     try:
         subprocess.run(
-            _pg_cmd([pg_ctl, "-D", data, "-l", f"{base}/log", "-w", "-t", "30", "start", "-o",
-                     f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off"
-                     " -c max_connections=200"]),
+            _pg_cmd(
+                [
+                    pg_ctl,
+                    "-D",
+                    data,
+                    "-l",
+                    f"{base}/log",
+                    "-w",
+                    "-t",
+                    "30",
+                    "start",
+                    "-o",
+                    f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off"
+                    " -c max_connections=200",
+                ]
+            ),
             **run,
         )
         yield f"postgresql://postgres@127.0.0.1:{port}"
     finally:
-        subprocess.run(_pg_cmd([pg_ctl, "-D", data, "-m", "fast", "-w", "stop"]), cwd="/",
-                       capture_output=True)
+        subprocess.run(
+            _pg_cmd([pg_ctl, "-D", data, "-m", "fast", "-w", "stop"]), cwd="/", capture_output=True
+        )
         shutil.rmtree(base, ignore_errors=True)
 
 

@@ -85,6 +85,7 @@ class CancelResult(CancelOutcome, frozen=True):
 
     kicked_run_ids: list[str] = []
 
+
 # Name of the synthetic event behind a direct invocation or a step.invoke child.
 INVOKED_EVENT = "ironflow/function.invoked"
 # Error code of a run that was recovered more often than the recovery ceiling allows.
@@ -301,9 +302,7 @@ class SqlStore(Store):
         return float(row[0])
 
     @staticmethod
-    def _audit(
-        tx: Tx, kind: str, run_id: str | None, function_id: str | None, data: Any
-    ) -> None:
+    def _audit(tx: Tx, kind: str, run_id: str | None, function_id: str | None, data: Any) -> None:
         tx.execute(
             "INSERT INTO audit_log (id, at, type, run_id, function_id, data)"
             " VALUES (?, ironflow_now(), ?, ?, ?, ?)",
@@ -408,8 +407,14 @@ class SqlStore(Store):
         return row[0], eligible_at
 
     def _resolve_parent(
-        self, tx: Tx, parent_run_id: str | None, parent_step_id: str | None, child_id: str,
-        *, output: Any = None, error: ErrorInfo | None = None,
+        self,
+        tx: Tx,
+        parent_run_id: str | None,
+        parent_step_id: str | None,
+        child_id: str,
+        *,
+        output: Any = None,
+        error: ErrorInfo | None = None,
     ) -> list[str]:
         """A child run ended: settle the parent's invoke step and resume the parent."""
         if parent_run_id is None or parent_step_id is None:
@@ -624,7 +629,9 @@ class SqlStore(Store):
                 "INSERT INTO worker_credits (session_id, slot, held) VALUES (?, ?, 0)",
                 [(session_id, slot) for slot in range(max_concurrent_jobs)],
             )
-            return SessionInfo(session_id, worker_id, node_id, mode, max_concurrent_jobs, function_ids)
+            return SessionInfo(
+                session_id, worker_id, node_id, mode, max_concurrent_jobs, function_ids
+            )
 
         return await self._transact(work)
 
@@ -792,12 +799,17 @@ class SqlStore(Store):
             if event is None:
                 row = tx.fetchone("SELECT received_at FROM events WHERE id = ?", (event_id,))
                 received_at = row[0] if row else None
-                event = _enc({"id": event_id, "name": name, "data": data, "received_at": received_at})
-            if tx.execute(
-                "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
-                " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
-                (event, run_id, step_id),
-            ) and self._resume(tx, run_id) is not None:
+                event = _enc(
+                    {"id": event_id, "name": name, "data": data, "received_at": received_at}
+                )
+            if (
+                tx.execute(
+                    "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
+                    " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
+                    (event, run_id, step_id),
+                )
+                and self._resume(tx, run_id) is not None
+            ):
                 resumed.append(run_id)
         return resumed
 
@@ -1081,7 +1093,9 @@ class SqlStore(Store):
             )
             if row is None:
                 if self._fence_alive(tx, fence):  # a repeated JobAck: already active
-                    run = tx.fetchone(f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,))
+                    run = tx.fetchone(
+                        f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,)
+                    )
                     assert run is not None
                     return _run_record(run)
                 raise StaleExecution(
@@ -1215,7 +1229,9 @@ class SqlStore(Store):
                 (_enc(error), fence.run_id),
             )
             self._audit_if_enabled(tx, "run.failed", fence.run_id, {"error": error})
-            kicked = self._resolve_parent(tx, parent_run_id, parent_step_id, fence.run_id, error=error)
+            kicked = self._resolve_parent(
+                tx, parent_run_id, parent_step_id, fence.run_id, error=error
+            )
             return JobOutcome(fence.run_id, "failed", attempt=attempt, kicked_run_ids=kicked)
 
         return await self._transact(work)
@@ -1269,8 +1285,16 @@ class SqlStore(Store):
                 )
                 kicked.append(invoke_run_id)
             self._park_step(
-                tx, fence, step_id, name, kind, status, wake_at,
-                wait_event=wait_event, match=match, match_value=match_value,
+                tx,
+                fence,
+                step_id,
+                name,
+                kind,
+                status,
+                wake_at,
+                wait_event=wait_event,
+                match=match,
+                match_value=match_value,
                 invoke_run_id=invoke_run_id,
             )
             return JobOutcome(fence.run_id, "waiting", kicked_run_ids=kicked)
@@ -1279,9 +1303,18 @@ class SqlStore(Store):
 
     @staticmethod
     def _park_step(
-        tx: Tx, fence: Fence, step_id: str, name: str, kind: str, status: str,
-        wake_at: float | None, *, error: str | None = None, wait_event: str | None = None,
-        match: str | None = None, match_value: str | None = None,
+        tx: Tx,
+        fence: Fence,
+        step_id: str,
+        name: str,
+        kind: str,
+        status: str,
+        wake_at: float | None,
+        *,
+        error: str | None = None,
+        wait_event: str | None = None,
+        match: str | None = None,
+        match_value: str | None = None,
         invoke_run_id: str | None = None,
     ) -> None:
         tx.execute(
@@ -1296,8 +1329,19 @@ class SqlStore(Store):
             " invoke_run_id = excluded.invoke_run_id, claimed_by = NULL, claimed_at = NULL,"
             " pre_claim_status = NULL WHERE steps.status <> 'completed'",
             (
-                fence.run_id, step_id, name, kind, status, error, fence.execution_seq,
-                time.time_ns(), wake_at, wait_event, match, match_value, invoke_run_id,
+                fence.run_id,
+                step_id,
+                name,
+                kind,
+                status,
+                error,
+                fence.execution_seq,
+                time.time_ns(),
+                wake_at,
+                wait_event,
+                match,
+                match_value,
+                invoke_run_id,
             ),
         )
 
@@ -1309,19 +1353,26 @@ class SqlStore(Store):
                 f"DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING run_id",
                 self._fence_params(fence),
             )
-            if lease is None and tx.fetchone(
-                # Normally a nack comes before activation: the live reservation proves the fence.
-                "SELECT 1 FROM dispatch_queue q JOIN runs r ON r.id = q.run_id"
-                " WHERE q.run_id = ? AND q.execution_seq = ? AND q.reservation_owner = ?"
-                " AND q.lease_token_hash = ? AND r.current_execution_seq = q.execution_seq",
-                (fence.run_id, fence.execution_seq, fence.session_id, digest),
-            ) is None:
+            if (
+                lease is None
+                and tx.fetchone(
+                    # Normally a nack comes before activation: the live reservation proves the fence.
+                    "SELECT 1 FROM dispatch_queue q JOIN runs r ON r.id = q.run_id"
+                    " WHERE q.run_id = ? AND q.execution_seq = ? AND q.reservation_owner = ?"
+                    " AND q.lease_token_hash = ? AND r.current_execution_seq = q.execution_seq",
+                    (fence.run_id, fence.execution_seq, fence.session_id, digest),
+                )
+                is None
+            ):
                 raise StaleExecution(
                     f"segment {fence.run_id}/{fence.execution_seq} is neither reserved nor"
                     " leased with this token"
                 )
             self._free_credit(
-                tx, fence.session_id, fence.run_id, fence.execution_seq,
+                tx,
+                fence.session_id,
+                fence.run_id,
+                fence.execution_seq,
                 hold=reason == "AT_CAPACITY",
             )
             if reason == "DRAINING":
@@ -1394,7 +1445,9 @@ class SqlStore(Store):
                 )
             ]
             if ids:
-                tx.execute(f"DELETE FROM worker_credits WHERE session_id IN ({_marks(len(ids))})", ids)
+                tx.execute(
+                    f"DELETE FROM worker_credits WHERE session_id IN ({_marks(len(ids))})", ids
+                )
                 tx.execute(f"DELETE FROM worker_sessions WHERE id IN ({_marks(len(ids))})", ids)
             return len(ids)
 
@@ -1586,7 +1639,16 @@ class SqlStore(Store):
             )
             return [
                 SessionRecord(
-                    r[0], r[1], r[2], r[3], r[4], bool(r[5]), r[6], r[7], int(r[8]), int(r[9]),
+                    r[0],
+                    r[1],
+                    r[2],
+                    r[3],
+                    r[4],
+                    bool(r[5]),
+                    r[6],
+                    r[7],
+                    int(r[8]),
+                    int(r[9]),
                     _dec(r[10]),
                 )
                 for r in rows

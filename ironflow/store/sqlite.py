@@ -80,6 +80,9 @@ def _sqlite_path(url: str) -> str:
 class SqliteStore(SqlStore):
     """Engine state in one SQLite file.
 
+    ``now`` is called from the writer thread: pass something thread-safe such as
+    ``lambda: 1.7e9 + mock_clock.current_time()``, never ``trio.current_time``.
+
     ``path``: a filesystem path, ``sqlite:///path``, or ``:memory:`` (a temp
     file). ``now``: the clock behind ``ironflow_now()`` (default
     ``time.time``); tests pass one driven by ``trio.testing.MockClock``.

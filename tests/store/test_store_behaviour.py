@@ -34,7 +34,9 @@ GRACE = 30.0
 
 
 def fn(fid: str = "f", *triggers: str, **kw) -> FunctionDef:
-    return FunctionDef(id=fid, triggers=[Trigger(t) for t in (triggers or ("order.created",))], **kw)
+    return FunctionDef(
+        id=fid, triggers=[Trigger(t) for t in (triggers or ("order.created",))], **kw
+    )
 
 
 async def worker(store: Store, *functions: FunctionDef, slots: int = 2, node: str = "n1"):
@@ -102,7 +104,9 @@ async def test_ingest_matches_exact_and_prefix_triggers(store):
     assert len(r.run_ids) == 2 and not r.duplicate
     runs = {x.function_id: x for x in await store.list_runs()}
     assert set(runs) == {"exact", "prefix"}
-    assert all(x.status == "waiting_for_capacity" and x.current_execution_seq == 1 for x in runs.values())
+    assert all(
+        x.status == "waiting_for_capacity" and x.current_execution_seq == 1 for x in runs.values()
+    )
     queue = await store.list_queue()
     assert {q.run_id for q in queue} == set(r.run_ids)
     assert all(q.reason == "new" and q.execution_seq == 1 for q in queue)
@@ -181,14 +185,18 @@ async def test_reserve_respects_global_concurrency_limit(store):
 
 
 async def test_reserve_respects_per_key_concurrency_limit(store):
-    s = await worker(store, fn(concurrency=Concurrency(limit=1, key="event.data.customer")), slots=5)
+    s = await worker(
+        store, fn(concurrency=Concurrency(limit=1, key="event.data.customer")), slots=5
+    )
     await emit(store, data={"customer": "a"})
     await emit(store, data={"customer": "a"})
     await emit(store, data={"customer": "b"})
     await emit(store, data={})
     await emit(store, data={})
     got = await reserve(store, s)
-    keys = sorted([str((await store.get_run(r.assignment.run_id)).run.concurrency_key) for r in got])
+    keys = sorted(
+        [str((await store.get_run(r.assignment.run_id)).run.concurrency_key) for r in got]
+    )
     assert keys == ["None", "a", "b"]
 
 
@@ -366,9 +374,13 @@ async def test_heartbeat_states_and_unreported_lease_expires(store):
         ActiveJob("j3", "run_unknown", 1, "x"),
     ]
     await store.advance_clock(60)
-    states = await store.heartbeat(s.session_id, jobs, session_expiry_s=SESSION, lease_expiry_s=LEASE)
+    states = await store.heartbeat(
+        s.session_id, jobs, session_expiry_s=SESSION, lease_expiry_s=LEASE
+    )
     assert [(x.job_id, x.state) for x in states] == [
-        ("j1", "REFRESHED"), ("j2", "STALE"), ("j3", "UNKNOWN"),
+        ("j1", "REFRESHED"),
+        ("j2", "STALE"),
+        ("j3", "UNKNOWN"),
     ]
     await store.advance_clock(40)
     recovered = await store.expire_leases(recovery_grace_s=GRACE, recovery_ceiling=10)
@@ -381,7 +393,10 @@ async def test_heartbeat_without_jobs_refreshes_all(store):
     await running(store, s)
     await running(store, s)
     await store.advance_clock(60)
-    assert await store.heartbeat(s.session_id, None, session_expiry_s=SESSION, lease_expiry_s=LEASE) == []
+    assert (
+        await store.heartbeat(s.session_id, None, session_expiry_s=SESSION, lease_expiry_s=LEASE)
+        == []
+    )
     await store.advance_clock(40)
     assert await store.expire_leases(recovery_grace_s=GRACE, recovery_ceiling=10) == []
 
@@ -509,9 +524,12 @@ async def test_close_session_without_recovery_releases_reservations(store):
     s = await worker(store, slots=1)
     await emit(store)
     await reserve(store, s)
-    assert await store.close_session(
-        s.session_id, recover_leases=False, recovery_grace_s=GRACE, recovery_ceiling=10
-    ) == []
+    assert (
+        await store.close_session(
+            s.session_id, recover_leases=False, recovery_grace_s=GRACE, recovery_ceiling=10
+        )
+        == []
+    )
     assert (await store.list_queue())[0].reservation_owner is None
 
 
@@ -560,7 +578,9 @@ async def test_wait_for_event_resolved_by_matching_event(store):
     now = await store.db_now()
     info = WaitYield(event="payment.done", timeout_at=now + 100, match="data.order", match_value=7)
     await store.yield_job(f, step_id="w", name="w", info=info)
-    assert (await store.get_run(f.run_id)).waiting_reason.startswith("waiting for event payment.done")
+    assert (await store.get_run(f.run_id)).waiting_reason.startswith(
+        "waiting for event payment.done"
+    )
     await store.ingest_event("payment.done", {"order": 8}, None, idempotency_window_s=1)
     assert (await store.get_run(f.run_id)).queue is None
     r = await store.ingest_event("payment.done", {"order": 7}, None, idempotency_window_s=1)

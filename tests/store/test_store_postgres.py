@@ -16,8 +16,12 @@ async def test_concurrent_reservations_from_two_nodes_never_share_a_row(pg_url):
         fd = FunctionDef(id="f", triggers=[Trigger("e")])
         sessions = [
             await s.register_worker(
-                node_id=f"n{i}", worker_id=f"w{i}", mode="stream", max_concurrent_jobs=200,
-                functions=[fd], session_expiry_s=300,
+                node_id=f"n{i}",
+                worker_id=f"w{i}",
+                mode="stream",
+                max_concurrent_jobs=200,
+                functions=[fd],
+                session_expiry_s=300,
             )
             for i, s in enumerate(nodes)
         ]
@@ -55,8 +59,12 @@ async def test_concurrency_limit_holds_across_two_nodes(pg_url):
         fd = FunctionDef(id="f", triggers=[Trigger("e")], concurrency=Concurrency(limit=3))
         sessions = [
             await s.register_worker(
-                node_id=f"n{i}", worker_id=f"w{i}", mode="stream", max_concurrent_jobs=50,
-                functions=[fd], session_expiry_s=300,
+                node_id=f"n{i}",
+                worker_id=f"w{i}",
+                mode="stream",
+                max_concurrent_jobs=50,
+                functions=[fd],
+                session_expiry_s=300,
             )
             for i, s in enumerate(nodes)
         ]
@@ -78,3 +86,16 @@ async def test_concurrency_limit_holds_across_two_nodes(pg_url):
     finally:
         for s in nodes:
             await s.close()
+
+
+async def test_cancelled_caller_leaves_the_pool_usable(pg_url):
+    store = open_store(pg_url)
+    await store.open()
+    try:
+        for _ in range(20):
+            with trio.move_on_after(0.0005):
+                await store.ingest_event("e", {}, None, idempotency_window_s=1)
+        assert await store.db_now() > 1e9
+        assert len(await store.list_runs()) == 0
+    finally:
+        await store.close()
