@@ -1,0 +1,692 @@
+#!/usr/bin/env python
+"""Throughput and latency benchmark of an Ironflow node with one streaming worker.
+
+    python scripts/bench.py [--runs 1000] [--repeat 3] [--backend sqlite|postgres|both]
+                            [--concurrency 50] [--inflight 32] [--json] [--profile]
+
+For each repeat a FRESH node is started as a subprocess (``python -m
+ironflow.node --dev`` on a free port, with a fresh temp state dir and SQLite
+file, or a fresh database on a throwaway PostgreSQL cluster that this script
+starts and stops itself), then ONE worker subprocess (this script re-invoked
+with the hidden ``--worker`` flag: a ``StreamingWorker`` with
+``max_concurrent_jobs=--concurrency`` serving a function of three trivial
+``ctx.step.run`` steps). The worker streams, per run, the wall-clock time its
+handler first started and how long each ``ctx.step.run`` call took into a
+JSON-lines file.
+
+Each repeat has two phases:
+
+* idle: ``--idle-events`` (50) events emitted one at a time, ``--idle-gap``
+  (50 ms) apart, the worker otherwise idle. Its emit→handler-start p50 is the
+  figure the target "emit→start p50 ≤ 10 ms" refers to.
+* loaded: ``--runs`` events emitted over HTTP with at most ``--inflight``
+  requests in flight; wait until every run is ``completed``.
+
+Reported per repeat and as the MEDIAN over repeats: runs/s and steps/s
+(runs × 3 steps / (last run's ``ended_at`` − first emit's send time)),
+emit→handler-start p50/p99 (handler start − emit request send time, per
+run), ``ctx.step.run`` round trip p50, and the peak RSS (``VmHWM``) of the
+node and of the worker, read just before they are stopped.
+
+``--profile`` adds one extra, unreported repeat (first backend) with
+``py-spy`` attached to the node and the worker during the loaded phase and
+prints their hotspots (own time and inclusive time per function).
+
+Nothing here is hard-coded: every figure printed is measured by this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import json
+import math
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+STEPS_PER_RUN = 3
+LOAD_EVENT = "bench.load"
+IDLE_EVENT = "bench.idle"
+LOAD_FN = "bench-load"
+IDLE_FN = "bench-idle"
+
+
+# ═══════════════════════════════════════════════════════════════════════════
+# worker mode (a subprocess)
+# ═══════════════════════════════════════════════════════════════════════════
+
+
+def worker_main(server: str, out: str, concurrency: int) -> None:
+    import trio
+
+    import ironflow
+
+    pending: list[dict[str, Any]] = []
+    first_start: dict[str, float] = {}
+
+    async def trivial(i: int) -> dict[str, Any]:
+        return {"i": i, "ok": True}
+
+    async def body(ctx: Any) -> dict[str, Any]:
+        started = time.time()
+        run_id = ctx.run.id
+        first = first_start.setdefault(run_id, started)
+        rtts = []
+        for i in range(STEPS_PER_RUN):
+            t0 = time.perf_counter()
+            await ctx.step.run(f"s{i}", trivial, i)
+            rtts.append(time.perf_counter() - t0)
+        pending.append(
+            {"run": run_id, "fn": ctx.run.function_id, "start": first, "segment_start": started,
+             "end": time.time(), "steps": rtts}
+        )
+        return {"ok": True}
+
+    @ironflow.function(LOAD_FN, triggers=[ironflow.event(LOAD_EVENT)])
+    async def bench_load(ctx: Any) -> dict[str, Any]:
+        return await body(ctx)
+
+    @ironflow.function(IDLE_FN, triggers=[ironflow.event(IDLE_EVENT)])
+    async def bench_idle(ctx: Any) -> dict[str, Any]:
+        return await body(ctx)
+
+    fh = open(out, "a", buffering=1)
+
+    def flush() -> None:
+        if pending:
+            fh.write("".join(json.dumps(r) + "\n" for r in pending))
+            pending.clear()
+            fh.flush()
+
+    async def flusher() -> None:
+        while True:
+            await trio.sleep(0.1)
+            flush()
+
+    async def main() -> None:
+        worker = ironflow.StreamingWorker(
+            server, [bench_load, bench_idle], max_concurrent_jobs=concurrency,
+            drain_timeout=10.0, reconnect_delay=0.5, handle_signals=True,
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            fh.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
+            fh.flush()
+            nursery.start_soon(flusher)
+            await worker._finished.wait()
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        flush()
+        fh.close()
+
+
+# ═══════════════════════════════════════════════════════════════════════════
+# process helpers
+# ═══════════════════════════════════════════════════════════════════════════
+
+_LIVE: list[subprocess.Popen[bytes]] = []
+_TEMPS: list[str] = []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for k in [k for k in env if k.startswith("IRONFLOW_")]:
+        del env[k]  # the node gets its settings from our flags only
+    return env
+
+
+def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
+    fh = open(log, "wb")
+    try:
+        p = subprocess.Popen(cmd, cwd=str(REPO), env=_env(), stdout=fh, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    finally:
+        fh.close()
+    _LIVE.append(p)
+    return p
+
+
+def _stop(p: subprocess.Popen[bytes] | None, *, sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
+    """SIGTERM (drain), a second SIGTERM (stop now), then SIGKILL."""
+    if p is None:
+        return
+    try:
+        for s, wait in ((sig, grace), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            if p.poll() is not None:
+                break
+            try:
+                p.send_signal(s)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        if p in _LIVE:
+            _LIVE.remove(p)
+
+
+def _cleanup_all() -> None:
+    for p in list(_LIVE):
+        _stop(p, grace=3.0)
+    for d in list(_TEMPS):
+        shutil.rmtree(d, ignore_errors=True)
+        _TEMPS.remove(d)
+
+
+def _vm_hwm_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _mkdtemp(prefix: str) -> str:
+    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    _TEMPS.append(d)
+    return d
+
+
+# ── throwaway PostgreSQL cluster (same approach as tests/conftest.py) ─────────
+
+
+def _pg_cmd(args: list[str]) -> list[str]:
+    # initdb/postgres refuse to run as root: drop to the postgres user.
+    return ["runuser", "-u", "postgres", "--", *args] if os.geteuid() == 0 else args
+
+
+class PgCluster:
+    def __init__(self) -> None:
+        self.base = ""
+        self.data = ""
+        self.url = ""
+        self.pg_ctl = ""
+        self.started = False
+
+    def start(self) -> str:
+        found = [c for c in sorted(glob.glob("/usr/lib/postgresql/*/bin")) if Path(c, "initdb").exists()]
+        if found:
+            bin_dir = found[-1]
+        elif shutil.which("initdb"):
+            bin_dir = str(Path(shutil.which("initdb") or "").parent)
+        else:
+            raise SystemExit("PostgreSQL server binaries not found (initdb); install postgresql-15")
+        self.base = _mkdtemp("ifbpg.")  # short: socket path ≤ 107 bytes
+        if os.geteuid() == 0:
+            shutil.chown(self.base, "postgres", "postgres")
+        self.data = f"{self.base}/data"
+        port = _free_port()
+        run: dict[str, Any] = {"cwd": "/", "check": True, "capture_output": True}
+        subprocess.run(_pg_cmd([f"{bin_dir}/initdb", "-D", self.data, "-U", "postgres", "-A", "trust",
+                                "-E", "UTF8", "--no-sync"]), **run)
+        self.pg_ctl = f"{bin_dir}/pg_ctl"
+        self.started = True
+        subprocess.run(_pg_cmd([self.pg_ctl, "-D", self.data, "-l", f"{self.base}/log", "-w", "-t", "30",
+                                "start", "-o",
+                                f"-p {port} -k {self.base} -c listen_addresses=127.0.0.1 -c fsync=off"
+                                " -c max_connections=200"]), **run)
+        self.url = f"postgresql://postgres@127.0.0.1:{port}"
+        return self.url
+
+    def new_db(self) -> str:
+        import psycopg
+
+        name = "bench_" + os.urandom(5).hex()
+        with psycopg.connect(f"{self.url}/postgres", autocommit=True) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+        return f"{self.url}/{name}"
+
+    def stop(self) -> None:
+        if self.started:
+            subprocess.run(_pg_cmd([self.pg_ctl, "-D", self.data, "-m", "fast", "-w", "stop"]), cwd="/",
+                           capture_output=True)
+            self.started = False
+        if self.base:
+            shutil.rmtree(self.base, ignore_errors=True)
+            if self.base in _TEMPS:
+                _TEMPS.remove(self.base)
+
+
+# ═══════════════════════════════════════════════════════════════════════════
+# measurement
+# ═══════════════════════════════════════════════════════════════════════════
+
+
+def pct(values: list[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, math.ceil(p / 100.0 * len(s)) - 1))
+    return s[k]
+
+
+def _read_records(path: Path) -> list[dict[str, Any]]:
+    out = []
+    if not path.exists():
+        return out
+    with open(path) as fh:
+        for line in fh:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass  # a partially written last line
+    return out
+
+
+async def _wait_ready(url: str, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient(timeout=2.0) as c:
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"node exited with {proc.returncode}; log:\n{log.read_text()[-3000:]}")
+            try:
+                r = await c.get(f"{url}/readyz")
+                if r.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.05)
+    raise RuntimeError(f"node not ready within {timeout}s; log:\n{log.read_text()[-3000:]}")
+
+
+async def _wait_worker_ready(out: Path, proc: subprocess.Popen[bytes], log: Path, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited with {proc.returncode}; log:\n{log.read_text()[-3000:]}")
+        if any(r.get("ready") for r in _read_records(out)):
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError(f"worker not ready within {timeout}s; log:\n{log.read_text()[-3000:]}")
+
+
+async def _emit(client: Any, url: str, name: str, i: int, sent: dict[str, float]) -> None:
+    t = time.time()
+    r = await client.post(f"{url}/v1/events", json={"name": name, "data": {"i": i}})
+    r.raise_for_status()
+    run_ids = r.json()["run_ids"]
+    if len(run_ids) != 1:
+        raise RuntimeError(f"emit {name} started {len(run_ids)} runs, expected 1: {r.text}")
+    sent[run_ids[0]] = t
+
+
+async def _wait_done(client: Any, url: str, out: Path, fn: str, n: int, timeout: float,
+                     proc: subprocess.Popen[bytes]) -> list[dict[str, Any]]:
+    """Wait until the worker reported ``n`` handlers of ``fn`` done, then until the
+    engine shows ``n`` runs of ``fn`` completed; return their RunRecords."""
+    deadline = time.monotonic() + timeout
+    while True:
+        done = sum(1 for r in _read_records(out) if r.get("fn") == fn)
+        if done >= n:
+            break
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited with {proc.returncode} after {done}/{n} runs")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {done}/{n} {fn} handlers finished within {timeout}s")
+        await asyncio.sleep(0.1)
+    while True:
+        r = await client.get(f"{url}/v1/runs", params={"status": "completed", "function": fn,
+                                                       "limit": n + 100})
+        r.raise_for_status()
+        runs = r.json()["runs"]
+        if len(runs) >= n:
+            return runs
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"only {len(runs)}/{n} {fn} runs completed within {timeout}s")
+        await asyncio.sleep(0.25)
+
+
+class Profiler:
+    """py-spy attached to a pid, raw (collapsed) output."""
+
+    def __init__(self, pid: int, out: Path, log: Path) -> None:
+        spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        self.out = out
+        self.proc = _spawn([spy, "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
+                            "--nonblocking", "--threads", "-o", str(out)], log)
+
+    def stop(self) -> None:
+        _stop(self.proc, sig=signal.SIGINT, grace=30.0)
+
+
+async def one_repeat(args: argparse.Namespace, backend: str, pg: PgCluster | None,
+                     profile: bool = False) -> dict[str, Any]:
+    import httpx
+
+    tmp = Path(_mkdtemp("ifbench."))
+    node = worker = None
+    profilers: dict[str, Profiler] = {}
+    try:
+        db = pg.new_db() if backend == "postgres" and pg else str(tmp / "state" / "ironflow.db")
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        node_log = tmp / "node.log"
+        node = _spawn([sys.executable, "-m", "ironflow.node", "--dev", "--port", str(port), "--db", db,
+                       "--state-dir", str(tmp / "state"), "--log-level", args.node_log_level], node_log)
+        await _wait_ready(url, node, node_log)
+        out = tmp / "worker.jsonl"
+        worker_log = tmp / "worker.log"
+        worker = _spawn([sys.executable, str(Path(__file__).resolve()), "--worker", "--server", url,
+                         "--out", str(out), "--concurrency", str(args.concurrency)], worker_log)
+        await _wait_worker_ready(out, worker, worker_log)
+
+        limits = httpx.Limits(max_connections=args.inflight, max_keepalive_connections=args.inflight)
+        async with httpx.AsyncClient(timeout=60.0, limits=limits) as client:
+            # ── idle phase: one event at a time, the worker otherwise idle ──
+            idle_sent: dict[str, float] = {}
+            for i in range(args.idle_events):
+                await _emit(client, url, IDLE_EVENT, i, idle_sent)
+                await asyncio.sleep(args.idle_gap)
+            await _wait_done(client, url, out, IDLE_FN, args.idle_events, args.timeout, worker)
+
+            # ── loaded phase ──
+            if profile:
+                profilers["node"] = Profiler(node.pid, tmp / "node.prof", tmp / "spy-node.log")
+                profilers["worker"] = Profiler(worker.pid, tmp / "worker.prof", tmp / "spy-worker.log")
+                await asyncio.sleep(1.0)  # let py-spy attach
+            sent: dict[str, float] = {}
+            sem = asyncio.Semaphore(args.inflight)
+
+            async def bounded(i: int) -> None:
+                async with sem:
+                    await _emit(client, url, LOAD_EVENT, i, sent)
+
+            await asyncio.gather(*(bounded(i) for i in range(args.runs)))
+            emits_done = time.time()
+            runs = await _wait_done(client, url, out, LOAD_FN, args.runs, args.timeout, worker)
+        hwm_node = _vm_hwm_kib(node.pid)
+        hwm_worker = _vm_hwm_kib(worker.pid)
+        for p in profilers.values():
+            p.stop()
+        _stop(worker)
+        worker = None
+        _stop(node)
+        node = None
+
+        records = _read_records(out)
+        by_run = {r["run"]: r for r in records if "run" in r}
+        load_runs = [r for r in runs if r["id"] in sent]
+        if len(load_runs) != args.runs:
+            raise RuntimeError(f"{len(load_runs)} of {args.runs} emitted runs completed")
+        first_emit = min(sent.values())
+        last_end = max(float(r["ended_at"]) for r in load_runs)
+        wall = last_end - first_emit
+        lat = [(by_run[rid]["start"] - t) * 1000.0 for rid, t in sent.items()]
+        idle_lat = [(by_run[rid]["start"] - t) * 1000.0 for rid, t in idle_sent.items()]
+        step_rtt = [s * 1000.0 for rid in sent for s in by_run[rid]["steps"]]
+        replays = sum(1 for rid in sent if by_run[rid]["segment_start"] != by_run[rid]["start"])
+        result: dict[str, Any] = {
+            "backend": backend,
+            "runs": args.runs,
+            "wall_s": wall,
+            "emit_phase_s": emits_done - first_emit,
+            "runs_per_s": args.runs / wall,
+            "steps_per_s": args.runs * STEPS_PER_RUN / wall,
+            "emit_start_p50_ms": pct(lat, 50),
+            "emit_start_p99_ms": pct(lat, 99),
+            "idle_emit_start_p50_ms": pct(idle_lat, 50),
+            "idle_emit_start_p99_ms": pct(idle_lat, 99),
+            "step_rtt_p50_ms": pct(step_rtt, 50),
+            "step_rtt_p99_ms": pct(step_rtt, 99),
+            "node_peak_rss_mb": hwm_node / 1024.0 if hwm_node else None,
+            "worker_peak_rss_mb": hwm_worker / 1024.0 if hwm_worker else None,
+            "replayed_segments": replays,
+        }
+        if profile:
+            result["profile"] = {name: analyse_profile(p.out) for name, p in profilers.items()}
+        return result
+    finally:
+        for p in profilers.values():
+            p.stop()
+        _stop(worker)
+        _stop(node)
+        if args.keep:
+            print(f"kept {tmp}", file=sys.stderr)
+            _TEMPS.remove(str(tmp))
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if str(tmp) in _TEMPS:
+                _TEMPS.remove(str(tmp))
+
+
+# ── profile analysis (py-spy raw = collapsed stacks "f (file:line);g (...) count") ──
+
+
+def _frame_key(frame: str) -> str:
+    """'func (path/to/file.py:123)' → 'short/file.py:func'."""
+    frame = frame.strip()
+    if frame.endswith(")") and " (" in frame:
+        func, loc = frame[:-1].rsplit(" (", 1)
+        path = loc.rsplit(":", 1)[0]
+        for marker in ("site-packages/", "/lib/python3"):
+            if marker in path:
+                path = path.split(marker, 1)[1]
+                if marker == "/lib/python3":
+                    path = "stdlib" + path.split("/", 1)[1][len(""):] if "/" in path else path
+                break
+        else:
+            if path.startswith(str(REPO) + "/"):
+                path = path[len(str(REPO)) + 1:]
+        return f"{path}:{func}"
+    return frame
+
+
+def _package(key: str) -> str:
+    path = key.split(":", 1)[0]
+    if path.startswith("stdlib"):
+        rest = path[len("stdlib"):].lstrip("./0123456789")
+        return "stdlib:" + (rest.split("/", 1)[0].removesuffix(".py") or "?")
+    return path.split("/", 1)[0].removesuffix(".py")
+
+
+def analyse_profile(path: Path, top: int = 15) -> dict[str, Any]:
+    if not path.exists():
+        return {"error": "no profile written"}
+    own: Counter[str] = Counter()
+    incl: Counter[str] = Counter()
+    pkg_own: Counter[str] = Counter()
+    threads: Counter[str] = Counter()
+    total = 0
+    for line in path.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        n = int(count)
+        frames = stack.split(";")
+        if frames and frames[0].startswith(("thread (", "process ")):
+            threads[frames[0]] += n
+            frames = [f for f in frames[1:] if not f.startswith(("thread (", "process "))]
+        if not frames:
+            continue
+        keys = [_frame_key(f) for f in frames]
+        total += n
+        own[keys[-1]] += n
+        pkg_own[_package(keys[-1])] += n
+        for k in set(keys):
+            incl[k] += n
+        _ = defaultdict
+    if not total:
+        return {"error": "empty profile"}
+
+    def share(c: Counter[str], k: int) -> list[list[Any]]:
+        return [[name, round(100.0 * v / total, 1)] for name, v in c.most_common(k)]
+
+    proj = Counter({k: v for k, v in incl.items() if k.startswith(("ironflow/", "actors/"))})
+    return {
+        "samples": total,
+        "threads": share(threads, 6),
+        "own": share(own, top),
+        "by_package_own": share(pkg_own, 12),
+        "inclusive_project": share(proj, top),
+    }
+
+
+# ═══════════════════════════════════════════════════════════════════════════
+# reporting
+# ═══════════════════════════════════════════════════════════════════════════
+
+COLUMNS = [
+    ("runs/s", "runs_per_s", "{:.0f}"),
+    ("steps/s", "steps_per_s", "{:.0f}"),
+    ("wall s", "wall_s", "{:.2f}"),
+    ("e→s p50 ms", "emit_start_p50_ms", "{:.1f}"),
+    ("e→s p99 ms", "emit_start_p99_ms", "{:.1f}"),
+    ("idle e→s p50", "idle_emit_start_p50_ms", "{:.2f}"),
+    ("idle e→s p99", "idle_emit_start_p99_ms", "{:.2f}"),
+    ("step p50 ms", "step_rtt_p50_ms", "{:.3f}"),
+    ("node RSS MB", "node_peak_rss_mb", "{:.0f}"),
+    ("wrk RSS MB", "worker_peak_rss_mb", "{:.0f}"),
+]
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    med: dict[str, Any] = {}
+    for _, key, _ in COLUMNS:
+        vals = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+        med[key] = statistics.median(vals) if vals else None
+    return med
+
+
+def print_table(backend: str, rows: list[dict[str, Any]], med: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"\n{backend}: {args.runs} runs × {STEPS_PER_RUN} steps, worker max_concurrent_jobs="
+          f"{args.concurrency}, {args.inflight} emits in flight, idle: {args.idle_events} emits "
+          f"{args.idle_gap * 1000:.0f} ms apart")
+    heads = ["repeat"] + [h for h, _, _ in COLUMNS]
+    widths = [max(6, len(h)) for h in heads]
+    print("  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True)))
+    for label, row in [*((str(i + 1), r) for i, r in enumerate(rows)), ("median", med)]:
+        cells = [label] + [fmt.format(row[k]) if row.get(k) is not None else "-" for _, k, fmt in COLUMNS]
+        print("  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True)))
+
+
+def print_profile(prof: dict[str, Any]) -> None:
+    for name, p in prof.items():
+        if "error" in p:
+            print(f"\nprofile {name}: {p['error']}")
+            continue
+        print(f"\nprofile of the {name} during the loaded phase ({p['samples']} samples, py-spy):")
+        print("  threads: " + ", ".join(f"{t} {s}%" for t, s in p["threads"]))
+        print("  own time by package: " + ", ".join(f"{k} {s}%" for k, s in p["by_package_own"]))
+        print("  own time, top functions:")
+        for k, s in p["own"]:
+            print(f"    {s:5.1f}%  {k}")
+        print("  inclusive time, project functions:")
+        for k, s in p["inclusive_project"]:
+            print(f"    {s:5.1f}%  {k}")
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    backends = ["sqlite", "postgres"] if args.backend == "both" else [args.backend]
+    report: dict[str, Any] = {
+        "config": {"runs": args.runs, "repeat": args.repeat, "concurrency": args.concurrency,
+                   "inflight": args.inflight, "steps_per_run": STEPS_PER_RUN,
+                   "idle_events": args.idle_events, "idle_gap_s": args.idle_gap,
+                   "cpus": os.cpu_count(), "python": sys.version.split()[0]},
+        "backends": {},
+    }
+    pg: PgCluster | None = None
+    try:
+        if "postgres" in backends:
+            pg = PgCluster()
+            pg.start()
+        for backend in backends:
+            rows = []
+            for i in range(args.repeat):
+                if not args.json:
+                    print(f"[{backend}] repeat {i + 1}/{args.repeat} ...", file=sys.stderr, flush=True)
+                rows.append(await one_repeat(args, backend, pg))
+            med = median_row(rows)
+            report["backends"][backend] = {"repeats": rows, "median": med}
+            if not args.json:
+                print_table(backend, rows, med, args)
+        if args.profile:
+            backend = backends[0]
+            if not args.json:
+                print(f"\n[{backend}] profiled repeat (not counted above) ...", file=sys.stderr, flush=True)
+            prow = await one_repeat(args, backend, pg, profile=True)
+            report["profile"] = {"backend": backend, "figures_under_profiler": {
+                k: v for k, v in prow.items() if k != "profile"}, **prow["profile"]}
+            if not args.json:
+                print_profile(prow["profile"])
+    finally:
+        if pg is not None:
+            pg.stop()
+    return report
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", type=int, default=1000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--backend", choices=["sqlite", "postgres", "both"], default="sqlite")
+    ap.add_argument("--concurrency", type=int, default=50, help="worker max_concurrent_jobs")
+    ap.add_argument("--inflight", type=int, default=32, help="emit requests in flight")
+    ap.add_argument("--idle-events", type=int, default=50)
+    ap.add_argument("--idle-gap", type=float, default=0.05, help="seconds between idle emits")
+    ap.add_argument("--timeout", type=float, default=300.0, help="per phase, seconds")
+    ap.add_argument("--node-log-level", default="info", choices=["debug", "info", "warning", "error"])
+    ap.add_argument("--profile", action="store_true", help="one extra repeat under py-spy")
+    ap.add_argument("--keep", action="store_true", help="keep temp dirs (logs, profiles)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--server", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.worker:
+        worker_main(args.server, args.out, args.concurrency)
+        return
+
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        report = asyncio.run(bench(args))
+    except KeyboardInterrupt:
+        print("interrupted; cleaning up", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        _cleanup_all()
+    if args.json:
+        print(json.dumps(report, indent=None))
+
+
+if __name__ == "__main__":
+    main()
