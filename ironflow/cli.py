@@ -43,11 +43,10 @@ EXIT_USAGE = 2
 class CliFailure(click.ClickException):
     """Printed as ``error: <message>`` (plus optional hint lines) on stderr."""
 
-    def __init__(
-        self, message: str, *, exit_code: int = EXIT_FAILURE, hints: Sequence[str] = ()
-    ) -> None:
+    exit_code = EXIT_FAILURE
+
+    def __init__(self, message: str, *, hints: Sequence[str] = ()) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
         self.hints = list(hints)
 
     def show(self, file: Any = None) -> None:
@@ -56,8 +55,14 @@ class CliFailure(click.ClickException):
             click.echo(f"hint: {hint}", err=True)
 
 
+class UsageFailure(CliFailure):
+    """Bad input from the caller (malformed --data, invalid config): exit code 2."""
+
+    exit_code = EXIT_USAGE
+
+
 def _usage_failure(message: str) -> NoReturn:
-    raise CliFailure(message, exit_code=EXIT_USAGE)
+    raise UsageFailure(message)
 
 
 # ── HTTP client ─────────────────────────────────────────────────────────────
@@ -853,10 +858,7 @@ def _mint_in_database(url: str, kind: str, role: str) -> tuple[str, str]:
 
     is_sqlite_path = "://" not in url and not url.startswith("file:")
     if is_sqlite_path and not Path(url).exists():
-        raise CliFailure(
-            f"no database at {url} (start the engine once, or pass the right --db)",
-            exit_code=EXIT_USAGE,
-        )
+        raise UsageFailure(f"no database at {url} (start the engine once, or pass the right --db)")
 
     async def mint() -> tuple[str, str]:
         store = _open_store(url)
