@@ -360,15 +360,25 @@ async def _wait_done(client: Any, url: str, out: Path, fn: str, n: int, timeout:
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {done}/{n} {fn} handlers finished within {timeout}s")
         await asyncio.sleep(0.1)
+    # The API lists at most 1000 runs, newest first: check that no run of ``fn`` is
+    # left in any other status, then fetch the (newest ≤ 1000) completed ones.
+    others = ("waiting_for_capacity", "running", "waiting", "failed", "cancelled")
     while True:
+        left = 0
+        for status in others:
+            r = await client.get(f"{url}/v1/runs", params={"status": status, "function": fn, "limit": 1})
+            r.raise_for_status()
+            left += len(r.json()["runs"])
+            if status in ("failed", "cancelled") and r.json()["runs"]:
+                raise RuntimeError(f"a {fn} run ended {status}: {r.json()['runs'][0]}")
         r = await client.get(f"{url}/v1/runs", params={"status": "completed", "function": fn,
-                                                       "limit": n + 100})
+                                                       "limit": min(n, 1000)})
         r.raise_for_status()
         runs = r.json()["runs"]
-        if len(runs) >= n:
+        if left == 0 and len(runs) >= min(n, 1000):
             return runs
         if time.monotonic() > deadline:
-            raise TimeoutError(f"only {len(runs)}/{n} {fn} runs completed within {timeout}s")
+            raise TimeoutError(f"{fn}: {left} runs not completed within {timeout}s")
         await asyncio.sleep(0.25)
 
 
@@ -442,10 +452,16 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: PgCluster | Non
         records = _read_records(out)
         by_run = {r["run"]: r for r in records if "run" in r}
         load_runs = [r for r in runs if r["id"] in sent]
-        if len(load_runs) != args.runs:
-            raise RuntimeError(f"{len(load_runs)} of {args.runs} emitted runs completed")
+        if len(load_runs) != min(args.runs, 1000):
+            raise RuntimeError(f"{len(load_runs)} of {args.runs} emitted runs listed completed")
+        missing = [rid for rid in sent if rid not in by_run]
+        if missing:
+            raise RuntimeError(f"{len(missing)} runs never reached the worker's handler")
         first_emit = min(sent.values())
-        last_end = max(float(r["ended_at"]) for r in load_runs)
+        # Last completion: the engine's ended_at (exact when runs ≤ 1000, the API's list
+        # limit); the worker's handler-return times are a lower bound for the rest.
+        last_end = max(max(float(r["ended_at"]) for r in load_runs),
+                       max(by_run[rid]["end"] for rid in sent))
         wall = last_end - first_emit
         lat = [(by_run[rid]["start"] - t) * 1000.0 for rid, t in sent.items()]
         idle_lat = [(by_run[rid]["start"] - t) * 1000.0 for rid, t in idle_sent.items()]
@@ -565,6 +581,7 @@ COLUMNS = [
     ("runs/s", "runs_per_s", "{:.0f}"),
     ("steps/s", "steps_per_s", "{:.0f}"),
     ("wall s", "wall_s", "{:.2f}"),
+    ("emit s", "emit_phase_s", "{:.2f}"),
     ("e→s p50 ms", "emit_start_p50_ms", "{:.1f}"),
     ("e→s p99 ms", "emit_start_p99_ms", "{:.1f}"),
     ("idle e→s p50", "idle_emit_start_p50_ms", "{:.2f}"),
