@@ -211,6 +211,16 @@ def _vm_hwm_kib(pid: int) -> int | None:
     return None
 
 
+def _cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` in seconds (all its threads)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
 def _mkdtemp(prefix: str) -> str:
     d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
     _TEMPS.append(d)
@@ -432,6 +442,7 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: PgCluster | Non
                 await asyncio.sleep(1.0)  # let py-spy attach
             sent: dict[str, float] = {}
             sem = asyncio.Semaphore(args.inflight)
+            cpu0 = (_cpu_s(node.pid), _cpu_s(worker.pid), time.process_time())
 
             async def bounded(i: int) -> None:
                 async with sem:
@@ -440,6 +451,7 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: PgCluster | Non
             await asyncio.gather(*(bounded(i) for i in range(args.runs)))
             emits_done = time.time()
             runs = await _wait_done(client, url, out, LOAD_FN, args.runs, args.timeout, worker)
+        cpu1 = (_cpu_s(node.pid), _cpu_s(worker.pid), time.process_time())
         hwm_node = _vm_hwm_kib(node.pid)
         hwm_worker = _vm_hwm_kib(worker.pid)
         for p in profilers.values():
@@ -483,6 +495,10 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: PgCluster | Non
             "node_peak_rss_mb": hwm_node / 1024.0 if hwm_node else None,
             "worker_peak_rss_mb": hwm_worker / 1024.0 if hwm_worker else None,
             "replayed_segments": replays,
+            # CPU seconds used during the loaded phase (incl. the final completion polls)
+            "cpu_node_s": cpu1[0] - cpu0[0],
+            "cpu_worker_s": cpu1[1] - cpu0[1],
+            "cpu_bench_client_s": cpu1[2] - cpu0[2],
         }
         if profile:
             result["profile"] = {name: analyse_profile(p.out) for name, p in profilers.items()}
@@ -589,6 +605,9 @@ COLUMNS = [
     ("step p50 ms", "step_rtt_p50_ms", "{:.3f}"),
     ("node RSS MB", "node_peak_rss_mb", "{:.0f}"),
     ("wrk RSS MB", "worker_peak_rss_mb", "{:.0f}"),
+    ("node CPU s", "cpu_node_s", "{:.2f}"),
+    ("wrk CPU s", "cpu_worker_s", "{:.2f}"),
+    ("emitter CPU s", "cpu_bench_client_s", "{:.2f}"),
 ]
 
 
