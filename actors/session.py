@@ -186,7 +186,10 @@ async def _handle_batch(
                 )
                 answer = Refused(exc.code, str(exc) or "stale execution", getattr(msg, "job_id", None), run_id)
             if answer is not None:
-                await outbox.send(answer)
+                try:
+                    await outbox.send(answer)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # the socket is gone; the store already has the outcome
 
     if len(by_run) == 1:
         await handle_in_order(batch)
@@ -237,9 +240,12 @@ async def run(
         hostname=first.hostname,
     )
     session_id = info.session_id
-    await outbox.send(
-        Registered(session_id, int(t.heartbeat_interval_s * 1000), int(t.lease_expiry_s * 1000))
-    )
+    try:
+        await outbox.send(
+            Registered(session_id, int(t.heartbeat_interval_s * 1000), int(t.lease_expiry_s * 1000))
+        )
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        pass  # gone already: the loop below sees the closed inbound and cleans up
     local = LocalSession(session_id, frozenset(info.function_ids), outbox)
     directory.add(local)
     metrics.WORKERS_CONNECTED.inc()

@@ -250,7 +250,8 @@ def create_app(deps: ApiDeps) -> QuartTrio:
         )
         if not result.duplicate:
             metrics.EVENTS_EMITTED.inc()
-            if result.run_ids:
+            # New runs, and parked runs whose wait_for_event this event matched.
+            if result.run_ids or getattr(result, "resumed_run_ids", None):
                 kick(deps.kicks, "event ingested")
         logs.event(
             log,
@@ -292,7 +293,7 @@ def create_app(deps: ApiDeps) -> QuartTrio:
                     pass  # the fence refuses anything the segment still sends
         metrics.RUNS_FINISHED.labels(status="cancelled").inc()
         logs.event(log, logging.INFO, "run: cancelled", run_id=run_id, session_id=outcome.session_id)
-        kick(deps.kicks, "run cancelled")
+        kick(deps.kicks, "run cancelled")  # a parent waiting on this run may resume
         return _json({"run_id": run_id, "status": "cancelled"})
 
     @app.get("/v1/functions")
@@ -520,23 +521,32 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
             inbound_send.close()
 
     async def writer() -> None:
-        async with outbox_receive:
+        try:
             async for msg in outbox_receive:
                 await ws.send(encoder.encode(msg).decode())
+        finally:
+            # Later sends (dispatcher, session) fail fast instead of queueing
+            # into a socket that is gone.
+            outbox_receive.close()
 
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reader)
             nursery.start_soon(writer)
-            await session_actor.run(
-                deps.store,
-                deps.config,
-                deps.node_id,
-                deps.directory,
-                deps.kicks,
-                inbound_receive,
-                outbox_send,
-            )
+            # Shielded: when the socket drops, the reader is cancelled and
+            # closes the inbound channel; the session still applies every
+            # frame that already arrived (an ack, a step result) before it
+            # closes the session — received data is never dropped.
+            with trio.CancelScope(shield=True):
+                await session_actor.run(
+                    deps.store,
+                    deps.config,
+                    deps.node_id,
+                    deps.directory,
+                    deps.kicks,
+                    inbound_receive,
+                    outbox_send,
+                )
             nursery.cancel_scope.cancel()
     except* _CloseSocket as group:
         exc = group.exceptions[0]

@@ -514,16 +514,19 @@ class SqlStore(Store):
                 {"execution_seq": seq, "session_id": session_id, "recovery_count": count},
             )
             if count > recovery_ceiling:
+                # The ceiling permits `recovery_ceiling` recoveries; this lease
+                # loss is not one of them, so the count stays at the ceiling.
+                count -= 1
                 error = ErrorInfo(
-                    message=f"run recovered {count - 1} times; recovery ceiling is"
-                    f" {recovery_ceiling}",
+                    message=f"segment lost its lease after {count} consecutive recoveries;"
+                    f" recovery ceiling is {recovery_ceiling}",
                     code=RECOVERY_EXHAUSTED,
                     retryable=False,
                 )
                 tx.execute(
-                    "UPDATE runs SET status = 'failed', error = ?, ended_at = ironflow_now(),"
-                    " updated_at = ironflow_now() WHERE id = ?",
-                    (_enc(error), run_id),
+                    "UPDATE runs SET status = 'failed', error = ?, recovery_count = ?,"
+                    " ended_at = ironflow_now(), updated_at = ironflow_now() WHERE id = ?",
+                    (_enc(error), count, run_id),
                 )
                 self._audit_if_enabled(tx, "run.failed", run_id, {"error": error})
                 self._resolve_parent(tx, parent_run_id, parent_step_id, run_id, error=error)

@@ -465,9 +465,11 @@ async def test_recovery_ceiling_fails_run_with_recovery_exhausted(store):
         await store.advance_clock(LEASE + 1)
         await store.heartbeat(s.session_id, [], session_expiry_s=10_000, lease_expiry_s=LEASE)
         (rec,) = await store.expire_leases(recovery_grace_s=GRACE, recovery_ceiling=ceiling)
-    assert rec.exhausted and rec.new_execution_seq is None and rec.recovery_count == ceiling + 1
+    # `ceiling` recoveries were permitted; the next lease loss failed the run.
+    assert rec.exhausted and rec.new_execution_seq is None and rec.recovery_count == ceiling
     run = (await store.get_run(f.run_id)).run
     assert run.status == "failed" and run.error.code == "EXECUTION_RECOVERY_EXHAUSTED"
+    assert run.recovery_count == ceiling
 
 
 async def test_accepted_yield_resets_recovery_count(store):

@@ -1,0 +1,134 @@
+"""Real worker and node processes for crash tests (kill -9, SIGSTOP)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import trio
+
+ROOT = Path(__file__).resolve().parents[2]
+CRASH_WORKER = ROOT / "tests" / "procs" / "crash_worker.py"
+
+
+class Proc:
+    """A child process whose stdout announces readiness with a ``READY`` line."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log_path
+        self._log: IO[bytes] = log_path.open("ab")
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+        )
+        self.pid = self.popen.pid
+
+    async def wait_line(self, prefix: str, timeout: float = 20.0) -> str:
+        assert self.popen.stdout is not None
+        stdout = self.popen.stdout
+        with trio.fail_after(timeout):
+            while True:
+                line = (await trio.to_thread.run_sync(stdout.readline, abandon_on_cancel=True)).decode()
+                if not line:
+                    raise AssertionError(f"process {self.pid} exited before {prefix!r}; log: {self.tail()}")
+                if line.startswith(prefix):
+                    return line.strip()
+
+    def signal(self, sig: int) -> float:
+        """Send ``sig``; returns the wall-clock time just before it was sent."""
+        at = time.time()
+        os.kill(self.pid, sig)
+        return at
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    async def wait_exit(self, timeout: float = 30.0) -> int:
+        with trio.fail_after(timeout):
+            while self.popen.poll() is None:
+                await trio.sleep(0.02)
+        return self.popen.returncode
+
+    def stop(self) -> None:
+        if self.alive():
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+                self.popen.kill()
+            except ProcessLookupError:
+                pass
+        try:
+            self.popen.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        if self.popen.stdout:
+            self.popen.stdout.close()
+        self._log.close()
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+
+async def start_worker(server: str, effects: Path, log_dir: Path, *, pull: bool = False, slow: float = 30.0, name: str = "worker") -> Proc:
+    argv = [sys.executable, str(CRASH_WORKER), server, str(effects), "--slow", str(slow)]
+    if pull:
+        argv.append("--pull")
+    proc = Proc(argv, log_dir / f"{name}.log")
+    await proc.wait_line("READY")
+    return proc
+
+
+async def start_node(db: str, state_dir: Path, log_dir: Path, *, node_id: str, port: int, extra: list[str] | None = None) -> Proc:
+    argv = [
+        sys.executable, "-m", "ironflow.node", "--dev", "--db", db, "--port", str(port),
+        "--node-id", node_id, "--state-dir", str(state_dir), *(extra or []),
+    ]
+    proc = Proc(argv, log_dir / f"{node_id}.log")
+    import httpx
+
+    url = f"http://127.0.0.1:{port}"
+    with trio.fail_after(30):
+        while True:
+            if not proc.alive():
+                raise AssertionError(f"node {node_id} exited: {proc.tail()}")
+            try:
+                async with httpx.AsyncClient() as client:
+                    if (await client.get(url + "/readyz")).status_code == 200:
+                        return proc
+            except httpx.TransportError:
+                pass
+            await trio.sleep(0.1)
+
+
+def read_effects(path: Path) -> list[tuple[float, str, str, int]]:
+    """Every recorded side effect: (time, run_id, what, pid)."""
+    if not path.exists():
+        return []
+    rows: list[tuple[float, str, str, int]] = []
+    for line in path.read_text().splitlines():
+        t, run_id, what, pid = line.split()
+        rows.append((float(t), run_id, what, int(pid)))
+    return rows
+
+
+async def wait_effect(path: Path, run_id: str, what: str, *, pid: int | None = None, timeout: float = 30.0) -> tuple[float, str, str, int]:
+    with trio.fail_after(timeout):
+        while True:
+            for row in read_effects(path):
+                if row[1] == run_id and row[2] == what and (pid is None or row[3] == pid):
+                    return row
+            await trio.sleep(0.005)
+
+
+def count(rows: list[Any], run_id: str, what: str) -> int:
+    return sum(1 for r in rows if r[1] == run_id and r[2] == what)
