@@ -1,8 +1,443 @@
-"""``PullWorker``: the HTTP long-poll transport (not implemented yet)."""
+"""``PullWorker``: runs functions for an engine over HTTP long-poll.
+
+Same ``Context`` and job runner as the streaming worker; only the transport
+differs. The worker registers (``POST /v1/worker/register``), long-polls for
+as many jobs as it has free slots, acks each before running it, posts step
+and job results, and heartbeats its active jobs. A 409 ``STALE_EXECUTION``
+abandons that job; a 404 ``SESSION_NOT_FOUND`` abandons every job and
+re-registers; 401/403 stops the worker.
+"""
 
 from __future__ import annotations
 
+import logging
+import signal
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+import httpx
+import msgspec
+import trio
+
+from ironflow.protocol import (
+    Heartbeat,
+    JobAck,
+    JobAssignment,
+    JobNack,
+    JobNackReason,
+    LeaseStatus,
+    PullPollRequest,
+    PullPollResponse,
+    Register,
+    Registered,
+    encoder,
+)
+from ironflow.sdk.client import auth_headers
+from ironflow.sdk.context import JobState, execute_job
+from ironflow.sdk.errors import IronflowError, WorkerAuthError
+from ironflow.sdk.function import Function
+from ironflow.sdk.streaming import default_worker_id
+
+# Backoff for a terminal result that did not get through (reference SDK: 1, 2, 4, 8 s).
+RESULT_RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)
+# Backoff after a failed poll or registration: start here, double, cap.
+POLL_BACKOFF_S = (1.0, 30.0)
+# Plain calls (ack, steps, results) must answer quickly; the poll gets its wait on top.
+CALL_TIMEOUT_S = 10.0
+# Bound on the goodbye (DELETE session) when stopping gracefully.
+GOODBYE_TIMEOUT_S = 5.0
+
+_log = logging.getLogger("ironflow.worker")
+
+
+class _SessionLost(Exception):
+    """The engine no longer knows this session (404): re-register."""
+
+
+def _fields(**fields: Any) -> dict[str, Any]:
+    return {"fields": {k: v for k, v in fields.items() if v is not None}}
+
+
+def _error_code(resp: httpx.Response) -> str:
+    try:
+        body = msgspec.json.decode(resp.content)
+        return str(body.get("code", "")) if isinstance(body, dict) else ""
+    except msgspec.DecodeError:
+        return ""
+
+
+class _HttpReporter:
+    """Posts a job's step and terminal messages to the engine."""
+
+    __slots__ = ("_worker",)
+
+    def __init__(self, worker: PullWorker):
+        self._worker = worker
+
+    async def step(self, job: JobState, msg: Any) -> None:
+        if job.abandoned:
+            return
+        try:
+            resp = await self._worker._post("/steps", msg)
+        except httpx.HTTPError as exc:
+            # The step's result is lost; a replay re-runs it. The job carries on.
+            _log.warning("Could not report a step: %r", exc, extra=_fields(run_id=msg.run_id))
+            return
+        if resp.status_code == 409:
+            self._worker._abandon(job, "step refused as stale")
+            await trio.lowlevel.checkpoint()  # let the cancellation land now
+
+    async def result(self, job: JobState, msg: Any) -> None:
+        for delay in (*RESULT_RETRY_DELAYS_S, None):
+            if job.abandoned:
+                return
+            try:
+                resp = await self._worker._post("/result", msg)
+            except httpx.HTTPError as exc:
+                _log.warning("Could not report a result: %r", exc, extra=_fields(run_id=msg.run_id))
+            else:
+                if resp.status_code < 400:
+                    return
+                if resp.status_code == 409:
+                    self._worker._abandon(job, "result refused as stale")
+                    return
+                if resp.status_code < 500:
+                    _log.error(
+                        "Result refused: %s %s", resp.status_code, _error_code(resp),
+                        extra=_fields(run_id=msg.run_id),
+                    )
+                    return
+            if delay is None:
+                _log.error("Giving up reporting a result; the lease will expire",
+                           extra=_fields(run_id=msg.run_id))
+                return
+            await trio.sleep(delay)
+
 
 class PullWorker:
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        raise NotImplementedError("PullWorker is not implemented yet")
+    """Executes ``functions`` for the engine at ``server_url`` by HTTP long-poll.
+
+    Arguments match ``StreamingWorker``; ``poll_wait`` is how long one poll
+    may be held open by the node. ``transport`` (an httpx transport) is for
+    tests.
+    """
+
+    def __init__(
+        self,
+        server_url: str,
+        functions: Iterable[Function],
+        *,
+        api_key: str | None = None,
+        max_concurrent_jobs: int = 10,
+        poll_wait: float = 20.0,
+        drain_timeout: float = 30.0,
+        worker_id: str | None = None,
+        heartbeat_interval: float | None = None,
+        reconnect_delay: float = 5.0,
+        handle_signals: bool = True,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        if max_concurrent_jobs < 1:
+            raise ValueError("max_concurrent_jobs must be at least 1")
+        self.server_url = server_url.rstrip("/")
+        self.functions = {f.id: f for f in functions}
+        self.api_key = api_key
+        self.max_concurrent_jobs = max_concurrent_jobs
+        self.poll_wait = poll_wait
+        self.drain_timeout = drain_timeout
+        self.worker_id = worker_id or default_worker_id()
+        self.heartbeat_interval = heartbeat_interval
+        self.reconnect_delay = reconnect_delay
+        self.handle_signals = handle_signals
+        self.session_id: str | None = None
+        self.state = "idle"
+        self._transport = transport
+        self._http: httpx.AsyncClient | None = None
+        self._interval = 30.0
+        self._jobs: dict[str, JobState] = {}
+        self._jobs_changed = trio.Event()
+        self._draining = False
+        self._drain_deadline = 0.0
+        self._stopped = False
+        self._running = False
+        self._finished = trio.Event()
+        self._root_scope: trio.CancelScope | None = None
+        self._poll_scope: trio.CancelScope | None = None
+        self._reporter = _HttpReporter(self)
+
+    @property
+    def active_jobs(self) -> int:
+        return len(self._jobs)
+
+    # ── public control ───────────────────────────────────────────────────
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Register, poll and execute jobs until drained or stopped.
+
+        ``task_status.started()`` fires once registered. 401/403 raises
+        ``WorkerAuthError``; other failures are retried with backoff.
+        """
+        self._running = True
+        fatal: WorkerAuthError | None = None
+        try:
+            async with httpx.AsyncClient(
+                base_url=self.server_url,
+                headers=auth_headers(self.api_key),
+                timeout=httpx.Timeout(CALL_TIMEOUT_S, read=self.poll_wait + CALL_TIMEOUT_S),
+                transport=self._transport,
+            ) as http:
+                self._http = http
+                async with trio.open_nursery() as nursery:
+                    self._root_scope = nursery.cancel_scope
+                    if self._stopped:
+                        nursery.cancel_scope.cancel()
+                    if self.handle_signals:
+                        nursery.start_soon(self._watch_signals)
+                    try:
+                        await self._register()
+                        self.state = "connected"
+                        task_status.started()
+                        nursery.start_soon(self._heartbeat_loop)
+                        await self._poll_loop(nursery)
+                        await self._wait_for_jobs()
+                    except WorkerAuthError as exc:
+                        _log.error("%s; stopping", exc)
+                        fatal = exc
+                    nursery.cancel_scope.cancel()
+                if self.session_id is not None and not self._stopped and fatal is None:
+                    with trio.move_on_after(GOODBYE_TIMEOUT_S):
+                        try:
+                            await http.delete(f"/v1/worker/sessions/{self.session_id}")
+                        except httpx.HTTPError:
+                            pass
+            if fatal is not None:
+                raise fatal
+        finally:
+            self.state = "stopped"
+            self._running = False
+            self._http = None
+            self._finished.set()
+
+    async def drain(self, timeout: float | None = None) -> None:
+        """Drain now (no new jobs; running ones get until the deadline) and wait."""
+        self._begin_drain(self.drain_timeout if timeout is None else timeout)
+        if self._running:
+            await self._finished.wait()
+
+    def stop(self) -> None:
+        """Stop at once: running jobs are cancelled and report nothing."""
+        self._stopped = True
+        if self._root_scope is not None:
+            self._root_scope.cancel()
+
+    # ── internals ────────────────────────────────────────────────────────
+
+    def _begin_drain(self, timeout: float) -> None:
+        if self._draining:
+            return
+        self._draining = True
+        self.state = "draining"
+        self._drain_deadline = trio.current_time() + max(timeout, 0.0)
+        _log.info("Draining worker...", extra=_fields(worker_id=self.worker_id))
+        if self._poll_scope is not None:
+            self._poll_scope.cancel()
+
+    async def _watch_signals(self) -> None:
+        try:
+            receiver = trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
+        except RuntimeError as exc:
+            _log.warning("signal handling unavailable: %s", exc)
+            return
+        with receiver as signals:
+            async for _ in signals:
+                if not self._draining:
+                    self._begin_drain(self.drain_timeout)
+                else:
+                    self.stop()
+                    return
+
+    def _abandon(self, job: JobState, why: str) -> None:
+        if not job.abandoned:
+            a = job.assignment
+            _log.warning(
+                "Abandoning job: %s", why,
+                extra=_fields(run_id=a.run_id, execution_seq=a.execution_seq),
+            )
+            job.abandon()
+
+    async def _post(self, path: str, body: Any) -> httpx.Response:
+        assert self._http is not None
+        return await self._http.post(
+            f"/v1/worker/sessions/{self.session_id}{path}", content=encoder.encode(body)
+        )
+
+    async def _register(self) -> None:
+        assert self._http is not None
+        body = Register(
+            worker_id=self.worker_id,
+            functions=[f.definition for f in self.functions.values()],
+            max_concurrent_jobs=self.max_concurrent_jobs,
+            hostname=socket.gethostname(),
+        )
+        delay = POLL_BACKOFF_S[0]
+        while True:
+            try:
+                resp = await self._http.post("/v1/worker/register", content=encoder.encode(body))
+                if resp.status_code in (401, 403):
+                    raise WorkerAuthError(
+                        f"engine refused the worker's credentials (HTTP {resp.status_code})"
+                    )
+                if resp.status_code >= 400:
+                    raise IronflowError(f"register failed: {resp.status_code} {_error_code(resp)}")
+                reg = msgspec.json.decode(resp.content, type=Registered)
+                break
+            except (httpx.HTTPError, IronflowError, msgspec.DecodeError) as exc:
+                if isinstance(exc, WorkerAuthError):
+                    raise
+                _log.warning("Registration failed: %r; retrying in %.0fs", exc, delay)
+                await trio.sleep(delay)
+                delay = min(delay * 2, POLL_BACKOFF_S[1])
+        self.session_id = reg.session_id
+        self._interval = self.heartbeat_interval or reg.heartbeat_interval_ms / 1000.0
+        _log.info(
+            "Worker registered",
+            extra=_fields(worker_id=self.worker_id, session_id=self.session_id, mode="pull"),
+        )
+
+    async def _reregister(self) -> None:
+        for job in list(self._jobs.values()):
+            self._abandon(job, "session lost")
+        await self._register()
+
+    async def _poll_loop(self, nursery: trio.Nursery) -> None:
+        assert self._http is not None
+        delay = POLL_BACKOFF_S[0]
+        with trio.CancelScope() as scope:
+            self._poll_scope = scope
+            if self._draining:
+                scope.cancel()
+            while not self._draining:
+                free = self.max_concurrent_jobs - len(self._jobs)
+                if free <= 0:
+                    self._jobs_changed = trio.Event()
+                    await self._jobs_changed.wait()
+                    continue
+                try:
+                    resp = await self._post(
+                        "/poll", PullPollRequest(wait_s=self.poll_wait, max_jobs=free)
+                    )
+                    if resp.status_code in (401, 403):
+                        raise WorkerAuthError(f"poll refused (HTTP {resp.status_code})")
+                    if resp.status_code == 404:
+                        raise _SessionLost()
+                    if resp.status_code >= 400:
+                        raise IronflowError(f"poll failed: {resp.status_code} {_error_code(resp)}")
+                    jobs = msgspec.json.decode(resp.content, type=PullPollResponse).jobs
+                except _SessionLost:
+                    await self._reregister()
+                    continue
+                except (httpx.HTTPError, msgspec.DecodeError) as exc:
+                    _log.warning("Poll failed: %r; retrying in %.0fs", exc, delay)
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, POLL_BACKOFF_S[1])
+                    continue
+                except WorkerAuthError:
+                    raise
+                except IronflowError as exc:
+                    _log.warning("%s; retrying in %.0fs", exc, delay)
+                    await trio.sleep(delay)
+                    delay = min(delay * 2, POLL_BACKOFF_S[1])
+                    continue
+                delay = POLL_BACKOFF_S[0]
+                # Shielded: a drain must not cut an ack in half; each call is bounded.
+                with trio.CancelScope(shield=True):
+                    for a in jobs:
+                        await self._on_assignment(a, nursery)
+        self._poll_scope = None
+
+    async def _on_assignment(self, a: JobAssignment, nursery: trio.Nursery) -> None:
+        if a.job_id in self._jobs:
+            return
+        fence = {
+            "job_id": a.job_id,
+            "run_id": a.run_id,
+            "execution_seq": a.execution_seq,
+            "lease_token": a.lease_token,
+        }
+        reason: JobNackReason | None = None
+        if self._draining:
+            reason = "DRAINING"
+            _log.info("Draining, refusing job", extra=_fields(run_id=a.run_id))
+        elif len(self._jobs) >= self.max_concurrent_jobs:
+            reason = "AT_CAPACITY"
+            _log.info("At capacity, refusing job", extra=_fields(run_id=a.run_id))
+        if reason is not None:
+            with trio.move_on_after(CALL_TIMEOUT_S):
+                try:
+                    await self._post("/nack", JobNack(**fence, reason=reason))
+                except httpx.HTTPError as exc:
+                    _log.warning("Could not nack a job: %r", exc, extra=_fields(run_id=a.run_id))
+            return
+        job = JobState(a)
+        self._jobs[a.job_id] = job
+        try:
+            resp = await self._post("/ack", JobAck(**fence))
+            ok = resp.status_code < 400
+        except httpx.HTTPError as exc:
+            _log.warning("Ack failed: %r", exc, extra=_fields(run_id=a.run_id))
+            ok = False
+        if not ok:
+            # Not executed; the engine recovers the segment when its lease expires.
+            del self._jobs[a.job_id]
+            self._jobs_changed.set()
+            return
+        nursery.start_soon(self._run_job, job)
+
+    async def _run_job(self, job: JobState) -> None:
+        try:
+            with job.scope:
+                await execute_job(
+                    self.functions.get(job.assignment.function_id), job, self._reporter
+                )
+        finally:
+            job.done = True
+            if self._jobs.get(job.assignment.job_id) is job:
+                del self._jobs[job.assignment.job_id]
+            self._jobs_changed.set()
+
+    async def _wait_for_jobs(self) -> None:
+        if self._stopped:
+            return
+        if self._jobs:
+            _log.info(f"Waiting for {len(self._jobs)} jobs to complete...")
+        with trio.move_on_at(self._drain_deadline):
+            while self._jobs:
+                self._jobs_changed = trio.Event()
+                await self._jobs_changed.wait()
+        if self._jobs:
+            _log.warning(f"Drain deadline reached; cancelling {len(self._jobs)} active jobs")
+            for job in list(self._jobs.values()):
+                job.abandon()
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await trio.sleep(self._interval)
+            jobs = [j.active_job() for j in self._jobs.values() if not j.abandoned]
+            try:
+                resp = await self._post("/heartbeat", Heartbeat(jobs=jobs))
+            except httpx.HTTPError as exc:
+                _log.warning("Heartbeat failed: %r", exc)
+                continue
+            if resp.status_code == 404:
+                await self._reregister()
+                continue
+            if resp.status_code >= 400:
+                _log.warning("Heartbeat refused: %s %s", resp.status_code, _error_code(resp))
+                continue
+            status = msgspec.json.decode(resp.content, type=LeaseStatus)
+            for js in status.jobs:
+                if js.state in ("STALE", "UNKNOWN"):
+                    job = self._jobs.get(js.job_id)
+                    if job is not None and job.assignment.execution_seq == js.execution_seq:
+                        self._abandon(job, f"lease {js.state}")

@@ -1,0 +1,122 @@
+"""PullWorker against a fake HTTP engine (httpx.MockTransport)."""
+
+from __future__ import annotations
+
+import httpx
+import msgspec
+import trio
+from sdk_fake_engine import make_assignment
+
+import ironflow
+from ironflow.protocol import (
+    JobLeaseStatus,
+    LeaseStatus,
+    PullPollResponse,
+    Registered,
+    encoder,
+    worker_message_decoder,
+)
+
+
+class FakeHttpEngine:
+    def __init__(self, jobs, *, ack_status=200):
+        self.jobs = list(jobs)
+        self.ack_status = ack_status
+        self.calls: list[tuple[str, str, object]] = []
+        self.stale: set[str] = set()
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        body = msgspec.json.decode(request.content) if request.content else None
+        kind = path.rsplit("/", 1)[-1]
+        msg = None
+        if kind in ("ack", "nack", "steps", "result"):
+            msg = worker_message_decoder.decode(request.content)
+        self.calls.append((request.method, kind, msg or body))
+        if kind == "register":
+            out = Registered(session_id="s1", heartbeat_interval_ms=20, lease_expiry_ms=90_000)
+            return httpx.Response(200, content=encoder.encode(out))
+        if kind == "poll":
+            if self.jobs:
+                jobs, self.jobs = self.jobs[: body["max_jobs"]], self.jobs[body["max_jobs"] :]
+                return httpx.Response(200, content=encoder.encode(PullPollResponse(jobs=jobs)))
+            await trio.sleep(min(body["wait_s"], 0.05))
+            return httpx.Response(200, content=b'{"jobs": []}')
+        if kind == "ack":
+            return httpx.Response(self.ack_status, json={"ok": self.ack_status < 400})
+        if kind == "heartbeat":
+            states = [
+                JobLeaseStatus(
+                    job_id=j["job_id"], run_id=j["run_id"], execution_seq=j["execution_seq"],
+                    state="STALE" if j["run_id"] in self.stale else "REFRESHED",
+                )
+                for j in body["jobs"] or []
+            ]
+            return httpx.Response(200, content=encoder.encode(LeaseStatus(jobs=states)))
+        return httpx.Response(200, json={"ok": True})
+
+    def kinds(self):
+        return [k for _, k, _ in self.calls if k not in ("poll", "heartbeat")]
+
+
+def _worker(engine, functions, **kw):
+    return ironflow.PullWorker(
+        "http://engine.test", functions, transport=httpx.MockTransport(engine.handle),
+        handle_signals=False, poll_wait=0.05, **kw,
+    )
+
+
+@ironflow.function(id="fn")
+async def two_steps(ctx):
+    a = await ctx.step.run("a", lambda: 1)
+    b = await ctx.step.run("b", lambda: 2)
+    return a + b
+
+
+async def test_pull_worker_acks_runs_reports_and_says_goodbye():
+    engine = FakeHttpEngine([make_assignment(run_id="p1")])
+    worker = _worker(engine, [two_steps])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        with trio.fail_after(5):
+            while "result" not in engine.kinds():
+                await trio.sleep(0.01)
+        await worker.drain()
+    assert engine.kinds() == ["register", "ack", "steps", "steps", "result", "s1"]
+    result = [m for _, k, m in engine.calls if k == "result"][0]
+    assert result.output == 3
+    assert engine.calls[-1][0] == "DELETE"
+
+
+async def test_pull_worker_drops_job_when_ack_is_refused():
+    engine = FakeHttpEngine([make_assignment(run_id="p2")], ack_status=409)
+    worker = _worker(engine, [two_steps])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        with trio.fail_after(5):
+            while "ack" not in engine.kinds():
+                await trio.sleep(0.01)
+        await trio.sleep(0.05)
+        worker.stop()
+    assert "steps" not in engine.kinds() and "result" not in engine.kinds()
+
+
+async def test_pull_worker_abandons_stale_lease_from_heartbeat():
+    gate = trio.Event()
+
+    @ironflow.function(id="fn")
+    async def blocked(ctx):
+        await gate.wait()
+        return 1
+
+    engine = FakeHttpEngine([make_assignment(run_id="p3")])
+    engine.stale.add("p3")
+    worker = _worker(engine, [blocked])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        with trio.fail_after(5):
+            while "ack" not in engine.kinds() or worker.active_jobs:
+                await trio.sleep(0.01)
+        gate.set()
+        await worker.drain()
+    assert "result" not in engine.kinds()
