@@ -61,13 +61,17 @@ class Ironflow:
         api_key: str | None = None,
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.AsyncBaseTransport | None = None,
     ):
         self.server_url = (
             server_url or os.environ.get("IRONFLOW_SERVER_URL") or DEFAULT_SERVER_URL
         ).rstrip("/")
         self.api_key = api_key if api_key is not None else os.environ.get("IRONFLOW_API_KEY")
         self._http = httpx.AsyncClient(
-            base_url=self.server_url, headers=auth_headers(self.api_key), timeout=timeout
+            base_url=self.server_url,
+            headers=auth_headers(self.api_key),
+            timeout=timeout,
+            transport=transport,
         )
 
     async def __aenter__(self) -> Ironflow:
