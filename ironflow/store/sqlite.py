@@ -77,6 +77,14 @@ def _sqlite_path(url: str) -> str:
     return url
 
 
+class _Inline:
+    """Stands in for a Trio token when the transaction ran on the Trio thread."""
+
+    @staticmethod
+    def run_sync_soon(deliver: Callable[[Any], None], result: Any) -> None:
+        deliver(result)
+
+
 class SqliteStore(SqlStore):
     """Engine state in one SQLite file.
 
@@ -86,15 +94,24 @@ class SqliteStore(SqlStore):
     ``path``: a filesystem path, ``sqlite:///path``, or ``:memory:`` (a temp
     file). ``now``: the clock behind ``ironflow_now()`` (default
     ``time.time``); tests pass one driven by ``trio.testing.MockClock``.
+
+    ``inline=True`` (virtual-time tests only) runs every transaction on the
+    calling Trio thread instead of the writer thread: no thread ever holds a
+    request, so ``MockClock(autojump_threshold=0)`` cannot jump while the
+    database works, and ``now`` may then read ``trio.current_time()``.
     """
 
-    def __init__(self, path: str, *, now: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, path: str, *, now: Callable[[], float] | None = None, inline: bool = False
+    ) -> None:
         super().__init__()
         self.path = _sqlite_path(path)
         self._clock = now or time.time
         self._skew = 0.0
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._inline = inline
+        self._inline_conn: sqlite3.Connection | None = None
 
     def _db_clock(self) -> float:
         return self._clock() + self._skew
@@ -102,6 +119,10 @@ class SqliteStore(SqlStore):
     # lifecycle --------------------------------------------------------------------
 
     async def open(self) -> None:
+        if self._inline:
+            if self._inline_conn is None:
+                self._inline_conn = self._connect()
+            return
         if self._thread is not None:
             return
         ready: trio.Event = trio.Event()
@@ -125,6 +146,9 @@ class SqliteStore(SqlStore):
             raise failure[0]
 
     async def close(self) -> None:
+        if self._inline_conn is not None:
+            self._inline_conn.close()
+            self._inline_conn = None
         if self._thread is None:
             return
         self._requests.put(None)
@@ -201,6 +225,15 @@ class SqliteStore(SqlStore):
     # the Trio side ----------------------------------------------------------------
 
     async def _transact(self, work: Callable[[Tx], T]) -> T:
+        if self._inline_conn is not None:
+            inline_box: list[outcome.Outcome[T]] = []
+            self._commit_group(
+                self._inline_conn,
+                _SqliteTx(self._inline_conn),
+                [(work, _Inline, inline_box.append)],
+            )
+            await trio.lowlevel.checkpoint()
+            return inline_box[0].unwrap()
         if self._thread is None:
             raise RuntimeError("SqliteStore is not open")
         done = trio.Event()
