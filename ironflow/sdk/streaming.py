@@ -92,6 +92,16 @@ class _OutboxReporter:
     result = step
 
 
+class _Flushed:
+    """An outbox entry whose sender wants to know when it reached the socket."""
+
+    __slots__ = ("message", "written")
+
+    def __init__(self, message: Any) -> None:
+        self.message = message
+        self.written = trio.Event()
+
+
 class StreamingWorker:
     """Executes ``functions`` for the engine at ``server_url`` over a websocket.
 
@@ -321,6 +331,10 @@ class StreamingWorker:
                 if msg is _CLOSE:
                     await ws.aclose(1000)
                     break
+                if isinstance(msg, _Flushed):
+                    await ws.send_message(encoder.encode(msg.message).decode())
+                    msg.written.set()
+                    continue
                 await ws.send_message(encoder.encode(msg).decode())
         except ConnectionClosed:
             pass
@@ -441,7 +455,7 @@ class StreamingWorker:
             return
         job = JobState(a)
         self._jobs[a.job_id] = job
-        await send.send(
+        acked = _Flushed(
             JobAck(
                 job_id=a.job_id,
                 run_id=a.run_id,
@@ -449,11 +463,15 @@ class StreamingWorker:
                 lease_token=a.lease_token,
             )
         )
-        nursery.start_soon(self._run_job, job, reporter)
+        await send.send(acked)
+        nursery.start_soon(self._run_job, job, reporter, acked.written)
 
-    async def _run_job(self, job: JobState, reporter: _OutboxReporter) -> None:
+    async def _run_job(self, job: JobState, reporter: _OutboxReporter, acked: trio.Event) -> None:
         try:
             with job.scope:
+                # User code runs only once the JobAck is on the wire: a handler
+                # that dies at once still left the engine a lease to recover.
+                await acked.wait()
                 await execute_job(self.functions.get(job.assignment.function_id), job, reporter)
         finally:
             job.done = True

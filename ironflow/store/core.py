@@ -141,6 +141,9 @@ class Tx(Protocol):
     def lock(self, of: str | None = None) -> str:
         """``FOR UPDATE [OF of] SKIP LOCKED`` on PostgreSQL, ``""`` on SQLite."""
 
+    def lock_wait(self) -> str:
+        """``FOR UPDATE`` (waits for a concurrent holder) on PostgreSQL, ``""`` on SQLite."""
+
     def advisory_lock(self, key: str) -> None:
         """Transaction-scoped named lock on PostgreSQL; a no-op on SQLite."""
 
@@ -734,7 +737,7 @@ class SqlStore(Store):
             if recover_leases:
                 leases = tx.fetchall(
                     "SELECT run_id, execution_seq, function_id, session_id"
-                    f" FROM concurrency_leases WHERE session_id = ? {tx.lock()}",
+                    f" FROM concurrency_leases WHERE session_id = ? {tx.lock_wait()}",
                     (session_id,),
                 )
                 recovered = self._recover(
@@ -832,7 +835,7 @@ class SqlStore(Store):
         def work(tx: Tx) -> CancelOutcome:
             run = tx.fetchone(
                 "SELECT status, current_execution_seq, parent_run_id, parent_step_id"
-                f" FROM runs WHERE id = ? {tx.lock()}",
+                f" FROM runs WHERE id = ? {tx.lock_wait()}",
                 (run_id,),
             )
             if run is None:

@@ -10,6 +10,8 @@ cancellation propagates once the thread is done.
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -36,6 +38,12 @@ def _pg_sql(sql: str) -> str:
     return out
 
 
+
+# A transaction PostgreSQL aborted as a deadlock victim (or serialization
+# failure) is retried this many times in all, with a short linear backoff.
+TX_ATTEMPTS = 5
+TX_RETRY_BACKOFF_S = 0.005
+
 class _PgTx:
     """:class:`~ironflow.store.core.Tx` over one psycopg connection inside a transaction."""
 
@@ -61,6 +69,9 @@ class _PgTx:
 
     def lock(self, of: str | None = None) -> str:
         return f"FOR UPDATE OF {of} SKIP LOCKED" if of else "FOR UPDATE SKIP LOCKED"
+
+    def lock_wait(self) -> str:
+        return "FOR UPDATE"
 
     def advisory_lock(self, key: str) -> None:
         self._cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (key,))
@@ -113,13 +124,22 @@ class PostgresStore(SqlStore):
         finished = False
 
         def run() -> T:
-            with self._pool.connection() as conn:
-                held.append(conn)
+            for attempt in range(1, TX_ATTEMPTS + 1):
                 try:
-                    with conn.transaction():
-                        return work(_PgTx(conn))
-                finally:
-                    held.clear()
+                    with self._pool.connection() as conn:
+                        held.append(conn)
+                        try:
+                            with conn.transaction():
+                                return work(_PgTx(conn))
+                        finally:
+                            held.clear()
+                except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
+                    # PostgreSQL rolled the whole transaction back: it had no
+                    # effect, and every method is one closure, so run it again.
+                    if attempt == TX_ATTEMPTS:
+                        raise
+                    time.sleep(TX_RETRY_BACKOFF_S * attempt)
+            raise AssertionError("unreachable")
 
         async def interrupt_on_cancel() -> None:
             try:

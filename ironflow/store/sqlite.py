@@ -60,6 +60,9 @@ class _SqliteTx:
     def lock(self, of: str | None = None) -> str:
         return ""  # the single writer already serialises every transaction
 
+    def lock_wait(self) -> str:
+        return ""
+
     def advisory_lock(self, key: str) -> None:
         pass
 
