@@ -42,9 +42,10 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True):
     waker_interval_s: float = 1.0
     drain_timeout_s: float = 25.0
     node_heartbeat_s: float = 10.0
-    # The dispatcher is kicked when work appears; this idle re-check only covers
-    # work made runnable by another node sharing the database.
-    dispatch_idle_poll_s: float = 2.0
+    # The dispatcher is kicked when work appears (locally, or from another node
+    # through PostgreSQL LISTEN/NOTIFY); this idle re-check is only the safety
+    # net for a notification lost while the listener reconnects.
+    dispatch_idle_poll_s: float = 10.0
     # Ceiling on how long a pull worker's poll is held open by the node.
     poll_max_wait_s: float = 30.0
     # An actor that crashes is restarted after this backoff, doubling to the cap.

@@ -9,6 +9,7 @@
     ├── capacity-scanner    loop 1
     ├── waker               elapsed sleeps, timed-out waits/invokes
     ├── stale-claim-sweeper loop 2
+    ├── kick-listener       PostgreSQL LISTEN/NOTIFY → kicks from other nodes
     ├── node-heartbeat
     └── drain-coordinator   SIGTERM/SIGINT → Shutdown to every session
 
@@ -35,6 +36,7 @@ from actors import (
     capacity_scanner,
     dispatcher,
     drain_coordinator,
+    kick_listener,
     node_heartbeat,
     stale_claim_sweeper,
     waker,
@@ -117,6 +119,7 @@ class Node:
                 await supervisor.start(
                     "dispatcher", dispatcher.run, store, config, self.node_id, self.directory, kick_receive
                 )
+                await supervisor.start("kick-listener", kick_listener.run, store, kick_send)
                 await supervisor.start("capacity-scanner", capacity_scanner.run, store, config, kick_send)
                 await supervisor.start("waker", waker.run, store, config, self.node_id, kick_send)
                 await supervisor.start("stale-claim-sweeper", stale_claim_sweeper.run, store, config)

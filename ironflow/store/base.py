@@ -12,9 +12,11 @@ Nothing outside ``ironflow/store`` writes SQL.
 from __future__ import annotations
 
 import abc
+from collections.abc import Callable
 from typing import Any, Literal
 
 import msgspec
+import trio
 
 from ironflow.protocol import (
     ActiveJob,
@@ -520,6 +522,17 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def authenticate(self, key: str) -> Principal | None: ...
+
+    @abc.abstractmethod
+    async def watch_kicks(
+        self,
+        on_kick: Callable[[], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Until cancelled, call ``on_kick`` whenever ANOTHER node (or this one)
+        committed work that became claimable (PostgreSQL ``LISTEN/NOTIFY``; a
+        no-op on SQLite, which has one node)."""
 
     # tests -------------------------------------------------------------------------
 

@@ -144,6 +144,9 @@ class Tx(Protocol):
     def lock_wait(self) -> str:
         """``FOR UPDATE`` (waits for a concurrent holder) on PostgreSQL, ``""`` on SQLite."""
 
+    def notify(self) -> None:
+        """Tell every node's dispatcher, at commit, that queue rows became claimable."""
+
     def advisory_lock(self, key: str) -> None:
         """Transaction-scoped named lock on PostgreSQL; a no-op on SQLite."""
 
@@ -341,6 +344,7 @@ class SqlStore(Store):
         reason: str,
     ) -> float:
         """Put segment ``(run_id, seq)`` on the queue (replacing any older row of the run)."""
+        tx.notify()
         row = tx.fetchone(
             "INSERT INTO dispatch_queue (run_id, execution_seq, function_id, concurrency_key,"
             " eligible_at, reason, enqueued_at) VALUES (?, ?, ?, ?, ironflow_now() + ?, ?,"
@@ -727,6 +731,7 @@ class SqlStore(Store):
         recovery_ceiling: int,
     ) -> list[RecoveredSegment]:
         def work(tx: Tx) -> list[RecoveredSegment]:
+            tx.notify()  # its reservations become claimable by any node
             tx.execute(
                 "UPDATE dispatch_queue SET reservation_owner = NULL,"
                 " reservation_expires_at = NULL, lease_token_hash = NULL"
@@ -1056,6 +1061,7 @@ class SqlStore(Store):
 
     async def release_reservation(self, session_id: str, run_id: str, execution_seq: int) -> None:
         def work(tx: Tx) -> None:
+            tx.notify()
             if tx.execute(
                 "UPDATE dispatch_queue SET reservation_owner = NULL,"
                 " reservation_expires_at = NULL, lease_token_hash = NULL"
@@ -1406,6 +1412,7 @@ class SqlStore(Store):
             f" LIMIT {SCAN_BATCH} {tx.lock()}"
         )
         if rows:
+            tx.notify()
             tx.executemany(
                 "UPDATE dispatch_queue SET reservation_owner = NULL,"
                 " reservation_expires_at = NULL, lease_token_hash = NULL"

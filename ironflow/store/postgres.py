@@ -10,6 +10,7 @@ cancellation propagates once the thread is done.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from collections.abc import Callable, Iterable, Sequence
@@ -42,6 +43,10 @@ def _pg_sql(sql: str) -> str:
 # A transaction PostgreSQL aborted as a deadlock victim (or serialization
 # failure) is retried this many times in all, with a short linear backoff.
 TX_ATTEMPTS = 5
+# LISTEN/NOTIFY channel that carries dispatcher kicks between nodes.
+KICK_CHANNEL = "ironflow_kick"
+# How often the listener thread looks up from its socket to see if it must stop.
+LISTEN_POLL_S = 0.5
 TX_RETRY_BACKOFF_S = 0.005
 
 class _PgTx:
@@ -51,6 +56,7 @@ class _PgTx:
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self._cur = conn.cursor()
+        self._notified = False
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         self._cur.execute(_pg_sql(sql), params, prepare=True)
@@ -72,6 +78,12 @@ class _PgTx:
 
     def lock_wait(self) -> str:
         return "FOR UPDATE"
+
+    def notify(self) -> None:
+        # Delivered at COMMIT to every node's kick listener (and dropped on rollback).
+        if not self._notified:
+            self._cur.execute("SELECT pg_notify(%s, '')", (KICK_CHANNEL,))
+            self._notified = True
 
     def advisory_lock(self, key: str) -> None:
         self._cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (key,))
@@ -116,6 +128,41 @@ class PostgresStore(SqlStore):
             tx.execute("UPDATE clock_skew SET skew = skew + ? WHERE id = 1", (float(seconds),))
 
         await self._transact(work)
+
+    async def watch_kicks(
+        self,
+        on_kick: Callable[[], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """LISTEN on a dedicated connection; call ``on_kick`` (on the Trio thread)
+        for every notification until cancelled. A lost connection raises."""
+        stop = threading.Event()
+        listening = threading.Event()
+        token = trio.lowlevel.current_trio_token()
+
+        def listen() -> None:
+            with psycopg.connect(self.url, autocommit=True) as conn:
+                conn.execute(f"LISTEN {KICK_CHANNEL}")
+                listening.set()
+                while not stop.is_set():
+                    for _ in conn.notifies(timeout=LISTEN_POLL_S, stop_after=1):
+                        token.run_sync_soon(on_kick)
+
+        async with trio.open_nursery() as nursery:
+
+            async def listener() -> None:
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(listen)
+
+            nursery.start_soon(listener)
+            while not listening.is_set():
+                await trio.sleep(0.01)
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                stop.set()
 
     # transactions -----------------------------------------------------------------
 

@@ -63,6 +63,9 @@ class _SqliteTx:
     def lock_wait(self) -> str:
         return ""
 
+    def notify(self) -> None:
+        pass  # one node per SQLite file: local kicks already cover it
+
     def advisory_lock(self, key: str) -> None:
         pass
 
@@ -161,6 +164,16 @@ class SqliteStore(SqlStore):
 
     async def advance_clock(self, seconds: float) -> None:
         self._skew += seconds
+
+    async def watch_kicks(
+        self,
+        on_kick: Callable[[], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """One node per file: nothing to hear from other nodes."""
+        task_status.started()
+        await trio.sleep_forever()
 
     # the writer thread ------------------------------------------------------------
 
