@@ -33,7 +33,7 @@ log = logging.getLogger("ironflow.capacity")
 EXPIRY_SLACK_S = 0.005
 
 
-async def scan_once(store: Store, config: NodeConfig, kicks: trio.abc.SendChannel[Kick]) -> int:
+async def scan_once(store: Store, config: NodeConfig, kicks: trio.MemorySendChannel[Kick]) -> int:
     """One pass over the three expiry clocks; returns how many things it reclaimed."""
     t = config.timings
     freed = await store.expire_reservations()
@@ -77,7 +77,7 @@ async def scan_once(store: Store, config: NodeConfig, kicks: trio.abc.SendChanne
 async def run(
     store: Store,
     config: NodeConfig,
-    kicks: trio.abc.SendChannel[Kick],
+    kicks: trio.MemorySendChannel[Kick],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:

@@ -20,7 +20,7 @@ class LocalSession:
         self,
         session_id: str,
         function_ids: frozenset[str],
-        outbox: trio.abc.SendChannel[EngineMessage],
+        outbox: trio.MemorySendChannel[EngineMessage],
         *,
         mode: str = "stream",
     ) -> None:

@@ -74,7 +74,7 @@ async def run(
     config: NodeConfig,
     node_id: str,
     directory: SessionDirectory,
-    kicks: trio.abc.ReceiveChannel[Kick],
+    kicks: trio.MemoryReceiveChannel[Kick],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:

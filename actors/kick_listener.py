@@ -16,7 +16,7 @@ from ironflow.store import Store
 
 async def run(
     store: Store,
-    kicks: trio.abc.SendChannel[Kick],
+    kicks: trio.MemorySendChannel[Kick],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:

@@ -12,7 +12,7 @@ class Kick(msgspec.Struct, frozen=True):
     why: str = ""
 
 
-def kick(channel: trio.abc.SendChannel[Kick], why: str = "") -> None:
+def kick(channel: trio.MemorySendChannel[Kick], why: str = "") -> None:
     """Wake the dispatcher without ever blocking the caller.
 
     Kicks coalesce: when the channel is full a round is already pending, so

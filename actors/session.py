@@ -63,7 +63,7 @@ async def handle(
     config: NodeConfig,
     session_id: str,
     msg: WorkerMessage,
-    kicks: trio.abc.SendChannel[Kick],
+    kicks: trio.MemorySendChannel[Kick],
 ) -> EngineMessage | None:
     """Apply one worker message to the store; return the answer to send, if any.
 
@@ -161,8 +161,8 @@ async def _handle_batch(
     config: NodeConfig,
     session_id: str,
     batch: list[WorkerMessage],
-    outbox: trio.abc.SendChannel[EngineMessage],
-    kicks: trio.abc.SendChannel[Kick],
+    outbox: trio.MemorySendChannel[EngineMessage],
+    kicks: trio.MemorySendChannel[Kick],
 ) -> None:
     by_run: dict[str, list[WorkerMessage]] = defaultdict(list)
     for msg in batch:
@@ -204,9 +204,9 @@ async def run(
     config: NodeConfig,
     node_id: str,
     directory: SessionDirectory,
-    kicks: trio.abc.SendChannel[Kick],
-    inbound: trio.abc.ReceiveChannel[WorkerMessage],
-    outbox: trio.abc.SendChannel[EngineMessage],
+    kicks: trio.MemorySendChannel[Kick],
+    inbound: trio.MemoryReceiveChannel[WorkerMessage],
+    outbox: trio.MemorySendChannel[EngineMessage],
     *,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:

@@ -26,7 +26,7 @@ async def run(
     store: Store,
     config: NodeConfig,
     node_id: str,
-    kicks: trio.abc.SendChannel[Kick],
+    kicks: trio.MemorySendChannel[Kick],
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from typing import Any, NoReturn, TypeVar
+from typing import Any, Literal, NoReturn, TypeVar
 
 import msgspec
 import trio
@@ -105,7 +105,7 @@ class ApiDeps:
         config: NodeConfig,
         node_id: str,
         directory: SessionDirectory,
-        kicks: trio.abc.SendChannel[Kick],
+        kicks: trio.MemorySendChannel[Kick],
         shutdown_requested: trio.Event,
         ready: trio.Event,
     ) -> None:
@@ -130,7 +130,7 @@ def _fail(status: int, code: str, message: str) -> NoReturn:
     raise ApiFailure(status, code, message)
 
 
-def _decode(body: bytes, kind: type[T]) -> T:
+def _decode(body: bytes | str, kind: type[T]) -> T:
     if not body.strip():
         _fail(400, "BAD_REQUEST", "request body is empty; expected a JSON object")
     try:
@@ -333,7 +333,7 @@ def create_app(deps: ApiDeps) -> QuartTrio:
                 _fail(401, "UNAUTHORIZED", "an admin API key is required to create keys")
         elif caller.kind == "org" and caller.role != "admin":
             _fail(403, "FORBIDDEN", "only an admin key can create keys")
-        kind = "platform" if body.platform else "org"
+        kind: Literal["org", "platform"] = "platform" if body.platform else "org"
         key_id, key = await store.create_api_key(kind, body.role)
         return _json(KeyCreateResponse(key_id, key, kind, body.role), 201)
 
@@ -491,7 +491,7 @@ def create_app(deps: ApiDeps) -> QuartTrio:
         except ApiFailure as exc:
             return _error(exc.status, exc.code, exc.message)
         await websocket.accept()
-        ws = websocket._get_current_object()  # the tasks below outlive the context lookup
+        ws = websocket._get_current_object()  # type: ignore[attr-defined]  # tasks outlive the context
         await _serve_socket(ws, deps)
         return None
 

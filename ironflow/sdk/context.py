@@ -393,17 +393,12 @@ async def execute_job(
     ``FUNCTION_NOT_FOUND``.
     """
     a = job.assignment
-    fence = {
-        "job_id": a.job_id,
-        "run_id": a.run_id,
-        "execution_seq": a.execution_seq,
-        "lease_token": a.lease_token,
-    }
+    fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
     t0 = time.perf_counter()
     msg: JobCompleted | JobFailed | JobYielded
     if function is None:
         msg = JobFailed(
-            **fence,
+            *fence,
             error=ErrorInfo(
                 message=f"function {a.function_id!r} is not registered on this worker",
                 code="FUNCTION_NOT_FOUND",
@@ -416,15 +411,15 @@ async def execute_job(
             output = await function.handler(ctx)
             raw = encode_strict(output, "handler output")[0]
         except _Yield as y:
-            msg = JobYielded(**fence, step_id=y.step_id, name=y.name, yield_info=y.info)
+            msg = JobYielded(*fence, step_id=y.step_id, name=y.name, yield_info=y.info)
         except Exception as exc:
             _log.debug("handler raised", exc_info=exc, extra={"fields": {"run_id": a.run_id}})
             msg = JobFailed(
-                **fence, error=error_info(exc), duration_ms=(time.perf_counter() - t0) * 1000.0
+                *fence, error=error_info(exc), duration_ms=(time.perf_counter() - t0) * 1000.0
             )
         else:
             msg = JobCompleted(
-                **fence, output=raw, duration_ms=(time.perf_counter() - t0) * 1000.0
+                *fence, output=raw, duration_ms=(time.perf_counter() - t0) * 1000.0
             )
     if not job.abandoned:
         await reporter.result(job, msg)

@@ -359,12 +359,7 @@ class PullWorker:
     async def _on_assignment(self, a: JobAssignment, nursery: trio.Nursery) -> None:
         if a.job_id in self._jobs:
             return
-        fence = {
-            "job_id": a.job_id,
-            "run_id": a.run_id,
-            "execution_seq": a.execution_seq,
-            "lease_token": a.lease_token,
-        }
+        fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
         reason: JobNackReason | None = None
         if self._draining:
             reason = "DRAINING"
@@ -375,14 +370,14 @@ class PullWorker:
         if reason is not None:
             with trio.move_on_after(CALL_TIMEOUT_S):
                 try:
-                    await self._post("/nack", JobNack(**fence, reason=reason))
+                    await self._post("/nack", JobNack(*fence, reason=reason))
                 except httpx.HTTPError as exc:
                     _log.warning("Could not nack a job: %r", exc, extra=_fields(run_id=a.run_id))
             return
         job = JobState(a)
         self._jobs[a.job_id] = job
         try:
-            resp = await self._post("/ack", JobAck(**fence))
+            resp = await self._post("/ack", JobAck(*fence))
             ok = resp.status_code < 400
         except httpx.HTTPError as exc:
             _log.warning("Ack failed: %r", exc, extra=_fields(run_id=a.run_id))

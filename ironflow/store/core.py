@@ -1260,6 +1260,7 @@ class SqlStore(Store):
             )
             wait_event = match = match_value = invoke_run_id = None
             kicked: list[str] = []
+            wake_at: float | None
             if isinstance(info, SleepYield):
                 kind, status, wake_at = "sleep", "sleeping", info.until
             elif isinstance(info, WaitYield):

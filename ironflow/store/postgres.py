@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import threading
 import time
-
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
