@@ -1,9 +1,9 @@
 # Ironflow in Python — developer entry points.
 #
 #   make run     start a --dev engine node on http://localhost:9123 (SQLite under .ironflow/)
-#   make test    the whole test suite, then ruff
+#   make test    the whole test suite, then ruff and mypy
 #   make bench   scripts/bench.py
-#   make lint    ruff
+#   make lint    ruff and mypy
 #
 # The first target that needs it creates .venv with a Python >= 3.11 and installs
 # the package with its dev extras; the stamp file makes later runs skip that step
@@ -36,12 +36,14 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(STAMP) .pytest_cache .ruff_cache .mypy_cache build *.egg-info
