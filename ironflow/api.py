@@ -28,8 +28,11 @@ from actors.messages import Kick, kick
 from ironflow import logs, metrics
 from ironflow.config import NodeConfig
 from ironflow.protocol import (
+    MAX_BATCH_EVENTS,
     Cancel,
     CancelRequest,
+    EmitBatchRequest,
+    EmitBatchResponse,
     EmitRequest,
     EmitResponse,
     EngineMessage,
@@ -262,6 +265,27 @@ def create_app(deps: ApiDeps) -> QuartTrio:
             duplicate=result.duplicate,
         )
         return _json(EmitResponse(result.event_id, result.run_ids, result.duplicate), 200 if result.duplicate else 201)
+
+    @app.post("/v1/events/batch")
+    async def emit_batch() -> Response:
+        await require_org()
+        body = _decode(await request.get_data(), EmitBatchRequest)
+        if not 1 <= len(body.events) <= MAX_BATCH_EVENTS:
+            _fail(400, "VALIDATION_ERROR", f"a batch holds 1..{MAX_BATCH_EVENTS} events")
+        for i, event in enumerate(body.events):
+            if not event.name or len(event.name) > 256:
+                _fail(400, "VALIDATION_ERROR", f"events[{i}]: event name must be 1..256 characters")
+        results = await store.ingest_events(
+            [(e.name, e.data, e.idempotency_key) for e in body.events],
+            idempotency_window_s=config.idempotency_window_s,
+        )
+        fresh = [r for r in results if not r.duplicate]
+        metrics.EVENTS_EMITTED.inc(len(fresh))
+        if any(r.run_ids or getattr(r, "resumed_run_ids", None) for r in fresh):
+            kick(deps.kicks, "events ingested")
+        return _json(
+            EmitBatchResponse([EmitResponse(r.event_id, r.run_ids, r.duplicate) for r in results]), 201
+        )
 
     @app.get("/v1/runs")
     async def list_runs() -> Response:

@@ -319,6 +319,20 @@ class EmitResponse(msgspec.Struct, frozen=True):
     duplicate: bool = False
 
 
+# One batch is one transaction; this bounds how long it holds the writer.
+MAX_BATCH_EVENTS = 1000
+
+
+class EmitBatchRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Body of ``POST /v1/events/batch``: persisted in one transaction, all or none."""
+
+    events: list[EmitRequest]
+
+
+class EmitBatchResponse(msgspec.Struct, frozen=True):
+    events: list[EmitResponse]
+
+
 class InvokeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     data: Any = {}
 

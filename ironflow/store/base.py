@@ -347,6 +347,16 @@ class Store(abc.ABC):
         returns the first event's id and run ids and creates nothing."""
 
     @abc.abstractmethod
+    async def ingest_events(
+        self,
+        events: list[tuple[str, Any, str | None]],
+        *,
+        idempotency_window_s: float,
+    ) -> list[IngestResult]:
+        """:meth:`ingest_event` for each ``(name, data, idempotency_key)``, all in
+        ONE transaction (all persisted, or none)."""
+
+    @abc.abstractmethod
     async def invoke_function(self, function_id: str, data: Any) -> str:
         """Start a run of ``function_id`` directly (synthetic event
         ``ironflow/function.invoked``). Raises FunctionNotFound."""

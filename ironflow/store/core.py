@@ -760,6 +760,31 @@ class SqlStore(Store):
 
     # events and runs ----------------------------------------------------------------
 
+    def _ingest(
+        self, tx: Tx, name: str, data: Any, idempotency_key: str | None, window_s: float
+    ) -> IngestResult:
+        if idempotency_key is not None:
+            tx.advisory_lock("idem:" + idempotency_key)
+            seen = tx.fetchone(
+                "SELECT id, run_ids FROM events WHERE idempotency_key = ?"
+                " AND received_at > ironflow_now() - ? ORDER BY received_at LIMIT 1",
+                (idempotency_key, float(window_s)),
+            )
+            if seen is not None:
+                return IngestResult(seen[0], _dec(seen[1]), True)
+        event_id = self._insert_event(tx, name, data, idempotency_key)
+        run_ids = [
+            self._create_run(tx, fd, event_id, data)
+            for fd in (
+                self._fdef(text) for (text,) in tx.fetchall("SELECT definition FROM functions")
+            )
+            if _triggered(fd, name)
+        ]
+        if run_ids:
+            tx.execute("UPDATE events SET run_ids = ? WHERE id = ?", (_enc(run_ids), event_id))
+        resumed = self._resolve_waits(tx, event_id, name, data)
+        return IngestOutcome(event_id, run_ids, False, resumed_run_ids=resumed)
+
     async def ingest_event(
         self,
         name: str,
@@ -768,30 +793,22 @@ class SqlStore(Store):
         *,
         idempotency_window_s: float,
     ) -> IngestResult:
-        def work(tx: Tx) -> IngestResult:
-            if idempotency_key is not None:
-                tx.advisory_lock("idem:" + idempotency_key)
-                seen = tx.fetchone(
-                    "SELECT id, run_ids FROM events WHERE idempotency_key = ?"
-                    " AND received_at > ironflow_now() - ? ORDER BY received_at LIMIT 1",
-                    (idempotency_key, float(idempotency_window_s)),
-                )
-                if seen is not None:
-                    return IngestResult(seen[0], _dec(seen[1]), True)
-            event_id = self._insert_event(tx, name, data, idempotency_key)
-            run_ids = [
-                self._create_run(tx, fd, event_id, data)
-                for fd in (
-                    self._fdef(text) for (text,) in tx.fetchall("SELECT definition FROM functions")
-                )
-                if _triggered(fd, name)
-            ]
-            if run_ids:
-                tx.execute("UPDATE events SET run_ids = ? WHERE id = ?", (_enc(run_ids), event_id))
-            resumed = self._resolve_waits(tx, event_id, name, data)
-            return IngestOutcome(event_id, run_ids, False, resumed_run_ids=resumed)
+        return await self._transact(
+            lambda tx: self._ingest(tx, name, data, idempotency_key, idempotency_window_s)
+        )
 
-        return await self._transact(work)
+    async def ingest_events(
+        self,
+        events: list[tuple[str, Any, str | None]],
+        *,
+        idempotency_window_s: float,
+    ) -> list[IngestResult]:
+        return await self._transact(
+            lambda tx: [
+                self._ingest(tx, name, data, key, idempotency_window_s)
+                for name, data, key in events
+            ]
+        )
 
     def _resolve_waits(self, tx: Tx, event_id: str, name: str, data: Any) -> list[str]:
         """Complete every parked ``wait_for_event`` step this event satisfies."""

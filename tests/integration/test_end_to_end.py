@@ -237,3 +237,29 @@ async def test_crashing_actors_mid_load_lose_no_run_and_duplicate_none(
     assert all(n == 1 for n in side_effects.values()), side_effects
     assert node.supervisor.restarts("dispatcher") >= 3  # a crash during a restart backoff is a no-op
     assert (await http.get("/healthz")).status_code == 200
+
+
+async def test_batch_emit_persists_every_event_and_its_runs_in_one_call(
+    node: Node, http: httpx.AsyncClient, nursery: trio.Nursery
+) -> None:
+    @ironflow.function(id="batched", triggers=[ironflow.event("batch.*")])
+    async def batched(ctx: Any) -> Any:
+        return await ctx.step.run("double", lambda: ctx.event.data["n"] * 2)
+
+    await start_worker(nursery, node, [batched], max_concurrent_jobs=10)
+    events = [{"name": "batch.item", "data": {"n": i}} for i in range(20)]
+    events.append({"name": "batch.item", "data": {"n": 0}, "idempotency_key": "dup"})
+    events.append({"name": "batch.item", "data": {"n": 1}, "idempotency_key": "dup"})
+    events.append({"name": "other.thing", "data": {}})
+    resp = await http.post("/v1/events/batch", json={"events": events})
+    assert resp.status_code == 201, resp.text
+    results = resp.json()["events"]
+    assert len(results) == 23
+    assert all(len(r["run_ids"]) == 1 for r in results[:22]) and results[22]["run_ids"] == []
+    # The repeated key inside one batch still dedupes to the first event.
+    assert results[21]["duplicate"] and results[21]["event_id"] == results[20]["event_id"]
+    outputs = sorted([(await wait_for_run(http, r["run_ids"][0]))["run"]["output"] for r in results[:20]])
+    assert outputs == sorted(i * 2 for i in range(20))
+    for bad in ({"events": []}, {"events": [{"name": ""}]}, {"events": [{"name": "x"}] * 1001}):
+        resp = await http.post("/v1/events/batch", json=bad)
+        assert resp.status_code == 400 and resp.json()["code"] == "VALIDATION_ERROR"
