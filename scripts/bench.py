@@ -87,13 +87,15 @@ def worker_main(server: str, out: str, concurrency: int) -> None:
         run_id = ctx.run.id
         first = first_start.setdefault(run_id, started)
         rtts = []
+        step_ends = []
         for i in range(STEPS_PER_RUN):
             t0 = time.perf_counter()
             await ctx.step.run(f"s{i}", trivial, i)
             rtts.append(time.perf_counter() - t0)
+            step_ends.append(time.time())  # StepCompleted is on its way to the engine
         pending.append(
             {"run": run_id, "fn": ctx.run.function_id, "start": first, "segment_start": started,
-             "end": time.time(), "steps": rtts}
+             "end": time.time(), "steps": rtts, "step_ends": step_ends}
         )
         return {"ok": True}
 
@@ -301,6 +303,10 @@ def pct(values: list[float], p: float) -> float:
     return s[k]
 
 
+def _index_records(path: Path) -> dict[str, dict[str, Any]]:
+    return {r["run"]: r for r in _read_records(path) if "run" in r}
+
+
 def _read_records(path: Path) -> list[dict[str, Any]]:
     out = []
     if not path.exists():
@@ -354,6 +360,32 @@ async def _emit(client: Any, url: str, name: str, i: int, sent: dict[str, float]
     if len(run_ids) != 1:
         raise RuntimeError(f"emit {name} started {len(run_ids)} runs, expected 1: {r.text}")
     sent[run_ids[0]] = t
+
+
+async def _emit_batch(client: Any, url: str, name: str, first: int, count: int,
+                      sent: dict[str, float]) -> None:
+    t = time.time()
+    events = [{"name": name, "data": {"i": i}} for i in range(first, first + count)]
+    r = await client.post(f"{url}/v1/events/batch", json={"events": events})
+    r.raise_for_status()
+    for result in r.json()["events"]:
+        if len(result["run_ids"]) != 1:
+            raise RuntimeError(f"emit {name} started {len(result['run_ids'])} runs, expected 1")
+        sent[result["run_ids"][0]] = t
+
+
+async def _step_commit_latency(client: Any, url: str, run_ids: list[str],
+                               by_run: dict[str, dict[str, Any]]) -> list[float]:
+    """Per step: engine commit time (step row created_at, DB clock = this host's clock)
+    minus the worker's wall-clock time when the step finished and was reported."""
+    out: list[float] = []
+    for rid in run_ids:
+        r = await client.get(f"{url}/v1/runs/{rid}")
+        r.raise_for_status()
+        steps = sorted(r.json()["steps"], key=lambda st: st["name"])
+        for st, end in zip(steps, by_run[rid]["step_ends"]):
+            out.append((float(st["created_at"]) - end) * 1000.0)
+    return out
 
 
 async def _wait_done(client: Any, url: str, out: Path, fn: str, n: int, timeout: float,
@@ -444,14 +476,22 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: PgCluster | Non
             sem = asyncio.Semaphore(args.inflight)
             cpu0 = (_cpu_s(node.pid), _cpu_s(worker.pid), time.process_time())
 
+            batch = max(1, args.emit_batch)
+
             async def bounded(i: int) -> None:
                 async with sem:
-                    await _emit(client, url, LOAD_EVENT, i, sent)
+                    if batch == 1:
+                        await _emit(client, url, LOAD_EVENT, i, sent)
+                    else:
+                        await _emit_batch(client, url, LOAD_EVENT, i, min(batch, args.runs - i), sent)
 
-            await asyncio.gather(*(bounded(i) for i in range(args.runs)))
+            await asyncio.gather(*(bounded(i) for i in range(0, args.runs, batch)))
             emits_done = time.time()
             runs = await _wait_done(client, url, out, LOAD_FN, args.runs, args.timeout, worker)
-        cpu1 = (_cpu_s(node.pid), _cpu_s(worker.pid), time.process_time())
+            cpu1 = (_cpu_s(node.pid), _cpu_s(worker.pid), time.process_time())
+            sample = sorted(sent)[:: max(1, len(sent) // 100)]
+            commit_lat = await _step_commit_latency(client, url, sample, _index_records(out))
+
         hwm_node = _vm_hwm_kib(node.pid)
         hwm_worker = _vm_hwm_kib(worker.pid)
         for p in profilers.values():
@@ -492,6 +532,9 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: PgCluster | Non
             "idle_emit_start_p99_ms": pct(idle_lat, 99),
             "step_rtt_p50_ms": pct(step_rtt, 50),
             "step_rtt_p99_ms": pct(step_rtt, 99),
+            "step_commit_p50_ms": pct(commit_lat, 50),
+            "step_commit_p99_ms": pct(commit_lat, 99),
+            "emit_batch": batch,
             "node_peak_rss_mb": hwm_node / 1024.0 if hwm_node else None,
             "worker_peak_rss_mb": hwm_worker / 1024.0 if hwm_worker else None,
             "replayed_segments": replays,
@@ -602,7 +645,7 @@ COLUMNS = [
     ("e→s p99 ms", "emit_start_p99_ms", "{:.1f}"),
     ("idle e→s p50", "idle_emit_start_p50_ms", "{:.2f}"),
     ("idle e→s p99", "idle_emit_start_p99_ms", "{:.2f}"),
-    ("step p50 ms", "step_rtt_p50_ms", "{:.3f}"),
+    ("step→commit p50 ms", "step_commit_p50_ms", "{:.2f}"),
     ("node RSS MB", "node_peak_rss_mb", "{:.0f}"),
     ("wrk RSS MB", "worker_peak_rss_mb", "{:.0f}"),
     ("node CPU s", "cpu_node_s", "{:.2f}"),
@@ -693,6 +736,9 @@ def main() -> None:
     ap.add_argument("--backend", choices=["sqlite", "postgres", "both"], default="sqlite")
     ap.add_argument("--concurrency", type=int, default=50, help="worker max_concurrent_jobs")
     ap.add_argument("--inflight", type=int, default=32, help="emit requests in flight")
+    ap.add_argument("--emit-batch", type=int, default=1,
+                    help="events per request in the loaded phase (1: POST /v1/events each; "
+                         "N>1: POST /v1/events/batch)")
     ap.add_argument("--idle-events", type=int, default=50)
     ap.add_argument("--idle-gap", type=float, default=0.05, help="seconds between idle emits")
     ap.add_argument("--timeout", type=float, default=300.0, help="per phase, seconds")
