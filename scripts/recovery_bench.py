@@ -434,6 +434,9 @@ def one_repeat(args: argparse.Namespace, scenario: str, pg: PgCluster | None, in
                 if now >= next_progress:
                     next_progress += 10.0
                     why = detail.get("waiting_reason") if detail else None
+                    lease = detail.get("lease") if detail else None
+                    if lease and not why:
+                        why = f"lease expires in {lease['expires_at'] - detail['db_now']:.1f} s"
                     log(f"{tag} +{time.time() - killed_at:5.1f}s after kill: run {status}"
                         + (f" ({why})" if why else ""))
                 time.sleep(0.01)
@@ -608,6 +611,7 @@ def main() -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also when started with SIGINT ignored
     try:
         report = bench(args)
     except KeyboardInterrupt:
