@@ -139,7 +139,7 @@ def _decode(body: bytes | str, kind: type[T]) -> T:
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as exc:
-        _fail(400, "VALIDATION_ERROR", f"invalid {kind.__name__}: {exc}")
+        _fail(400, "VALIDATION_ERROR", f"invalid {getattr(kind, '__name__', 'message')}: {exc}")
     except msgspec.DecodeError as exc:
         _fail(400, "BAD_REQUEST", f"invalid JSON body: {exc}")
 
