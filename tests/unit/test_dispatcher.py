@@ -1,0 +1,81 @@
+"""The dispatcher in virtual time: kicked for new work, and awake exactly when a countdown ends."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from actors import capacity_scanner, dispatcher
+from actors.directory import LocalSession, SessionDirectory
+from actors.messages import Kick, kick
+from ironflow.config import NodeConfig, Timings
+from ironflow.protocol import EngineMessage, FunctionDef, JobAssignment, Trigger
+from ironflow.store import Fence, Store
+from ironflow.store.sqlite import SqliteStore
+
+BASE = 1_800_000_000.0
+FN = FunctionDef(id="fn", triggers=[Trigger("go")])
+
+
+@pytest.fixture
+async def store(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> AsyncIterator[Store]:
+    s = SqliteStore(str(tmp_path / "vt.db"), now=lambda: BASE + trio.current_time(), inline=True)
+    await s.open()
+    yield s
+    await s.close()
+
+
+async def test_new_work_is_dispatched_on_a_kick_not_a_timer(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = NodeConfig(timings=Timings(dispatch_idle_poll_s=1000.0))
+    info = await store.register_worker(
+        node_id="n1", worker_id="w", mode="stream", max_concurrent_jobs=4, functions=[FN], session_expiry_s=90
+    )
+    directory = SessionDirectory()
+    outbox_send, outbox = trio.open_memory_channel[EngineMessage](10)
+    directory.add(LocalSession(info.session_id, frozenset({"fn"}), outbox_send))
+    kick_send, kick_receive = trio.open_memory_channel[Kick](10)
+    await nursery.start(dispatcher.run, store, cfg, "n1", directory, kick_receive)
+    await trio.sleep(5)  # the dispatcher is asleep on its 1000 s idle re-check
+    t0 = trio.current_time()
+    run_id = (await store.ingest_event("go", {}, None, idempotency_window_s=60)).run_ids[0]
+    kick(kick_send, "event ingested")
+    assignment = await outbox.receive()
+    assert isinstance(assignment, JobAssignment) and assignment.run_id == run_id
+    assert trio.current_time() - t0 < 0.01
+
+
+async def test_recovered_segment_is_dispatched_when_its_grace_ends(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = NodeConfig(timings=Timings(dispatch_idle_poll_s=1000.0, scanner_interval_s=30.0))
+    t = cfg.timings
+    info = await store.register_worker(
+        node_id="n1", worker_id="w", mode="stream", max_concurrent_jobs=1, functions=[FN],
+        session_expiry_s=10_000,
+    )
+    run_id = (await store.ingest_event("go", {}, None, idempotency_window_s=60)).run_ids[0]
+    (res,) = await store.reserve_segments("n1", {info.session_id: frozenset({"fn"})}, 1, reservation_expiry_s=30)
+    a = res.assignment
+    await store.activate_lease(Fence(info.session_id, a.run_id, a.execution_seq, a.lease_token), lease_expiry_s=90)
+
+    directory = SessionDirectory()
+    outbox_send, outbox = trio.open_memory_channel[EngineMessage](10)
+    directory.add(LocalSession(info.session_id, frozenset({"fn"}), outbox_send))
+    kick_send, kick_receive = trio.open_memory_channel[Kick](10)
+    await nursery.start(capacity_scanner.run, store, cfg, kick_send)
+    await nursery.start(dispatcher.run, store, cfg, "n1", directory, kick_receive)
+    assignment = await outbox.receive()
+    detail = await store.get_run(run_id)
+    assert isinstance(assignment, JobAssignment) and assignment.execution_seq == a.execution_seq + 1
+    audit = await store.list_audit(run_id=run_id, type="capacity.segment.recovered")
+    recovered_at = audit[0].at
+    # Handed out when the 30 s grace ended: no scan or dispatch tick added.
+    now = BASE + trio.current_time()
+    assert recovered_at + t.recovery_grace_s <= now < recovered_at + t.recovery_grace_s + 0.02
+    assert detail.run.recovery_count == 1
