@@ -383,7 +383,7 @@ async def _step_commit_latency(client: Any, url: str, run_ids: list[str],
         r = await client.get(f"{url}/v1/runs/{rid}")
         r.raise_for_status()
         steps = sorted(r.json()["steps"], key=lambda st: st["name"])
-        for st, end in zip(steps, by_run[rid]["step_ends"]):
+        for st, end in zip(steps, by_run[rid]["step_ends"], strict=True):
             out.append((float(st["created_at"]) - end) * 1000.0)
     return out
 
