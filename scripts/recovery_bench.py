@@ -15,10 +15,7 @@ workers as ``IRONFLOW_API_KEY``.
 
 The workers are ``tests/procs/crash_worker.py`` (function ``crashy`` on event
 ``crash.go``; side-effect lines ``<time.time()> <run_id> <what> <pid>``).
-The streaming/pull worker classes of the SDK take their key only as a
-constructor argument, so each worker is started through a three-line shim
-(``python -c``) that defaults ``api_key`` to ``$IRONFLOW_API_KEY`` and then
-runs ``crash_worker.py`` unchanged as ``__main__`` with the same argv.
+The SDK's workers read their key from ``IRONFLOW_API_KEY``.
 
 Scenario, per repeat:
 
@@ -74,26 +71,6 @@ SEED = {"recovered_s": 115.0, "completed_s": 148.0}
 # The recovery grace of each timing profile (README, "Configuration").
 GRACE_S = {"default": 30.0, "dev": 1.0}
 LEASE_S = {"default": 90.0, "dev": 6.0}
-
-# Runs crash_worker.py unchanged, but with the SDK worker classes defaulting
-# their api_key to $IRONFLOW_API_KEY (they do not read the environment).
-WORKER_SHIM = """\
-import os, runpy, sys
-sys.path.insert(0, os.environ["IRONFLOW_BENCH_REPO"])
-import ironflow
-def _keyed(cls):
-    class Keyed(cls):
-        def __init__(self, *a, **kw):
-            kw.setdefault("api_key", os.environ.get("IRONFLOW_API_KEY") or None)
-            super().__init__(*a, **kw)
-    Keyed.__name__ = cls.__name__
-    return Keyed
-ironflow.StreamingWorker = _keyed(ironflow.StreamingWorker)
-ironflow.PullWorker = _keyed(ironflow.PullWorker)
-sys.argv = [os.environ["IRONFLOW_BENCH_WORKER"], *sys.argv[1:]]
-runpy.run_path(sys.argv[0], run_name="__main__")
-"""
-
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
@@ -163,10 +140,10 @@ class Worker:
     def __init__(self, server: str, effects: Path, log_path: Path, *, pull: bool, slow: float,
                  api_key: str | None) -> None:
         self.log_path = log_path
-        argv = [sys.executable, "-c", WORKER_SHIM, server, str(effects), "--slow", str(slow)]
+        argv = [sys.executable, str(CRASH_WORKER), server, str(effects), "--slow", str(slow)]
         if pull:
             argv.append("--pull")
-        extra = {"IRONFLOW_BENCH_REPO": str(REPO), "IRONFLOW_BENCH_WORKER": str(CRASH_WORKER)}
+        extra: dict[str, str] = {}
         if api_key:
             extra["IRONFLOW_API_KEY"] = api_key
         fh = open(log_path, "wb")

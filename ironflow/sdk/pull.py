@@ -11,6 +11,7 @@ re-registers; 401/403 stops the worker.
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import socket
 from collections.abc import Iterable
@@ -142,7 +143,8 @@ class PullWorker:
             raise ValueError("max_concurrent_jobs must be at least 1")
         self.server_url = server_url.rstrip("/")
         self.functions = {f.id: f for f in functions}
-        self.api_key = api_key
+        # Like the event client: the environment supplies the key when none is given.
+        self.api_key = api_key if api_key is not None else os.environ.get("IRONFLOW_API_KEY")
         self.max_concurrent_jobs = max_concurrent_jobs
         self.poll_wait = poll_wait
         self.drain_timeout = drain_timeout

@@ -129,7 +129,8 @@ class StreamingWorker:
             raise ValueError("max_concurrent_jobs must be at least 1")
         self.server_url = server_url
         self.functions = {f.id: f for f in functions}
-        self.api_key = api_key
+        # Like the event client: the environment supplies the key when none is given.
+        self.api_key = api_key if api_key is not None else os.environ.get("IRONFLOW_API_KEY")
         self.max_concurrent_jobs = max_concurrent_jobs
         self.drain_timeout = drain_timeout
         self.worker_id = worker_id or default_worker_id()
