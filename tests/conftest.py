@@ -8,16 +8,24 @@ PostgreSQL tests FAIL: CI must never silently skip a backend.
 
 from __future__ import annotations
 
+import functools
 import glob
+import inspect
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
+import trio.lowlevel
 
 from ironflow.store import Store, open_store
 
@@ -147,3 +155,69 @@ async def store(store_url: str) -> AsyncIterator[Store]:
         yield s
     finally:
         await s.close()
+
+
+# ── a watchdog for hung tests ───────────────────────────────────────────────
+
+# Longest any single test may take, set-up and teardown included (the slowest
+# crash test needs about a minute). Past it every Trio task's await stack is
+# printed and the run is ended: a hung test must fail CI, never stall it.
+TEST_DEADLINE_S = float(os.environ.get("IRONFLOW_TEST_DEADLINE_S", "300"))
+
+_trio_token: list[trio.lowlevel.TrioToken] = []
+
+
+def _task_tree(task: trio.lowlevel.Task, depth: int = 0) -> list[str]:
+    frames = [
+        f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{lineno} {f.f_code.co_name}"
+        for f, lineno in task.iter_await_frames()
+    ]
+    lines = [f"{'  ' * depth}{task.name}: {' > '.join(frames[-4:])}"]
+    for nursery in task.child_nurseries:
+        for child in nursery.child_tasks:
+            lines += _task_tree(child, depth + 1)
+    return lines
+
+
+def _remember_token(fn: Any) -> Any:
+    @functools.wraps(fn)
+    async def test(*args: Any, **kwargs: Any) -> Any:
+        _trio_token[:] = [trio.lowlevel.current_trio_token()]
+        return await fn(*args, **kwargs)
+
+    return test
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        fn = getattr(item, "obj", None)
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(fn):
+            item.obj = _remember_token(fn)
+
+
+def _on_deadline(nodeid: str) -> None:
+    sys.stderr.write(f"\n!!! {nodeid} still running after {TEST_DEADLINE_S:g}s\n")
+    if _trio_token:
+        try:
+            _trio_token[0].run_sync_soon(
+                lambda: sys.stderr.write(
+                    "\n".join(_task_tree(trio.lowlevel.current_root_task())) + "\n"
+                )
+            )
+        except trio.RunFinishedError:
+            pass
+    time.sleep(2.0)
+    sys.stderr.flush()
+    os._exit(3)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    _trio_token.clear()
+    timer = threading.Timer(TEST_DEADLINE_S, _on_deadline, args=(item.nodeid,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
