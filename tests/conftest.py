@@ -172,7 +172,7 @@ def _task_tree(task: trio.lowlevel.Task, depth: int = 0) -> list[str]:
         f"{f.f_code.co_filename.rsplit('/', 2)[-1]}:{lineno} {f.f_code.co_name}"
         for f, lineno in task.iter_await_frames()
     ]
-    lines = [f"{'  ' * depth}{task.name}: {' > '.join(frames[-4:])}"]
+    lines = [f"{'  ' * depth}{task.name}: {' > '.join(frames[-8:])}"]
     for nursery in task.child_nurseries:
         for child in nursery.child_tasks:
             lines += _task_tree(child, depth + 1)

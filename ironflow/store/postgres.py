@@ -155,10 +155,12 @@ class PostgresStore(SqlStore):
                     await trio.to_thread.run_sync(listen)
 
             nursery.start_soon(listener)
-            while not listening.is_set():
-                await trio.sleep(0.01)
-            task_status.started()
+            # The thread only ends once told to: tell it on every way out,
+            # including a cancel that arrives before it is listening.
             try:
+                while not listening.is_set():
+                    await trio.sleep(0.01)
+                task_status.started()
                 await trio.sleep_forever()
             finally:
                 stop.set()

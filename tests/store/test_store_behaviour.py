@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+import trio
 
 from ironflow.protocol import (
     ActiveJob,
@@ -711,3 +712,31 @@ async def test_retry_policy_from_function_definition(store):
     f = await running(store, s)
     out = await store.fail_job(f, ErrorInfo("x"))
     assert out.status == "failed"
+
+
+async def test_watch_kicks_stops_promptly_when_cancelled_at_any_moment(store):
+    for delay in (0.0, 0.001, 0.05, 0.3):
+        with trio.fail_after(5):  # a listener that never stops hangs here (the watchdog ends the run)
+            with trio.move_on_after(delay):
+                await store.watch_kicks(lambda: None)
+
+
+async def test_watch_kicks_hears_work_committed_by_another_store(store, store_url):
+    if not store_url.startswith("postgresql"):
+        return  # one node per SQLite file: there is no other node to hear
+    from ironflow.store import open_store
+
+    heard = trio.Event()
+    other = open_store(store_url)
+    await other.open()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(lambda task_status: store.watch_kicks(heard.set, task_status=task_status))
+            s = await worker(other, slots=1)
+            assert s.session_id
+            await emit(other)
+            with trio.fail_after(5):
+                await heard.wait()
+            nursery.cancel_scope.cancel()
+    finally:
+        await other.close()
