@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 from collections.abc import Iterable
 from typing import Any
@@ -38,6 +37,7 @@ from ironflow.sdk.client import auth_headers
 from ironflow.sdk.context import JobState, execute_job
 from ironflow.sdk.errors import IronflowError, WorkerAuthError
 from ironflow.sdk.function import Function
+from ironflow.sdk.lifecycle import WorkerLifecycle
 from ironflow.sdk.streaming import default_worker_id
 
 # Backoff for a terminal result that did not get through (reference SDK: 1, 2, 4, 8 s).
@@ -116,7 +116,7 @@ class _HttpReporter:
             await trio.sleep(delay)
 
 
-class PullWorker:
+class PullWorker(WorkerLifecycle):
     """Executes ``functions`` for the engine at ``server_url`` by HTTP long-poll.
 
     Arguments match ``StreamingWorker``; ``poll_wait`` is how long one poll
@@ -221,43 +221,11 @@ class PullWorker:
             self._http = None
             self._finished.set()
 
-    async def drain(self, timeout: float | None = None) -> None:
-        """Drain now (no new jobs; running ones get until the deadline) and wait."""
-        self._begin_drain(self.drain_timeout if timeout is None else timeout)
-        if self._running:
-            await self._finished.wait()
-
-    def stop(self) -> None:
-        """Stop at once: running jobs are cancelled and report nothing."""
-        self._stopped = True
-        if self._root_scope is not None:
-            self._root_scope.cancel()
-
     # ── internals ────────────────────────────────────────────────────────
 
-    def _begin_drain(self, timeout: float) -> None:
-        if self._draining:
-            return
-        self._draining = True
-        self.state = "draining"
-        self._drain_deadline = trio.current_time() + max(timeout, 0.0)
-        _log.info("Draining worker...", extra=_fields(worker_id=self.worker_id))
+    def _drain_started(self) -> None:
         if self._poll_scope is not None:
             self._poll_scope.cancel()
-
-    async def _watch_signals(self) -> None:
-        try:
-            receiver = trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
-        except RuntimeError as exc:
-            _log.warning("signal handling unavailable: %s", exc)
-            return
-        with receiver as signals:
-            async for _ in signals:
-                if not self._draining:
-                    self._begin_drain(self.drain_timeout)
-                else:
-                    self.stop()
-                    return
 
     def _abandon(self, job: JobState, why: str) -> None:
         if not job.abandoned:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import socket
 import uuid
 from collections.abc import Iterable
@@ -42,6 +41,7 @@ from ironflow.protocol import (
 from ironflow.sdk.context import JobState, execute_job
 from ironflow.sdk.errors import IronflowError, WorkerAuthError
 from ironflow.sdk.function import Function
+from ironflow.sdk.lifecycle import WorkerLifecycle
 
 # The reference SDKs hold 256 queued messages per connection; more means the
 # socket is not keeping up and backpressure on the jobs is the right answer.
@@ -102,7 +102,7 @@ class _Flushed:
         self.written = trio.Event()
 
 
-class StreamingWorker:
+class StreamingWorker(WorkerLifecycle):
     """Executes ``functions`` for the engine at ``server_url`` over a websocket.
 
     ``max_concurrent_jobs`` bounds running jobs (assignments beyond it are
@@ -191,46 +191,12 @@ class StreamingWorker:
             self._finished.set()
             _log.info("Worker stopped", extra=_fields(worker_id=self.worker_id))
 
-    async def drain(self, timeout: float | None = None) -> None:
-        """Drain now (refuse new jobs, finish running ones until the deadline) and wait."""
-        self._begin_drain(self.drain_timeout if timeout is None else timeout)
-        if self._running:
-            await self._finished.wait()
-
-    def stop(self) -> None:
-        """Stop at once: running jobs are cancelled and report nothing."""
-        self._stopped = True
-        if self._root_scope is not None:
-            self._root_scope.cancel()
-
     # ── connection management ────────────────────────────────────────────
 
-    def _begin_drain(self, timeout: float) -> None:
-        if self._draining:
-            return  # a drain in progress keeps its original deadline
-        self._draining = True
-        self.state = "draining"
-        self._drain_deadline = trio.current_time() + max(timeout, 0.0)
-        _log.info("Draining worker...", extra=_fields(worker_id=self.worker_id))
+    def _drain_started(self) -> None:
         self._drain_requested.set()
         if self._session_scope is None and self._root_scope is not None:
             self._root_scope.cancel()  # not connected: nothing to drain
-
-    async def _watch_signals(self) -> None:
-        try:
-            receiver = trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
-        except RuntimeError as exc:  # not the main thread
-            _log.warning("signal handling unavailable: %s", exc)
-            return
-        with receiver as signals:
-            async for signum in signals:
-                if not self._draining:
-                    _log.info("Received signal %s", signal.Signals(signum).name)
-                    self._begin_drain(self.drain_timeout)
-                else:
-                    _log.info("Second signal; stopping now")
-                    self.stop()
-                    return
 
     async def _connect_loop(self, task_status: trio.TaskStatus[None]) -> None:
         started = [False]
