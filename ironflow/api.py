@@ -62,6 +62,8 @@ log = logging.getLogger("ironflow.api")
 
 T = TypeVar("T")
 
+# Roles of a platform key that may mint further platform keys.
+PLATFORM_ADMIN_ROLES = frozenset({"admin", "platform_admin"})
 # How long a verified API key is trusted without asking the database again.
 AUTH_CACHE_S = 30.0
 # Websocket close codes (RFC 6455).
@@ -352,6 +354,8 @@ def create_app(deps: ApiDeps) -> QuartTrio:
         if body.platform:
             if caller is None or caller.kind != "platform":
                 _fail(403, "FORBIDDEN", "platform credentials required here")
+            if caller.role not in PLATFORM_ADMIN_ROLES:
+                _fail(403, "FORBIDDEN", "only a platform admin can create platform keys")
         elif caller is None:
             if not config.dev:
                 _fail(401, "UNAUTHORIZED", "an admin API key is required to create keys")

@@ -143,6 +143,9 @@ async def test_capacity_endpoints_need_a_platform_principal(node: Node, http: ht
     assert resp.status_code == 403
     resp = await http.post("/v1/keys", json={"platform": True}, headers={"Authorization": f"Bearer {platform_key}"})
     assert resp.status_code == 201 and resp.json()["key"].startswith("ifplatform_")
+    _, viewer = await node.store.create_api_key("platform", "platform_viewer")
+    resp = await http.post("/v1/keys", json={"platform": True}, headers={"Authorization": f"Bearer {viewer}"})
+    assert resp.status_code == 403 and "platform admin" in resp.json()["message"]
 
 
 async def test_a_worker_that_outlived_its_lease_is_refused_on_every_write(node: Node, http: httpx.AsyncClient) -> None:
