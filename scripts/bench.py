@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import glob
 import json
 import math
 import os
@@ -58,6 +57,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from ironflow.testing import ThrowawayPostgres  # noqa: E402  (needs REPO on sys.path)
 
 STEPS_PER_RUN = 3
 LOAD_EVENT = "bench.load"
@@ -229,66 +230,6 @@ def _mkdtemp(prefix: str) -> str:
     return d
 
 
-# ── throwaway PostgreSQL cluster (same approach as tests/conftest.py) ─────────
-
-
-def _pg_cmd(args: list[str]) -> list[str]:
-    # initdb/postgres refuse to run as root: drop to the postgres user.
-    return ["runuser", "-u", "postgres", "--", *args] if os.geteuid() == 0 else args
-
-
-class PgCluster:
-    def __init__(self) -> None:
-        self.base = ""
-        self.data = ""
-        self.url = ""
-        self.pg_ctl = ""
-        self.started = False
-
-    def start(self) -> str:
-        found = [c for c in sorted(glob.glob("/usr/lib/postgresql/*/bin")) if Path(c, "initdb").exists()]
-        if found:
-            bin_dir = found[-1]
-        elif shutil.which("initdb"):
-            bin_dir = str(Path(shutil.which("initdb") or "").parent)
-        else:
-            raise SystemExit("PostgreSQL server binaries not found (initdb); install postgresql-15")
-        self.base = _mkdtemp("ifbpg.")  # short: socket path ≤ 107 bytes
-        if os.geteuid() == 0:
-            shutil.chown(self.base, "postgres", "postgres")
-        self.data = f"{self.base}/data"
-        port = _free_port()
-        run: dict[str, Any] = {"cwd": "/", "check": True, "capture_output": True}
-        subprocess.run(_pg_cmd([f"{bin_dir}/initdb", "-D", self.data, "-U", "postgres", "-A", "trust",
-                                "-E", "UTF8", "--no-sync"]), **run)
-        self.pg_ctl = f"{bin_dir}/pg_ctl"
-        self.started = True
-        subprocess.run(_pg_cmd([self.pg_ctl, "-D", self.data, "-l", f"{self.base}/log", "-w", "-t", "30",
-                                "start", "-o",
-                                f"-p {port} -k {self.base} -c listen_addresses=127.0.0.1 -c fsync=off"
-                                " -c max_connections=200"]), **run)
-        self.url = f"postgresql://postgres@127.0.0.1:{port}"
-        return self.url
-
-    def new_db(self) -> str:
-        import psycopg
-
-        name = "bench_" + os.urandom(5).hex()
-        with psycopg.connect(f"{self.url}/postgres", autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        return f"{self.url}/{name}"
-
-    def stop(self) -> None:
-        if self.started:
-            subprocess.run(_pg_cmd([self.pg_ctl, "-D", self.data, "-m", "fast", "-w", "stop"]), cwd="/",
-                           capture_output=True)
-            self.started = False
-        if self.base:
-            shutil.rmtree(self.base, ignore_errors=True)
-            if self.base in _TEMPS:
-                _TEMPS.remove(self.base)
-
-
 # ═══════════════════════════════════════════════════════════════════════════
 # measurement
 # ═══════════════════════════════════════════════════════════════════════════
@@ -437,7 +378,7 @@ class Profiler:
         _stop(self.proc, sig=signal.SIGINT, grace=30.0)
 
 
-async def one_repeat(args: argparse.Namespace, backend: str, pg: PgCluster | None,
+async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgres | None,
                      profile: bool = False) -> dict[str, Any]:
     import httpx
 
@@ -445,7 +386,7 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: PgCluster | Non
     node = worker = None
     profilers: dict[str, Profiler] = {}
     try:
-        db = pg.new_db() if backend == "postgres" and pg else str(tmp / "state" / "ironflow.db")
+        db = pg.new_database("bench") if backend == "postgres" and pg else str(tmp / "state" / "ironflow.db")
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         node_log = tmp / "node.log"
@@ -699,11 +640,12 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                    "cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "backends": {},
     }
-    pg: PgCluster | None = None
+    pg: ThrowawayPostgres | None = None
     try:
         if "postgres" in backends:
-            pg = PgCluster()
+            pg = ThrowawayPostgres()
             pg.start()
+            _TEMPS.append(pg.base_dir)  # also removed by _cleanup_all() on a signal
         for backend in backends:
             rows = []
             for i in range(args.repeat):

@@ -46,7 +46,6 @@ completed, measured on the original product).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import queue
@@ -65,6 +64,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from ironflow.testing import ThrowawayPostgres  # noqa: E402  (needs REPO on sys.path)
 
 CRASH_WORKER = REPO / "tests" / "procs" / "crash_worker.py"
 SEED = {"recovered_s": 115.0, "completed_s": 148.0}
@@ -198,65 +199,6 @@ class Worker:
         _stop(self.popen, grace=2.0)
 
 
-# ── throwaway PostgreSQL cluster (same approach as scripts/bench.py) ──────────
-
-
-def _pg_cmd(args: list[str]) -> list[str]:
-    return ["runuser", "-u", "postgres", "--", *args] if os.geteuid() == 0 else args
-
-
-class PgCluster:
-    def __init__(self) -> None:
-        self.base = ""
-        self.data = ""
-        self.url = ""
-        self.pg_ctl = ""
-        self.started = False
-
-    def start(self) -> str:
-        found = [c for c in sorted(glob.glob("/usr/lib/postgresql/*/bin")) if Path(c, "initdb").exists()]
-        if found:
-            bin_dir = found[-1]
-        elif shutil.which("initdb"):
-            bin_dir = str(Path(shutil.which("initdb") or "").parent)
-        else:
-            raise SystemExit("PostgreSQL server binaries not found (initdb); install postgresql-15")
-        self.base = _mkdtemp("ifrpg.")
-        if os.geteuid() == 0:
-            shutil.chown(self.base, "postgres", "postgres")
-        self.data = f"{self.base}/data"
-        port = _free_port()
-        run: dict[str, Any] = {"cwd": "/", "check": True, "capture_output": True}
-        subprocess.run(_pg_cmd([f"{bin_dir}/initdb", "-D", self.data, "-U", "postgres", "-A", "trust",
-                                "-E", "UTF8", "--no-sync"]), **run)
-        self.pg_ctl = f"{bin_dir}/pg_ctl"
-        self.started = True
-        subprocess.run(_pg_cmd([self.pg_ctl, "-D", self.data, "-l", f"{self.base}/log", "-w", "-t", "30",
-                                "start", "-o",
-                                f"-p {port} -k {self.base} -c listen_addresses=127.0.0.1 -c fsync=off"
-                                " -c max_connections=200"]), **run)
-        self.url = f"postgresql://postgres@127.0.0.1:{port}"
-        return self.url
-
-    def new_db(self) -> str:
-        import psycopg
-
-        name = "recov_" + os.urandom(5).hex()
-        with psycopg.connect(f"{self.url}/postgres", autocommit=True) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
-        return f"{self.url}/{name}"
-
-    def stop(self) -> None:
-        if self.started:
-            subprocess.run(_pg_cmd([self.pg_ctl, "-D", self.data, "-m", "fast", "-w", "stop"]), cwd="/",
-                           capture_output=True)
-            self.started = False
-        if self.base:
-            shutil.rmtree(self.base, ignore_errors=True)
-            if self.base in _TEMPS:
-                _TEMPS.remove(self.base)
-
-
 def mint_org_key(db: str) -> str:
     """Create the schema (if needed) and one org admin key straight in ``db``."""
     import trio
@@ -337,7 +279,7 @@ def node_log_problems(path: Path) -> list[str]:
     return out
 
 
-def one_repeat(args: argparse.Namespace, scenario: str, pg: PgCluster | None, index: int) -> dict[str, Any]:
+def one_repeat(args: argparse.Namespace, scenario: str, pg: ThrowawayPostgres | None, index: int) -> dict[str, Any]:
     import httpx
 
     pull = scenario == "pull"
@@ -346,7 +288,7 @@ def one_repeat(args: argparse.Namespace, scenario: str, pg: PgCluster | None, in
     node: subprocess.Popen[bytes] | None = None
     workers: list[Worker] = []
     try:
-        db = pg.new_db() if args.backend == "postgres" and pg else str(tmp / "state" / "ironflow.db")
+        db = pg.new_database("recov") if args.backend == "postgres" and pg else str(tmp / "state" / "ironflow.db")
         api_key = None if args.timings == "dev" else mint_org_key(db)
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
@@ -547,11 +489,12 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "seed": SEED,
         "scenarios": {},
     }
-    pg: PgCluster | None = None
+    pg: ThrowawayPostgres | None = None
     try:
         if args.backend == "postgres":
-            pg = PgCluster()
+            pg = ThrowawayPostgres()
             pg.start()
+            _TEMPS.append(pg.base_dir)  # also removed by _cleanup_all() on a signal
         for scenario in scenarios:
             rows = []
             for i in range(args.repeat):

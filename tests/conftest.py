@@ -9,14 +9,9 @@ PostgreSQL tests FAIL: CI must never silently skip a backend.
 from __future__ import annotations
 
 import functools
-import glob
 import inspect
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -28,38 +23,12 @@ import trio
 import trio.lowlevel
 
 from ironflow.store import Store, open_store
+from ironflow.testing import ThrowawayPostgres
 
 BACKENDS = ["sqlite", "postgres"]
 
 
 # ── PostgreSQL ──────────────────────────────────────────────────────────────
-
-
-def _pg_bin() -> Path:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
-    for candidate in reversed(found):
-        if (Path(candidate) / "initdb").exists():
-            return Path(candidate)
-    on_path = shutil.which("initdb")
-    if on_path:
-        return Path(on_path).parent
-    pytest.fail(
-        "PostgreSQL server binaries not found (no initdb under /usr/lib/postgresql/*/bin or"
-        " on PATH). Install them (apt-get install -y postgresql-15) or set"
-        " IRONFLOW_TEST_PG_URL to an existing server.",
-        pytrace=False,
-    )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _pg_cmd(args: list[str]) -> list[str]:
-    # initdb/postgres refuse to run as root: drop to the postgres user.
-    return ["runuser", "-u", "postgres", "--", *args] if os.geteuid() == 0 else args
 
 
 @pytest.fixture(scope="session")
@@ -69,57 +38,18 @@ def pg_server() -> Iterator[str]:
     if existing:
         yield existing.rstrip("/")
         return
-    bin_dir = _pg_bin()
-    base = tempfile.mkdtemp(prefix="pgt.", dir="/tmp")  # short: socket paths ≤ 107 bytes
-    if os.geteuid() == 0:
-        shutil.chown(base, "postgres", "postgres")
-    data = f"{base}/data"
-    port = _free_port()
-    run = {"cwd": "/", "check": True, "capture_output": True}
-    subprocess.run(
-        _pg_cmd(
-            [
-                f"{bin_dir}/initdb",
-                "-D",
-                data,
-                "-U",
-                "postgres",
-                "-A",
-                "trust",
-                "-E",
-                "UTF8",
-                "--no-sync",
-            ]
-        ),
-        **run,
-    )
-    pg_ctl = f"{bin_dir}/pg_ctl"
+    pg = ThrowawayPostgres()
+    error = ""
     try:
-        subprocess.run(
-            _pg_cmd(
-                [
-                    pg_ctl,
-                    "-D",
-                    data,
-                    "-l",
-                    f"{base}/log",
-                    "-w",
-                    "-t",
-                    "30",
-                    "start",
-                    "-o",
-                    f"-p {port} -k {base} -c listen_addresses=127.0.0.1 -c fsync=off"
-                    " -c max_connections=200",
-                ]
-            ),
-            **run,
-        )
-        yield f"postgresql://postgres@127.0.0.1:{port}"
+        url = pg.start()
+    except RuntimeError as e:  # e.g. no server binaries: FAIL, never skip
+        error = f"{e} Or set IRONFLOW_TEST_PG_URL to an existing server."
+    if error:
+        pytest.fail(error, pytrace=False)
+    try:
+        yield url
     finally:
-        subprocess.run(
-            _pg_cmd([pg_ctl, "-D", data, "-m", "fast", "-w", "stop"]), cwd="/", capture_output=True
-        )
-        shutil.rmtree(base, ignore_errors=True)
+        pg.stop()
 
 
 @pytest.fixture
@@ -127,10 +57,9 @@ def pg_url(pg_server: str) -> Iterator[str]:
     """URL of a fresh, empty database on the test server, dropped afterwards."""
     import psycopg
 
-    name = "t_" + os.urandom(6).hex()
-    with psycopg.connect(f"{pg_server}/postgres", autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield f"{pg_server}/{name}"
+    url = ThrowawayPostgres(pg_server).new_database()
+    yield url
+    name = url.rsplit("/", 1)[1]
     with psycopg.connect(f"{pg_server}/postgres", autocommit=True) as conn:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
