@@ -43,6 +43,25 @@ async def wait_for_run(
     raise AssertionError(f"run {run_id} did not reach {wanted} in {timeout}s: {detail.get('run')}")
 
 
+async def wait_for_step(
+    http: httpx.AsyncClient, run_id: str, name: str, *, timeout: float = 15.0
+) -> dict[str, Any]:
+    """Wait until the engine has recorded step ``name`` of the run as completed.
+
+    A step result travels asynchronously: a worker killed right after a step
+    may take the result with it, and then the step legitimately runs again.
+    Crash tests wait for this before killing, so "a completed step is never
+    re-executed" is asserted only for results that reached the engine.
+    """
+    with trio.fail_after(timeout):
+        while True:
+            resp = await http.get(f"/v1/runs/{run_id}")
+            for step in resp.json().get("steps", []):
+                if step["name"] == name and step["status"] == "completed":
+                    return dict(step)
+            await trio.sleep(0.01)
+
+
 async def emit(http: httpx.AsyncClient, name: str, data: Any = None, **extra: Any) -> dict[str, Any]:
     resp = await http.post("/v1/events", json={"name": name, "data": data or {}, **extra})
     assert resp.status_code in (200, 201), resp.text

@@ -16,7 +16,7 @@ import trio
 import trio_websocket
 
 from ironflow.node import Node
-from tests.integration.helpers import emit, wait_for_run
+from tests.integration.helpers import emit, wait_for_run, wait_for_step
 from tests.integration.procs import Proc, count, read_effects, start_worker, wait_effect
 
 pytestmark = pytest.mark.slow
@@ -43,6 +43,7 @@ async def test_kill_9_streaming_worker_resumes_on_connected_peer(
     procs.append(a)
     run_id = (await emit(http, "crash.go"))["run_ids"][0]
     await wait_effect(effects, run_id, "two-start", pid=a.pid)
+    await wait_for_step(http, run_id, "one")
     b = await start_worker(node.url, effects, tmp_path, name="b")
     procs.append(b)
     killed_at = a.signal(signal.SIGKILL)
@@ -73,6 +74,7 @@ async def test_sigstop_past_lease_expiry_then_sigcont_is_fenced(
     procs.append(a)
     run_id = (await emit(http, "crash.go"))["run_ids"][0]
     await wait_effect(effects, run_id, "two-start", pid=a.pid)
+    await wait_for_step(http, run_id, "one")
     b = await start_worker(node.url, effects, tmp_path, name="b")
     procs.append(b)
     a.signal(signal.SIGSTOP)
@@ -106,6 +108,7 @@ async def test_kill_9_pull_worker_recovers_through_lease_expiry(
     procs.append(a)
     run_id = (await emit(http, "crash.go"))["run_ids"][0]
     await wait_effect(effects, run_id, "two-start", pid=a.pid)
+    await wait_for_step(http, run_id, "one")
     b = await start_worker(node.url, effects, tmp_path, name="b", pull=True)
     procs.append(b)
     detail = (await http.get(f"/v1/runs/{run_id}")).json()

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import trio
 
-from tests.integration.helpers import emit, wait_for_run
+from tests.integration.helpers import emit, wait_for_run, wait_for_step
 from tests.integration.procs import Proc, count, read_effects, start_node, start_worker, wait_effect
 
 pytestmark = pytest.mark.slow
@@ -46,6 +46,7 @@ async def test_killed_node_sessions_and_leases_are_reaped_by_the_survivor(
     async with httpx.AsyncClient(base_url=b_url, timeout=10) as http:
         run_id = (await emit(http, "crash.go"))["run_ids"][0]
         await wait_effect(effects, run_id, "two-start", pid=worker_a.pid)
+        await wait_for_step(http, run_id, "one")
         detail = (await http.get(f"/v1/runs/{run_id}")).json()
         assert detail["lease"]["node_id"] == "node-a"
         node_a.signal(signal.SIGKILL)
