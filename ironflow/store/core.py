@@ -671,9 +671,11 @@ class SqlStore(Store):
             if row is None:
                 raise SessionNotFound(f"worker session {session_id} expired or was closed")
             if jobs is None:
+                # An expired lease is not revived, even before the scanner
+                # reaps it: expiry is decided by the database clock, once.
                 tx.execute(
                     "UPDATE concurrency_leases SET expires_at = ironflow_now() + ?"
-                    " WHERE session_id = ?",
+                    " WHERE session_id = ? AND expires_at > ironflow_now()",
                     (float(lease_expiry_s), session_id),
                 )
                 return []
@@ -683,7 +685,7 @@ class SqlStore(Store):
                 state: Literal["REFRESHED", "STALE", "UNKNOWN"]
                 if tx.execute(
                     "UPDATE concurrency_leases SET expires_at = ironflow_now() + ?"
-                    f" WHERE {_FENCE_SQL}",
+                    f" WHERE {_FENCE_SQL} AND expires_at > ironflow_now()",
                     (
                         float(lease_expiry_s),
                         job.run_id,

@@ -740,3 +740,17 @@ async def test_watch_kicks_hears_work_committed_by_another_store(store, store_ur
             nursery.cancel_scope.cancel()
     finally:
         await other.close()
+
+
+async def test_heartbeat_does_not_revive_an_expired_lease_the_scanner_has_not_reaped_yet(store):
+    s = await worker(store, slots=1)
+    f = await running(store, s)
+    job = ActiveJob("j", f.run_id, f.execution_seq, f.lease_token)
+    await store.heartbeat(s.session_id, [], session_expiry_s=10_000, lease_expiry_s=LEASE)
+    await store.advance_clock(LEASE + 1)
+    # Both heartbeat forms leave it expired; the per-job answer says STALE.
+    await store.heartbeat(s.session_id, None, session_expiry_s=10_000, lease_expiry_s=LEASE)
+    (status,) = await store.heartbeat(s.session_id, [job], session_expiry_s=10_000, lease_expiry_s=LEASE)
+    assert status.state == "STALE"
+    (rec,) = await store.expire_leases(recovery_grace_s=GRACE, recovery_ceiling=10)
+    assert rec.run_id == f.run_id and rec.new_execution_seq == f.execution_seq + 1
