@@ -20,6 +20,9 @@ log = logging.getLogger("ironflow.waker")
 
 # Steps claimed per transaction.
 BATCH = 100
+# Wake this long after the earliest wake time: it is `wake_at <= now` in SQL,
+# and the database clock must have reached it.
+WAKE_SLACK_S = 0.005
 
 
 async def run(
@@ -43,5 +46,5 @@ async def run(
             if len(claimed) == BATCH:
                 continue
         next_wake = await store.seconds_until_next_wake()
-        delay = interval if next_wake is None else min(interval, max(next_wake, 0.0) + 0.005)
+        delay = interval if next_wake is None else min(interval, max(next_wake, 0.0) + WAKE_SLACK_S)
         await trio.sleep(delay)

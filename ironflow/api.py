@@ -72,6 +72,8 @@ WS_UNSUPPORTED_DATA = 1003
 WS_POLICY_VIOLATION = 1008
 WS_INTERNAL_ERROR = 1011
 WS_GOING_AWAY = 1001
+# How long closing a worker socket may wait for the close handshake.
+WS_CLOSE_TIMEOUT_S = 1.0
 
 _STATUS_FOR_CODE = {
     "STALE_EXECUTION": 409,
@@ -557,43 +559,55 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
             # into a socket that is gone.
             outbox_receive.close()
 
+    closed = False
     try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(reader)
-            nursery.start_soon(writer)
-            # Shielded: when the socket drops, the reader is cancelled and
-            # closes the inbound channel; the session still applies every
-            # frame that already arrived (an ack, a step result) before it
-            # closes the session — received data is never dropped.
-            with trio.CancelScope(shield=True):
-                await session_actor.run(
-                    deps.store,
-                    deps.config,
-                    deps.node_id,
-                    deps.directory,
-                    deps.kicks,
-                    inbound_receive,
-                    outbox_send,
-                )
-            nursery.cancel_scope.cancel()
-    except* _CloseSocket as group:
-        exc = group.exceptions[0]
-        assert isinstance(exc, _CloseSocket)
-        close_code, close_reason = exc.code, exc.reason
-    except* session_actor.ProtocolViolation as group:
-        close_code, close_reason = WS_PROTOCOL_ERROR, _short(str(group.exceptions[0]))
-    except* session_actor.SessionExpired as group:
-        close_code, close_reason = WS_POLICY_VIOLATION, _short(f"session expired: {group.exceptions[0]}; reconnect")
-    except* trio.EndOfChannel:
-        pass  # the reader stopped first; its own error (above) says why
-    except* Exception as group:
-        log.error("api: worker socket failed", exc_info=group)
-        if close_code == 1000:
-            close_code, close_reason = WS_INTERNAL_ERROR, "internal error"
-    if close_code != 1000:
-        logs.event(log, logging.INFO, "api: closing worker socket", code=close_code, reason=close_reason)
-    with trio.move_on_after(1):
-        await ws.close(close_code, close_reason)
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reader)
+                nursery.start_soon(writer)
+                # Shielded: when the socket drops, the reader is cancelled and
+                # closes the inbound channel; the session still applies every
+                # frame that already arrived (an ack, a step result) before it
+                # closes the session — received data is never dropped.
+                with trio.CancelScope(shield=True):
+                    await session_actor.run(
+                        deps.store,
+                        deps.config,
+                        deps.node_id,
+                        deps.directory,
+                        deps.kicks,
+                        inbound_receive,
+                        outbox_send,
+                    )
+                nursery.cancel_scope.cancel()
+        except* _CloseSocket as group:
+            exc = group.exceptions[0]
+            assert isinstance(exc, _CloseSocket)
+            close_code, close_reason = exc.code, exc.reason
+        except* session_actor.ProtocolViolation as group:
+            close_code, close_reason = WS_PROTOCOL_ERROR, _short(str(group.exceptions[0]))
+        except* session_actor.SessionExpired as group:
+            close_code, close_reason = WS_POLICY_VIOLATION, _short(f"session expired: {group.exceptions[0]}; reconnect")
+        except* trio.EndOfChannel:
+            pass  # the reader stopped first; its own error (above) says why
+        except* Exception as group:
+            log.error("api: worker socket failed", exc_info=group)
+            if close_code == 1000:
+                close_code, close_reason = WS_INTERNAL_ERROR, "internal error"
+        if close_code != 1000:
+            logs.event(log, logging.INFO, "api: closing worker socket", code=close_code, reason=close_reason)
+        with trio.move_on_after(WS_CLOSE_TIMEOUT_S):
+            await ws.close(close_code, close_reason)
+        closed = True
+    finally:
+        if not closed:
+            # Cancelled: the node is stopping (or the peer is already gone).
+            # Say so with 1001 rather than leave the worker a bare 1006.
+            with trio.CancelScope(shield=True), trio.move_on_after(WS_CLOSE_TIMEOUT_S):
+                try:
+                    await ws.close(WS_GOING_AWAY, "engine node stopping")
+                except Exception:
+                    pass
 
 
 def _short(reason: str) -> str:

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 import ironflow
@@ -70,3 +71,23 @@ async def test_node_shutdown_lets_running_jobs_finish_then_stops(
         await store.close()
     assert run.status == "completed" and run.output == "finished during the drain"
     assert run.recovery_count == 0
+
+
+async def test_a_worker_that_ignores_shutdown_is_closed_with_1001_at_the_deadline(
+    database_url: str, tmp_path: Path, nursery: trio.Nursery
+) -> None:
+    import trio_websocket
+
+    from ironflow.protocol import FunctionDef, Shutdown, Trigger
+    from tests.integration.helpers import raw_worker
+
+    node = Node(node_config(database_url, tmp_path / "state", drain_timeout_s=0.5))
+    await nursery.start(node.run)
+    async with raw_worker(node.url, [FunctionDef(id="f", triggers=[Trigger("f.go")])]) as stubborn:
+        node.request_shutdown()
+        shutdown = await stubborn.receive_type(Shutdown)
+        assert shutdown.drain_timeout_ms == 500
+        # It neither drains nor closes; at the deadline the node stops anyway.
+        with pytest.raises(trio_websocket.ConnectionClosed) as closed:
+            await stubborn.receive(timeout=5)
+        assert closed.value.reason.code == 1001
