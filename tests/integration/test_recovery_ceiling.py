@@ -36,7 +36,13 @@ async def test_handler_that_always_dies_starts_eleven_times_then_fails(
                 await worker.wait_exit(timeout=30)
             finally:
                 worker.stop()
-            run = (await http.get(f"/v1/runs/{run_id}")).json()["run"]
+            # The engine hears of the death when the socket closes: wait for
+            # that recovery (or the final failure) before judging the run.
+            while True:
+                run = (await http.get(f"/v1/runs/{run_id}")).json()["run"]
+                if run["status"] == "failed" or run["recovery_count"] == workers:
+                    break
+                await trio.sleep(0.01)
             if run["status"] == "failed":
                 break
             # The worker died with its handler: start the next one.
