@@ -147,6 +147,9 @@ class Tx(Protocol):
     def notify(self) -> None:
         """Tell every node's dispatcher, at commit, that queue rows became claimable."""
 
+    def share_lock(self, of: str) -> str:
+        """``FOR SHARE OF of`` (waits) on PostgreSQL, ``""`` on SQLite."""
+
     def advisory_lock(self, key: str) -> None:
         """Transaction-scoped named lock on PostgreSQL; a no-op on SQLite."""
 
@@ -931,7 +934,11 @@ class SqlStore(Store):
                 " JOIN worker_sessions s ON s.id = c.session_id"
                 f" WHERE c.session_id IN ({_marks(len(session_ids))}) AND s.draining = 0"
                 " AND s.expires_at > ironflow_now() AND c.claimed_run_id IS NULL AND c.held = 0"
-                f" ORDER BY c.session_id, c.slot {tx.lock('c')}",
+                # The session rows are share-locked (waiting, not skipping): a
+                # DRAINING nack committing meanwhile would otherwise requeue its
+                # run into this very transaction's later read, for a session
+                # this read still saw as not draining.
+                f" ORDER BY c.session_id, c.slot {tx.lock('c')} {tx.share_lock('s')}",
                 session_ids,
             )
             if not credits:

@@ -78,6 +78,9 @@ class _PgTx:
     def lock_wait(self) -> str:
         return "FOR UPDATE"
 
+    def share_lock(self, of: str) -> str:
+        return f"FOR SHARE OF {of}"
+
     def notify(self) -> None:
         # Delivered at COMMIT to every node's kick listener (and dropped on rollback).
         if not self._notified:

@@ -63,6 +63,9 @@ class _SqliteTx:
     def lock_wait(self) -> str:
         return ""
 
+    def share_lock(self, of: str) -> str:
+        return ""
+
     def notify(self) -> None:
         pass  # one node per SQLite file: local kicks already cover it
 
