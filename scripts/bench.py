@@ -44,11 +44,9 @@ import math
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -145,22 +143,13 @@ def worker_main(server: str, out: str, concurrency: int) -> None:
 # process helpers
 # ═══════════════════════════════════════════════════════════════════════════
 
-_LIVE: list[subprocess.Popen[bytes]] = []
-_TEMPS: list[str] = []
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for k in [k for k in env if k.startswith("IRONFLOW_")]:
-        del env[k]  # the node gets its settings from our flags only
-    return env
+from children import LIVE as _LIVE  # noqa: E402
+from children import TEMPS as _TEMPS  # noqa: E402
+from children import child_env as _env  # noqa: E402
+from children import cleanup_all as _cleanup_all  # noqa: E402
+from children import free_port as _free_port  # noqa: E402
+from children import mkdtemp as _mkdtemp  # noqa: E402
+from children import stop as _stop  # noqa: E402
 
 
 def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
@@ -172,35 +161,6 @@ def _spawn(cmd: list[str], log: Path) -> subprocess.Popen[bytes]:
         fh.close()
     _LIVE.append(p)
     return p
-
-
-def _stop(p: subprocess.Popen[bytes] | None, *, sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
-    """SIGTERM (drain), a second SIGTERM (stop now), then SIGKILL."""
-    if p is None:
-        return
-    try:
-        for s, wait in ((sig, grace), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-            if p.poll() is not None:
-                break
-            try:
-                p.send_signal(s)
-            except ProcessLookupError:
-                break
-            try:
-                p.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-    finally:
-        if p in _LIVE:
-            _LIVE.remove(p)
-
-
-def _cleanup_all() -> None:
-    for p in list(_LIVE):
-        _stop(p, grace=3.0)
-    for d in list(_TEMPS):
-        shutil.rmtree(d, ignore_errors=True)
-        _TEMPS.remove(d)
 
 
 def _vm_hwm_kib(pid: int) -> int | None:
@@ -222,12 +182,6 @@ def _cpu_s(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
         return float("nan")
-
-
-def _mkdtemp(prefix: str) -> str:
-    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-    _TEMPS.append(d)
-    return d
 
 
 # ═══════════════════════════════════════════════════════════════════════════

@@ -51,11 +51,9 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -81,58 +79,13 @@ def log(msg: str) -> None:
 # process helpers
 # ═══════════════════════════════════════════════════════════════════════════
 
-_LIVE: list[subprocess.Popen[bytes]] = []
-_TEMPS: list[str] = []
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    for k in [k for k in env if k.startswith("IRONFLOW_")]:
-        del env[k]  # the node gets its settings from our flags only
-    env.update(extra or {})
-    return env
-
-
-def _mkdtemp(prefix: str) -> str:
-    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
-    _TEMPS.append(d)
-    return d
-
-
-def _stop(p: subprocess.Popen[bytes] | None, *, grace: float = 5.0) -> None:
-    """SIGTERM (drain), a second SIGTERM (stop now), then SIGKILL."""
-    if p is None:
-        return
-    try:
-        for s, wait in ((signal.SIGTERM, grace), (signal.SIGTERM, 3.0), (signal.SIGKILL, 5.0)):
-            if p.poll() is not None:
-                break
-            try:
-                p.send_signal(s)
-            except ProcessLookupError:
-                break
-            try:
-                p.wait(wait)
-            except subprocess.TimeoutExpired:
-                continue
-    finally:
-        if p in _LIVE:
-            _LIVE.remove(p)
-
-
-def _cleanup_all() -> None:
-    for p in list(_LIVE):
-        _stop(p, grace=2.0)
-    for d in list(_TEMPS):
-        shutil.rmtree(d, ignore_errors=True)
-        _TEMPS.remove(d)
+from children import LIVE as _LIVE  # noqa: E402
+from children import TEMPS as _TEMPS  # noqa: E402
+from children import child_env as _env  # noqa: E402
+from children import cleanup_all as _cleanup_all  # noqa: E402
+from children import free_port as _free_port  # noqa: E402
+from children import mkdtemp as _mkdtemp  # noqa: E402
+from children import stop as _stop  # noqa: E402
 
 
 class Worker:

@@ -1,0 +1,74 @@
+"""Child processes and temp dirs of the measurement scripts, cleaned up on any exit.
+
+``bench.py`` and ``recovery_bench.py`` start nodes, workers and PostgreSQL
+clusters; everything they start is tracked here so that a failure, Ctrl-C or
+SIGTERM leaves no process and no directory behind.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Processes still running and temp dirs still on disk; cleanup_all() ends them.
+LIVE: list[subprocess.Popen[bytes]] = []
+TEMPS: list[str] = []
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Our environment with the repo importable and no inherited IRONFLOW_* settings."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    for k in [k for k in env if k.startswith("IRONFLOW_")]:
+        del env[k]  # a node gets its settings from the script's flags only
+    env.update(extra or {})
+    return env
+
+
+def mkdtemp(prefix: str) -> str:
+    """A tracked temp dir under /tmp (short: PostgreSQL socket paths are ≤ 107 bytes)."""
+    d = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    TEMPS.append(d)
+    return d
+
+
+def stop(p: subprocess.Popen[bytes] | None, *, sig: int = signal.SIGTERM, grace: float = 10.0) -> None:
+    """``sig`` (a node or worker drains), a second SIGTERM (stop now), then SIGKILL."""
+    if p is None:
+        return
+    try:
+        for s, wait in ((sig, grace), (signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+            if p.poll() is not None:
+                break
+            try:
+                p.send_signal(s)
+            except ProcessLookupError:
+                break
+            try:
+                p.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+    finally:
+        if p in LIVE:
+            LIVE.remove(p)
+
+
+def cleanup_all() -> None:
+    for p in list(LIVE):
+        stop(p, grace=3.0)
+    for d in list(TEMPS):
+        shutil.rmtree(d, ignore_errors=True)
+        TEMPS.remove(d)
