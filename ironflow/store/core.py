@@ -157,6 +157,14 @@ class Tx(Protocol):
 # ── small helpers ──────────────────────────────────────────────────────────
 
 
+def _where(filters: dict[str, Any]) -> tuple[str, list[Any]]:
+    """``WHERE col = ? AND …`` for the filters that are not None (columns are ours, never input)."""
+    used = {col: value for col, value in filters.items() if value is not None}
+    if not used:
+        return "", []
+    return "WHERE " + " AND ".join(f"{col} = ?" for col in used), list(used.values())
+
+
 def token_hash(token: str) -> str:
     """SHA-256 hex of a lease token or API key: the only form the database keeps."""
     return hashlib.sha256(token.encode()).hexdigest()
@@ -1642,14 +1650,7 @@ class SqlStore(Store):
         self, *, status: str | None = None, function_id: str | None = None, limit: int = 50
     ) -> list[RunRecord]:
         def work(tx: Tx) -> list[RunRecord]:
-            where, params = [], []
-            if status is not None:
-                where.append("r.status = ?")
-                params.append(status)
-            if function_id is not None:
-                where.append("r.function_id = ?")
-                params.append(function_id)
-            clause = f"WHERE {' AND '.join(where)}" if where else ""
+            clause, params = _where({"r.status": status, "r.function_id": function_id})
             rows = tx.fetchall(
                 f"SELECT {_RUN_COLS} FROM runs r {clause} ORDER BY r.created_at DESC, r.id DESC"
                 " LIMIT ?",
@@ -1710,14 +1711,7 @@ class SqlStore(Store):
         self, *, run_id: str | None = None, type: str | None = None, limit: int = 100
     ) -> list[AuditRecord]:
         def work(tx: Tx) -> list[AuditRecord]:
-            where, params = [], []
-            if run_id is not None:
-                where.append("run_id = ?")
-                params.append(run_id)
-            if type is not None:
-                where.append("type = ?")
-                params.append(type)
-            clause = f"WHERE {' AND '.join(where)}" if where else ""
+            clause, params = _where({"run_id": run_id, "type": type})
             rows = tx.fetchall(
                 f"SELECT id, at, type, run_id, function_id, data FROM audit_log {clause}"
                 " ORDER BY at, id LIMIT ?",
