@@ -1,4 +1,4 @@
-"""Drain, stop and signal handling shared by the streaming and the pull worker.
+"""What the streaming and the pull worker share: their settings, job table, drain, stop, signals.
 
 Seed (graceful-drain.txt): SIGTERM/SIGINT or ``drain()`` puts the worker in
 draining at once; running jobs get until the deadline; a second signal stops
@@ -8,25 +8,70 @@ at once; ``stop()`` stops at once.
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
+import uuid
+from collections.abc import Iterable
 
 import trio
+
+from ironflow.sdk.context import JobState
+from ironflow.sdk.function import Function
 
 _log = logging.getLogger("ironflow.worker")
 
 
-class WorkerLifecycle:
-    """Mixin: the worker sets these attributes in its ``__init__``."""
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
-    worker_id: str
-    state: str
-    drain_timeout: float
-    _draining: bool
-    _drain_deadline: float
-    _stopped: bool
-    _running: bool
-    _finished: trio.Event
-    _root_scope: trio.CancelScope | None
+
+class WorkerLifecycle:
+    """State and control shared by both workers; they call this ``__init__`` first."""
+
+    def __init__(
+        self,
+        server_url: str,
+        functions: Iterable[Function],
+        *,
+        api_key: str | None,
+        max_concurrent_jobs: int,
+        drain_timeout: float,
+        worker_id: str | None,
+        heartbeat_interval: float | None,
+        reconnect_delay: float,
+        handle_signals: bool,
+    ) -> None:
+        if max_concurrent_jobs < 1:
+            raise ValueError("max_concurrent_jobs must be at least 1")
+        self.server_url = server_url
+        self.functions = {f.id: f for f in functions}
+        # Like the event client: the environment supplies the key when none is given.
+        self.api_key = api_key if api_key is not None else os.environ.get("IRONFLOW_API_KEY")
+        self.max_concurrent_jobs = max_concurrent_jobs
+        self.drain_timeout = drain_timeout
+        self.worker_id = worker_id or default_worker_id()
+        self.heartbeat_interval = heartbeat_interval
+        self.reconnect_delay = reconnect_delay
+        self.handle_signals = handle_signals
+        self.session_id: str | None = None
+        self.state = "idle"  # idle | connecting | connected | draining | stopped
+        self._jobs: dict[str, JobState] = {}
+        self._jobs_changed = trio.Event()
+        self._draining = False
+        self._drain_deadline = 0.0
+        self._stopped = False
+        self._running = False
+        self._finished = trio.Event()
+        self._root_scope: trio.CancelScope | None = None
+
+    @property
+    def active_jobs(self) -> int:
+        return len(self._jobs)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
 
     async def drain(self, timeout: float | None = None) -> None:
         """Drain now (refuse new jobs, finish running ones until the deadline) and wait."""

@@ -11,7 +11,6 @@ re-registers; 401/403 stops the worker.
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from collections.abc import Iterable
 from typing import Any
@@ -38,7 +37,6 @@ from ironflow.sdk.context import JobState, execute_job
 from ironflow.sdk.errors import IronflowError, WorkerAuthError
 from ironflow.sdk.function import Function
 from ironflow.sdk.lifecycle import WorkerLifecycle
-from ironflow.sdk.streaming import default_worker_id
 
 # Backoff for a terminal result that did not get through (reference SDK: 1, 2, 4, 8 s).
 RESULT_RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)
@@ -139,38 +137,23 @@ class PullWorker(WorkerLifecycle):
         handle_signals: bool = True,
         transport: httpx.AsyncBaseTransport | None = None,
     ):
-        if max_concurrent_jobs < 1:
-            raise ValueError("max_concurrent_jobs must be at least 1")
-        self.server_url = server_url.rstrip("/")
-        self.functions = {f.id: f for f in functions}
-        # Like the event client: the environment supplies the key when none is given.
-        self.api_key = api_key if api_key is not None else os.environ.get("IRONFLOW_API_KEY")
-        self.max_concurrent_jobs = max_concurrent_jobs
+        super().__init__(
+            server_url.rstrip("/"),
+            functions,
+            api_key=api_key,
+            max_concurrent_jobs=max_concurrent_jobs,
+            drain_timeout=drain_timeout,
+            worker_id=worker_id,
+            heartbeat_interval=heartbeat_interval,
+            reconnect_delay=reconnect_delay,
+            handle_signals=handle_signals,
+        )
         self.poll_wait = poll_wait
-        self.drain_timeout = drain_timeout
-        self.worker_id = worker_id or default_worker_id()
-        self.heartbeat_interval = heartbeat_interval
-        self.reconnect_delay = reconnect_delay
-        self.handle_signals = handle_signals
-        self.session_id: str | None = None
-        self.state = "idle"
         self._transport = transport
         self._http: httpx.AsyncClient | None = None
         self._interval = 30.0
-        self._jobs: dict[str, JobState] = {}
-        self._jobs_changed = trio.Event()
-        self._draining = False
-        self._drain_deadline = 0.0
-        self._stopped = False
-        self._running = False
-        self._finished = trio.Event()
-        self._root_scope: trio.CancelScope | None = None
         self._poll_scope: trio.CancelScope | None = None
         self._reporter = _HttpReporter(self)
-
-    @property
-    def active_jobs(self) -> int:
-        return len(self._jobs)
 
     # ── public control ───────────────────────────────────────────────────
 

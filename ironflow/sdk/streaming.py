@@ -12,9 +12,7 @@ deadline, flushes the outbox and closes the socket with 1000.
 from __future__ import annotations
 
 import logging
-import os
 import socket
-import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -73,10 +71,6 @@ def websocket_url(server_url: str) -> str:
     return url + "/v1/worker"
 
 
-def default_worker_id() -> str:
-    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
-
-
 class _OutboxReporter:
     """Queues a job's messages on its session's outbox, unless the job was abandoned."""
 
@@ -125,41 +119,22 @@ class StreamingWorker(WorkerLifecycle):
         reconnect_delay: float = 5.0,
         handle_signals: bool = True,
     ):
-        if max_concurrent_jobs < 1:
-            raise ValueError("max_concurrent_jobs must be at least 1")
-        self.server_url = server_url
-        self.functions = {f.id: f for f in functions}
-        # Like the event client: the environment supplies the key when none is given.
-        self.api_key = api_key if api_key is not None else os.environ.get("IRONFLOW_API_KEY")
-        self.max_concurrent_jobs = max_concurrent_jobs
-        self.drain_timeout = drain_timeout
-        self.worker_id = worker_id or default_worker_id()
-        self.heartbeat_interval = heartbeat_interval
-        self.reconnect_delay = reconnect_delay
-        self.handle_signals = handle_signals
-        self.session_id: str | None = None
-        self.state = "idle"  # idle | connecting | connected | draining | stopped
-        self._jobs: dict[str, JobState] = {}
-        self._jobs_changed = trio.Event()
-        self._draining = False
-        self._drain_deadline = 0.0
+        super().__init__(
+            server_url,
+            functions,
+            api_key=api_key,
+            max_concurrent_jobs=max_concurrent_jobs,
+            drain_timeout=drain_timeout,
+            worker_id=worker_id,
+            heartbeat_interval=heartbeat_interval,
+            reconnect_delay=reconnect_delay,
+            handle_signals=handle_signals,
+        )
         self._drain_requested = trio.Event()
-        self._stopped = False
-        self._running = False
-        self._finished = trio.Event()
-        self._root_scope: trio.CancelScope | None = None
         self._session_scope: trio.CancelScope | None = None
         self._outbox: trio.MemorySendChannel[Any] | None = None
 
     # ── public control ───────────────────────────────────────────────────
-
-    @property
-    def active_jobs(self) -> int:
-        return len(self._jobs)
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Connect, register and execute jobs until drained or stopped.
