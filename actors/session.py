@@ -83,27 +83,18 @@ async def handle(
     if isinstance(msg, JobAck):
         await store.activate_lease(_fence(session_id, msg), lease_expiry_s=t.lease_expiry_s)
         return None
-    if isinstance(msg, StepCompleted):
+    if isinstance(msg, StepCompleted | StepFailed):
+        completed = isinstance(msg, StepCompleted)
         await store.record_step(
             _fence(session_id, msg),
             step_id=msg.step_id,
             name=msg.name,
-            status="completed",
-            output=msg.output,
+            status="completed" if completed else "failed",
+            output=msg.output if isinstance(msg, StepCompleted) else None,
+            error=msg.error if isinstance(msg, StepFailed) else None,
             duration_ms=msg.duration_ms,
         )
-        metrics.STEPS_RECORDED.labels(status="completed").inc()
-        return None
-    if isinstance(msg, StepFailed):
-        await store.record_step(
-            _fence(session_id, msg),
-            step_id=msg.step_id,
-            name=msg.name,
-            status="failed",
-            error=msg.error,
-            duration_ms=msg.duration_ms,
-        )
-        metrics.STEPS_RECORDED.labels(status="failed").inc()
+        metrics.STEPS_RECORDED.labels(status="completed" if completed else "failed").inc()
         return None
     if isinstance(msg, JobCompleted):
         await store.complete_job(_fence(session_id, msg), msg.output)
