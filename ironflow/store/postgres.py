@@ -46,6 +46,8 @@ TX_ATTEMPTS = 5
 KICK_CHANNEL = "ironflow_kick"
 # How often the listener thread looks up from its socket to see if it must stop.
 LISTEN_POLL_S = 0.5
+# How often start-up checks that the listener thread is listening.
+LISTEN_READY_POLL_S = 0.01
 TX_RETRY_BACKOFF_S = 0.005
 
 class _PgTx:
@@ -162,7 +164,7 @@ class PostgresStore(SqlStore):
             # including a cancel that arrives before it is listening.
             try:
                 while not listening.is_set():
-                    await trio.sleep(0.01)
+                    await trio.sleep(LISTEN_READY_POLL_S)
                 task_status.started()
                 await trio.sleep_forever()
             finally:

@@ -6,7 +6,6 @@ import httpx
 import trio
 
 from ironflow.node import Node
-from ironflow.protocol import FunctionDef, Trigger
 from tests.integration.helpers import emit, wait_for_run
 
 FN = {"id": "pulled", "triggers": [{"event": "pull.go"}]}
@@ -87,4 +86,3 @@ async def test_unknown_session_gets_404_so_the_worker_registers_again(node: Node
     for path, body in (("poll", {"wait_s": 0}), ("heartbeat", {"type": "heartbeat", "jobs": []})):
         resp = await http.post(f"/v1/worker/sessions/ses_nope/{path}", json=body)
         assert resp.status_code == 404 and resp.json()["code"] == "SESSION_NOT_FOUND", (path, resp.text)
-    assert FunctionDef(id="x", triggers=[Trigger("y")])  # the wire types are the SDK's

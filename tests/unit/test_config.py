@@ -46,3 +46,12 @@ def test_non_positive_and_malformed_values_are_refused(tmp_path: Path) -> None:
     bad.write_text("timings:\n  no_such_timing: 3\n")
     with pytest.raises(ConfigError, match="no_such_timing"):
         load_config(file=bad, env={})
+
+
+def test_retry_defaults_are_three_attempts_one_second_doubling_capped_at_five_minutes() -> None:
+    from ironflow.protocol import RetryPolicy
+
+    policy = RetryPolicy()
+    assert policy.max_attempts == 3
+    assert [policy.delay_after(attempt) for attempt in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
+    assert policy.delay_after(20) == 300.0  # 2**19 s, capped at 5 min
