@@ -227,7 +227,7 @@ class Step:
         memo = self._memo.get(step_id)
         if memo is not None and memo.status == "completed":
             return memo.output
-        job_id, run_id, seq, token = self._fence()
+        fence = self._fence()
         t0 = time.perf_counter()
         try:
             if inspect.iscoroutinefunction(fn):
@@ -242,10 +242,7 @@ class Step:
             await self._reporter.step(
                 self._job,
                 StepFailed(
-                    job_id=job_id,
-                    run_id=run_id,
-                    execution_seq=seq,
-                    lease_token=token,
+                    *fence,
                     step_id=step_id,
                     name=name,
                     error=info,
@@ -264,10 +261,7 @@ class Step:
         await self._reporter.step(
             self._job,
             StepCompleted(
-                job_id=job_id,
-                run_id=run_id,
-                execution_seq=seq,
-                lease_token=token,
+                *fence,
                 step_id=step_id,
                 name=name,
                 output=raw,
