@@ -22,7 +22,15 @@ from typing import Any, NoReturn
 import click
 import httpx
 
-from ironflow.config import DEFAULT_PORT, DEV_TIMINGS, ConfigError, NodeConfig, Timings, load_config
+from ironflow.config import (
+    DEFAULT_PORT,
+    DEV_TIMINGS,
+    ConfigError,
+    NodeConfig,
+    Timings,
+    load_config,
+    redact_url,
+)
 
 # The original product's default, so `ironflow runs list` finds a local node.
 DEFAULT_SERVER_URL = f"http://localhost:{DEFAULT_PORT}"
@@ -318,19 +326,12 @@ def _timing_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
-    return url
-
-
 def _banner(config: NodeConfig) -> list[str]:
     host = config.host
     shown = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::", "") else host
     lines = [f"ironflow: engine node starting on http://{shown}:{config.port}"]
     kind = "PostgreSQL" if config.is_postgres else "SQLite"
-    lines.append(f"ironflow: database {_redact(config.database_url)} ({kind})")
+    lines.append(f"ironflow: database {redact_url(config.database_url)} ({kind})")
     if config.dev:
         t = config.timings
         lines.append(
@@ -874,7 +875,7 @@ def _mint_in_database(url: str, kind: str, role: str) -> tuple[str, str]:
     except CliFailure:
         raise
     except Exception as exc:  # any driver error: report it, do not dump a traceback
-        raise CliFailure(f"cannot create the key in {_redact(url)}: {exc}") from None
+        raise CliFailure(f"cannot create the key in {redact_url(url)}: {exc}") from None
 
 
 @client_command(keys, "create")

@@ -91,6 +91,14 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True):
         return self.database_url.startswith(("postgres://", "postgresql://"))
 
 
+def redact_url(url: str) -> str:
+    """``scheme://***@host/db`` — a database URL safe to print or log."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    return url
+
+
 _ENV_FIELDS = {
     "IRONFLOW_HOST": "host",
     "IRONFLOW_PORT": "port",

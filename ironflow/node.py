@@ -46,7 +46,7 @@ from actors.messages import Kick
 from actors.supervisor import Supervisor
 from ironflow import logs
 from ironflow.api import ApiDeps, create_app
-from ironflow.config import NodeConfig
+from ironflow.config import NodeConfig, redact_url
 from ironflow.ids import new_id
 from ironflow.store import Store, open_store
 
@@ -161,7 +161,7 @@ class Node:
                     "node: serving",
                     node_id=self.node_id,
                     url=self.url,
-                    db=_redact(config.database_url),
+                    db=redact_url(config.database_url),
                     dev=config.dev,
                 )
                 if config.dev:
@@ -197,13 +197,6 @@ def _port_of(urls: Any) -> int:
         if tail.isdigit():
             return int(tail)
     raise RuntimeError(f"hypercorn reported no port: {urls!r}")
-
-
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        return f"{scheme}://***@{rest.split('@', 1)[1]}"
-    return url
 
 
 async def _watch_signals(signals: Any, node: Node) -> None:
