@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 import signal
 import socket
 from functools import partial
@@ -95,8 +94,8 @@ class Node:
             except (OSError, ValueError, KeyError):
                 key = None
         if key is None:
-            key = "ifkey_" + secrets.token_hex(16)
-        if await self.store.authenticate(key) is None:
+            _, key = await self.store.create_api_key("org", "admin")
+        elif await self.store.authenticate(key) is None:
             await self.store.create_api_key("org", "admin", key=key)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"key": key}))
