@@ -43,7 +43,7 @@ from actors import (
 from actors.directory import SessionDirectory
 from actors.messages import Kick
 from actors.supervisor import Supervisor
-from ironflow import logs
+from ironflow import hypercorn_patch, logs
 from ironflow.api import ApiDeps, create_app
 from ironflow.config import NodeConfig, redact_url
 from ironflow.ids import new_id
@@ -141,6 +141,7 @@ class Node:
                         ready=self.ready,
                     )
                 )
+                hypercorn_patch.apply()
                 hcfg = HypercornConfig()
                 hcfg.bind = [f"{config.host}:{config.port}"]
                 hcfg.websocket_max_message_size = config.max_frame_bytes
