@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from typing import Literal
 
 import trio
 
 from actors.directory import LocalSession, SessionDirectory
 from actors.messages import Kick, kick
 from ironflow import logs, metrics
-from ironflow.config import NodeConfig
+from ironflow.config import Limits, NodeConfig
 from ironflow.protocol import (
     EngineMessage,
     FencedMessage,
@@ -41,7 +42,14 @@ from ironflow.protocol import (
     StepFailed,
     WorkerMessage,
 )
-from ironflow.store import Fence, SessionNotFound, StaleExecution, Store
+from ironflow.store import (
+    Fence,
+    LimitExceeded,
+    SessionInfo,
+    SessionNotFound,
+    StaleExecution,
+    Store,
+)
 
 log = logging.getLogger("ironflow.session")
 
@@ -52,6 +60,60 @@ class ProtocolViolation(Exception):
 
 class SessionExpired(Exception):
     """The store no longer knows this session; the worker must reconnect."""
+
+
+class RegistrationRefused(Exception):
+    """A Register that the node's limits refuse; the message says which and why."""
+
+    code = "REGISTRATION_REFUSED"
+
+
+def check_register(msg: Register, limits: Limits) -> None:
+    """Refuse a registration that exceeds the node's limits or repeats a function id.
+
+    Raises:
+      RegistrationRefused: naming the limit, the value asked for and the setting
+        that raises it.
+    """
+    if msg.max_concurrent_jobs > limits.max_slots_per_session:
+        raise RegistrationRefused(
+            f"max_concurrent_jobs={msg.max_concurrent_jobs} exceeds this node's limit of "
+            f"{limits.max_slots_per_session} (limits.max_slots_per_session)"
+        )
+    if len(msg.functions) > limits.max_functions_per_worker:
+        raise RegistrationRefused(
+            f"{len(msg.functions)} functions exceed this node's limit of "
+            f"{limits.max_functions_per_worker} per worker (limits.max_functions_per_worker)"
+        )
+    seen: set[str] = set()
+    for fd in msg.functions:
+        if fd.id in seen:
+            raise RegistrationRefused(f"function id {fd.id!r} is registered twice")
+        seen.add(fd.id)
+
+
+async def register(
+    store: Store, config: NodeConfig, node_id: str, msg: Register, mode: Literal["stream", "pull"]
+) -> SessionInfo:
+    """Check ``msg`` against the limits and create its session in the store.
+
+    Raises:
+      RegistrationRefused: a limit is exceeded (nothing was written).
+    """
+    check_register(msg, config.limits)
+    try:
+        return await store.register_worker(
+            node_id=node_id,
+            worker_id=msg.worker_id,
+            mode=mode,
+            max_concurrent_jobs=msg.max_concurrent_jobs,
+            functions=msg.functions,
+            session_expiry_s=config.timings.session_expiry_s,
+            hostname=msg.hostname,
+            max_functions_per_trigger=config.limits.max_functions_per_trigger,
+        )
+    except LimitExceeded as exc:
+        raise RegistrationRefused(str(exc)) from exc
 
 
 def _fence(session_id: str, msg: FencedMessage) -> Fence:
@@ -209,8 +271,9 @@ async def run(
         dispatcher through the directory).
     Reports the session id through ``task_status`` once registered.
 
-    Raises ProtocolViolation if the first message is not Register, and
-    SessionExpired if the store dropped the session; the caller closes the
+    Raises ProtocolViolation if the first message is not Register,
+    RegistrationRefused if the node's limits refuse it, and SessionExpired if
+    the store dropped the session; the caller closes the
     socket either way. The session is always closed in the store on exit, its
     leases recovered at once.
     """
@@ -221,15 +284,7 @@ async def run(
         return  # the socket closed before registering: nothing to clean up
     if not isinstance(first, Register):
         raise ProtocolViolation(f"first message must be register, got {type(first).__name__}")
-    info = await store.register_worker(
-        node_id=node_id,
-        worker_id=first.worker_id,
-        mode="stream",
-        max_concurrent_jobs=first.max_concurrent_jobs,
-        functions=first.functions,
-        session_expiry_s=t.session_expiry_s,
-        hostname=first.hostname,
-    )
+    info = await register(store, config, node_id, first, "stream")
     session_id = info.session_id
     try:
         await outbox.send(

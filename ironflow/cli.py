@@ -26,6 +26,7 @@ from ironflow.config import (
     DEFAULT_PORT,
     DEV_TIMINGS,
     ConfigError,
+    Limits,
     NodeConfig,
     Timings,
     load_config,
@@ -326,6 +327,23 @@ def _timing_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return func
 
 
+def _limit_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """One flag per field of :class:`Limits` (``function_live_s`` → ``--function-live``)."""
+    defaults = Limits()
+    for field in reversed(Limits.__struct_fields__):
+        default = getattr(defaults, field)
+        is_int = isinstance(default, int)
+        func = click.option(
+            _timing_flag(field),
+            field,
+            type=int if is_int else float,
+            default=None,
+            metavar="N" if is_int else "SECONDS",
+            help=f"{'Count' if is_int else 'Seconds'} (limits.{field}; default {default:g}).",
+        )(func)
+    return func
+
+
 def _banner(config: NodeConfig) -> list[str]:
     host = config.host
     shown = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::", "") else host
@@ -383,6 +401,7 @@ def _serve_node(config: NodeConfig) -> None:
     help="Log level (default INFO).",
 )
 @_timing_options
+@_limit_options
 def serve(
     dev: bool,
     db: str | None,
@@ -392,7 +411,7 @@ def serve(
     config_file: str | None,
     state_dir: str | None,
     log_level: str | None,
-    **timings: Any,
+    **flags: Any,
 ) -> None:
     """Run an engine node (Ctrl-C drains, a second Ctrl-C stops).
 
@@ -412,7 +431,8 @@ def serve(
                 "state_dir": state_dir,
                 "log_level": log_level.upper() if log_level else None,
             },
-            timing_overrides=timings,
+            timing_overrides={k: v for k, v in flags.items() if k in Timings.__struct_fields__},
+            limit_overrides={k: v for k, v in flags.items() if k in Limits.__struct_fields__},
         )
     except ConfigError as exc:
         _usage_failure(str(exc))
@@ -663,12 +683,16 @@ def functions() -> None:
 
 
 @client_command(functions, "list")
+@click.option(
+    "--all", "show_all", is_flag=True,
+    help="Also functions no worker registered within limits.function_live_s.",
+)
 @_json_option
 def functions_list(
-    ctx: click.Context, server: str | None, api_key: str | None, as_json: bool
+    ctx: click.Context, server: str | None, api_key: str | None, as_json: bool, show_all: bool
 ) -> None:
-    """List registered functions and their triggers."""
-    answer = _client(ctx, server, api_key).get("/v1/functions")
+    """List live functions (registered by a worker recently) and their triggers."""
+    answer = _client(ctx, server, api_key).get("/v1/functions", params={"all": "true"} if show_all else None)
     if as_json:
         _echo_json(answer)
         return
@@ -684,11 +708,12 @@ def functions_list(
             else f"{conc['limit']}" + (f" per {conc['key']}" if conc.get("key") else "")
         )
         retries = (d.get("retries") or {}).get("max_attempts", "-")
-        rows.append(
-            [f["id"], triggers, retries, concurrency, f["version"], _ago(f.get("updated_at"), now)]
-        )
+        seen = f.get("last_seen_at") or f.get("updated_at")
+        row = [f["id"], triggers, retries, concurrency, f["version"], _ago(seen, now)]
+        rows.append([*row, "yes" if f.get("live", True) else "no"] if show_all else row)
     _table(
-        ["FUNCTION", "TRIGGERS", "MAX ATTEMPTS", "CONCURRENCY", "VERSION", "UPDATED"],
+        ["FUNCTION", "TRIGGERS", "MAX ATTEMPTS", "CONCURRENCY", "VERSION", "LAST REGISTERED"]
+        + (["LIVE"] if show_all else []),
         rows,
         empty="no functions registered (start a worker)",
     )

@@ -15,6 +15,8 @@ from typing import Any
 import msgspec
 import yaml
 
+from ironflow.protocol import MAX_FUNCTIONS_HARD, MAX_SLOTS_HARD
+
 # Default port of the original product, so its CLI habits carry over.
 DEFAULT_PORT = 9123
 # A lease or claim threshold closer than this multiple of the heartbeat interval
@@ -66,6 +68,24 @@ DEV_TIMINGS: dict[str, float] = {
 }
 
 
+class Limits(msgspec.Struct, forbid_unknown_fields=True):
+    """What one worker may ask of a node; past a limit the request is refused.
+
+    Each bounds a cost every other user pays: credit rows scanned per dispatch
+    (slots), definitions upserted per connect (functions), runs created per
+    emit (functions sharing one trigger pattern).
+    """
+
+    # Concurrent jobs (credit rows) one worker session may offer.
+    max_slots_per_session: int = 1000
+    # Function definitions one Register may carry.
+    max_functions_per_worker: int = 1000
+    # Functions one trigger pattern may start: the fan-out of a single emit.
+    max_functions_per_trigger: int = 100
+    # A function no worker registered for this long is listed as not live.
+    function_live_s: float = 24 * 3600.0
+
+
 class NodeConfig(msgspec.Struct, forbid_unknown_fields=True):
     """Everything a node needs to start."""
 
@@ -80,6 +100,7 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True):
     idempotency_window_s: float = 24 * 3600.0
     log_level: str = "INFO"
     timings: Timings = msgspec.field(default_factory=Timings)
+    limits: Limits = msgspec.field(default_factory=Limits)
 
     @property
     def database_url(self) -> str:
@@ -109,17 +130,28 @@ _ENV_FIELDS = {
 }
 
 
-def _env_overrides(env: dict[str, str]) -> tuple[dict[str, Any], dict[str, Any]]:
+def _env_overrides(
+    env: dict[str, str],
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     top: dict[str, Any] = {}
     timings: dict[str, Any] = {}
+    limits: dict[str, Any] = {}
     for var, field in _ENV_FIELDS.items():
         if var in env:
             top[field] = env[var]
-    for field in Timings.__struct_fields__:
-        var = "IRONFLOW_" + field.upper()
-        if var in env:
-            timings[field] = env[var]
-    return top, timings
+    for section, struct in ((timings, Timings), (limits, Limits)):
+        for field in struct.__struct_fields__:
+            var = "IRONFLOW_" + field.upper()
+            if var in env:
+                section[field] = env[var]
+    return top, timings, limits
+
+
+def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:
+    value = raw.pop(name, None) or {}
+    if not isinstance(value, dict):
+        raise ConfigError(f"config '{name}' must be a mapping")
+    return value
 
 
 def load_config(
@@ -129,15 +161,17 @@ def load_config(
     dev: bool = False,
     overrides: dict[str, Any] | None = None,
     timing_overrides: dict[str, Any] | None = None,
+    limit_overrides: dict[str, Any] | None = None,
 ) -> NodeConfig:
     """Build and validate the node configuration.
 
     Args:
       file: optional YAML file; top-level keys are NodeConfig fields, timings
-        go under ``timings:``.
+        go under ``timings:`` and limits under ``limits:``.
       env: environment to read ``IRONFLOW_*`` variables from (default: os.environ).
       dev: apply the ``--dev`` profile (short loop-1 and loop-2 timings).
-      overrides / timing_overrides: flag values (``None`` values are ignored).
+      overrides / timing_overrides / limit_overrides: flag values (``None``
+        values are ignored).
 
     Raises:
       ConfigError: the file is unreadable, a value has the wrong type, or a
@@ -145,6 +179,7 @@ def load_config(
     """
     merged: dict[str, Any] = {}
     timings: dict[str, Any] = dict(DEV_TIMINGS) if dev else {}
+    limits: dict[str, Any] = {}
     if file is not None:
         try:
             raw = yaml.safe_load(Path(file).read_text()) or {}
@@ -152,19 +187,20 @@ def load_config(
             raise ConfigError(f"cannot read config file {file}: {exc}") from exc
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {file} must hold a mapping")
-        file_timings = raw.pop("timings", None) or {}
-        if not isinstance(file_timings, dict):
-            raise ConfigError("config 'timings' must be a mapping")
+        timings.update(_section(raw, "timings"))
+        limits.update(_section(raw, "limits"))
         merged.update(raw)
-        timings.update(file_timings)
-    env_top, env_timings = _env_overrides(dict(os.environ if env is None else env))
+    env_top, env_timings, env_limits = _env_overrides(dict(os.environ if env is None else env))
     merged.update(env_top)
     timings.update(env_timings)
+    limits.update(env_limits)
     merged.update({k: v for k, v in (overrides or {}).items() if v is not None})
     timings.update({k: v for k, v in (timing_overrides or {}).items() if v is not None})
+    limits.update({k: v for k, v in (limit_overrides or {}).items() if v is not None})
     if dev:
         merged["dev"] = True
     merged["timings"] = timings
+    merged["limits"] = limits
     try:
         config = msgspec.convert(merged, NodeConfig, strict=False)
     except msgspec.ValidationError as exc:
@@ -201,3 +237,21 @@ def validate(config: NodeConfig) -> None:
         raise ConfigError(f"port must be 0..65535, got {config.port}")
     if config.max_frame_bytes < 1024:
         raise ConfigError("max_frame_bytes must be at least 1024")
+    _validate_limits(config.limits)
+
+
+# Ceilings of the configurable limits: the wire types' own hard bounds.
+_LIMIT_CEILINGS = {
+    "max_slots_per_session": MAX_SLOTS_HARD,
+    "max_functions_per_worker": MAX_FUNCTIONS_HARD,
+    "max_functions_per_trigger": MAX_FUNCTIONS_HARD,
+}
+
+
+def _validate_limits(limits: Limits) -> None:
+    for field, ceiling in _LIMIT_CEILINGS.items():
+        value = getattr(limits, field)
+        if not 1 <= value <= ceiling:
+            raise ConfigError(f"limits.{field} must be in 1..{ceiling}, got {value}")
+    if limits.function_live_s <= 0:
+        raise ConfigError(f"limits.function_live_s must be positive, got {limits.function_live_s}")

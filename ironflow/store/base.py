@@ -65,6 +65,12 @@ class Conflict(StoreError):
     code = "CONFLICT"
 
 
+class LimitExceeded(StoreError):
+    """A request would exceed one of the node's configured resource limits."""
+
+    code = "LIMIT_EXCEEDED"
+
+
 # ── records ─────────────────────────────────────────────────────────────────
 
 
@@ -131,6 +137,8 @@ class SessionInfo(msgspec.Struct, frozen=True):
     mode: Literal["stream", "pull"]
     max_concurrent_jobs: int
     function_ids: list[str]
+    # Pull sessions only: the secret every later call must present (kept hashed).
+    secret: str | None = None
 
 
 class RunRecord(msgspec.Struct, frozen=True):
@@ -227,6 +235,10 @@ class FunctionRecord(msgspec.Struct, frozen=True):
     definition: FunctionDef
     version: int
     updated_at: float
+    # When a worker last registered it (None: before this was recorded).
+    last_seen_at: float | None = None
+    # Registered by some worker within the node's ``function_live_s``.
+    live: bool = True
 
 
 class Principal(msgspec.Struct, frozen=True):
@@ -277,13 +289,29 @@ class Store(abc.ABC):
         functions: list[FunctionDef],
         session_expiry_s: float,
         hostname: str = "",
+        max_functions_per_trigger: int | None = None,
     ) -> SessionInfo:
-        """Upsert every function definition (version +1 when it changed), create a
-        worker session expiring at now + ``session_expiry_s`` and one credit row
-        per slot (``max_concurrent_jobs``)."""
+        """Upsert every function definition (version +1 when it changed) and its
+        trigger index rows, create a worker session expiring at now +
+        ``session_expiry_s`` and one credit row per slot (``max_concurrent_jobs``).
+        A pull session gets a fresh secret, returned once and stored hashed.
+
+        Raises:
+          LimitExceeded: a trigger pattern would be shared by more than
+            ``max_functions_per_trigger`` functions (nothing is written).
+        """
 
     @abc.abstractmethod
-    async def list_functions(self) -> list[FunctionRecord]: ...
+    async def pull_session(self, session_id: str, secret: str) -> SessionInfo | None:
+        """The live *pull* session ``session_id`` if ``secret`` is its secret, else None.
+
+        A streaming session, an expired one and a wrong secret all answer None:
+        the caller cannot tell them apart (no oracle)."""
+
+    @abc.abstractmethod
+    async def list_functions(self, *, live_within_s: float | None = None) -> list[FunctionRecord]:
+        """Every stored function; ``live`` says whether a worker registered it
+        within ``live_within_s`` seconds (always True when None)."""
 
     @abc.abstractmethod
     async def heartbeat(

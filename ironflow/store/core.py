@@ -53,6 +53,7 @@ from ironflow.store.base import (
     IngestResult,
     JobOutcome,
     LeaseRecord,
+    LimitExceeded,
     Principal,
     QueueRecord,
     RecoveredSegment,
@@ -86,6 +87,8 @@ class CancelResult(CancelOutcome, frozen=True):
     kicked_run_ids: list[str] = []
 
 
+# Marks a stored definition that today's bounds refuse (see SqlStore._fdef).
+_INVALID_DEFINITION = "\x00invalid stored definition"
 # Name of the synthetic event behind a direct invocation or a step.invoke child.
 INVOKED_EVENT = "ironflow/function.invoked"
 # Error code of a run that was recovered more often than the recovery ceiling allows.
@@ -225,6 +228,12 @@ def _triggered(fd: FunctionDef, name: str) -> bool:
     return False
 
 
+def _trigger_patterns(name: str) -> list[str]:
+    """Every trigger pattern that matches event ``name``: the name itself and
+    ``prefix.*`` for each dot in it (``a.b.c`` → ``a.b.c``, ``a.*``, ``a.b.*``)."""
+    return [name] + [name[: i + 1] + "*" for i, ch in enumerate(name) if ch == "."]
+
+
 def _run_record(row: Sequence[Any]) -> RunRecord:
     return RunRecord(
         id=row[0],
@@ -305,12 +314,30 @@ class SqlStore(Store):
     # helpers used inside transactions -------------------------------------------
 
     def _fdef(self, text: str) -> FunctionDef:
+        """The stored definition ``text``, decoded once per version.
+
+        A definition that today's bounds refuse was stored by an older version
+        under looser rules; its runs still execute, with the default retry
+        policy and no concurrency limit, rather than failing every call that
+        reads it (an emit, a reservation, a retry)."""
         fd = self._defs.get(text)
         if fd is None:
             if len(self._defs) > 4096:
                 self._defs.clear()
-            fd = self._defs[text] = _function_decode(text)
+            try:
+                fd = _function_decode(text)
+            except msgspec.ValidationError:
+                raw = _json_decode(text)
+                fid = raw.get("id") if isinstance(raw, dict) else None
+                fd = FunctionDef(id=str(fid or "?"), name=_INVALID_DEFINITION)
+            self._defs[text] = fd
         return fd
+
+    def _fdef_or_none(self, text: str) -> FunctionDef | None:
+        """Like :meth:`_fdef`, but a definition today's rules refuse is None: an
+        emit never starts new runs of it (its worker must register it again)."""
+        fd = self._fdef(text)
+        return None if fd.name == _INVALID_DEFINITION else fd
 
     @staticmethod
     def _now(tx: Tx) -> float:
@@ -617,24 +644,25 @@ class SqlStore(Store):
         functions: list[FunctionDef],
         session_expiry_s: float,
         hostname: str = "",
+        max_functions_per_trigger: int | None = None,
     ) -> SessionInfo:
         function_ids = [fd.id for fd in functions]
+        secret = secrets.token_urlsafe(32) if mode == "pull" else None
 
         def work(tx: Tx) -> SessionInfo:
             for fd in functions:
+                self._upsert_function(tx, fd, max_functions_per_trigger)
+            if function_ids:
                 tx.execute(
-                    "INSERT INTO functions (id, definition, audit, version, updated_at)"
-                    " VALUES (?, ?, ?, 1, ironflow_now()) ON CONFLICT (id) DO UPDATE SET"
-                    " definition = excluded.definition, audit = excluded.audit,"
-                    " version = functions.version + 1, updated_at = excluded.updated_at"
-                    " WHERE functions.definition <> excluded.definition",
-                    (fd.id, _enc(fd), 1 if fd.audit else 0),
+                    "UPDATE functions SET last_seen_at = ironflow_now()"
+                    f" WHERE id IN ({_marks(len(function_ids))})",
+                    function_ids,
                 )
             session_id = new_id("ses")
             tx.execute(
                 "INSERT INTO worker_sessions (id, worker_id, node_id, mode, max_concurrent_jobs,"
-                " draining, function_ids, hostname, created_at, expires_at)"
-                " VALUES (?, ?, ?, ?, ?, 0, ?, ?, ironflow_now(), ironflow_now() + ?)",
+                " draining, function_ids, hostname, created_at, expires_at, secret_hash)"
+                " VALUES (?, ?, ?, ?, ?, 0, ?, ?, ironflow_now(), ironflow_now() + ?, ?)",
                 (
                     session_id,
                     worker_id,
@@ -644,6 +672,7 @@ class SqlStore(Store):
                     _enc(function_ids),
                     hostname,
                     float(session_expiry_s),
+                    None if secret is None else token_hash(secret),
                 ),
             )
             tx.executemany(
@@ -651,17 +680,71 @@ class SqlStore(Store):
                 [(session_id, slot) for slot in range(max_concurrent_jobs)],
             )
             return SessionInfo(
-                session_id, worker_id, node_id, mode, max_concurrent_jobs, function_ids
+                session_id, worker_id, node_id, mode, max_concurrent_jobs, function_ids, secret
             )
 
         return await self._transact(work)
 
-    async def list_functions(self) -> list[FunctionRecord]:
-        def work(tx: Tx) -> list[FunctionRecord]:
-            rows = tx.fetchall(
-                "SELECT id, definition, version, updated_at FROM functions ORDER BY id"
+    def _upsert_function(self, tx: Tx, fd: FunctionDef, max_per_trigger: int | None) -> None:
+        """Store ``fd``; when its definition changed, rewrite its trigger index rows."""
+        changed = tx.fetchone(
+            "INSERT INTO functions (id, definition, audit, version, updated_at)"
+            " VALUES (?, ?, ?, 1, ironflow_now()) ON CONFLICT (id) DO UPDATE SET"
+            " definition = excluded.definition, audit = excluded.audit,"
+            " version = functions.version + 1, updated_at = excluded.updated_at"
+            " WHERE functions.definition <> excluded.definition RETURNING id",
+            (fd.id, _enc(fd), 1 if fd.audit else 0),
+        )
+        if changed is None:
+            return
+        patterns = sorted({t.event for t in fd.triggers})
+        if patterns and max_per_trigger is not None:
+            crowded = tx.fetchone(
+                "SELECT pattern, count(*) FROM function_triggers"
+                f" WHERE pattern IN ({_marks(len(patterns))}) AND function_id <> ?"
+                " GROUP BY pattern HAVING count(*) >= ? LIMIT 1",
+                [*patterns, fd.id, max_per_trigger],
             )
-            return [FunctionRecord(r[0], self._fdef(r[1]), r[2], r[3]) for r in rows]
+            if crowded is not None:
+                raise LimitExceeded(
+                    f"function {fd.id}: event pattern {crowded[0]!r} already triggers"
+                    f" {crowded[1]} functions (limit {max_per_trigger})"
+                )
+        tx.execute("DELETE FROM function_triggers WHERE function_id = ?", (fd.id,))
+        tx.executemany(
+            "INSERT INTO function_triggers (pattern, function_id) VALUES (?, ?)",
+            [(pattern, fd.id) for pattern in patterns],
+        )
+
+    async def pull_session(self, session_id: str, secret: str) -> SessionInfo | None:
+        def work(tx: Tx) -> SessionInfo | None:
+            row = tx.fetchone(
+                "SELECT worker_id, node_id, max_concurrent_jobs, function_ids FROM worker_sessions"
+                " WHERE id = ? AND mode = 'pull' AND secret_hash = ?"
+                " AND expires_at > ironflow_now()",
+                (session_id, token_hash(secret)),
+            )
+            if row is None:
+                return None
+            return SessionInfo(session_id, row[0], row[1], "pull", row[2], _dec(row[3]))
+
+        return await self._transact(work)
+
+    async def list_functions(self, *, live_within_s: float | None = None) -> list[FunctionRecord]:
+        def work(tx: Tx) -> list[FunctionRecord]:
+            now = self._now(tx)
+            records = []
+            for fid, text, version, updated_at, seen in tx.fetchall(
+                "SELECT id, definition, version, updated_at, last_seen_at FROM functions"
+                " ORDER BY id"
+            ):
+                fd = self._fdef_or_none(text)
+                if fd is None:
+                    continue  # stored by an older version under looser rules
+                last = seen if seen is not None else updated_at
+                live = live_within_s is None or last > now - live_within_s
+                records.append(FunctionRecord(fid, fd, version, updated_at, seen, live))
+            return records
 
         return await self._transact(work)
 
@@ -786,12 +869,17 @@ class SqlStore(Store):
             if seen is not None:
                 return IngestResult(seen[0], _dec(seen[1]), True)
         event_id = self._insert_event(tx, name, data, idempotency_key)
+        patterns = _trigger_patterns(name)
+        candidates = tx.fetchall(
+            "SELECT f.definition FROM functions f WHERE f.id IN (SELECT t.function_id"
+            f" FROM function_triggers t WHERE t.pattern IN ({_marks(len(patterns))}))"
+            " ORDER BY f.id",
+            patterns,
+        )
         run_ids = [
             self._create_run(tx, fd, event_id, data)
-            for fd in (
-                self._fdef(text) for (text,) in tx.fetchall("SELECT definition FROM functions")
-            )
-            if _triggered(fd, name)
+            for fd in (self._fdef_or_none(text) for (text,) in candidates)
+            if fd is not None and _triggered(fd, name)
         ]
         if run_ids:
             tx.execute("UPDATE events SET run_ids = ? WHERE id = ?", (_enc(run_ids), event_id))
@@ -860,7 +948,13 @@ class SqlStore(Store):
             if row is None:
                 raise FunctionNotFound(f"function {function_id} is not registered")
             event_id = self._insert_event(tx, INVOKED_EVENT, data)
-            run_id = self._create_run(tx, self._fdef(row[0]), event_id, data)
+            fd = self._fdef_or_none(row[0])
+            if fd is None:
+                raise FunctionNotFound(
+                    f"function {function_id} has a stored definition this version refuses;"
+                    " restart its worker to register it again"
+                )
+            run_id = self._create_run(tx, fd, event_id, data)
             tx.execute("UPDATE events SET run_ids = ? WHERE id = ?", (_enc([run_id]), event_id))
             return run_id
 

@@ -21,7 +21,12 @@ import trio
 from psycopg_pool import ConnectionPool
 
 from ironflow.store.core import SqlStore, Tx
-from ironflow.store.schema import SCHEMA_LOCK_KEY, statements
+from ironflow.store.schema import (
+    SCHEMA_LOCK_KEY,
+    added_columns,
+    backfill_statements,
+    statements,
+)
 
 __all__ = ["PostgresStore"]
 
@@ -118,6 +123,10 @@ class PostgresStore(SqlStore):
             # Two nodes starting together must not race on CREATE … IF NOT EXISTS.
             cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
             for stmt in statements("postgres"):
+                cur.execute(stmt)
+            for table, column, kind in added_columns("postgres"):
+                cur.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {kind}")
+            for stmt in backfill_statements("postgres"):
                 cur.execute(stmt)
 
     async def close(self) -> None:

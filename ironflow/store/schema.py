@@ -9,7 +9,7 @@ both backends.
 
 from __future__ import annotations
 
-__all__ = ["statements", "PG_NOW_FUNCTION", "SCHEMA_LOCK_KEY"]
+__all__ = ["statements", "added_columns", "PG_NOW_FUNCTION", "SCHEMA_LOCK_KEY"]
 
 # Arbitrary constant: the advisory lock that serialises schema creation when
 # several nodes start against one PostgreSQL at once.
@@ -21,8 +21,18 @@ CREATE TABLE IF NOT EXISTS functions (
     definition  TEXT NOT NULL,
     audit       INTEGER NOT NULL DEFAULT 0,
     version     INTEGER NOT NULL,
-    updated_at  {REAL} NOT NULL
+    updated_at  {REAL} NOT NULL,
+    last_seen_at {REAL}
 );
+
+-- The trigger index: an emit reads the functions its event name can trigger
+-- (the exact name and each "prefix.*" above it), never every definition.
+CREATE TABLE IF NOT EXISTS function_triggers (
+    pattern      TEXT NOT NULL,
+    function_id  TEXT NOT NULL,
+    PRIMARY KEY (pattern, function_id)
+);
+CREATE INDEX IF NOT EXISTS function_triggers_function ON function_triggers (function_id);
 
 CREATE TABLE IF NOT EXISTS events (
     id              TEXT PRIMARY KEY,
@@ -128,7 +138,8 @@ CREATE TABLE IF NOT EXISTS worker_sessions (
     function_ids         TEXT NOT NULL,
     hostname             TEXT NOT NULL DEFAULT '',
     created_at           {REAL} NOT NULL,
-    expires_at           {REAL} NOT NULL
+    expires_at           {REAL} NOT NULL,
+    secret_hash          TEXT
 );
 CREATE INDEX IF NOT EXISTS sessions_expires ON worker_sessions (expires_at);
 
@@ -186,6 +197,39 @@ LANGUAGE sql STABLE AS $$
          + coalesce((SELECT skew FROM clock_skew WHERE id = 1), 0)
 $$
 """
+
+
+# Columns added after a table was first shipped: (table, column, type). A
+# database created by an older version gets them on start (CREATE TABLE IF NOT
+# EXISTS leaves an existing table as it was).
+_ADDED_COLUMNS = [
+    ("functions", "last_seen_at", "{REAL}"),
+    ("worker_sessions", "secret_hash", "TEXT"),
+]
+
+# Fills the trigger index from stored definitions, for a database whose
+# functions were registered before the index existed. Idempotent.
+_BACKFILL_TRIGGERS = {
+    "sqlite": "INSERT OR IGNORE INTO function_triggers (pattern, function_id)"
+    " SELECT json_extract(t.value, '$.event'), f.id"
+    " FROM functions f, json_each(f.definition, '$.triggers') t"
+    " WHERE json_extract(t.value, '$.event') IS NOT NULL",
+    "postgres": "INSERT INTO function_triggers (pattern, function_id)"
+    " SELECT t ->> 'event', f.id FROM functions f,"
+    " jsonb_array_elements(coalesce(f.definition::jsonb -> 'triggers', '[]'::jsonb)) t"
+    " WHERE t ->> 'event' IS NOT NULL ON CONFLICT DO NOTHING",
+}
+
+
+def added_columns(dialect: str) -> list[tuple[str, str, str]]:
+    """``(table, column, type)`` for each column a pre-existing table may lack."""
+    real = "DOUBLE PRECISION" if dialect == "postgres" else "REAL"
+    return [(t, c, kind.replace("{REAL}", real)) for t, c, kind in _ADDED_COLUMNS]
+
+
+def backfill_statements(dialect: str) -> list[str]:
+    """Statements run after the DDL and column additions, on every start."""
+    return [_BACKFILL_TRIGGERS[dialect]]
 
 
 def statements(dialect: str) -> list[str]:

@@ -23,7 +23,7 @@ import outcome
 import trio
 
 from ironflow.store.core import SqlStore, Tx
-from ironflow.store.schema import statements
+from ironflow.store.schema import added_columns, backfill_statements, statements
 
 __all__ = ["SqliteStore"]
 
@@ -189,6 +189,12 @@ class SqliteStore(SqlStore):
         conn.create_function("ironflow_now", 0, self._db_clock)
         conn.execute("BEGIN IMMEDIATE")
         for stmt in statements("sqlite"):
+            conn.execute(stmt)
+        for table, column, kind in added_columns("sqlite"):
+            have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        for stmt in backfill_statements("sqlite"):
             conn.execute(stmt)
         conn.execute("COMMIT")
         return conn
