@@ -19,16 +19,20 @@ from typing import Any, Literal, NoReturn, TypeVar
 
 import msgspec
 import trio
-from quart import Response, request, websocket
+from quart import Response, has_websocket_context, request, websocket
 from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+from werkzeug.routing import WebsocketMismatch
 
 from actors import session as session_actor
 from actors.directory import LocalSession, SessionDirectory
 from actors.messages import Kick, kick
 from ironflow import logs, metrics
 from ironflow.config import NodeConfig
+from ironflow.ids import new_id
 from ironflow.protocol import (
-    MAX_BATCH_EVENTS,
+    MAX_JSON_DEPTH,
+    SESSION_SECRET_HEADER,
     Cancel,
     CancelRequest,
     EmitBatchRequest,
@@ -44,19 +48,30 @@ from ironflow.protocol import (
     JobFailed,
     JobNack,
     JobYielded,
+    JsonTooDeep,
     KeyCreateRequest,
     KeyCreateResponse,
     PullPollRequest,
     PullPollResponse,
+    Refused,
     Register,
     Registered,
     StepCompleted,
     StepFailed,
     WorkerMessage,
+    check_json_depth,
     encoder,
     worker_message_decoder,
 )
-from ironflow.store import Principal, SessionNotFound, StaleExecution, Store, StoreError
+from ironflow.store import (
+    Principal,
+    SessionInfo,
+    SessionNotFound,
+    StaleExecution,
+    Store,
+    StoreError,
+)
+from ironflow.store.core import token_hash
 
 log = logging.getLogger("ironflow.api")
 
@@ -66,9 +81,13 @@ T = TypeVar("T")
 PLATFORM_ADMIN_ROLES = frozenset({"admin", "platform_admin"})
 # How long a verified API key is trusted without asking the database again.
 AUTH_CACHE_S = 30.0
+# Verified pull sessions kept in memory; past this the cache starts afresh
+# (sessions that expire without a goodbye would otherwise accumulate).
+PULL_SESSION_CACHE = 10_000
 # Websocket close codes (RFC 6455).
 WS_PROTOCOL_ERROR = 1002
 WS_UNSUPPORTED_DATA = 1003
+WS_INVALID_PAYLOAD = 1007
 WS_POLICY_VIOLATION = 1008
 WS_INTERNAL_ERROR = 1011
 WS_GOING_AWAY = 1001
@@ -82,6 +101,7 @@ _STATUS_FOR_CODE = {
     "FUNCTION_NOT_FOUND": 404,
     "RUN_NOT_FOUND": 404,
     "SESSION_NOT_FOUND": 404,
+    "LIMIT_EXCEEDED": 422,
 }
 
 
@@ -96,10 +116,14 @@ class ApiFailure(Exception):
 
 
 class _CloseSocket(Exception):
-    def __init__(self, code: int, reason: str) -> None:
+    """Close the worker socket with ``code``; ``refusal`` is sent first when set,
+    so the worker's SDK can report why rather than reconnect blindly."""
+
+    def __init__(self, code: int, reason: str, refusal: Refused | None = None) -> None:
         super().__init__(reason)
         self.code = code
         self.reason = reason
+        self.refusal = refusal
 
 
 class ApiDeps:
@@ -137,15 +161,40 @@ def _fail(status: int, code: str, message: str) -> NoReturn:
     raise ApiFailure(status, code, message)
 
 
+def decode_frame(body: bytes | str, kind: Any) -> Any:
+    """Decode one JSON body or frame as ``kind`` (a type or a typed Decoder).
+
+    Raises:
+      JsonTooDeep: nested deeper than MAX_JSON_DEPTH (checked before decoding).
+      msgspec.DecodeError / msgspec.ValidationError: malformed, or not a ``kind``.
+    """
+    check_json_depth(body)
+    try:
+        if isinstance(kind, msgspec.json.Decoder):
+            return kind.decode(body)
+        return msgspec.json.decode(body, type=kind)
+    except RecursionError as exc:  # backstop; the depth check should have caught it
+        raise JsonTooDeep(f"JSON nests deeper than the limit of {MAX_JSON_DEPTH} levels") from exc
+
+
 def _decode(body: bytes | str, kind: type[T]) -> T:
     if not body.strip():
         _fail(400, "BAD_REQUEST", "request body is empty; expected a JSON object")
     try:
-        return msgspec.json.decode(body, type=kind)
+        return decode_frame(body, kind)  # type: ignore[no-any-return]
+    except JsonTooDeep as exc:
+        _fail(400, "BAD_REQUEST", str(exc))
     except msgspec.ValidationError as exc:
         _fail(400, "VALIDATION_ERROR", f"invalid {getattr(kind, '__name__', 'message')}: {exc}")
     except msgspec.DecodeError as exc:
         _fail(400, "BAD_REQUEST", f"invalid JSON body: {exc}")
+
+
+def _where() -> tuple[str, str]:
+    """Method and path of the request or websocket being handled."""
+    if has_websocket_context():
+        return "WEBSOCKET", websocket.path
+    return request.method, request.path
 
 
 def _query_int(name: str, default: int, *, low: int = 1, high: int = 1000) -> int:
@@ -168,7 +217,8 @@ def create_app(deps: ApiDeps) -> QuartTrio:
     store = deps.store
     config = deps.config
     auth_cache: dict[str, tuple[float, Principal]] = {}
-    pull_functions: dict[str, frozenset[str]] = {}
+    # Pull sessions this node has verified: id → (hash of its secret, session).
+    pull_sessions: dict[str, tuple[str, SessionInfo]] = {}
 
     async def principal(headers: Any) -> Principal | None:
         header = headers.get("Authorization", "")
@@ -207,13 +257,26 @@ def create_app(deps: ApiDeps) -> QuartTrio:
     async def on_store_error(exc: StoreError) -> Response:
         return _error(_STATUS_FOR_CODE.get(exc.code, 400), exc.code, str(exc) or exc.code)
 
+    @app.errorhandler(WebsocketMismatch)
+    async def on_websocket_mismatch(_: Any) -> Response:
+        method, path = _where()
+        if method == "WEBSOCKET":
+            return _error(400, "BAD_REQUEST", f"{path} is not a websocket endpoint")
+        response = _error(
+            426, "UPGRADE_REQUIRED", f"{path} is the worker websocket: connect with a websocket upgrade"
+        )
+        response.headers["Upgrade"] = "websocket"
+        return response
+
     @app.errorhandler(404)
     async def on_not_found(_: Any) -> Response:
-        return _error(404, "NOT_FOUND", f"no route for {request.method} {request.path}")
+        method, path = _where()
+        return _error(404, "NOT_FOUND", f"no route for {method} {path}")
 
     @app.errorhandler(405)
     async def on_bad_method(_: Any) -> Response:
-        return _error(405, "METHOD_NOT_ALLOWED", f"{request.method} is not allowed on {request.path}")
+        method, path = _where()
+        return _error(405, "METHOD_NOT_ALLOWED", f"{method} is not allowed on {path}")
 
     @app.errorhandler(413)
     async def on_too_large(_: Any) -> Response:
@@ -221,10 +284,31 @@ def create_app(deps: ApiDeps) -> QuartTrio:
             413, "PAYLOAD_TOO_LARGE", f"request body exceeds {config.max_frame_bytes} bytes"
         )
 
+    @app.errorhandler(HTTPException)
+    async def on_http_exception(exc: HTTPException) -> Response:
+        # The framework's own refusals (bad request line, wrong method, …) keep
+        # their status; only a real fault below becomes a 500.
+        status = exc.code or 400
+        code = (exc.name or "HTTP error").upper().replace(" ", "_")
+        return _error(status, code, exc.description or exc.name or "HTTP error")
+
     @app.errorhandler(Exception)
     async def on_unexpected(exc: Exception) -> Response:
-        log.exception("api: unhandled error on %s %s", request.method, request.path)
-        return _error(500, "INTERNAL", f"internal error: {type(exc).__name__}")
+        method, path = _where()
+        request_id = new_id("req")
+        logs.event(
+            log,
+            logging.ERROR,
+            "api: internal error",
+            request_id=request_id,
+            method=method,
+            path=path,
+            error=type(exc).__name__,
+            exc_info=exc,
+        )
+        return _error(
+            500, "INTERNAL", f"internal error: {type(exc).__name__} (request id {request_id})"
+        )
 
     # ── health ──────────────────────────────────────────────────────────────
 
@@ -250,8 +334,6 @@ def create_app(deps: ApiDeps) -> QuartTrio:
     async def emit() -> Response:
         await require_org()
         body = _decode(await request.get_data(), EmitRequest)
-        if not body.name or len(body.name) > 256:
-            _fail(400, "VALIDATION_ERROR", "event name must be 1..256 characters")
         result = await store.ingest_event(
             body.name, body.data, body.idempotency_key, idempotency_window_s=config.idempotency_window_s
         )
@@ -274,11 +356,6 @@ def create_app(deps: ApiDeps) -> QuartTrio:
     async def emit_batch() -> Response:
         await require_org()
         body = _decode(await request.get_data(), EmitBatchRequest)
-        if not 1 <= len(body.events) <= MAX_BATCH_EVENTS:
-            _fail(400, "VALIDATION_ERROR", f"a batch holds 1..{MAX_BATCH_EVENTS} events")
-        for i, event in enumerate(body.events):
-            if not event.name or len(event.name) > 256:
-                _fail(400, "VALIDATION_ERROR", f"events[{i}]: event name must be 1..256 characters")
         results = await store.ingest_events(
             [(e.name, e.data, e.idempotency_key) for e in body.events],
             idempotency_window_s=config.idempotency_window_s,
@@ -327,7 +404,10 @@ def create_app(deps: ApiDeps) -> QuartTrio:
     @app.get("/v1/functions")
     async def list_functions() -> Response:
         await require_org()
-        return _json({"functions": await store.list_functions()})
+        records = await store.list_functions(live_within_s=config.limits.function_live_s)
+        if request.args.get("all", "").lower() not in ("1", "true", "yes"):
+            records = [r for r in records if r.live]
+        return _json({"functions": records})
 
     @app.post("/v1/functions/<function_id>/invoke")
     async def invoke(function_id: str) -> Response:
@@ -392,47 +472,54 @@ def create_app(deps: ApiDeps) -> QuartTrio:
         if deps.shutdown_requested.is_set():
             _fail(503, "DRAINING", "this node is draining; register with another node")
         body = _decode(await request.get_data(), Register)
-        if body.max_concurrent_jobs < 1:
-            _fail(400, "VALIDATION_ERROR", "max_concurrent_jobs must be at least 1")
-        t = config.timings
-        info = await store.register_worker(
-            node_id=deps.node_id,
-            worker_id=body.worker_id,
-            mode="pull",
-            max_concurrent_jobs=body.max_concurrent_jobs,
-            functions=body.functions,
-            session_expiry_s=t.session_expiry_s,
-            hostname=body.hostname,
-        )
-        pull_functions[info.session_id] = frozenset(info.function_ids)
+        try:
+            info = await session_actor.register(store, config, deps.node_id, body, "pull")
+        except session_actor.RegistrationRefused as exc:
+            _fail(422, exc.code, str(exc))
+        assert info.secret is not None
+        pull_sessions[info.session_id] = (token_hash(info.secret), info)
         logs.event(
             log, logging.INFO, "session: pull worker registered", session_id=info.session_id, worker_id=body.worker_id
         )
+        t = config.timings
         return _json(
-            Registered(info.session_id, int(t.heartbeat_interval_s * 1000), int(t.lease_expiry_s * 1000)), 201
+            Registered(
+                info.session_id,
+                int(t.heartbeat_interval_s * 1000),
+                int(t.lease_expiry_s * 1000),
+                session_secret=info.secret,
+            ),
+            201,
         )
 
-    async def pull_session_functions(session_id: str) -> frozenset[str]:
-        known = pull_functions.get(session_id)
-        if known is not None:
-            return known
-        for record in await store.list_sessions():
-            if record.session_id == session_id:
-                pull_functions[session_id] = frozenset(record.function_ids)
-                return pull_functions[session_id]
-        _fail(404, "SESSION_NOT_FOUND", f"worker session {session_id} is unknown or expired; register again")
+    async def pull_session(session_id: str) -> SessionInfo:
+        """The pull session the caller proves it owns (its secret in the header).
+
+        A streaming session's id, an unknown or expired id and a wrong secret
+        all answer the same 404 and change nothing: an id alone grants nothing.
+        """
+        secret = request.headers.get(SESSION_SECRET_HEADER, "")
+        digest = token_hash(secret) if secret else ""
+        known = pull_sessions.get(session_id)
+        if known is not None and secret and known[0] == digest:
+            return known[1]
+        found = await store.pull_session(session_id, secret) if secret else None
+        if found is None:
+            _fail(404, "SESSION_NOT_FOUND", f"worker session {session_id} is unknown or expired; register again")
+        if len(pull_sessions) >= PULL_SESSION_CACHE:
+            pull_sessions.clear()  # expired sessions never said goodbye; start afresh
+        pull_sessions[session_id] = (digest, found)
+        return found
 
     @app.post("/v1/worker/sessions/<session_id>/poll")
     async def pull_poll(session_id: str) -> Response:
         await require_org()
         raw = await request.get_data()
         body = _decode(raw, PullPollRequest) if raw.strip() else PullPollRequest()
-        if body.max_jobs < 1 or body.wait_s < 0:
-            _fail(400, "VALIDATION_ERROR", "max_jobs must be ≥ 1 and wait_s ≥ 0")
-        functions = await pull_session_functions(session_id)
+        session = await pull_session(session_id)
         wait_s = min(body.wait_s, config.timings.poll_max_wait_s)
         send, receive = trio.open_memory_channel[EngineMessage](body.max_jobs)
-        local = LocalSession(session_id, functions, send, mode="pull")
+        local = LocalSession(session_id, frozenset(session.function_ids), send, mode="pull")
         jobs: list[Any] = []
         deps.directory.add(local)
         try:
@@ -461,13 +548,14 @@ def create_app(deps: ApiDeps) -> QuartTrio:
                 "VALIDATION_ERROR",
                 f"{type(msg).__name__} is not accepted here; expected {' or '.join(k.__name__ for k in kinds)}",
             )
+        await pull_session(session_id)
         try:
             answer = await session_actor.handle(store, config, session_id, msg, deps.kicks)
         except StaleExecution as exc:
             metrics.STALE_REFUSED.inc()
             _fail(409, "STALE_EXECUTION", str(exc) or "stale execution: this segment was fenced")
         except SessionNotFound as exc:
-            pull_functions.pop(session_id, None)
+            pull_sessions.pop(session_id, None)
             _fail(404, "SESSION_NOT_FOUND", str(exc) or "worker session unknown or expired")
         except session_actor.ProtocolViolation as exc:
             _fail(400, "PROTOCOL_ERROR", str(exc))
@@ -496,7 +584,8 @@ def create_app(deps: ApiDeps) -> QuartTrio:
     @app.delete("/v1/worker/sessions/<session_id>")
     async def pull_goodbye(session_id: str) -> Response:
         await require_org()
-        pull_functions.pop(session_id, None)
+        await pull_session(session_id)
+        pull_sessions.pop(session_id, None)
         t = config.timings
         # A pull worker says goodbye after its jobs ended; anything it still
         # held is recovered now rather than at lease expiry.
@@ -533,6 +622,7 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
     inbound_send, inbound_receive = trio.open_memory_channel[WorkerMessage](256)
     outbox_send, outbox_receive = trio.open_memory_channel[EngineMessage](1024)
     close_code, close_reason = 1000, ""
+    refusal: Refused | None = None
 
     async def reader() -> None:
         # close() rather than `async with`: aclose() checkpoints, and a cancel
@@ -542,10 +632,7 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
                 data = await ws.receive()
                 if isinstance(data, bytes):
                     raise _CloseSocket(WS_UNSUPPORTED_DATA, "binary frames are not supported: send JSON text frames")
-                try:
-                    msg = worker_message_decoder.decode(data)
-                except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                    raise _CloseSocket(WS_PROTOCOL_ERROR, _short(f"invalid message: {exc}")) from exc
+                msg = _decode_worker_frame(data)
                 await inbound_send.send(msg)
         finally:
             inbound_send.close()
@@ -583,7 +670,11 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
         except* _CloseSocket as group:
             exc = group.exceptions[0]
             assert isinstance(exc, _CloseSocket)
-            close_code, close_reason = exc.code, exc.reason
+            close_code, close_reason, refusal = exc.code, exc.reason, exc.refusal
+        except* session_actor.RegistrationRefused as group:
+            message = str(group.exceptions[0])
+            close_code, close_reason = WS_POLICY_VIOLATION, _short(f"registration refused: {message}")
+            refusal = Refused(session_actor.RegistrationRefused.code, message)
         except* session_actor.ProtocolViolation as group:
             close_code, close_reason = WS_PROTOCOL_ERROR, _short(str(group.exceptions[0]))
         except* session_actor.SessionExpired as group:
@@ -597,6 +688,11 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
         if close_code != 1000:
             logs.event(log, logging.INFO, "api: closing worker socket", code=close_code, reason=close_reason)
         with trio.move_on_after(WS_CLOSE_TIMEOUT_S):
+            if refusal is not None:
+                try:
+                    await ws.send(encoder.encode(refusal).decode())
+                except Exception:
+                    pass  # the peer is gone; the close below says the same
             await ws.close(close_code, close_reason)
         closed = True
     finally:
@@ -608,6 +704,24 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
                     await ws.close(WS_GOING_AWAY, "engine node stopping")
                 except Exception:
                     pass
+
+
+def _decode_worker_frame(data: str) -> WorkerMessage:
+    """One worker frame, or :class:`_CloseSocket` saying why it cannot be read.
+
+    Malformed JSON is a protocol error (1002); well-formed JSON that is no
+    valid message — an unknown type, a wrong field, a number out of bounds,
+    nesting too deep — is invalid payload data (1007). Either way the worker
+    first receives a ``Refused`` naming the problem.
+    """
+    try:
+        msg: WorkerMessage = decode_frame(data, worker_message_decoder)
+        return msg
+    except (msgspec.ValidationError, JsonTooDeep) as exc:  # ValidationError is a DecodeError
+        code, message = WS_INVALID_PAYLOAD, f"invalid message: {exc}"
+    except msgspec.DecodeError as exc:
+        code, message = WS_PROTOCOL_ERROR, f"invalid message: {exc}"
+    raise _CloseSocket(code, _short(message), Refused("INVALID_MESSAGE", message))
 
 
 def _short(reason: str) -> str:

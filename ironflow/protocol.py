@@ -11,14 +11,47 @@ store all depend on it, never the other way round.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 # Hard ceiling for one websocket frame or HTTP JSON body. Large enough for a
 # JobAssignment carrying a few hundred memoised steps, small enough that a
 # runaway payload cannot balloon the node's memory.
 MAX_FRAME_BYTES = 4 * 1024 * 1024
+# Deepest JSON nesting accepted in a frame or body. Decoders recurse per level
+# and Python's recursion limit is 1,000 frames shared with the caller's stack;
+# 100 levels leave a payload room for real documents and the node its stack.
+MAX_JSON_DEPTH = 100
+
+# ── bounds of every number and name on the wire ──────────────────────────────
+# Integers are stored in 64-bit database columns; 2**53 - 1 also survives a
+# round trip through JSON consumers that use doubles (JavaScript dashboards).
+MAX_WIRE_INT = 2**53 - 1
+# Epoch seconds: up to the year 5138 — far past any real deadline, far below
+# what a float column or datetime conversion cannot represent.
+MAX_EPOCH_S = 1e11
+# One year: the longest delay, timeout or backoff cap a definition may ask for.
+MAX_DURATION_S = 365 * 24 * 3600.0
+# Hard ceilings of the types; the node's configurable limits (NodeConfig.limits)
+# are lower by default and decide what one node actually accepts.
+MAX_SLOTS_HARD = 100_000
+MAX_FUNCTIONS_HARD = 100_000
+MAX_TRIGGERS_HARD = 1_000
+
+Seq = Annotated[int, Meta(ge=1, le=MAX_WIRE_INT)]
+Epoch = Annotated[float, Meta(ge=0, le=MAX_EPOCH_S)]
+DurationMs = Annotated[float, Meta(ge=0, le=MAX_DURATION_S * 1000)]
+Name = Annotated[str, Meta(min_length=1, max_length=256)]
+Id = Annotated[str, Meta(min_length=1, max_length=256)]
+Token = Annotated[str, Meta(min_length=1, max_length=256)]
+ShortText = Annotated[str, Meta(max_length=1024)]
+# Longest step name; its id (run id, escaped name, counter) fits in twice that plus change.
+MAX_STEP_NAME = 512
+StepName = Annotated[str, Meta(min_length=1, max_length=MAX_STEP_NAME)]
+StepId = Annotated[str, Meta(min_length=1, max_length=4 * MAX_STEP_NAME)]
 
 SDK_VERSION = "0.1.0"
 
@@ -37,22 +70,24 @@ TERMINAL_RUN_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cance
 class Trigger(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """An event trigger: an exact name (``order.created``) or ``prefix.*``."""
 
-    event: str
+    event: Name
 
 
 class RetryPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """How a retryable failure is retried. ``max_attempts`` counts all attempts."""
 
-    max_attempts: int = 3
-    initial_delay_s: float = 1.0
-    backoff_factor: float = 2.0
-    max_delay_s: float = 300.0
+    max_attempts: Annotated[int, Meta(ge=1, le=1000)] = 3
+    initial_delay_s: Annotated[float, Meta(ge=0, le=MAX_DURATION_S)] = 1.0
+    backoff_factor: Annotated[float, Meta(ge=1, le=100)] = 2.0
+    max_delay_s: Annotated[float, Meta(ge=0, le=MAX_DURATION_S)] = 300.0
 
     def delay_after(self, attempt: int) -> float:
         """Seconds to wait before attempt ``attempt + 1`` after attempt ``attempt`` failed."""
-        return float(
-            min(self.initial_delay_s * self.backoff_factor ** max(attempt - 1, 0), self.max_delay_s)
-        )
+        try:
+            delay = self.initial_delay_s * self.backoff_factor ** max(attempt - 1, 0)
+        except OverflowError:  # a large factor to a large power: the cap applies
+            delay = self.max_delay_s
+        return float(min(delay, self.max_delay_s))
 
 
 class Concurrency(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -62,20 +97,20 @@ class Concurrency(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``event.data.`` or ``data.`` is accepted and ignored.
     """
 
-    limit: int
-    key: str | None = None
+    limit: Annotated[int, Meta(ge=1, le=1_000_000)]
+    key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
 
 
 class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A function's full definition, as a worker registers it on connect."""
 
-    id: str
-    triggers: list[Trigger] = []
+    id: Id
+    triggers: Annotated[list[Trigger], Meta(max_length=MAX_TRIGGERS_HARD)] = []
     retries: RetryPolicy = RetryPolicy()
     concurrency: Concurrency | None = None
-    timeout_s: float | None = None
+    timeout_s: Annotated[float, Meta(gt=0, le=MAX_DURATION_S)] | None = None
     audit: bool = False
-    name: str | None = None
+    name: Annotated[str, Meta(max_length=256)] | None = None
 
 
 # ── pieces carried inside messages ──────────────────────────────────────────
@@ -85,7 +120,7 @@ class ErrorInfo(msgspec.Struct, frozen=True):
     """A handler or step error as the worker reports it."""
 
     message: str
-    code: str = "ERROR"
+    code: Annotated[str, Meta(max_length=128)] = "ERROR"
     traceback: str | None = None
     retryable: bool = True
 
@@ -112,11 +147,11 @@ class MemoStep(msgspec.Struct, frozen=True):
 class ActiveJob(msgspec.Struct, frozen=True):
     """One job a worker is executing, with the fence it was assigned."""
 
-    job_id: str
-    run_id: str
-    execution_seq: int
-    lease_token: str
-    started_at: float = 0.0
+    job_id: Id
+    run_id: Id
+    execution_seq: Seq
+    lease_token: Token
+    started_at: Epoch = 0.0
 
 
 class JobLeaseStatus(msgspec.Struct, frozen=True):
@@ -127,20 +162,20 @@ class JobLeaseStatus(msgspec.Struct, frozen=True):
 
 
 class SleepYield(msgspec.Struct, frozen=True, tag="sleep"):
-    until: float
+    until: Epoch
 
 
 class WaitYield(msgspec.Struct, frozen=True, tag="wait"):
-    event: str
-    timeout_at: float
-    match: str | None = None
+    event: Name
+    timeout_at: Epoch
+    match: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     match_value: Any = None
 
 
 class InvokeYield(msgspec.Struct, frozen=True, tag="invoke"):
-    function_id: str
+    function_id: Id
     input: Any = None
-    timeout_at: float | None = None
+    timeout_at: Epoch | None = None
 
 
 YieldInfo = SleepYield | WaitYield | InvokeYield
@@ -150,81 +185,81 @@ YieldInfo = SleepYield | WaitYield | InvokeYield
 
 
 class Register(msgspec.Struct, frozen=True, tag="register", forbid_unknown_fields=True):
-    worker_id: str
-    functions: list[FunctionDef]
-    max_concurrent_jobs: int = 10
-    sdk_version: str = SDK_VERSION
-    hostname: str = ""
+    worker_id: Id
+    functions: Annotated[list[FunctionDef], Meta(max_length=MAX_FUNCTIONS_HARD)]
+    max_concurrent_jobs: Annotated[int, Meta(ge=1, le=MAX_SLOTS_HARD)] = 10
+    sdk_version: Annotated[str, Meta(max_length=64)] = SDK_VERSION
+    hostname: Annotated[str, Meta(max_length=256)] = ""
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     """``jobs=None`` is the compatibility fallback: refresh every lease of the session."""
 
-    jobs: list[ActiveJob] | None = None
+    jobs: Annotated[list[ActiveJob], Meta(max_length=MAX_SLOTS_HARD)] | None = None
 
 
 class JobAck(msgspec.Struct, frozen=True, tag="job_ack"):
-    job_id: str
-    run_id: str
-    execution_seq: int
-    lease_token: str
+    job_id: Id
+    run_id: Id
+    execution_seq: Seq
+    lease_token: Token
 
 
 class JobNack(msgspec.Struct, frozen=True, tag="job_nack"):
-    job_id: str
-    run_id: str
-    execution_seq: int
-    lease_token: str
+    job_id: Id
+    run_id: Id
+    execution_seq: Seq
+    lease_token: Token
     reason: JobNackReason
 
 
 class StepCompleted(msgspec.Struct, frozen=True, tag="step_completed"):
-    job_id: str
-    run_id: str
-    execution_seq: int
-    lease_token: str
-    step_id: str
-    name: str
+    job_id: Id
+    run_id: Id
+    execution_seq: Seq
+    lease_token: Token
+    step_id: StepId
+    name: StepName
     output: Any = None
-    duration_ms: float = 0.0
+    duration_ms: DurationMs = 0.0
 
 
 class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):
-    job_id: str
-    run_id: str
-    execution_seq: int
-    lease_token: str
-    step_id: str
-    name: str
+    job_id: Id
+    run_id: Id
+    execution_seq: Seq
+    lease_token: Token
+    step_id: StepId
+    name: StepName
     error: ErrorInfo
-    duration_ms: float = 0.0
+    duration_ms: DurationMs = 0.0
 
 
 class JobCompleted(msgspec.Struct, frozen=True, tag="job_completed"):
-    job_id: str
-    run_id: str
-    execution_seq: int
-    lease_token: str
+    job_id: Id
+    run_id: Id
+    execution_seq: Seq
+    lease_token: Token
     output: Any = None
-    duration_ms: float = 0.0
+    duration_ms: DurationMs = 0.0
 
 
 class JobFailed(msgspec.Struct, frozen=True, tag="job_failed"):
-    job_id: str
-    run_id: str
-    execution_seq: int
-    lease_token: str
+    job_id: Id
+    run_id: Id
+    execution_seq: Seq
+    lease_token: Token
     error: ErrorInfo
-    duration_ms: float = 0.0
+    duration_ms: DurationMs = 0.0
 
 
 class JobYielded(msgspec.Struct, frozen=True, tag="job_yielded"):
-    job_id: str
-    run_id: str
-    execution_seq: int
-    lease_token: str
-    step_id: str
-    name: str
+    job_id: Id
+    run_id: Id
+    execution_seq: Seq
+    lease_token: Token
+    step_id: StepId
+    name: StepName
     yield_info: YieldInfo
 
 
@@ -248,9 +283,14 @@ FencedMessage = JobAck | JobNack | StepCompleted | StepFailed | JobCompleted | J
 
 
 class Registered(msgspec.Struct, frozen=True, tag="registered"):
+    """Answer to Register. ``session_secret`` (pull sessions only, shown once)
+    must accompany every later call on the session, in the
+    ``Ironflow-Session-Secret`` header: a session id alone grants nothing."""
+
     session_id: str
     heartbeat_interval_ms: int
     lease_expiry_ms: int
+    session_secret: str | None = None
 
 
 class JobAssignment(msgspec.Struct, frozen=True, tag="job"):
@@ -294,6 +334,48 @@ EngineMessage = Registered | JobAssignment | LeaseStatus | Cancel | Shutdown | R
 
 # ── encoders / decoders (module-level: building them is not free) ─────────
 
+# Header carrying a pull session's secret on every call after registration.
+SESSION_SECRET_HEADER = "Ironflow-Session-Secret"
+
+# A JSON string literal (escapes included): brackets inside one do not nest.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+# Keeps only brackets, with objects folded into arrays: only the depth matters.
+_BRACKETS_ONLY = bytes.maketrans(b"{}", b"[]")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+class JsonTooDeep(ValueError):
+    """A JSON document nests deeper than :data:`MAX_JSON_DEPTH`."""
+
+
+def check_json_depth(data: bytes | str, limit: int = MAX_JSON_DEPTH) -> None:
+    """Raise :class:`JsonTooDeep` when ``data`` nests arrays/objects deeper than ``limit``.
+
+    Runs before decoding, at C speed: a document with at most ``limit``
+    brackets cannot be too deep (the common case, one ``count``); otherwise
+    strings are cut out, everything but brackets is deleted, and each pass of
+    ``replace("[]", "")`` peels exactly one level off the innermost pairs, so
+    a document still non-empty after ``limit`` passes is deeper than that (or
+    unbalanced, which is no valid JSON either).
+    """
+    raw = data.encode() if isinstance(data, str) else bytes(data)
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return
+    # Without escapes, strings are exactly the odd pieces between quotes.
+    unquoted = _JSON_STRING.sub(b"", raw) if b"\\" in raw else b"".join(raw.split(b'"')[::2])
+    brackets = unquoted.translate(_BRACKETS_ONLY, _NOT_BRACKETS)
+    if b"[" * (limit + 1) in brackets:
+        raise JsonTooDeep(f"JSON nests deeper than the limit of {limit} levels")
+    for _ in range(limit):
+        if not brackets:
+            return
+        shorter = brackets.replace(b"[]", b"")
+        if len(shorter) == len(brackets):
+            break  # unbalanced: nothing left to peel
+        brackets = shorter
+    if brackets:
+        raise JsonTooDeep(f"JSON nests deeper than the limit of {limit} levels (or is unbalanced)")
+
 encoder = msgspec.json.Encoder()
 worker_message_decoder = msgspec.json.Decoder(WorkerMessage)
 engine_message_decoder = msgspec.json.Decoder(EngineMessage)
@@ -308,9 +390,9 @@ def job_id_for(run_id: str, execution_seq: int) -> str:
 
 
 class EmitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    name: str
+    name: Name
     data: Any = {}
-    idempotency_key: str | None = None
+    idempotency_key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
 
 
 class EmitResponse(msgspec.Struct, frozen=True):
@@ -326,7 +408,7 @@ MAX_BATCH_EVENTS = 1000
 class EmitBatchRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Body of ``POST /v1/events/batch``: persisted in one transaction, all or none."""
 
-    events: list[EmitRequest]
+    events: Annotated[list[EmitRequest], Meta(min_length=1, max_length=MAX_BATCH_EVENTS)]
 
 
 class EmitBatchResponse(msgspec.Struct, frozen=True):
@@ -338,14 +420,14 @@ class InvokeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class CancelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    reason: str = "cancelled by user"
+    reason: ShortText = "cancelled by user"
 
 
 class PullPollRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Body of ``POST /v1/worker/sessions/{session_id}/poll``."""
 
-    wait_s: float = 20.0
-    max_jobs: int = 1
+    wait_s: Annotated[float, Meta(ge=0, le=3600)] = 20.0
+    max_jobs: Annotated[int, Meta(ge=1, le=1000)] = 1
 
 
 class PullPollResponse(msgspec.Struct, frozen=True):
@@ -365,7 +447,7 @@ class ApiError(msgspec.Struct, frozen=True):
 
 class KeyCreateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     platform: bool = False
-    role: str = "admin"
+    role: Annotated[str, Meta(min_length=1, max_length=64)] = "admin"
 
 
 class KeyCreateResponse(msgspec.Struct, frozen=True):

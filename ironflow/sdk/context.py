@@ -26,6 +26,7 @@ import msgspec
 import trio
 
 from ironflow.protocol import (
+    MAX_STEP_NAME,
     ActiveJob,
     ErrorInfo,
     EventInfo,
@@ -206,6 +207,11 @@ class Step:
     def _next_id(self, name: str) -> str:
         if not isinstance(name, str) or not name:
             raise ValueError("a step needs a non-empty name")
+        if len(name) > MAX_STEP_NAME:
+            raise ValueError(
+                f"step name {name[:40]!r}… is {len(name)} characters; the engine accepts"
+                f" at most {MAX_STEP_NAME}: use a shorter name"
+            )
         n = self._counters.get(name, 0)
         self._counters[name] = n + 1
         return f"{self._run_id}:{escape_step_name(name)}:{n}"

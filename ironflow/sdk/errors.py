@@ -79,6 +79,13 @@ class WorkerAuthError(IronflowError):
     retryable = False
 
 
+class RegistrationRefusedError(IronflowError):
+    """The engine refused the worker's registration (a limit, an invalid
+    definition): reconnecting would be refused again, so the worker stops."""
+
+    code = "REGISTRATION_REFUSED"
+
+
 class IronflowAPIError(IronflowError):
     """The HTTP API answered 4xx/5xx: ``status``, the server's ``code`` and ``message``."""
 

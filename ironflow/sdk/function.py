@@ -10,6 +10,8 @@ import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from ironflow.protocol import Concurrency, FunctionDef, RetryPolicy, Trigger
 
 if TYPE_CHECKING:
@@ -68,6 +70,18 @@ def _concurrency(c: Concurrency | Mapping[str, Any] | int | None) -> Concurrency
     return Concurrency(**c)
 
 
+def _checked(definition: FunctionDef) -> FunctionDef:
+    """``definition`` if the engine will accept it, else a ValueError naming the field.
+
+    The engine validates every registration against the same bounds; checking
+    here turns a refused worker at start-up into an error at the decorator.
+    """
+    try:
+        return msgspec.convert(msgspec.to_builtins(definition), FunctionDef)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"@ironflow.function {definition.id!r}: {exc}") from exc
+
+
 def function(
     id: str | None = None,
     *,
@@ -83,7 +97,10 @@ def function(
     ``id`` defaults to the handler's name. ``triggers`` are ``event(...)``
     triggers (a bare string is accepted); ``retries`` a ``RetryPolicy``, a
     dict of its fields or a max attempt count; ``concurrency`` a
-    ``Concurrency``, a dict or a limit. A sync handler is a ``TypeError``.
+    ``Concurrency``, a dict or a limit. A sync handler is a ``TypeError``; a
+    value outside the engine's bounds (``max_attempts`` 1..1000,
+    ``backoff_factor`` 1..100, delays and ``timeout_s`` up to a year, ids and
+    event names up to 256 characters) is a ``ValueError`` naming the field.
     """
 
     def decorate(handler: Handler) -> Function:
@@ -91,14 +108,16 @@ def function(
             raise TypeError(
                 f"@ironflow.function needs an async def handler, got {handler!r}"
             )
-        definition = FunctionDef(
-            id=id or handler.__name__,
-            triggers=[_trigger(t) for t in triggers],
-            retries=_retries(retries),
-            concurrency=_concurrency(concurrency),
-            timeout_s=timeout_s,
-            audit=audit,
-            name=name,
+        definition = _checked(
+            FunctionDef(
+                id=id or handler.__name__,
+                triggers=[_trigger(t) for t in triggers],
+                retries=_retries(retries),
+                concurrency=_concurrency(concurrency),
+                timeout_s=timeout_s,
+                audit=audit,
+                name=name,
+            )
         )
         return Function(definition, handler)
 

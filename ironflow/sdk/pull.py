@@ -20,6 +20,7 @@ import msgspec
 import trio
 
 from ironflow.protocol import (
+    SESSION_SECRET_HEADER,
     Heartbeat,
     JobAck,
     JobAssignment,
@@ -34,7 +35,7 @@ from ironflow.protocol import (
 )
 from ironflow.sdk.client import auth_headers
 from ironflow.sdk.context import JobState, execute_job
-from ironflow.sdk.errors import IronflowError, WorkerAuthError
+from ironflow.sdk.errors import IronflowError, RegistrationRefusedError, WorkerAuthError
 from ironflow.sdk.function import Function
 from ironflow.sdk.lifecycle import WorkerLifecycle
 
@@ -58,12 +59,21 @@ def _fields(**fields: Any) -> dict[str, Any]:
     return {"fields": {k: v for k, v in fields.items() if v is not None}}
 
 
-def _error_code(resp: httpx.Response) -> str:
+def _error_body(resp: httpx.Response) -> dict[str, Any]:
     try:
         body = msgspec.json.decode(resp.content)
-        return str(body.get("code", "")) if isinstance(body, dict) else ""
     except msgspec.DecodeError:
-        return ""
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def _error_code(resp: httpx.Response) -> str:
+    return str(_error_body(resp).get("code", ""))
+
+
+def _error_message(resp: httpx.Response) -> str:
+    body = _error_body(resp)
+    return f"{body.get('code', '')}: {body.get('message', resp.text[:200])}"
 
 
 class _HttpReporter:
@@ -151,6 +161,9 @@ class PullWorker(WorkerLifecycle):
         self.poll_wait = poll_wait
         self._transport = transport
         self._http: httpx.AsyncClient | None = None
+        # The session secret from Registered: proves on every call that this
+        # worker owns the session (an id alone grants nothing).
+        self._session_headers: dict[str, str] = {}
         self._interval = 30.0
         self._poll_scope: trio.CancelScope | None = None
         self._reporter = _HttpReporter(self)
@@ -164,7 +177,7 @@ class PullWorker(WorkerLifecycle):
         ``WorkerAuthError``; other failures are retried with backoff.
         """
         self._running = True
-        fatal: WorkerAuthError | None = None
+        fatal: WorkerAuthError | RegistrationRefusedError | None = None
         try:
             async with httpx.AsyncClient(
                 base_url=self.server_url,
@@ -186,14 +199,17 @@ class PullWorker(WorkerLifecycle):
                         nursery.start_soon(self._heartbeat_loop)
                         await self._poll_loop(nursery)
                         await self._wait_for_jobs()
-                    except WorkerAuthError as exc:
+                    except (WorkerAuthError, RegistrationRefusedError) as exc:
                         _log.error("%s; stopping", exc)
                         fatal = exc
                     nursery.cancel_scope.cancel()
                 if self.session_id is not None and not self._stopped and fatal is None:
                     with trio.move_on_after(GOODBYE_TIMEOUT_S):
                         try:
-                            await http.delete(f"/v1/worker/sessions/{self.session_id}")
+                            await http.delete(
+                                f"/v1/worker/sessions/{self.session_id}",
+                                headers=self._session_headers,
+                            )
                         except httpx.HTTPError:
                             pass
             if fatal is not None:
@@ -222,7 +238,9 @@ class PullWorker(WorkerLifecycle):
     async def _post(self, path: str, body: Any) -> httpx.Response:
         assert self._http is not None
         return await self._http.post(
-            f"/v1/worker/sessions/{self.session_id}{path}", content=encoder.encode(body)
+            f"/v1/worker/sessions/{self.session_id}{path}",
+            content=encoder.encode(body),
+            headers=self._session_headers,
         )
 
     async def _register(self) -> None:
@@ -241,17 +259,23 @@ class PullWorker(WorkerLifecycle):
                     raise WorkerAuthError(
                         f"engine refused the worker's credentials (HTTP {resp.status_code})"
                     )
+                if resp.status_code in (400, 413, 422):
+                    raise RegistrationRefusedError(
+                        f"engine refused the registration (HTTP {resp.status_code}):"
+                        f" {_error_message(resp)}"
+                    )
                 if resp.status_code >= 400:
                     raise IronflowError(f"register failed: {resp.status_code} {_error_code(resp)}")
                 reg = msgspec.json.decode(resp.content, type=Registered)
                 break
             except (httpx.HTTPError, IronflowError, msgspec.DecodeError) as exc:
-                if isinstance(exc, WorkerAuthError):
+                if isinstance(exc, WorkerAuthError | RegistrationRefusedError):
                     raise
                 _log.warning("Registration failed: %r; retrying in %.0fs", exc, delay)
                 await trio.sleep(delay)
                 delay = min(delay * 2, POLL_BACKOFF_S[1])
         self.session_id = reg.session_id
+        self._session_headers = {SESSION_SECRET_HEADER: reg.session_secret or ""}
         self._interval = self.heartbeat_interval or reg.heartbeat_interval_ms / 1000.0
         _log.info(
             "Worker registered",

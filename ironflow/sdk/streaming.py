@@ -37,7 +37,7 @@ from ironflow.protocol import (
     engine_message_decoder,
 )
 from ironflow.sdk.context import JobState, execute_job
-from ironflow.sdk.errors import IronflowError, WorkerAuthError
+from ironflow.sdk.errors import IronflowError, RegistrationRefusedError, WorkerAuthError
 from ironflow.sdk.function import Function
 from ironflow.sdk.lifecycle import WorkerLifecycle
 
@@ -141,10 +141,11 @@ class StreamingWorker(WorkerLifecycle):
 
         ``task_status.started()`` fires after the first ``Registered``. A lost
         connection reconnects after ``reconnect_delay``; 401/403 raises
-        ``WorkerAuthError``.
+        ``WorkerAuthError`` and a refused registration (a node limit)
+        ``RegistrationRefusedError``, without reconnecting.
         """
         self._running = True
-        fatal: WorkerAuthError | None = None
+        fatal: WorkerAuthError | RegistrationRefusedError | None = None
         try:
             async with trio.open_nursery() as nursery:
                 self._root_scope = nursery.cancel_scope
@@ -154,7 +155,7 @@ class StreamingWorker(WorkerLifecycle):
                     nursery.start_soon(self._watch_signals)
                 try:
                     await self._connect_loop(task_status)
-                except WorkerAuthError as exc:
+                except (WorkerAuthError, RegistrationRefusedError) as exc:
                     _log.error("%s; not reconnecting", exc)
                     fatal = exc
                 nursery.cancel_scope.cancel()
@@ -185,7 +186,7 @@ class StreamingWorker(WorkerLifecycle):
             self.state = "connecting"
             try:
                 await self._session(on_registered)
-            except WorkerAuthError:
+            except (WorkerAuthError, RegistrationRefusedError):
                 raise
             except (HandshakeError, ConnectionClosed, OSError, trio.BrokenResourceError) as exc:
                 _log.warning(
@@ -228,7 +229,7 @@ class StreamingWorker(WorkerLifecycle):
         if isinstance(first, Refused):
             if first.code in ("UNAUTHENTICATED", "UNAUTHORIZED", "FORBIDDEN"):
                 raise WorkerAuthError(f"{first.code}: {first.message}")
-            raise IronflowError(f"registration refused: {first.code}: {first.message}")
+            raise RegistrationRefusedError(f"registration refused: {first.code}: {first.message}")
         if not isinstance(first, Registered):
             raise IronflowError(f"expected 'registered', got {type(first).__name__}")
         self.session_id = first.session_id
