@@ -78,6 +78,9 @@ class RawWorker:
     async def send(self, msg: WorkerMessage) -> None:
         await self.ws.send_message(encoder.encode(msg).decode())
 
+    async def send_raw(self, frame: str) -> None:
+        await self.ws.send_message(frame)
+
     async def receive(self, timeout: float = 5.0) -> EngineMessage:
         with trio.fail_after(timeout):
             return engine_message_decoder.decode(await self.ws.get_message())

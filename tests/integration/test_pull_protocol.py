@@ -6,17 +6,20 @@ import httpx
 import trio
 
 from ironflow.node import Node
+from ironflow.protocol import SESSION_SECRET_HEADER
 from tests.integration.helpers import emit, wait_for_run
 
 FN = {"id": "pulled", "triggers": [{"event": "pull.go"}]}
 
 
 async def register(http: httpx.AsyncClient) -> str:
+    """Register a pull session; ``http`` then presents its secret on every call."""
     resp = await http.post(
         "/v1/worker/register",
         json={"type": "register", "worker_id": "p1", "functions": [FN], "max_concurrent_jobs": 2},
     )
     assert resp.status_code == 201, resp.text
+    http.headers[SESSION_SECRET_HEADER] = resp.json()["session_secret"]
     return str(resp.json()["session_id"])
 
 

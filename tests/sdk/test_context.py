@@ -277,3 +277,18 @@ def test_function_definition_options():
     assert d.retries.max_attempts == 5 and d.concurrency.limit == 2
     assert d.timeout_s == 60 and d.audit and d.name == "Order"
     assert handler.handler.__name__ == "handler"
+
+
+async def test_a_step_name_past_the_engine_limit_fails_the_attempt_saying_so(assignment_factory, list_reporter):
+    async def handler(ctx):
+        return await ctx.step.run("n" * 513, lambda: 1)
+
+    (msg,) = await _run(handler, assignment_factory(), list_reporter)
+    assert "at most 512" in msg.error.message and "shorter name" in msg.error.message
+
+
+def test_a_function_definition_out_of_bounds_fails_at_the_decorator():
+    with pytest.raises(ValueError, match="max_attempts"):
+        @ironflow.function(id="f", retries=10**23)
+        async def f(ctx):
+            return None

@@ -22,6 +22,7 @@ from ironflow.store import (
     Conflict,
     Fence,
     FunctionNotFound,
+    LimitExceeded,
     RunNotFound,
     SessionNotFound,
     StaleExecution,
@@ -94,6 +95,40 @@ async def test_register_worker_upserts_functions_and_bumps_version_only_on_chang
     assert len(sessions) == 3
     first = next(x for x in sessions if x.session_id == s.session_id)
     assert first.max_concurrent_jobs == 3 and first.credits_claimed == 0
+
+
+async def test_a_function_no_worker_registered_recently_is_not_live(store):
+    await worker(store, fn("old"), fn("kept"))
+    await store.advance_clock(100)
+    await worker(store, fn("kept"))
+    funcs = {f.id: f for f in await store.list_functions(live_within_s=50)}
+    assert not funcs["old"].live and funcs["kept"].live
+    assert funcs["kept"].last_seen_at > funcs["old"].last_seen_at
+    assert all(f.live for f in await store.list_functions())
+
+
+async def test_pull_session_answers_only_its_own_secret_and_never_a_streaming_session(store):
+    pull = await store.register_worker(
+        node_id="n1", worker_id="p", mode="pull", max_concurrent_jobs=1, functions=[], session_expiry_s=30
+    )
+    stream = await worker(store)
+    assert pull.secret and stream.secret is None
+    assert (await store.pull_session(pull.session_id, pull.secret)).session_id == pull.session_id
+    assert await store.pull_session(pull.session_id, pull.secret + "x") is None
+    assert await store.pull_session(stream.session_id, pull.secret) is None
+    await store.advance_clock(31)
+    assert await store.pull_session(pull.session_id, pull.secret) is None
+
+
+async def test_a_trigger_pattern_shared_past_the_limit_refuses_the_whole_registration(store):
+    await worker(store, fn("a", "x.*"), fn("b", "x.*"))
+    with pytest.raises(LimitExceeded, match="'x.\\*'"):
+        await store.register_worker(
+            node_id="n1", worker_id="w", mode="stream", max_concurrent_jobs=1,
+            functions=[fn("c", "y.go"), fn("d", "x.*")], session_expiry_s=30, max_functions_per_trigger=2,
+        )
+    assert {f.id for f in await store.list_functions()} == {"a", "b"}  # nothing was written
+    assert len((await emit(store, "y.go")).run_ids) == 0
 
 
 # ── ingest_event ─────────────────────────────────────────────────────────────

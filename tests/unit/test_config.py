@@ -55,3 +55,25 @@ def test_retry_defaults_are_three_attempts_one_second_doubling_capped_at_five_mi
     assert policy.max_attempts == 3
     assert [policy.delay_after(attempt) for attempt in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
     assert policy.delay_after(20) == 300.0  # 2**19 s, capped at 5 min
+
+
+def test_limits_come_from_yaml_env_and_flags_in_that_order(tmp_path: Path) -> None:
+    file = tmp_path / "c.yaml"
+    file.write_text("limits:\n  max_slots_per_session: 50\n  max_functions_per_worker: 7\n")
+    config = load_config(
+        file=file,
+        env={"IRONFLOW_MAX_FUNCTIONS_PER_WORKER": "9", "IRONFLOW_FUNCTION_LIVE_S": "60"},
+        limit_overrides={"max_functions_per_trigger": 3},
+    )
+    limits = config.limits
+    assert (limits.max_slots_per_session, limits.max_functions_per_worker) == (50, 9)
+    assert (limits.max_functions_per_trigger, limits.function_live_s) == (3, 60.0)
+
+
+@pytest.mark.parametrize(
+    ("limit", "value"),
+    [("max_slots_per_session", 0), ("max_slots_per_session", 10**6), ("max_functions_per_trigger", -1)],
+)
+def test_a_limit_out_of_range_is_refused_naming_it(limit: str, value: int) -> None:
+    with pytest.raises(ConfigError, match=f"limits.{limit}"):
+        load_config(env={}, limit_overrides={limit: value})
