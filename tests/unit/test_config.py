@@ -55,3 +55,20 @@ def test_retry_defaults_are_three_attempts_one_second_doubling_capped_at_five_mi
     assert policy.max_attempts == 3
     assert [policy.delay_after(attempt) for attempt in (1, 2, 3, 4)] == [1.0, 2.0, 4.0, 8.0]
     assert policy.delay_after(20) == 300.0  # 2**19 s, capped at 5 min
+
+
+def test_history_retention_defaults_to_a_week_and_zero_means_keep_forever(tmp_path: Path) -> None:
+    assert load_config(env={}).timings.history_retention_s == 7 * 24 * 3600
+    assert load_config(env={}, timing_overrides={"history_retention_s": 0}).timings.history_retention_s == 0
+    f = tmp_path / "ironflow.yaml"
+    f.write_text("timings:\n  history_retention_s: 86400\n")
+    assert load_config(file=f, env={}).timings.history_retention_s == 86400
+    env = {"IRONFLOW_HISTORY_RETENTION_S": "3600"}
+    assert load_config(file=f, env=env).timings.history_retention_s == 3600
+
+
+def test_negative_history_retention_is_refused() -> None:
+    with pytest.raises(ConfigError, match="history_retention_s must be 0 \\(off\\) or positive"):
+        load_config(env={}, timing_overrides={"history_retention_s": -1})
+    with pytest.raises(ConfigError, match="janitor_interval_s must be positive"):
+        load_config(env={}, timing_overrides={"janitor_interval_s": 0})
