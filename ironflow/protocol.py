@@ -11,7 +11,7 @@ store all depend on it, never the other way round.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -339,6 +339,29 @@ class InvokeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 class CancelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reason: str = "cancelled by user"
+
+
+FinishedRunStatus = Literal["completed", "failed", "cancelled"]
+
+
+class PurgeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Body of ``POST /v1/runs/purge`` (platform only): delete finished history now."""
+
+    # Runs that ended strictly longer ago than this go; positive, so that
+    # "0" can never mean "everything".
+    older_than_s: Annotated[float, msgspec.Meta(gt=0)]
+    # Only runs in these finished statuses (default: all three).
+    statuses: list[FinishedRunStatus] | None = None
+
+
+class PurgeResponse(msgspec.Struct, frozen=True):
+    """Rows one purge deleted, by kind."""
+
+    runs: int
+    steps: int
+    audit: int
+    events: int
+    older_than_s: float
 
 
 class PullPollRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
