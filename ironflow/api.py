@@ -27,12 +27,13 @@ from werkzeug.routing import WebsocketMismatch
 from actors import session as session_actor
 from actors.directory import LocalSession, SessionDirectory
 from actors.messages import Kick, kick
-from ironflow import logs, metrics
+from ironflow import logs, metrics, retention
 from ironflow.config import NodeConfig
 from ironflow.ids import new_id
 from ironflow.protocol import (
     MAX_JSON_DEPTH,
     SESSION_SECRET_HEADER,
+    TERMINAL_RUN_STATUSES,
     Cancel,
     CancelRequest,
     EmitBatchRequest,
@@ -53,6 +54,8 @@ from ironflow.protocol import (
     KeyCreateResponse,
     PullPollRequest,
     PullPollResponse,
+    PurgeRequest,
+    PurgeResponse,
     Refused,
     Register,
     Registered,
@@ -400,6 +403,33 @@ def create_app(deps: ApiDeps) -> QuartTrio:
         logs.event(log, logging.INFO, "run: cancelled", run_id=run_id, session_id=outcome.session_id)
         kick(deps.kicks, "run cancelled")  # a parent waiting on this run may resume
         return _json({"run_id": run_id, "status": "cancelled"})
+
+    @app.post("/v1/runs/purge")
+    async def purge_runs() -> Response:
+        caller = await require_platform()
+        body = _decode(await request.get_data(), PurgeRequest)
+        statuses = frozenset(body.statuses) if body.statuses else TERMINAL_RUN_STATUSES
+        counts = await retention.purge_pass(
+            store,
+            older_than_s=body.older_than_s,
+            idempotency_window_s=config.idempotency_window_s,
+            by=f"api:{caller.key_id}",
+            statuses=statuses,
+            wait_for_lock=True,  # an operator asked now: wait out another node's batch
+        )
+        logs.event(
+            log,
+            logging.INFO,
+            "runs: purged on request",
+            key_id=caller.key_id,
+            runs=counts.runs,
+            steps=counts.steps,
+            audit=counts.audit,
+            events=counts.events,
+        )
+        return _json(
+            PurgeResponse(counts.runs, counts.steps, counts.audit, counts.events, body.older_than_s)
+        )
 
     @app.get("/v1/functions")
     async def list_functions() -> Response:

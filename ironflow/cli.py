@@ -674,6 +674,69 @@ def runs_cancel(
     click.echo(f"run {answer.get('run_id', run_id)} {answer.get('status', 'cancelled')}")
 
 
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+
+
+class Duration(click.ParamType):
+    """``90``, ``90s``, ``15m``, ``12h``, ``3d`` or ``2w`` → seconds (positive)."""
+
+    name = "DURATION"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        text = str(value).strip().lower()
+        unit = _DURATION_UNITS.get(text[-1:], None)
+        number = text[:-1] if unit is not None else text
+        try:
+            seconds = float(number) * (unit or 1.0)
+        except ValueError:
+            self.fail(f"{value!r} is not a duration such as 90s, 15m, 12h or 3d", param, ctx)
+        if not seconds > 0:
+            self.fail(f"{value!r} must be a positive duration", param, ctx)
+        return seconds
+
+
+@client_command(runs, "purge")
+@click.option(
+    "--older-than",
+    "older_than_s",
+    type=Duration(),
+    required=True,
+    help="Delete finished runs that ended longer ago than this (90s, 15m, 12h, 3d, 2w).",
+)
+@click.option(
+    "--status",
+    "statuses",
+    type=click.Choice(["completed", "failed", "cancelled"]),
+    multiple=True,
+    help="Only runs that ended this way (repeatable; default all three).",
+)
+@_json_option
+def runs_purge(
+    ctx: click.Context,
+    server: str | None,
+    api_key: str | None,
+    older_than_s: float,
+    statuses: tuple[str, ...],
+    as_json: bool,
+) -> None:
+    """Delete finished runs now, with their steps and audit rows (platform key).
+
+    Events go too once past the idempotency window and no kept run needs them.
+    Runs that have not ended, and children of kept runs, always stay.
+    """
+    body: dict[str, Any] = {"older_than_s": older_than_s}
+    if statuses:
+        body["statuses"] = list(statuses)
+    answer = _client(ctx, server, api_key).post("/v1/runs/purge", body)
+    if as_json:
+        _echo_json(answer)
+        return
+    click.echo(
+        f"purged {answer['runs']} runs, {answer['steps']} steps, {answer['audit']} audit rows"
+        f" and {answer['events']} events (ended more than {_span(older_than_s)} ago)"
+    )
+
+
 # ── functions ───────────────────────────────────────────────────────────────
 
 

@@ -53,7 +53,17 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True):
     # An actor that crashes is restarted after this backoff, doubling to the cap.
     restart_backoff_s: float = 0.05
     restart_backoff_max_s: float = 5.0
+    # Finished runs older than this are deleted with their steps and audit rows
+    # (a week, as peers default to); 0 keeps history forever.
+    history_retention_s: float = 7 * 24 * 3600.0
+    # How often the janitor looks for history past retention: deletion is
+    # cheap and batched, and a minute keeps the database within ~1 minute of
+    # the retention without the janitor competing with live work.
+    janitor_interval_s: float = 60.0
 
+
+# Timings where 0 means "off" rather than "unsafe".
+ZERO_MEANS_OFF = frozenset({"history_retention_s"})
 
 # `--dev` shortens loop 1 as well as loop 2 (deliberately beyond the seed).
 DEV_TIMINGS: dict[str, float] = {
@@ -214,7 +224,10 @@ def validate(config: NodeConfig) -> None:
     t = config.timings
     for field in Timings.__struct_fields__:
         value = getattr(t, field)
-        if value <= 0:
+        if field in ZERO_MEANS_OFF:
+            if value < 0:
+                raise ConfigError(f"timings.{field} must be 0 (off) or positive, got {value}")
+        elif value <= 0:
             raise ConfigError(f"timings.{field} must be positive, got {value}")
     hb = t.heartbeat_interval_s
     for field in ("lease_expiry_s", "session_expiry_s", "stale_claim_threshold_s"):

@@ -38,6 +38,18 @@ ASSIGNMENTS = Counter(
     "ironflow_assignments_total", "JobAssignments handed to workers", registry=REGISTRY
 )
 
+HISTORY_DELETED = Counter(
+    "ironflow_history_rows_deleted_total",
+    "Rows deleted by history retention (janitor passes and operator purges)",
+    ["kind"],  # runs | steps | audit | events
+    registry=REGISTRY,
+)
+HISTORY_OLDEST_RUN_AGE = Gauge(
+    "ironflow_history_oldest_run_age_seconds",
+    "Age of the oldest finished run still stored (about history_retention when the janitor keeps up)",
+    registry=REGISTRY,
+)
+
 
 def render() -> bytes:
     """The Prometheus text exposition of this node's metrics."""

@@ -9,6 +9,7 @@
     ├── capacity-scanner    loop 1
     ├── waker               elapsed sleeps, timed-out waits/invokes
     ├── stale-claim-sweeper loop 2
+    ├── janitor             finished history past retention → deleted
     ├── kick-listener       PostgreSQL LISTEN/NOTIFY → kicks from other nodes
     ├── node-heartbeat
     └── drain-coordinator   SIGTERM/SIGINT → Shutdown to every session
@@ -35,6 +36,7 @@ from actors import (
     capacity_scanner,
     dispatcher,
     drain_coordinator,
+    janitor,
     kick_listener,
     node_heartbeat,
     stale_claim_sweeper,
@@ -122,6 +124,7 @@ class Node:
                 await supervisor.start("capacity-scanner", capacity_scanner.run, store, config, kick_send)
                 await supervisor.start("waker", waker.run, store, config, self.node_id, kick_send)
                 await supervisor.start("stale-claim-sweeper", stale_claim_sweeper.run, store, config)
+                await supervisor.start("janitor", janitor.run, store, config, self.node_id)
                 await supervisor.start(
                     "drain-coordinator",
                     drain_coordinator.run,

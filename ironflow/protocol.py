@@ -423,6 +423,29 @@ class CancelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     reason: ShortText = "cancelled by user"
 
 
+FinishedRunStatus = Literal["completed", "failed", "cancelled"]
+
+
+class PurgeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Body of ``POST /v1/runs/purge`` (platform only): delete finished history now."""
+
+    # Runs that ended strictly longer ago than this go; positive, so that
+    # "0" can never mean "everything".
+    older_than_s: Annotated[float, Meta(gt=0, le=100 * MAX_DURATION_S)]
+    # Only runs in these finished statuses (default: all three).
+    statuses: Annotated[list[FinishedRunStatus], Meta(max_length=3)] | None = None
+
+
+class PurgeResponse(msgspec.Struct, frozen=True):
+    """Rows one purge deleted, by kind."""
+
+    runs: int
+    steps: int
+    audit: int
+    events: int
+    older_than_s: float
+
+
 class PullPollRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Body of ``POST /v1/worker/sessions/{session_id}/poll``."""
 

@@ -19,6 +19,7 @@ import msgspec
 import trio
 
 from ironflow.protocol import (
+    TERMINAL_RUN_STATUSES,
     ActiveJob,
     ErrorInfo,
     FunctionDef,
@@ -239,6 +240,34 @@ class FunctionRecord(msgspec.Struct, frozen=True):
     last_seen_at: float | None = None
     # Registered by some worker within the node's ``function_live_s``.
     live: bool = True
+
+
+class PurgeCounts(msgspec.Struct, frozen=True):
+    """Rows deleted by history retention, by kind.
+
+    ``locked_out`` is True when another node held the janitor lock
+    (PostgreSQL), so this node deleted nothing on purpose.
+    """
+
+    runs: int = 0
+    steps: int = 0
+    audit: int = 0
+    events: int = 0
+    locked_out: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.runs + self.steps + self.audit + self.events
+
+    def plus(self, other: PurgeCounts) -> PurgeCounts:
+        """The sum of two counts (``locked_out`` from ``other``, the later batch)."""
+        return PurgeCounts(
+            self.runs + other.runs,
+            self.steps + other.steps,
+            self.audit + other.audit,
+            self.events + other.events,
+            other.locked_out,
+        )
 
 
 class Principal(msgspec.Struct, frozen=True):
@@ -548,6 +577,49 @@ class Store(abc.ABC):
     async def list_audit(
         self, *, run_id: str | None = None, type: str | None = None, limit: int = 100
     ) -> list[AuditRecord]: ...
+
+    # history retention --------------------------------------------------------------
+
+    @abc.abstractmethod
+    async def purge_history(
+        self,
+        *,
+        older_than_s: float,
+        idempotency_window_s: float,
+        statuses: frozenset[str] = TERMINAL_RUN_STATUSES,
+        batch: int,
+        wait_for_lock: bool = False,
+    ) -> PurgeCounts:
+        """Delete ONE batch of history in one short transaction; return the counts.
+
+        Up to ``batch`` runs whose status is terminal (and in ``statuses``),
+        that ended strictly more than ``older_than_s`` ago by the database
+        clock, whose parent run no longer exists (a child goes after its
+        parent, never while the parent is kept), and that hold no lease and no
+        queue row — with their steps and audit rows. Then up to ``batch``
+        events received more than ``idempotency_window_s`` ago that no
+        remaining run references.
+
+        PostgreSQL: the batch runs under a transaction-level advisory lock, so
+        one node purges at a time. With ``wait_for_lock`` False a node that
+        finds it taken deletes nothing and answers ``locked_out=True``; with
+        True it waits for the other node's batch to commit.
+        """
+
+    @abc.abstractmethod
+    async def reclaim_space(self, max_pages: int) -> int:
+        """Give up to ``max_pages`` free database pages back to the file system
+        (SQLite ``PRAGMA incremental_vacuum``); return the pages released.
+        PostgreSQL returns 0: its autovacuum reclaims deleted rows."""
+
+    @abc.abstractmethod
+    async def oldest_finished_run_age(self) -> float | None:
+        """Seconds (database clock) since the oldest stored finished run ended;
+        None when no finished run is stored."""
+
+    @abc.abstractmethod
+    async def record_purge(self, counts: PurgeCounts, *, by: str, older_than_s: float) -> None:
+        """Audit one purge pass (type ``history.purged``) with its counts and who ran it."""
 
     # keys -------------------------------------------------------------------------
 

@@ -55,6 +55,7 @@ from ironflow.store.base import (
     LeaseRecord,
     LimitExceeded,
     Principal,
+    PurgeCounts,
     QueueRecord,
     RecoveredSegment,
     Reservation,
@@ -99,6 +100,11 @@ SCAN_BATCH = 500
 # Candidate queue rows read per reservation slot wanted: concurrency limits may
 # skip some rows, so read a few more than we hope to reserve.
 RESERVE_OVERSCAN = 4
+
+# Advisory lock under which one node at a time deletes history (PostgreSQL).
+JANITOR_LOCK = "ironflow:janitor"
+# Audit type of one history purge pass.
+PURGE_AUDIT = "history.purged"
 
 _TERMINAL_SQL = "('completed', 'failed', 'cancelled')"
 _RUN_COLS = (
@@ -155,6 +161,9 @@ class Tx(Protocol):
 
     def advisory_lock(self, key: str) -> None:
         """Transaction-scoped named lock on PostgreSQL; a no-op on SQLite."""
+
+    def try_advisory_lock(self, key: str) -> bool:
+        """Take the transaction-scoped named lock if free (PostgreSQL); True on SQLite."""
 
 
 # ── small helpers ──────────────────────────────────────────────────────────
@@ -1814,6 +1823,81 @@ class SqlStore(Store):
             return [AuditRecord(r[0], r[1], r[2], r[3], r[4], _dec(r[5])) for r in rows]
 
         return await self._transact(work)
+
+    # history retention ------------------------------------------------------------------------
+
+    async def purge_history(
+        self,
+        *,
+        older_than_s: float,
+        idempotency_window_s: float,
+        statuses: frozenset[str] = TERMINAL_RUN_STATUSES,
+        batch: int,
+        wait_for_lock: bool = False,
+    ) -> PurgeCounts:
+        wanted = sorted(statuses & TERMINAL_RUN_STATUSES)
+        if not wanted:
+            raise StoreError(f"only finished runs can be purged, not {sorted(statuses)}")
+
+        def work(tx: Tx) -> PurgeCounts:
+            if wait_for_lock:
+                tx.advisory_lock(JANITOR_LOCK)
+            elif not tx.try_advisory_lock(JANITOR_LOCK):
+                return PurgeCounts(locked_out=True)
+            run_ids = [
+                row[0]
+                for row in tx.fetchall(
+                    # The first status test is the guard (never a run that has
+                    # not ended) and matches the runs_ended index; `<` keeps a
+                    # run exactly at the boundary. A child goes only once its
+                    # parent is gone, so no kept run loses a child.
+                    "SELECT r.id FROM runs r"
+                    f" WHERE r.status IN {_TERMINAL_SQL} AND r.status IN ({_marks(len(wanted))})"
+                    " AND r.ended_at < ironflow_now() - ?"
+                    " AND NOT EXISTS (SELECT 1 FROM runs p WHERE p.id = r.parent_run_id)"
+                    " AND NOT EXISTS (SELECT 1 FROM concurrency_leases l WHERE l.run_id = r.id)"
+                    " AND NOT EXISTS (SELECT 1 FROM dispatch_queue q WHERE q.run_id = r.id)"
+                    f" ORDER BY r.ended_at LIMIT ? {tx.lock('r')}",
+                    (*wanted, float(older_than_s), batch),
+                )
+            ]
+            steps = audit = runs = 0
+            if run_ids:
+                marks = _marks(len(run_ids))
+                steps = tx.execute(f"DELETE FROM steps WHERE run_id IN ({marks})", run_ids)
+                audit = tx.execute(f"DELETE FROM audit_log WHERE run_id IN ({marks})", run_ids)
+                runs = tx.execute(f"DELETE FROM runs WHERE id IN ({marks})", run_ids)
+            # After the runs: an event only they referenced can go in this batch.
+            events = tx.execute(
+                "DELETE FROM events WHERE id IN (SELECT e.id FROM events e"
+                " WHERE e.received_at < ironflow_now() - ?"
+                " AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.event_id = e.id)"
+                f" ORDER BY e.received_at LIMIT ? {tx.lock()})",
+                (float(idempotency_window_s), batch),
+            )
+            return PurgeCounts(runs=runs, steps=steps, audit=audit, events=events)
+
+        return await self._transact(work)
+
+    async def oldest_finished_run_age(self) -> float | None:
+        def work(tx: Tx) -> float | None:
+            row = tx.fetchone(
+                f"SELECT ironflow_now() - min(ended_at) FROM runs WHERE status IN {_TERMINAL_SQL}"
+            )
+            return None if row is None or row[0] is None else float(row[0])
+
+        return await self._transact(work)
+
+    async def record_purge(self, counts: PurgeCounts, *, by: str, older_than_s: float) -> None:
+        data = {
+            "runs": counts.runs,
+            "steps": counts.steps,
+            "audit": counts.audit,
+            "events": counts.events,
+            "older_than_s": older_than_s,
+            "by": by,
+        }
+        await self._transact(lambda tx: self._audit(tx, PURGE_AUDIT, None, None, data))
 
     # keys -------------------------------------------------------------------------------------
 

@@ -97,6 +97,11 @@ class _PgTx:
     def advisory_lock(self, key: str) -> None:
         self._cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (key,))
 
+    def try_advisory_lock(self, key: str) -> bool:
+        self._cur.execute("SELECT pg_try_advisory_xact_lock(hashtext(%s))", (key,))
+        row = self._cur.fetchone()
+        return bool(row and row[0])
+
 
 class PostgresStore(SqlStore):
     """Engine state in PostgreSQL at ``url`` (``postgresql://…``), pooled connections."""
@@ -135,6 +140,12 @@ class PostgresStore(SqlStore):
         self._open = False
         with trio.CancelScope(shield=True):
             await trio.to_thread.run_sync(self._pool.close)
+
+    async def reclaim_space(self, max_pages: int) -> int:
+        """Nothing to do: autovacuum makes deleted rows' space reusable (it does
+        not shrink the files; ``VACUUM FULL`` would, under an exclusive lock)."""
+        await trio.lowlevel.checkpoint()
+        return 0
 
     async def advance_clock(self, seconds: float) -> None:
         def work(tx: Tx) -> None:

@@ -44,6 +44,8 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_idempotency ON events (idempotency_key, received_at)
     WHERE idempotency_key IS NOT NULL;
+-- The janitor finds events past the idempotency window by age.
+CREATE INDEX IF NOT EXISTS events_received ON events (received_at);
 
 CREATE TABLE IF NOT EXISTS runs (
     id                    TEXT PRIMARY KEY,
@@ -67,6 +69,11 @@ CREATE TABLE IF NOT EXISTS runs (
 CREATE INDEX IF NOT EXISTS runs_status ON runs (status, created_at);
 CREATE INDEX IF NOT EXISTS runs_function ON runs (function_id, created_at);
 CREATE INDEX IF NOT EXISTS runs_parent ON runs (parent_run_id) WHERE parent_run_id IS NOT NULL;
+-- The janitor keeps an event while any run references it, and finds finished
+-- runs past retention by their end time (only finished runs are indexed).
+CREATE INDEX IF NOT EXISTS runs_event ON runs (event_id);
+CREATE INDEX IF NOT EXISTS runs_ended ON runs (ended_at)
+    WHERE status IN ('completed', 'failed', 'cancelled');
 
 CREATE TABLE IF NOT EXISTS steps (
     run_id            TEXT NOT NULL,

@@ -673,3 +673,51 @@ def test_countdown_and_durations() -> None:
     assert cli._ms(3.14159) == "3.1 ms"
     assert cli._ms(1234.5) == "1234 ms"
     assert cli._ms(None) == "-"
+
+
+# ── runs purge ──────────────────────────────────────────────────────────────
+
+
+def test_runs_purge_sends_older_than_in_seconds_and_the_statuses_and_prints_counts() -> None:
+    handler = answer(200, {"runs": 3, "steps": 9, "audit": 2, "events": 1, "older_than_s": 259200})
+    result = run(
+        ["runs", "purge", "--older-than", "3d", "--status", "completed", "--status", "cancelled",
+         "--api-key", "ifplatform_x"],
+        handler,
+    )
+    assert result.exit_code == 0, result.output
+    (request,) = handler.seen  # type: ignore[attr-defined]
+    assert request.method == "POST" and request.url.path == "/v1/runs/purge"
+    assert json.loads(request.content) == {
+        "older_than_s": 259200.0, "statuses": ["completed", "cancelled"]
+    }
+    assert request.headers["Authorization"] == "Bearer ifplatform_x"
+    assert result.stdout.strip() == (
+        "purged 3 runs, 9 steps, 2 audit rows and 1 events (ended more than 3d ago)"
+    )
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("90", 90.0), ("90s", 90.0), ("15m", 900.0), ("12h", 43200.0), ("2w", 1209600.0)])
+def test_runs_purge_reads_durations_with_units(text: str, seconds: float) -> None:
+    handler = answer(200, {"runs": 0, "steps": 0, "audit": 0, "events": 0, "older_than_s": seconds})
+    assert run(["runs", "purge", "--older-than", text], handler).exit_code == 0
+    assert json.loads(handler.seen[0].content) == {"older_than_s": seconds}  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("bad", ["soon", "0", "-3d", "3y"])
+def test_runs_purge_with_a_bad_duration_exits_2_without_calling_the_engine(bad: str) -> None:
+    result = run(["runs", "purge", "--older-than", bad], must_not_call)
+    assert result.exit_code == 2
+    assert "--older-than" in result.stderr
+
+
+def test_runs_purge_refuses_a_status_that_is_not_finished() -> None:
+    result = run(["runs", "purge", "--older-than", "1d", "--status", "running"], must_not_call)
+    assert result.exit_code == 2
+
+
+def test_runs_purge_without_platform_key_prints_the_403_and_exits_1() -> None:
+    handler = answer(403, {"code": "FORBIDDEN", "message": "platform credentials required here"})
+    result = run(["runs", "purge", "--older-than", "3d"], handler)
+    assert result.exit_code == 1
+    assert "error: FORBIDDEN: platform credentials required here (HTTP 403)" in result.stderr

@@ -6,6 +6,7 @@ import trio
 
 from ironflow.protocol import Concurrency, FunctionDef, Trigger
 from ironflow.store import Reservation, open_store
+from ironflow.store.core import JANITOR_LOCK
 
 
 async def test_concurrent_reservations_from_two_nodes_never_share_a_row(pg_url):
@@ -97,5 +98,54 @@ async def test_cancelled_caller_leaves_the_pool_usable(pg_url):
                 await store.ingest_event("e", {}, None, idempotency_window_s=1)
         assert await store.db_now() > 1e9
         assert len(await store.list_runs()) == 0
+    finally:
+        await store.close()
+
+
+async def test_a_node_finds_the_janitor_lock_taken_and_deletes_nothing(pg_url):
+    import psycopg
+
+    store = open_store(pg_url)
+    await store.open()
+    try:
+        await store.ingest_event("nobody.listens", {}, None, idempotency_window_s=1)
+        await store.advance_clock(10)
+        with psycopg.connect(pg_url) as other_node, other_node.transaction():
+            other_node.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (JANITOR_LOCK,))
+            counts = await store.purge_history(older_than_s=1, idempotency_window_s=1, batch=10)
+            assert counts.locked_out and counts.total == 0
+        counts = await store.purge_history(older_than_s=1, idempotency_window_s=1, batch=10)
+        assert not counts.locked_out and counts.events == 1
+    finally:
+        await store.close()
+
+
+async def test_an_operator_purge_waits_for_the_other_nodes_batch(pg_url):
+    import psycopg
+
+    store = open_store(pg_url)
+    await store.open()
+    try:
+        await store.ingest_event("nobody.listens", {}, None, idempotency_window_s=1)
+        await store.advance_clock(10)
+        done: list[int] = []
+
+        async def operator_purge() -> None:
+            counts = await store.purge_history(
+                older_than_s=1, idempotency_window_s=1, batch=10, wait_for_lock=True
+            )
+            done.append(counts.events)
+
+        other_node = psycopg.connect(pg_url)
+        try:
+            other_node.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (JANITOR_LOCK,))
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(operator_purge)
+                await trio.sleep(0.3)
+                assert done == []  # still waiting for the lock
+                other_node.commit()
+        finally:
+            other_node.close()
+        assert done == [1]
     finally:
         await store.close()

@@ -63,3 +63,79 @@ async def test_memory_path_uses_a_temporary_file():
         assert await store.db_now() > 1e9
     finally:
         await store.close()
+
+
+async def test_a_run_that_ended_exactly_retention_ago_stays_one_more_tick_goes(tmp_path):
+    store = SqliteStore(str(tmp_path / "db"), now=lambda: 1.7e9)  # the clock moves only by skew
+    await store.open()
+    try:
+        info = await store.register_worker(
+            node_id="n", worker_id="w", mode="stream", max_concurrent_jobs=1,
+            functions=[FunctionDef(id="f", triggers=[Trigger("e")])], session_expiry_s=10**6,
+        )
+        await store.ingest_event("e", {}, None, idempotency_window_s=1)
+        (res,) = await store.reserve_segments(
+            "n", {info.session_id: frozenset({"f"})}, 1, reservation_expiry_s=60
+        )
+        a = res.assignment
+        fence = Fence(info.session_id, a.run_id, a.execution_seq, a.lease_token)
+        await store.activate_lease(fence, lease_expiry_s=60)
+        await store.complete_job(fence, None)
+        await store.advance_clock(3600)
+        at_boundary = await store.purge_history(older_than_s=3600, idempotency_window_s=1, batch=10)
+        assert at_boundary.runs == 0
+        await store.advance_clock(0.001)
+        assert (await store.purge_history(older_than_s=3600, idempotency_window_s=1, batch=10)).runs == 1
+    finally:
+        await store.close()
+
+
+async def test_a_new_file_gives_purged_pages_back_to_the_file_system(tmp_path):
+    path = tmp_path / "db"
+    store = SqliteStore(str(path))
+    await store.open()
+    try:
+        blob = {"pad": "x" * 4000}
+        for _ in range(20):
+            await store.ingest_events([("nobody.listens", blob, None)] * 50, idempotency_window_s=1)
+        pages_before = _page_count(path)
+        await store.advance_clock(10)
+        purged = 0
+        while (counts := await store.purge_history(
+            older_than_s=1, idempotency_window_s=1, batch=500
+        )).events:
+            purged += counts.events
+        assert purged == 1000
+        released = 0
+        while (n := await store.reclaim_space(1000)) > 0:
+            released += n
+        assert released > 900  # a page or more per 4 KB event
+        assert _page_count(path) < pages_before - 900
+    finally:
+        await store.close()
+
+
+async def test_a_file_made_without_auto_vacuum_reclaims_nothing_and_still_works(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.db"
+    sqlite3.connect(path).execute("CREATE TABLE legacy (x)").connection.close()
+    store = SqliteStore(str(path))
+    await store.open()
+    try:
+        await store.ingest_events([("e", {"pad": "x" * 4000}, None)] * 50, idempotency_window_s=1)
+        await store.advance_clock(10)
+        assert (await store.purge_history(older_than_s=1, idempotency_window_s=1, batch=500)).events == 50
+        assert await store.reclaim_space(1000) == 0
+    finally:
+        await store.close()
+
+
+def _page_count(path) -> int:
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    try:
+        return int(conn.execute("PRAGMA page_count").fetchone()[0])
+    finally:
+        conn.close()

@@ -77,3 +77,20 @@ def test_limits_come_from_yaml_env_and_flags_in_that_order(tmp_path: Path) -> No
 def test_a_limit_out_of_range_is_refused_naming_it(limit: str, value: int) -> None:
     with pytest.raises(ConfigError, match=f"limits.{limit}"):
         load_config(env={}, limit_overrides={limit: value})
+
+
+def test_history_retention_defaults_to_a_week_and_zero_means_keep_forever(tmp_path: Path) -> None:
+    assert load_config(env={}).timings.history_retention_s == 7 * 24 * 3600
+    assert load_config(env={}, timing_overrides={"history_retention_s": 0}).timings.history_retention_s == 0
+    f = tmp_path / "ironflow.yaml"
+    f.write_text("timings:\n  history_retention_s: 86400\n")
+    assert load_config(file=f, env={}).timings.history_retention_s == 86400
+    env = {"IRONFLOW_HISTORY_RETENTION_S": "3600"}
+    assert load_config(file=f, env=env).timings.history_retention_s == 3600
+
+
+def test_negative_history_retention_is_refused() -> None:
+    with pytest.raises(ConfigError, match="history_retention_s must be 0 \\(off\\) or positive"):
+        load_config(env={}, timing_overrides={"history_retention_s": -1})
+    with pytest.raises(ConfigError, match="janitor_interval_s must be positive"):
+        load_config(env={}, timing_overrides={"janitor_interval_s": 0})
