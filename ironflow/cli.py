@@ -13,6 +13,7 @@ reached; 2 bad usage (unknown flag, malformed ``--data``, invalid config).
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -23,7 +24,10 @@ import click
 import httpx
 
 from ironflow.config import (
+    BOOTSTRAP_KEY_FILE,
     DEFAULT_PORT,
+    DEFAULT_SERVER_URL,
+    DEFAULT_STATE_DIR,
     DEV_TIMINGS,
     ConfigError,
     Limits,
@@ -33,10 +37,6 @@ from ironflow.config import (
     redact_url,
 )
 
-# The original product's default, so `ironflow runs list` finds a local node.
-DEFAULT_SERVER_URL = f"http://localhost:{DEFAULT_PORT}"
-# Where `serve --dev` writes its org admin key (relative to the state dir).
-BOOTSTRAP_KEY_PATH = Path(".ironflow") / ".ironflow_bootstrap_key.json"
 # Generous: a cancel or an emit is one transaction, but a loaded node may queue it.
 HTTP_TIMEOUT_S = 30.0
 # Outputs and event data are shown in full with --json; tables keep rows readable.
@@ -142,9 +142,10 @@ class EngineClient:
         hints: list[str] = []
         if response.status_code == 401:
             hints.append("pass an API key with --api-key or IRONFLOW_API_KEY")
-            if BOOTSTRAP_KEY_PATH.exists():
+            key_path = Path(os.environ.get("IRONFLOW_STATE_DIR") or DEFAULT_STATE_DIR) / BOOTSTRAP_KEY_FILE
+            if key_path.exists():
                 hints.append(
-                    f"a --dev node wrote an org admin key to {BOOTSTRAP_KEY_PATH} "
+                    f"a --dev node wrote an org admin key to {key_path} "
                     '(its "key" field); it is not used automatically'
                 )
         elif response.status_code == 403 and "platform" in message:

@@ -15,10 +15,16 @@ from typing import Any
 import msgspec
 import yaml
 
-from ironflow.protocol import MAX_FUNCTIONS_HARD, MAX_SLOTS_HARD
+from ironflow.protocol import MAX_FRAME_BYTES, MAX_FUNCTIONS_HARD, MAX_SLOTS_HARD
 
 # Default port of the original product, so its CLI habits carry over.
 DEFAULT_PORT = 9123
+# Where clients (CLI, SDK) look for a node when told nothing else.
+DEFAULT_SERVER_URL = f"http://localhost:{DEFAULT_PORT}"
+# Default state directory (the SQLite file and the dev bootstrap key live there).
+DEFAULT_STATE_DIR = ".ironflow"
+# File in the state directory where `serve --dev` writes its org admin key.
+BOOTSTRAP_KEY_FILE = ".ironflow_bootstrap_key.json"
 # A lease or claim threshold closer than this multiple of the heartbeat interval
 # would reclaim work from workers that are alive and merely slow.
 MIN_HEARTBEAT_MULTIPLE = 2.0
@@ -105,8 +111,8 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True):
     db: str | None = None
     node_id: str | None = None
     dev: bool = False
-    state_dir: str = ".ironflow"
-    max_frame_bytes: int = 4 * 1024 * 1024
+    state_dir: str = DEFAULT_STATE_DIR
+    max_frame_bytes: int = MAX_FRAME_BYTES
     idempotency_window_s: float = 24 * 3600.0
     log_level: str = "INFO"
     timings: Timings = msgspec.field(default_factory=Timings)
@@ -116,6 +122,11 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True):
     def database_url(self) -> str:
         """The database to open: ``db`` or the SQLite default under ``state_dir``."""
         return self.db or str(Path(self.state_dir) / "ironflow.db")
+
+    @property
+    def bootstrap_key_path(self) -> Path:
+        """Where a ``--dev`` node writes its org admin key."""
+        return Path(self.state_dir) / BOOTSTRAP_KEY_FILE
 
     @property
     def is_postgres(self) -> bool:

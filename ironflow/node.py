@@ -25,7 +25,6 @@ import os
 import signal
 import socket
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 import hypercorn.trio
@@ -55,7 +54,6 @@ log = logging.getLogger("ironflow.node")
 
 # Kicks coalesce; this only bounds how many can be pending at once.
 KICK_BUFFER = 1024
-BOOTSTRAP_KEY_FILE = ".ironflow_bootstrap_key.json"
 
 
 class Node:
@@ -88,7 +86,7 @@ class Node:
 
     async def _bootstrap_key(self) -> None:
         """--dev: make sure an org admin key exists and is written under state_dir."""
-        path = Path(self.config.state_dir) / BOOTSTRAP_KEY_FILE
+        path = self.config.bootstrap_key_path
         key = os.environ.get("IRONFLOW_BOOTSTRAP_ADMIN_KEY")
         if key is None and path.exists():
             try:
@@ -172,7 +170,7 @@ class Node:
                         log,
                         logging.INFO,
                         "node: --dev: org endpoints need no API key; bootstrap org admin key in "
-                        f"{Path(config.state_dir) / BOOTSTRAP_KEY_FILE}",
+                        f"{config.bootstrap_key_path}",
                     )
                 task_status.started(self)
                 async with trio.open_nursery() as wait:

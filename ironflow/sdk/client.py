@@ -9,7 +9,9 @@ from typing import Any
 import httpx
 import msgspec
 
+from ironflow.config import DEFAULT_SERVER_URL
 from ironflow.protocol import (
+    ApiError,
     CancelRequest,
     EmitRequest,
     EmitResponse,
@@ -18,7 +20,6 @@ from ironflow.protocol import (
 )
 from ironflow.sdk.errors import IronflowAPIError
 
-DEFAULT_SERVER_URL = "http://localhost:9123"
 # REST calls are short; a slow node should surface as an error, not a hang.
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -27,16 +28,11 @@ def raise_for_api_error(resp: httpx.Response) -> None:
     """Raise ``IronflowAPIError(status, code, message)`` for a 4xx/5xx answer."""
     if resp.status_code < 400:
         return
-    code, message = "HTTP_ERROR", resp.reason_phrase or ""
     try:
-        body = msgspec.json.decode(resp.content)
-        if isinstance(body, dict):
-            code = str(body.get("code", code))
-            message = str(body.get("message", message))
-    except msgspec.DecodeError:
-        if resp.content:
-            message = resp.text[:500]
-    raise IronflowAPIError(resp.status_code, code, message)
+        body = msgspec.json.decode(resp.content, type=ApiError)
+    except msgspec.DecodeError:  # not our JSON error body (a proxy, a crash page)
+        body = ApiError("HTTP_ERROR", resp.text[:500] if resp.content else resp.reason_phrase or "")
+    raise IronflowAPIError(resp.status_code, body.code, body.message)
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:

@@ -42,6 +42,7 @@ from ironflow.protocol import (
     WaitYield,
     YieldInfo,
     encoder,
+    lookup_path,
 )
 from ironflow.sdk.errors import (
     InvokeError,
@@ -178,19 +179,6 @@ def _ceil_ms(t: float) -> float:
     return math.ceil(t * 1000.0) / 1000.0
 
 
-def _path_value(data: Any, path: str) -> Any:
-    for prefix in ("event.data.", "data."):
-        if path.startswith(prefix):
-            path = path[len(prefix) :]
-            break
-    value = data
-    for part in path.split("."):
-        if not isinstance(value, Mapping) or part not in value:
-            return None
-        value = value[part]
-    return value
-
-
 class Step:
     """``ctx.step``: durable steps. Every call derives the next step id for its name."""
 
@@ -322,7 +310,7 @@ class Step:
             if memo.status == "timed_out":
                 return None
         if match is not None and match_value is None:
-            match_value = _path_value(self._job.assignment.event.data, match)
+            match_value = lookup_path(self._job.assignment.event.data, match)
         if match_value is not None:
             match_value = encode_strict(match_value, f"match_value of {name!r}")[0]
         info = WaitYield(

@@ -5,6 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from ironflow.protocol import AuditRecord as AuditRecord
+from ironflow.protocol import FunctionRecord as FunctionRecord
+from ironflow.protocol import LeaseRecord as LeaseRecord
+from ironflow.protocol import QueueRecord as QueueRecord
+from ironflow.protocol import RunDetail as RunDetail
+from ironflow.protocol import RunRecord as RunRecord
+from ironflow.protocol import SessionRecord as SessionRecord
+from ironflow.protocol import StepRecord as StepRecord
 from ironflow.store.base import *  # noqa: F403
 from ironflow.store.base import Store
 

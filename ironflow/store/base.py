@@ -21,13 +21,23 @@ import trio
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
     ActiveJob,
+    AuditRecord,
     ErrorInfo,
     FunctionDef,
+    FunctionRecord,
     JobAssignment,
     JobLeaseStatus,
     JobNackReason,
+    LeaseRecord,
+    QueueRecord,
+    RunDetail,
+    RunRecord,
+    SessionRecord,
     YieldInfo,
 )
+
+# The records the store returns are the HTTP contract's (ironflow.protocol.http);
+# ``ironflow.store`` re-exports them for the store's callers.
 
 # ── exceptions ──────────────────────────────────────────────────────────────
 
@@ -123,12 +133,16 @@ class CancelOutcome(msgspec.Struct, frozen=True):
     session_id: str | None
     node_id: str | None
     job_id: str | None
+    # A parent run resumed because its invoked child was cancelled (the caller kicks).
+    kicked_run_ids: list[str] = []
 
 
 class IngestResult(msgspec.Struct, frozen=True):
     event_id: str
     run_ids: list[str]
     duplicate: bool
+    # Parked runs whose wait_for_event this event matched (the caller kicks).
+    resumed_run_ids: list[str] = []
 
 
 class SessionInfo(msgspec.Struct, frozen=True):
@@ -140,106 +154,6 @@ class SessionInfo(msgspec.Struct, frozen=True):
     function_ids: list[str]
     # Pull sessions only: the secret every later call must present (kept hashed).
     secret: str | None = None
-
-
-class RunRecord(msgspec.Struct, frozen=True):
-    id: str
-    function_id: str
-    event_id: str | None
-    parent_run_id: str | None
-    status: str
-    attempt: int
-    max_attempts: int
-    recovery_count: int
-    current_execution_seq: int
-    output: Any
-    error: ErrorInfo | None
-    created_at: float
-    started_at: float | None
-    ended_at: float | None
-    concurrency_key: str | None = None
-
-
-class StepRecord(msgspec.Struct, frozen=True):
-    run_id: str
-    step_id: str
-    name: str
-    kind: str
-    status: str
-    output: Any
-    error: ErrorInfo | None
-    duration_ms: float | None
-    execution_seq: int
-    created_at: float
-    wake_at: float | None = None
-
-
-class QueueRecord(msgspec.Struct, frozen=True):
-    run_id: str
-    function_id: str
-    execution_seq: int
-    eligible_at: float
-    reason: str  # new | resume | retry | recovery | nack
-    enqueued_at: float
-    reservation_owner: str | None
-    reservation_expires_at: float | None
-    # Seconds until eligible by the database clock (negative: eligible now).
-    eligible_in_s: float = 0.0
-
-
-class LeaseRecord(msgspec.Struct, frozen=True):
-    run_id: str
-    function_id: str
-    execution_seq: int
-    session_id: str
-    node_id: str
-    expires_at: float
-    activated_at: float
-    expires_in_s: float = 0.0
-
-
-class SessionRecord(msgspec.Struct, frozen=True):
-    session_id: str
-    worker_id: str
-    node_id: str
-    mode: str
-    max_concurrent_jobs: int
-    draining: bool
-    expires_at: float
-    created_at: float
-    credits_claimed: int
-    credits_held: int
-    function_ids: list[str]
-
-
-class RunDetail(msgspec.Struct, frozen=True):
-    run: RunRecord
-    steps: list[StepRecord]
-    queue: QueueRecord | None
-    lease: LeaseRecord | None
-    # Human reason the run is waiting, e.g. "recovery grace until <ts>"; None otherwise.
-    waiting_reason: str | None
-    db_now: float
-
-
-class AuditRecord(msgspec.Struct, frozen=True):
-    id: str
-    at: float
-    type: str
-    run_id: str | None
-    function_id: str | None
-    data: Any
-
-
-class FunctionRecord(msgspec.Struct, frozen=True):
-    id: str
-    definition: FunctionDef
-    version: int
-    updated_at: float
-    # When a worker last registered it (None: before this was recorded).
-    last_seen_at: float | None = None
-    # Registered by some worker within the node's ``function_live_s``.
-    live: bool = True
 
 
 class PurgeCounts(msgspec.Struct, frozen=True):
@@ -363,10 +277,6 @@ class Store(abc.ABC):
 
         Raises SessionNotFound if the session expired or was closed.
         """
-
-    @abc.abstractmethod
-    async def mark_session_draining(self, session_id: str) -> None:
-        """No new reservations go to this session."""
 
     @abc.abstractmethod
     async def close_session(

@@ -20,13 +20,14 @@ import psycopg
 import trio
 from psycopg_pool import ConnectionPool
 
-from ironflow.store.core import SqlStore, Tx
+from ironflow.store.core import Tx
 from ironflow.store.schema import (
     SCHEMA_LOCK_KEY,
     added_columns,
     backfill_statements,
     statements,
 )
+from ironflow.store.sql import SqlStore
 
 __all__ = ["PostgresStore"]
 
@@ -57,8 +58,6 @@ TX_RETRY_BACKOFF_S = 0.005
 
 class _PgTx:
     """:class:`~ironflow.store.core.Tx` over one psycopg connection inside a transaction."""
-
-    dialect = "postgres"
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self._cur = conn.cursor()

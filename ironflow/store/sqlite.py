@@ -22,8 +22,9 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
-from ironflow.store.core import SqlStore, Tx
+from ironflow.store.core import Tx
 from ironflow.store.schema import added_columns, backfill_statements, statements
+from ironflow.store.sql import SqlStore
 
 __all__ = ["SqliteStore"]
 
@@ -38,8 +39,6 @@ MAX_GROUP = 256
 
 class _SqliteTx:
     """:class:`~ironflow.store.core.Tx` over the writer thread's connection."""
-
-    dialect = "sqlite"
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn

@@ -236,10 +236,12 @@ async def test_reserve_respects_per_key_concurrency_limit(store):
     assert keys == ["None", "a", "b"]
 
 
-async def test_draining_session_gets_nothing(store):
+async def test_a_session_that_nacked_draining_gets_nothing_more(store):
     s = await worker(store)
     await emit(store)
-    await store.mark_session_draining(s.session_id)
+    (res,) = await reserve(store, s)
+    await store.nack_job(fence_of(res), "DRAINING")  # the worker refuses: it is draining
+    await emit(store)
     assert await reserve(store, s) == []
 
 

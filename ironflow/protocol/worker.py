@@ -1,57 +1,31 @@
-"""Wire types shared by the engine node and the worker SDK.
+"""Worker ↔ engine frames and the function definitions workers register.
 
-Every message that crosses a process boundary is a frozen ``msgspec.Struct``.
-Worker ↔ engine frames are tagged unions (the ``type`` field names the
-message) so a frame is decoded with one typed decoder and bad input fails at
-the edge with a clear ``msgspec.ValidationError``.
-
-This module imports nothing of ours: the SDK, the API, the actors and the
-store all depend on it, never the other way round.
+Every message is a frozen ``msgspec.Struct``; frames are tagged unions (the
+``type`` field names the message), decoded with one typed decoder so bad
+input fails at the edge with a clear ``msgspec.ValidationError``.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
 
-# Hard ceiling for one websocket frame or HTTP JSON body. Large enough for a
-# JobAssignment carrying a few hundred memoised steps, small enough that a
-# runaway payload cannot balloon the node's memory.
-MAX_FRAME_BYTES = 4 * 1024 * 1024
-# Deepest JSON nesting accepted in a frame or body. Decoders recurse per level
-# and Python's recursion limit is 1,000 frames shared with the caller's stack;
-# 100 levels leave a payload room for real documents and the node its stack.
-MAX_JSON_DEPTH = 100
-
-# ── bounds of every number and name on the wire ──────────────────────────────
-# Integers are stored in 64-bit database columns; 2**53 - 1 also survives a
-# round trip through JSON consumers that use doubles (JavaScript dashboards).
-MAX_WIRE_INT = 2**53 - 1
-# Epoch seconds: up to the year 5138 — far past any real deadline, far below
-# what a float column or datetime conversion cannot represent.
-MAX_EPOCH_S = 1e11
-# One year: the longest delay, timeout or backoff cap a definition may ask for.
-MAX_DURATION_S = 365 * 24 * 3600.0
-# Hard ceilings of the types; the node's configurable limits (NodeConfig.limits)
-# are lower by default and decide what one node actually accepts.
-MAX_SLOTS_HARD = 100_000
-MAX_FUNCTIONS_HARD = 100_000
-MAX_TRIGGERS_HARD = 1_000
-
-Seq = Annotated[int, Meta(ge=1, le=MAX_WIRE_INT)]
-Epoch = Annotated[float, Meta(ge=0, le=MAX_EPOCH_S)]
-DurationMs = Annotated[float, Meta(ge=0, le=MAX_DURATION_S * 1000)]
-Name = Annotated[str, Meta(min_length=1, max_length=256)]
-Id = Annotated[str, Meta(min_length=1, max_length=256)]
-Token = Annotated[str, Meta(min_length=1, max_length=256)]
-ShortText = Annotated[str, Meta(max_length=1024)]
-# Longest step name; its id (run id, escaped name, counter) fits in twice that plus change.
-MAX_STEP_NAME = 512
-StepName = Annotated[str, Meta(min_length=1, max_length=MAX_STEP_NAME)]
-StepId = Annotated[str, Meta(min_length=1, max_length=4 * MAX_STEP_NAME)]
+from ironflow.protocol.bounds import (
+    MAX_DURATION_S,
+    MAX_FUNCTIONS_HARD,
+    MAX_SLOTS_HARD,
+    MAX_TRIGGERS_HARD,
+    DurationMs,
+    Epoch,
+    Id,
+    Name,
+    Seq,
+    StepId,
+    StepName,
+    Token,
+)
 
 SDK_VERSION = "0.1.0"
 
@@ -332,49 +306,33 @@ class Refused(msgspec.Struct, frozen=True, tag="refused"):
 EngineMessage = Registered | JobAssignment | LeaseStatus | Cancel | Shutdown | Refused
 
 
-# ── encoders / decoders (module-level: building them is not free) ─────────
-
-# Header carrying a pull session's secret on every call after registration.
-SESSION_SECRET_HEADER = "Ironflow-Session-Secret"
-
-# A JSON string literal (escapes included): brackets inside one do not nest.
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
-# Keeps only brackets, with objects folded into arrays: only the depth matters.
-_BRACKETS_ONLY = bytes.maketrans(b"{}", b"[]")
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+# ── event data paths (one rule for the engine and the SDK) ──────────────────
 
 
-class JsonTooDeep(ValueError):
-    """A JSON document nests deeper than :data:`MAX_JSON_DEPTH`."""
+def lookup_path(data: Any, path: str) -> Any:
+    """The value at dotted ``path`` in event ``data``, or None if there is none.
 
-
-def check_json_depth(data: bytes | str, limit: int = MAX_JSON_DEPTH) -> None:
-    """Raise :class:`JsonTooDeep` when ``data`` nests arrays/objects deeper than ``limit``.
-
-    Runs before decoding, at C speed: a document with at most ``limit``
-    brackets cannot be too deep (the common case, one ``count``); otherwise
-    strings are cut out, everything but brackets is deleted, and each pass of
-    ``replace("[]", "")`` peels exactly one level off the innermost pairs, so
-    a document still non-empty after ``limit`` passes is deeper than that (or
-    unbalanced, which is no valid JSON either).
+    A leading ``event.data.`` or ``data.`` is ignored; a digit part indexes a
+    list (``items.0.sku``). Used by ``wait_for_event``'s ``match`` (the SDK
+    reads the value to wait for, the engine compares incoming events) and by
+    concurrency keys, so both sides always agree on what a path means.
     """
-    raw = data.encode() if isinstance(data, str) else bytes(data)
-    if raw.count(b"[") + raw.count(b"{") <= limit:
-        return
-    # Without escapes, strings are exactly the odd pieces between quotes.
-    unquoted = _JSON_STRING.sub(b"", raw) if b"\\" in raw else b"".join(raw.split(b'"')[::2])
-    brackets = unquoted.translate(_BRACKETS_ONLY, _NOT_BRACKETS)
-    if b"[" * (limit + 1) in brackets:
-        raise JsonTooDeep(f"JSON nests deeper than the limit of {limit} levels")
-    for _ in range(limit):
-        if not brackets:
-            return
-        shorter = brackets.replace(b"[]", b"")
-        if len(shorter) == len(brackets):
-            break  # unbalanced: nothing left to peel
-        brackets = shorter
-    if brackets:
-        raise JsonTooDeep(f"JSON nests deeper than the limit of {limit} levels (or is unbalanced)")
+    for prefix in ("event.data.", "data."):
+        if path.startswith(prefix):
+            path = path[len(prefix) :]
+            break
+    value = data
+    for part in path.split("."):
+        if isinstance(value, dict) and part in value:
+            value = value[part]
+        elif isinstance(value, list) and part.isdigit() and int(part) < len(value):
+            value = value[int(part)]
+        else:
+            return None
+    return value
+
+
+# ── encoders / decoders (module-level: building them is not free) ─────────
 
 encoder = msgspec.json.Encoder()
 worker_message_decoder = msgspec.json.Decoder(WorkerMessage)
@@ -384,97 +342,3 @@ engine_message_decoder = msgspec.json.Decoder(EngineMessage)
 def job_id_for(run_id: str, execution_seq: int) -> str:
     """The job id of a segment: stable for its ``(run_id, execution_seq)``."""
     return f"{run_id}/{execution_seq}"
-
-
-# ── HTTP bodies ─────────────────────────────────────────────────────────────
-
-
-class EmitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    name: Name
-    data: Any = {}
-    idempotency_key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
-
-
-class EmitResponse(msgspec.Struct, frozen=True):
-    event_id: str
-    run_ids: list[str]
-    duplicate: bool = False
-
-
-# One batch is one transaction; this bounds how long it holds the writer.
-MAX_BATCH_EVENTS = 1000
-
-
-class EmitBatchRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Body of ``POST /v1/events/batch``: persisted in one transaction, all or none."""
-
-    events: Annotated[list[EmitRequest], Meta(min_length=1, max_length=MAX_BATCH_EVENTS)]
-
-
-class EmitBatchResponse(msgspec.Struct, frozen=True):
-    events: list[EmitResponse]
-
-
-class InvokeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    data: Any = {}
-
-
-class CancelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    reason: ShortText = "cancelled by user"
-
-
-FinishedRunStatus = Literal["completed", "failed", "cancelled"]
-
-
-class PurgeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Body of ``POST /v1/runs/purge`` (platform only): delete finished history now."""
-
-    # Runs that ended strictly longer ago than this go; positive, so that
-    # "0" can never mean "everything".
-    older_than_s: Annotated[float, Meta(gt=0, le=100 * MAX_DURATION_S)]
-    # Only runs in these finished statuses (default: all three).
-    statuses: Annotated[list[FinishedRunStatus], Meta(max_length=3)] | None = None
-
-
-class PurgeResponse(msgspec.Struct, frozen=True):
-    """Rows one purge deleted, by kind."""
-
-    runs: int
-    steps: int
-    audit: int
-    events: int
-    older_than_s: float
-
-
-class PullPollRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """Body of ``POST /v1/worker/sessions/{session_id}/poll``."""
-
-    wait_s: Annotated[float, Meta(ge=0, le=3600)] = 20.0
-    max_jobs: Annotated[int, Meta(ge=1, le=1000)] = 1
-
-
-class PullPollResponse(msgspec.Struct, frozen=True):
-    jobs: list[JobAssignment]
-
-
-class FencedResponse(msgspec.Struct, frozen=True):
-    """Answer to a pull worker's fenced call (ack, step, result, nack)."""
-
-    ok: bool = True
-
-
-class ApiError(msgspec.Struct, frozen=True):
-    code: str
-    message: str
-
-
-class KeyCreateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    platform: bool = False
-    role: Annotated[str, Meta(min_length=1, max_length=64)] = "admin"
-
-
-class KeyCreateResponse(msgspec.Struct, frozen=True):
-    id: str
-    key: str
-    kind: str
-    role: str

@@ -1,0 +1,23 @@
+"""The node's HTTP and websocket surface (quart-trio under hypercorn).
+
+One module per surface, each handler a named function of a few lines
+(decode → one store call → kick → encode):
+
+- ``health``: ``/healthz``, ``/readyz``, ``/metrics``;
+- ``events``, ``runs``, ``functions``, ``audit``, ``keys``: the ``/v1`` REST API;
+- ``capacity``: leases, sessions and the queue (platform keys only);
+- ``pull``: the pull-worker long-poll endpoints;
+- ``worker_socket``: the streaming-worker websocket ``/v1/worker``;
+- ``auth`` (who is calling), ``errors`` (bodies in, error answers out),
+  ``state`` (the node's dependencies), ``app`` (assembly).
+
+The bodies and records are the typed contract in ``ironflow.protocol.http``;
+see ``docs/http-api.md``.
+"""
+
+from __future__ import annotations
+
+from ironflow.api.app import create_app
+from ironflow.api.state import ApiDeps
+
+__all__ = ["ApiDeps", "create_app"]

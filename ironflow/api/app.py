@@ -1,0 +1,33 @@
+"""Assembly: one quart-trio app with every surface's routes and the error handlers."""
+
+from __future__ import annotations
+
+from quart_trio import QuartTrio
+
+from ironflow.api import (
+    audit,
+    capacity,
+    errors,
+    events,
+    functions,
+    health,
+    keys,
+    pull,
+    runs,
+    worker_socket,
+)
+from ironflow.api.state import EXTENSION, ApiDeps, ApiState
+
+# Every surface, one module each (see the package docstring).
+SURFACES = (health, events, runs, functions, audit, keys, capacity, pull, worker_socket)
+
+
+def create_app(deps: ApiDeps) -> QuartTrio:
+    """Build the quart-trio application serving ``deps``."""
+    app = QuartTrio("ironflow")
+    app.config["MAX_CONTENT_LENGTH"] = deps.config.max_frame_bytes
+    app.extensions[EXTENSION] = ApiState(deps)
+    for surface in SURFACES:
+        app.register_blueprint(surface.bp)
+    errors.install(app, deps.config.max_frame_bytes)
+    return app

@@ -1,0 +1,55 @@
+"""``POST /v1/events`` and ``/v1/events/batch``: events in, runs started."""
+
+from __future__ import annotations
+
+import logging
+
+from quart import Blueprint, Response, request
+
+from actors.messages import kick
+from ironflow import logs, metrics
+from ironflow.api.auth import require_org
+from ironflow.api.errors import decode, json_response
+from ironflow.api.state import state
+from ironflow.protocol import EmitBatchRequest, EmitBatchResponse, EmitRequest, EmitResponse
+
+log = logging.getLogger("ironflow.api")
+bp = Blueprint("events", __name__)
+
+
+@bp.post("/v1/events")
+async def emit() -> Response:
+    await require_org()
+    body = decode(await request.get_data(), EmitRequest)
+    st = state()
+    result = await st.store.ingest_event(
+        body.name, body.data, body.idempotency_key, idempotency_window_s=st.config.idempotency_window_s
+    )
+    if not result.duplicate:
+        metrics.EVENTS_EMITTED.inc()
+        # New runs, and parked runs whose wait_for_event this event matched.
+        if result.run_ids or result.resumed_run_ids:
+            kick(st.deps.kicks, "event ingested")
+    logs.event(
+        log, logging.DEBUG, "event: ingested",
+        event_id=result.event_id, runs=len(result.run_ids), duplicate=result.duplicate,
+    )
+    answer = EmitResponse(result.event_id, result.run_ids, result.duplicate)
+    return json_response(answer, 200 if result.duplicate else 201)
+
+
+@bp.post("/v1/events/batch")
+async def emit_batch() -> Response:
+    await require_org()
+    body = decode(await request.get_data(), EmitBatchRequest)
+    st = state()
+    results = await st.store.ingest_events(
+        [(e.name, e.data, e.idempotency_key) for e in body.events],
+        idempotency_window_s=st.config.idempotency_window_s,
+    )
+    fresh = [r for r in results if not r.duplicate]
+    metrics.EVENTS_EMITTED.inc(len(fresh))
+    if any(r.run_ids or r.resumed_run_ids for r in fresh):
+        kick(st.deps.kicks, "events ingested")
+    answers = [EmitResponse(r.event_id, r.run_ids, r.duplicate) for r in results]
+    return json_response(EmitBatchResponse(answers), 201)

@@ -1,0 +1,57 @@
+"""What every handler needs from the node, reached through the running app."""
+
+from __future__ import annotations
+
+from typing import cast
+
+import trio
+from quart import current_app
+
+from actors.directory import SessionDirectory
+from actors.messages import Kick
+from ironflow.config import NodeConfig
+from ironflow.store import Principal, SessionInfo, Store
+
+# Key of the ApiState in ``app.extensions``.
+EXTENSION = "ironflow"
+
+
+class ApiDeps:
+    """Everything the API needs from the node, passed in once."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        config: NodeConfig,
+        node_id: str,
+        directory: SessionDirectory,
+        kicks: trio.MemorySendChannel[Kick],
+        shutdown_requested: trio.Event,
+        ready: trio.Event,
+    ) -> None:
+        self.store = store
+        self.config = config
+        self.node_id = node_id
+        self.directory = directory
+        self.kicks = kicks
+        self.shutdown_requested = shutdown_requested
+        self.ready = ready
+
+
+class ApiState:
+    """The node's dependencies plus the API's own caches (one per app)."""
+
+    def __init__(self, deps: ApiDeps) -> None:
+        self.deps = deps
+        self.store = deps.store
+        self.config = deps.config
+        # SHA-256 of an API key → (monotonic expiry, its principal).
+        self.auth_cache: dict[str, tuple[float, Principal]] = {}
+        # Pull sessions this node has verified: id → (hash of its secret, session).
+        self.pull_sessions: dict[str, tuple[str, SessionInfo]] = {}
+
+
+def state() -> ApiState:
+    """The ApiState of the app handling the current request or websocket."""
+    return cast(ApiState, current_app.extensions[EXTENSION])

@@ -1,0 +1,186 @@
+"""The streaming-worker websocket ``/v1/worker``: one session actor per socket.
+
+Frames are JSON text. A frame that cannot be read closes the socket with a
+code saying why (1002 malformed, 1007 invalid, 1003 binary, 1009 too large,
+1008 registration refused), after a ``Refused`` frame naming the problem;
+1011 means a fault of ours. Sockets still open when the node stops are closed
+with 1001.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import trio
+from quart import Blueprint, Response, websocket
+
+from actors import session as session_actor
+from ironflow import logs
+from ironflow.api.auth import require_org
+from ironflow.api.errors import ApiFailure, decode_frame, error_response
+from ironflow.api.state import ApiDeps, state
+from ironflow.protocol import (
+    EngineMessage,
+    JsonTooDeep,
+    Refused,
+    WorkerMessage,
+    encoder,
+    worker_message_decoder,
+)
+
+log = logging.getLogger("ironflow.api")
+bp = Blueprint("worker_socket", __name__)
+
+# Websocket close codes (RFC 6455).
+WS_GOING_AWAY = 1001
+WS_PROTOCOL_ERROR = 1002
+WS_UNSUPPORTED_DATA = 1003
+WS_INVALID_PAYLOAD = 1007
+WS_POLICY_VIOLATION = 1008
+WS_INTERNAL_ERROR = 1011
+# How long closing a worker socket may wait for the close handshake.
+WS_CLOSE_TIMEOUT_S = 1.0
+# Frames read ahead of the session actor, and frames queued for the socket.
+INBOUND_BUFFER = 256
+OUTBOX_BUFFER = 1024
+
+
+class _CloseSocket(Exception):
+    """Close the worker socket with ``code``; ``refusal`` is sent first when set,
+    so the worker's SDK can report why rather than reconnect blindly."""
+
+    def __init__(self, code: int, reason: str, refusal: Refused | None = None) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+        self.refusal = refusal
+
+
+@bp.websocket("/v1/worker")
+async def worker_socket() -> Response | None:
+    deps = state().deps
+    if deps.shutdown_requested.is_set():
+        return error_response(503, "DRAINING", "this node is draining; connect to another node")
+    try:
+        await require_org(websocket.headers)
+    except ApiFailure as exc:
+        return error_response(exc.status, exc.code, exc.message)
+    await websocket.accept()
+    ws = websocket._get_current_object()  # type: ignore[attr-defined]  # tasks outlive the context
+    await _serve_socket(ws, deps)
+    return None
+
+
+async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
+    """Shuttle frames between one websocket and its session actor."""
+    inbound_send, inbound_receive = trio.open_memory_channel[WorkerMessage](INBOUND_BUFFER)
+    outbox_send, outbox_receive = trio.open_memory_channel[EngineMessage](OUTBOX_BUFFER)
+    close_code, close_reason = 1000, ""
+    refusal: Refused | None = None
+
+    async def reader() -> None:
+        # close() rather than `async with`: aclose() checkpoints, and a cancel
+        # arriving there would swallow the _CloseSocket that explains the close.
+        try:
+            while True:
+                data = await ws.receive()
+                if isinstance(data, bytes):
+                    raise _CloseSocket(WS_UNSUPPORTED_DATA, "binary frames are not supported: send JSON text frames")
+                msg = _decode_worker_frame(data)
+                await inbound_send.send(msg)
+        finally:
+            inbound_send.close()
+
+    async def writer() -> None:
+        try:
+            async for msg in outbox_receive:
+                await ws.send(encoder.encode(msg).decode())
+        finally:
+            # Later sends (dispatcher, session) fail fast instead of queueing
+            # into a socket that is gone.
+            outbox_receive.close()
+
+    closed = False
+    try:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(reader)
+                nursery.start_soon(writer)
+                # Shielded: when the socket drops, the reader is cancelled and
+                # closes the inbound channel; the session still applies every
+                # frame that already arrived (an ack, a step result) before it
+                # closes the session — received data is never dropped.
+                with trio.CancelScope(shield=True):
+                    await session_actor.run(
+                        deps.store,
+                        deps.config,
+                        deps.node_id,
+                        deps.directory,
+                        deps.kicks,
+                        inbound_receive,
+                        outbox_send,
+                    )
+                nursery.cancel_scope.cancel()
+        except* _CloseSocket as group:
+            exc = group.exceptions[0]
+            assert isinstance(exc, _CloseSocket)
+            close_code, close_reason, refusal = exc.code, exc.reason, exc.refusal
+        except* session_actor.RegistrationRefused as group:
+            message = str(group.exceptions[0])
+            close_code, close_reason = WS_POLICY_VIOLATION, _short(f"registration refused: {message}")
+            refusal = Refused(session_actor.RegistrationRefused.code, message)
+        except* session_actor.ProtocolViolation as group:
+            close_code, close_reason = WS_PROTOCOL_ERROR, _short(str(group.exceptions[0]))
+        except* session_actor.SessionExpired as group:
+            close_code, close_reason = WS_POLICY_VIOLATION, _short(f"session expired: {group.exceptions[0]}; reconnect")
+        except* trio.EndOfChannel:
+            pass  # the reader stopped first; its own error (above) says why
+        except* Exception as group:
+            log.error("api: worker socket failed", exc_info=group)
+            if close_code == 1000:
+                close_code, close_reason = WS_INTERNAL_ERROR, "internal error"
+        if close_code != 1000:
+            logs.event(log, logging.INFO, "api: closing worker socket", code=close_code, reason=close_reason)
+        with trio.move_on_after(WS_CLOSE_TIMEOUT_S):
+            if refusal is not None:
+                try:
+                    await ws.send(encoder.encode(refusal).decode())
+                except Exception:
+                    pass  # the peer is gone; the close below says the same
+            await ws.close(close_code, close_reason)
+        closed = True
+    finally:
+        if not closed:
+            # Cancelled: the node is stopping (or the peer is already gone).
+            # Say so with 1001 rather than leave the worker a bare 1006.
+            with trio.CancelScope(shield=True), trio.move_on_after(WS_CLOSE_TIMEOUT_S):
+                try:
+                    await ws.close(WS_GOING_AWAY, "engine node stopping")
+                except Exception:
+                    pass
+
+
+def _decode_worker_frame(data: str) -> WorkerMessage:
+    """One worker frame, or :class:`_CloseSocket` saying why it cannot be read.
+
+    Malformed JSON is a protocol error (1002); well-formed JSON that is no
+    valid message — an unknown type, a wrong field, a number out of bounds,
+    nesting too deep — is invalid payload data (1007). Either way the worker
+    first receives a ``Refused`` naming the problem.
+    """
+    try:
+        msg: WorkerMessage = decode_frame(data, worker_message_decoder)
+        return msg
+    except (msgspec.ValidationError, JsonTooDeep) as exc:  # ValidationError is a DecodeError
+        code, message = WS_INVALID_PAYLOAD, f"invalid message: {exc}"
+    except msgspec.DecodeError as exc:
+        code, message = WS_PROTOCOL_ERROR, f"invalid message: {exc}"
+    raise _CloseSocket(code, _short(message), Refused("INVALID_MESSAGE", message))
+
+
+def _short(reason: str) -> str:
+    """A close reason must fit in 123 bytes of UTF-8."""
+    encoded = reason.encode()
+    return reason if len(encoded) <= 120 else encoded[:117].decode(errors="ignore") + "..."

@@ -1,0 +1,265 @@
+"""The HTTP contract: request and response bodies of every ``/v1`` endpoint and
+the records the API returns (runs, steps, leases, sessions, queue, audit).
+
+The store builds these records, the API encodes them, and the CLI and the SDK
+client decode them into the same types.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+from ironflow.protocol.bounds import MAX_DURATION_S, Name, ShortText
+from ironflow.protocol.worker import ErrorInfo, FunctionDef, JobAssignment, RunStatus, StepKind
+
+# Header carrying a pull session's secret on every call after registration.
+SESSION_SECRET_HEADER = "Ironflow-Session-Secret"
+
+# ── HTTP bodies ─────────────────────────────────────────────────────────────
+
+
+class EmitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    name: Name
+    data: Any = {}
+    idempotency_key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+
+
+class EmitResponse(msgspec.Struct, frozen=True):
+    event_id: str
+    run_ids: list[str]
+    duplicate: bool = False
+
+
+# One batch is one transaction; this bounds how long it holds the writer.
+MAX_BATCH_EVENTS = 1000
+
+
+class EmitBatchRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Body of ``POST /v1/events/batch``: persisted in one transaction, all or none."""
+
+    events: Annotated[list[EmitRequest], Meta(min_length=1, max_length=MAX_BATCH_EVENTS)]
+
+
+class EmitBatchResponse(msgspec.Struct, frozen=True):
+    events: list[EmitResponse]
+
+
+class InvokeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    data: Any = {}
+
+
+class CancelRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    reason: ShortText = "cancelled by user"
+
+
+FinishedRunStatus = Literal["completed", "failed", "cancelled"]
+
+
+class PurgeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Body of ``POST /v1/runs/purge`` (platform only): delete finished history now."""
+
+    # Runs that ended strictly longer ago than this go; positive, so that
+    # "0" can never mean "everything".
+    older_than_s: Annotated[float, Meta(gt=0, le=100 * MAX_DURATION_S)]
+    # Only runs in these finished statuses (default: all three).
+    statuses: Annotated[list[FinishedRunStatus], Meta(max_length=3)] | None = None
+
+
+class PurgeResponse(msgspec.Struct, frozen=True):
+    """Rows one purge deleted, by kind."""
+
+    runs: int
+    steps: int
+    audit: int
+    events: int
+    older_than_s: float
+
+
+class PullPollRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Body of ``POST /v1/worker/sessions/{session_id}/poll``."""
+
+    wait_s: Annotated[float, Meta(ge=0, le=3600)] = 20.0
+    max_jobs: Annotated[int, Meta(ge=1, le=1000)] = 1
+
+
+class PullPollResponse(msgspec.Struct, frozen=True):
+    jobs: list[JobAssignment]
+
+
+class FencedResponse(msgspec.Struct, frozen=True):
+    """Answer to a pull worker's fenced call (ack, step, result, nack)."""
+
+    ok: bool = True
+
+
+class ApiError(msgspec.Struct, frozen=True):
+    code: str
+    message: str
+
+
+class KeyCreateRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    platform: bool = False
+    role: Annotated[str, Meta(min_length=1, max_length=64)] = "admin"
+
+
+class KeyCreateResponse(msgspec.Struct, frozen=True):
+    id: str
+    key: str
+    kind: str
+    role: str
+
+
+# ── records the API returns (built by the store) ─────────────────────────────
+
+# A step's life: run steps end completed/failed; durable steps park as
+# sleeping/waiting, are claimed as waking, and a wait that ran out is timed_out.
+StepStatus = Literal["running", "completed", "failed", "sleeping", "waiting", "waking", "timed_out"]
+# Why a segment is in the dispatch queue.
+QueueReason = Literal["new", "resume", "retry", "recovery", "nack"]
+SessionMode = Literal["stream", "pull"]
+
+
+class RunRecord(msgspec.Struct, frozen=True):
+    id: str
+    function_id: str
+    event_id: str | None
+    parent_run_id: str | None
+    status: RunStatus
+    attempt: int
+    max_attempts: int
+    recovery_count: int
+    current_execution_seq: int
+    output: Any
+    error: ErrorInfo | None
+    created_at: float
+    started_at: float | None
+    ended_at: float | None
+    concurrency_key: str | None = None
+
+
+class StepRecord(msgspec.Struct, frozen=True):
+    run_id: str
+    step_id: str
+    name: str
+    kind: StepKind
+    status: StepStatus
+    output: Any
+    error: ErrorInfo | None
+    duration_ms: float | None
+    execution_seq: int
+    created_at: float
+    wake_at: float | None = None
+
+
+class QueueRecord(msgspec.Struct, frozen=True):
+    run_id: str
+    function_id: str
+    execution_seq: int
+    eligible_at: float
+    reason: QueueReason
+    enqueued_at: float
+    reservation_owner: str | None
+    reservation_expires_at: float | None
+    # Seconds until eligible by the database clock (negative: eligible now).
+    eligible_in_s: float = 0.0
+
+
+class LeaseRecord(msgspec.Struct, frozen=True):
+    run_id: str
+    function_id: str
+    execution_seq: int
+    session_id: str
+    node_id: str
+    expires_at: float
+    activated_at: float
+    expires_in_s: float = 0.0
+
+
+class SessionRecord(msgspec.Struct, frozen=True):
+    session_id: str
+    worker_id: str
+    node_id: str
+    mode: SessionMode
+    max_concurrent_jobs: int
+    draining: bool
+    expires_at: float
+    created_at: float
+    credits_claimed: int
+    credits_held: int
+    function_ids: list[str]
+
+
+class RunDetail(msgspec.Struct, frozen=True):
+    run: RunRecord
+    steps: list[StepRecord]
+    queue: QueueRecord | None
+    lease: LeaseRecord | None
+    # Human reason the run is waiting, e.g. "recovery grace until <ts>"; None otherwise.
+    waiting_reason: str | None
+    db_now: float
+
+
+class AuditRecord(msgspec.Struct, frozen=True):
+    id: str
+    at: float
+    type: str
+    run_id: str | None
+    function_id: str | None
+    data: Any
+
+
+class FunctionRecord(msgspec.Struct, frozen=True):
+    id: str
+    definition: FunctionDef
+    version: int
+    updated_at: float
+    # When a worker last registered it (None: before this was recorded).
+    last_seen_at: float | None = None
+    # Registered by some worker within the node's ``function_live_s``.
+    live: bool = True
+
+
+# ── response envelopes (one struct per endpoint answer) ─────────────────────
+
+
+class Health(msgspec.Struct, frozen=True):
+    """``/healthz`` and ``/readyz``: ``ok`` / ``ready`` / ``starting`` / ``draining``."""
+
+    status: str
+    node_id: str | None = None
+
+
+class RunList(msgspec.Struct, frozen=True):
+    runs: list[RunRecord]
+
+
+class CancelResponse(msgspec.Struct, frozen=True):
+    run_id: str
+    status: RunStatus = "cancelled"
+
+
+class FunctionList(msgspec.Struct, frozen=True):
+    functions: list[FunctionRecord]
+
+
+class InvokeResponse(msgspec.Struct, frozen=True):
+    run_id: str
+
+
+class AuditList(msgspec.Struct, frozen=True):
+    events: list[AuditRecord]
+
+
+class LeaseList(msgspec.Struct, frozen=True):
+    leases: list[LeaseRecord]
+
+
+class SessionList(msgspec.Struct, frozen=True):
+    sessions: list[SessionRecord]
+
+
+class QueueList(msgspec.Struct, frozen=True):
+    queue: list[QueueRecord]

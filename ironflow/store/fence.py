@@ -1,0 +1,466 @@
+"""The fence and a segment's life: activate its lease (JobAck), record a
+step, complete / fail / yield / nack it, and heartbeat its lease.
+
+This is the fencing chokepoint: a worker message may change a segment only
+when a lease row with ``(run_id, execution_seq, session_id,
+lease_token_hash)`` exists AND ``runs.current_execution_seq`` still equals
+that seq (``_FENCE_SQL``; parameters in :meth:`FenceOps._fence_params`'s
+order). A stale worker's write is refused with ``StaleExecution``, never
+applied.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from ironflow.protocol import (
+    ActiveJob,
+    ErrorInfo,
+    InvokeYield,
+    JobLeaseStatus,
+    JobNackReason,
+    RunRecord,
+    SleepYield,
+    WaitYield,
+    YieldInfo,
+)
+from ironflow.store.base import (
+    Fence,
+    FunctionNotFound,
+    JobOutcome,
+    SessionNotFound,
+    StaleExecution,
+)
+from ironflow.store.core import (
+    _FENCE_SQL,
+    _RUN_COLS,
+    _TERMINAL_SQL,
+    INVOKED_EVENT,
+    SqlStoreBase,
+    Tx,
+    _enc,
+    _run_record,
+    token_hash,
+)
+
+
+class FenceOps(SqlStoreBase):
+    """The fence and a segment's life: activate its lease (JobAck), record a"""
+
+    def _fence_alive(self, tx: Tx, fence: Fence) -> bool:
+        return (
+            tx.fetchone(
+                f"SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL}",
+                self._fence_params(fence),
+            )
+            is not None
+        )
+
+    @staticmethod
+    def _fence_params(fence: Fence) -> tuple[Any, ...]:
+        return (
+            fence.run_id,
+            fence.execution_seq,
+            fence.session_id,
+            token_hash(fence.lease_token),
+            fence.run_id,
+            fence.execution_seq,
+        )
+
+    def _take_lease(self, tx: Tx, fence: Fence) -> tuple[str, str | None]:
+        """Delete the fenced lease and free its credit; StaleExecution if it is not live."""
+        row = tx.fetchone(
+            f"DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING function_id, node_id",
+            self._fence_params(fence),
+        )
+        if row is None:
+            raise StaleExecution(
+                f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
+            )
+        self._free_credit(tx, fence.session_id, fence.run_id, fence.execution_seq)
+        return row[0], row[1]
+
+    async def activate_lease(self, fence: Fence, *, lease_expiry_s: float) -> RunRecord:
+        digest = token_hash(fence.lease_token)
+
+        def work(tx: Tx) -> RunRecord:
+            row = tx.fetchone(
+                "DELETE FROM dispatch_queue WHERE run_id = ? AND execution_seq = ?"
+                " AND reservation_owner = ? AND lease_token_hash = ? AND EXISTS ("
+                " SELECT 1 FROM runs WHERE id = ? AND current_execution_seq = ?"
+                f" AND status NOT IN {_TERMINAL_SQL})"
+                " RETURNING function_id, concurrency_key",
+                (
+                    fence.run_id,
+                    fence.execution_seq,
+                    fence.session_id,
+                    digest,
+                    fence.run_id,
+                    fence.execution_seq,
+                ),
+            )
+            if row is None:
+                if self._fence_alive(tx, fence):  # a repeated JobAck: already active
+                    run = tx.fetchone(
+                        f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,)
+                    )
+                    assert run is not None
+                    return _run_record(run)
+                raise StaleExecution(
+                    f"segment {fence.run_id}/{fence.execution_seq} is not reserved for this"
+                    " session with this lease token"
+                )
+            if not tx.execute(
+                "INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
+                " concurrency_key, session_id, node_id, lease_token_hash, expires_at,"
+                " activated_at) SELECT ?, ?, ?, ?, s.id, s.node_id, ?, ironflow_now() + ?,"
+                " ironflow_now() FROM worker_sessions s WHERE s.id = ?",
+                (
+                    fence.run_id,
+                    fence.execution_seq,
+                    row[0],
+                    row[1],
+                    digest,
+                    float(lease_expiry_s),
+                    fence.session_id,
+                ),
+            ):
+                raise StaleExecution(f"worker session {fence.session_id} is gone")
+            run = tx.fetchone(
+                "UPDATE runs SET status = 'running', started_at = coalesce(started_at,"
+                " ironflow_now()), updated_at = ironflow_now() WHERE id = ? RETURNING"
+                + _RUN_COLS.replace("r.", " "),
+                (fence.run_id,),
+            )
+            assert run is not None
+            self._audit_if_enabled(
+                tx, "run.started", fence.run_id, {"execution_seq": fence.execution_seq}
+            )
+            return _run_record(run)
+
+        return await self._transact(work)
+
+    async def record_step(
+        self,
+        fence: Fence,
+        *,
+        step_id: str,
+        name: str,
+        status: Literal["completed", "failed"],
+        output: Any = None,
+        error: ErrorInfo | None = None,
+        duration_ms: float = 0.0,
+    ) -> None:
+        out_text = _enc(output) if status == "completed" else None
+        err_text = None if error is None else _enc(error)
+
+        def work(tx: Tx) -> None:
+            written = tx.execute(
+                "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
+                " duration_ms, execution_seq, created_at, seq)"
+                " SELECT ?, ?, ?, 'run', ?, ?, ?, ?, ?, ironflow_now(), ?"
+                f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL})"
+                " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
+                " output = excluded.output, error = excluded.error,"
+                " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
+                " WHERE steps.status <> 'completed'",
+                (
+                    fence.run_id,
+                    step_id,
+                    name,
+                    status,
+                    out_text,
+                    err_text,
+                    float(duration_ms),
+                    fence.execution_seq,
+                    time.time_ns(),
+                    *self._fence_params(fence),
+                ),
+            )
+            if not written:
+                if not self._fence_alive(tx, fence):
+                    raise StaleExecution(
+                        f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
+                    )
+                return  # idempotent replay of a completed step
+            if status == "completed":
+                self._audit_if_enabled(
+                    tx, "step.completed", fence.run_id, {"step_id": step_id, "name": name}
+                )
+
+        await self._transact(work)
+
+    async def complete_job(self, fence: Fence, output: Any) -> JobOutcome:
+        def work(tx: Tx) -> JobOutcome:
+            self._take_lease(tx, fence)
+            row = tx.fetchone(
+                "UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
+                " updated_at = ironflow_now() WHERE id = ?"
+                " RETURNING parent_run_id, parent_step_id",
+                (_enc(output), fence.run_id),
+            )
+            assert row is not None
+            self._audit_if_enabled(tx, "run.completed", fence.run_id, {})
+            kicked = self._resolve_parent(tx, row[0], row[1], fence.run_id, output=output)
+            return JobOutcome(fence.run_id, "completed", kicked_run_ids=kicked)
+
+        return await self._transact(work)
+
+    async def fail_job(self, fence: Fence, error: ErrorInfo) -> JobOutcome:
+        def work(tx: Tx) -> JobOutcome:
+            self._take_lease(tx, fence)
+            run = tx.fetchone(
+                "SELECT r.attempt, r.max_attempts, r.concurrency_key, r.parent_run_id,"
+                " r.parent_step_id, f.definition FROM runs r"
+                " JOIN functions f ON f.id = r.function_id WHERE r.id = ?",
+                (fence.run_id,),
+            )
+            assert run is not None
+            attempt, max_attempts, ckey, parent_run_id, parent_step_id, definition = run
+            fd = self._fdef(definition)
+            if error.retryable and attempt < max_attempts:
+                row = tx.fetchone(
+                    "UPDATE runs SET attempt = attempt + 1, status = 'waiting',"
+                    " current_execution_seq = current_execution_seq + 1, error = ?,"
+                    " updated_at = ironflow_now() WHERE id = ?"
+                    " RETURNING current_execution_seq, attempt",
+                    (_enc(error), fence.run_id),
+                )
+                assert row is not None
+                eligible_at = self._enqueue(
+                    tx, fence.run_id, row[0], fd.id, ckey, fd.retries.delay_after(attempt), "retry"
+                )
+                return JobOutcome(fence.run_id, "waiting", row[0], eligible_at, row[1])
+            tx.execute(
+                "UPDATE runs SET status = 'failed', error = ?, ended_at = ironflow_now(),"
+                " updated_at = ironflow_now() WHERE id = ?",
+                (_enc(error), fence.run_id),
+            )
+            self._audit_if_enabled(tx, "run.failed", fence.run_id, {"error": error})
+            kicked = self._resolve_parent(
+                tx, parent_run_id, parent_step_id, fence.run_id, error=error
+            )
+            return JobOutcome(fence.run_id, "failed", attempt=attempt, kicked_run_ids=kicked)
+
+        return await self._transact(work)
+
+    async def yield_job(
+        self, fence: Fence, *, step_id: str, name: str, info: YieldInfo
+    ) -> JobOutcome:
+        def work(tx: Tx) -> JobOutcome:
+            self._take_lease(tx, fence)
+            tx.execute(
+                "UPDATE runs SET status = 'waiting', recovery_count = 0,"
+                " updated_at = ironflow_now() WHERE id = ?",
+                (fence.run_id,),
+            )
+            wait_event = match = match_value = invoke_run_id = None
+            kicked: list[str] = []
+            wake_at: float | None
+            if isinstance(info, SleepYield):
+                kind, status, wake_at = "sleep", "sleeping", info.until
+            elif isinstance(info, WaitYield):
+                kind, status, wake_at = "wait", "waiting", info.timeout_at
+                wait_event, match, match_value = info.event, info.match, _enc(info.match_value)
+            else:
+                assert isinstance(info, InvokeYield)
+                kind, status, wake_at = "invoke", "waiting", info.timeout_at
+                row = tx.fetchone(
+                    "SELECT definition FROM functions WHERE id = ?", (info.function_id,)
+                )
+                if row is None:
+                    error = ErrorInfo(
+                        message=f"function {info.function_id} is not registered",
+                        code=FunctionNotFound.code,
+                        retryable=False,
+                    )
+                    self._park_step(
+                        tx, fence, step_id, name, kind, "failed", None, error=_enc(error)
+                    )
+                    resumed = self._resume(tx, fence.run_id)
+                    assert resumed is not None
+                    return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
+                event_id = self._insert_event(tx, INVOKED_EVENT, info.input)
+                invoke_run_id = self._create_run(
+                    tx,
+                    self._fdef(row[0]),
+                    event_id,
+                    info.input,
+                    parent_run_id=fence.run_id,
+                    parent_step_id=step_id,
+                )
+                tx.execute(
+                    "UPDATE events SET run_ids = ? WHERE id = ?", (_enc([invoke_run_id]), event_id)
+                )
+                kicked.append(invoke_run_id)
+            self._park_step(
+                tx,
+                fence,
+                step_id,
+                name,
+                kind,
+                status,
+                wake_at,
+                wait_event=wait_event,
+                match=match,
+                match_value=match_value,
+                invoke_run_id=invoke_run_id,
+            )
+            return JobOutcome(fence.run_id, "waiting", kicked_run_ids=kicked)
+
+        return await self._transact(work)
+
+    @staticmethod
+    def _park_step(
+        tx: Tx,
+        fence: Fence,
+        step_id: str,
+        name: str,
+        kind: str,
+        status: str,
+        wake_at: float | None,
+        *,
+        error: str | None = None,
+        wait_event: str | None = None,
+        match: str | None = None,
+        match_value: str | None = None,
+        invoke_run_id: str | None = None,
+    ) -> None:
+        tx.execute(
+            "INSERT INTO steps (run_id, step_id, name, kind, status, error, execution_seq,"
+            " created_at, seq, wake_at, wait_event, wait_match, wait_match_value, invoke_run_id)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ironflow_now(), ?, ?, ?, ?, ?, ?)"
+            " ON CONFLICT (run_id, step_id) DO UPDATE SET kind = excluded.kind,"
+            " status = excluded.status, error = excluded.error,"
+            " execution_seq = excluded.execution_seq, wake_at = excluded.wake_at,"
+            " wait_event = excluded.wait_event, wait_match = excluded.wait_match,"
+            " wait_match_value = excluded.wait_match_value,"
+            " invoke_run_id = excluded.invoke_run_id, claimed_by = NULL, claimed_at = NULL,"
+            " pre_claim_status = NULL WHERE steps.status <> 'completed'",
+            (
+                fence.run_id,
+                step_id,
+                name,
+                kind,
+                status,
+                error,
+                fence.execution_seq,
+                time.time_ns(),
+                wake_at,
+                wait_event,
+                match,
+                match_value,
+                invoke_run_id,
+            ),
+        )
+
+    async def nack_job(self, fence: Fence, reason: JobNackReason) -> JobOutcome:
+        digest = token_hash(fence.lease_token)
+
+        def work(tx: Tx) -> JobOutcome:
+            lease = tx.fetchone(
+                f"DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING run_id",
+                self._fence_params(fence),
+            )
+            if (
+                lease is None
+                and tx.fetchone(
+                    # Normally a nack comes before activation: the live reservation proves the fence.
+                    "SELECT 1 FROM dispatch_queue q JOIN runs r ON r.id = q.run_id"
+                    " WHERE q.run_id = ? AND q.execution_seq = ? AND q.reservation_owner = ?"
+                    " AND q.lease_token_hash = ? AND r.current_execution_seq = q.execution_seq",
+                    (fence.run_id, fence.execution_seq, fence.session_id, digest),
+                )
+                is None
+            ):
+                raise StaleExecution(
+                    f"segment {fence.run_id}/{fence.execution_seq} is neither reserved nor"
+                    " leased with this token"
+                )
+            self._free_credit(
+                tx,
+                fence.session_id,
+                fence.run_id,
+                fence.execution_seq,
+                hold=reason == "AT_CAPACITY",
+            )
+            if reason == "DRAINING":
+                tx.execute(
+                    "UPDATE worker_sessions SET draining = 1 WHERE id = ?", (fence.session_id,)
+                )
+            row = tx.fetchone(
+                "UPDATE runs SET current_execution_seq = current_execution_seq + 1,"
+                " status = 'waiting', updated_at = ironflow_now() WHERE id = ?"
+                " RETURNING current_execution_seq, function_id, concurrency_key, attempt",
+                (fence.run_id,),
+            )
+            assert row is not None
+            eligible_at = self._enqueue(tx, fence.run_id, row[0], row[1], row[2], 0.0, "nack")
+            return JobOutcome(fence.run_id, "waiting", row[0], eligible_at, row[3])
+
+        return await self._transact(work)
+
+    async def heartbeat(
+        self,
+        session_id: str,
+        jobs: list[ActiveJob] | None,
+        *,
+        session_expiry_s: float,
+        lease_expiry_s: float,
+    ) -> list[JobLeaseStatus]:
+        def work(tx: Tx) -> list[JobLeaseStatus]:
+            row = tx.fetchone(
+                "UPDATE worker_sessions SET expires_at = ironflow_now() + ?"
+                " WHERE id = ? AND expires_at > ironflow_now() RETURNING max_concurrent_jobs",
+                (float(session_expiry_s), session_id),
+            )
+            if row is None:
+                raise SessionNotFound(f"worker session {session_id} expired or was closed")
+            if jobs is None:
+                # An expired lease is not revived, even before the scanner
+                # reaps it: expiry is decided by the database clock, once.
+                tx.execute(
+                    "UPDATE concurrency_leases SET expires_at = ironflow_now() + ?"
+                    " WHERE session_id = ? AND expires_at > ironflow_now()",
+                    (float(lease_expiry_s), session_id),
+                )
+                return []
+            out: list[JobLeaseStatus] = []
+            for job in jobs:
+                digest = token_hash(job.lease_token)
+                state: Literal["REFRESHED", "STALE", "UNKNOWN"]
+                if tx.execute(
+                    "UPDATE concurrency_leases SET expires_at = ironflow_now() + ?"
+                    f" WHERE {_FENCE_SQL} AND expires_at > ironflow_now()",
+                    (
+                        float(lease_expiry_s),
+                        job.run_id,
+                        job.execution_seq,
+                        session_id,
+                        digest,
+                        job.run_id,
+                        job.execution_seq,
+                    ),
+                ):
+                    state = "REFRESHED"
+                elif tx.fetchone(
+                    # Assigned but not yet activated: the reservation is still ours.
+                    "SELECT 1 FROM dispatch_queue WHERE run_id = ? AND execution_seq = ?"
+                    " AND reservation_owner = ? AND lease_token_hash = ?",
+                    (job.run_id, job.execution_seq, session_id, digest),
+                ):
+                    state = "REFRESHED"
+                elif tx.fetchone("SELECT 1 FROM runs WHERE id = ?", (job.run_id,)):
+                    state = "STALE"
+                else:
+                    state = "UNKNOWN"
+                out.append(JobLeaseStatus(job.job_id, job.run_id, job.execution_seq, state))
+            if len(jobs) < row[0]:
+                tx.execute(
+                    "UPDATE worker_credits SET held = 0 WHERE session_id = ? AND held = 1",
+                    (session_id,),
+                )
+            return out
+
+        return await self._transact(work)

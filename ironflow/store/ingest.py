@@ -1,0 +1,193 @@
+"""Ingest: events in (idempotency window, the trigger index, runs created),
+parked ``wait_for_event`` steps resolved, direct invocations, cancellation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ironflow.protocol import (
+    TERMINAL_RUN_STATUSES,
+    ErrorInfo,
+    job_id_for,
+    lookup_path,
+)
+from ironflow.store.base import (
+    CancelOutcome,
+    Conflict,
+    FunctionNotFound,
+    IngestResult,
+    RunNotFound,
+)
+from ironflow.store.core import (
+    INVOKED_EVENT,
+    SqlStoreBase,
+    Tx,
+    _dec,
+    _enc,
+    _marks,
+    _trigger_patterns,
+    _triggered,
+)
+
+
+class IngestOps(SqlStoreBase):
+    """Ingest: events in (idempotency window, the trigger index, runs created),"""
+
+    def _ingest(
+        self, tx: Tx, name: str, data: Any, idempotency_key: str | None, window_s: float
+    ) -> IngestResult:
+        if idempotency_key is not None:
+            tx.advisory_lock("idem:" + idempotency_key)
+            seen = tx.fetchone(
+                "SELECT id, run_ids FROM events WHERE idempotency_key = ?"
+                " AND received_at > ironflow_now() - ? ORDER BY received_at LIMIT 1",
+                (idempotency_key, float(window_s)),
+            )
+            if seen is not None:
+                return IngestResult(seen[0], _dec(seen[1]), True)
+        event_id = self._insert_event(tx, name, data, idempotency_key)
+        patterns = _trigger_patterns(name)
+        candidates = tx.fetchall(
+            "SELECT f.definition FROM functions f WHERE f.id IN (SELECT t.function_id"
+            f" FROM function_triggers t WHERE t.pattern IN ({_marks(len(patterns))}))"
+            " ORDER BY f.id",
+            patterns,
+        )
+        run_ids = [
+            self._create_run(tx, fd, event_id, data)
+            for fd in (self._fdef_or_none(text) for (text,) in candidates)
+            if fd is not None and _triggered(fd, name)
+        ]
+        if run_ids:
+            tx.execute("UPDATE events SET run_ids = ? WHERE id = ?", (_enc(run_ids), event_id))
+        resumed = self._resolve_waits(tx, event_id, name, data)
+        return IngestResult(event_id, run_ids, False, resumed_run_ids=resumed)
+
+    async def ingest_event(
+        self,
+        name: str,
+        data: Any,
+        idempotency_key: str | None,
+        *,
+        idempotency_window_s: float,
+    ) -> IngestResult:
+        return await self._transact(
+            lambda tx: self._ingest(tx, name, data, idempotency_key, idempotency_window_s)
+        )
+
+    async def ingest_events(
+        self,
+        events: list[tuple[str, Any, str | None]],
+        *,
+        idempotency_window_s: float,
+    ) -> list[IngestResult]:
+        return await self._transact(
+            lambda tx: [
+                self._ingest(tx, name, data, key, idempotency_window_s)
+                for name, data, key in events
+            ]
+        )
+
+    def _resolve_waits(self, tx: Tx, event_id: str, name: str, data: Any) -> list[str]:
+        """Complete every parked ``wait_for_event`` step this event satisfies."""
+        waiting = tx.fetchall(
+            "SELECT run_id, step_id, wait_match, wait_match_value FROM steps"
+            f" WHERE status = 'waiting' AND kind = 'wait' AND wait_event = ? {tx.lock()}",
+            (name,),
+        )
+        if not waiting:
+            return []
+        event = None
+        resumed: list[str] = []
+        for run_id, step_id, match, match_value in waiting:
+            if match is not None and lookup_path(data, match) != _dec(match_value):
+                continue
+            if event is None:
+                row = tx.fetchone("SELECT received_at FROM events WHERE id = ?", (event_id,))
+                received_at = row[0] if row else None
+                event = _enc(
+                    {"id": event_id, "name": name, "data": data, "received_at": received_at}
+                )
+            if (
+                tx.execute(
+                    "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
+                    " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
+                    (event, run_id, step_id),
+                )
+                and self._resume(tx, run_id) is not None
+            ):
+                resumed.append(run_id)
+        return resumed
+
+    async def invoke_function(self, function_id: str, data: Any) -> str:
+        def work(tx: Tx) -> str:
+            row = tx.fetchone("SELECT definition FROM functions WHERE id = ?", (function_id,))
+            if row is None:
+                raise FunctionNotFound(f"function {function_id} is not registered")
+            event_id = self._insert_event(tx, INVOKED_EVENT, data)
+            fd = self._fdef_or_none(row[0])
+            if fd is None:
+                raise FunctionNotFound(
+                    f"function {function_id} has a stored definition this version refuses;"
+                    " restart its worker to register it again"
+                )
+            run_id = self._create_run(tx, fd, event_id, data)
+            tx.execute("UPDATE events SET run_ids = ? WHERE id = ?", (_enc([run_id]), event_id))
+            return run_id
+
+        return await self._transact(work)
+
+    async def cancel_run(self, run_id: str, reason: str) -> CancelOutcome:
+        def work(tx: Tx) -> CancelOutcome:
+            run = tx.fetchone(
+                "SELECT status, current_execution_seq, parent_run_id, parent_step_id"
+                f" FROM runs WHERE id = ? {tx.lock_wait()}",
+                (run_id,),
+            )
+            if run is None:
+                raise RunNotFound(f"run {run_id} not found")
+            if run[0] in TERMINAL_RUN_STATUSES:
+                raise Conflict(f"run {run_id} already {run[0]}")
+            session_id = node_id = job_id = None
+            lease = tx.fetchone(
+                "DELETE FROM concurrency_leases WHERE run_id = ?"
+                " RETURNING session_id, node_id, execution_seq",
+                (run_id,),
+            )
+            if lease is not None:
+                session_id, node_id = lease[0], lease[1]
+                job_id = job_id_for(run_id, lease[2])
+                self._free_credit(tx, lease[0], run_id, lease[2])
+            queued = tx.fetchone(
+                "DELETE FROM dispatch_queue WHERE run_id = ?"
+                " RETURNING reservation_owner, execution_seq",
+                (run_id,),
+            )
+            if queued is not None and queued[0] is not None:
+                self._free_credit(tx, queued[0], run_id, queued[1])
+                if session_id is None:
+                    session_id = queued[0]
+                    job_id = job_id_for(run_id, queued[1])
+                    owner = tx.fetchone(
+                        "SELECT node_id FROM worker_sessions WHERE id = ?", (session_id,)
+                    )
+                    node_id = owner[0] if owner else None
+            error = ErrorInfo(message=reason, code="CANCELLED", retryable=False)
+            tx.execute(
+                "UPDATE runs SET status = 'cancelled', error = ?,"
+                " current_execution_seq = current_execution_seq + 1,"
+                " ended_at = ironflow_now(), updated_at = ironflow_now() WHERE id = ?",
+                (_enc(error), run_id),
+            )
+            tx.execute(
+                "UPDATE steps SET status = 'failed', wake_at = NULL, claimed_by = NULL,"
+                " claimed_at = NULL, pre_claim_status = NULL"
+                " WHERE run_id = ? AND status IN ('sleeping', 'waiting', 'waking')",
+                (run_id,),
+            )
+            self._audit_if_enabled(tx, "run.cancelled", run_id, {"reason": reason})
+            kicked = self._resolve_parent(tx, run[2], run[3], run_id, error=error)
+            return CancelOutcome(run_id, session_id, node_id, job_id, kicked_run_ids=kicked)
+
+        return await self._transact(work)

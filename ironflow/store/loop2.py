@@ -1,0 +1,103 @@
+"""The waker's claims and loop 2, the stale-claim sweeper (crash-recovery
+seed): elapsed sleeps and timed-out waits are claimed (``waking``, with
+``pre_claim_status``) and resumed; a claim left ``waking`` past the
+threshold by a dead node is restored to its ``pre_claim_status``. Loop 2's
+``NOT EXISTS`` guards keep it off any run loop 1 owns (a lease or a queue
+row): the two loops are disjoint by construction, not by timing.
+"""
+
+from __future__ import annotations
+
+from ironflow.protocol import (
+    ErrorInfo,
+)
+from ironflow.store.base import (
+    Conflict,
+    JobOutcome,
+)
+from ironflow.store.core import (
+    SqlStoreBase,
+    Tx,
+    _enc,
+)
+
+
+class WakeLoop(SqlStoreBase):
+    """The waker's claims and loop 2, the stale-claim sweeper (crash-recovery"""
+
+    async def claim_elapsed_steps(self, node_id: str, limit: int) -> list[tuple[str, str]]:
+        def work(tx: Tx) -> list[tuple[str, str]]:
+            due = tx.fetchall(
+                "SELECT run_id, step_id FROM steps WHERE status IN ('sleeping', 'waiting')"
+                " AND wake_at IS NOT NULL AND wake_at <= ironflow_now()"
+                f" ORDER BY wake_at LIMIT ? {tx.lock()}",
+                (limit,),
+            )
+            if due:
+                tx.executemany(
+                    "UPDATE steps SET pre_claim_status = status, status = 'waking',"
+                    " claimed_by = ?, claimed_at = ironflow_now()"
+                    " WHERE run_id = ? AND step_id = ? AND status IN ('sleeping', 'waiting')",
+                    [(node_id, r[0], r[1]) for r in due],
+                )
+            return [(r[0], r[1]) for r in due]
+
+        return await self._transact(work)
+
+    async def resume_claimed_step(self, node_id: str, run_id: str, step_id: str) -> JobOutcome:
+        def work(tx: Tx) -> JobOutcome:
+            step = tx.fetchone(
+                "SELECT kind, invoke_run_id FROM steps WHERE run_id = ? AND step_id = ?"
+                " AND status = 'waking' AND claimed_by = ?",
+                (run_id, step_id, node_id),
+            )
+            if step is None:
+                raise Conflict(f"step {run_id}/{step_id} is not claimed by node {node_id}")
+            kind, child = step
+            status, error = "completed", None
+            if kind == "wait":
+                status = "timed_out"
+            elif kind == "invoke":
+                status = "failed"
+                error = _enc(
+                    ErrorInfo(
+                        message=f"invoked run {child} did not finish before the timeout",
+                        code="INVOKE_TIMEOUT",
+                        retryable=False,
+                    )
+                )
+            tx.execute(
+                "UPDATE steps SET status = ?, error = ?, output = NULL, claimed_by = NULL,"
+                " claimed_at = NULL, pre_claim_status = NULL WHERE run_id = ? AND step_id = ?",
+                (status, error, run_id, step_id),
+            )
+            resumed = self._resume(tx, run_id)
+            if resumed is None:
+                row = tx.fetchone("SELECT status FROM runs WHERE id = ?", (run_id,))
+                return JobOutcome(run_id, row[0] if row else "unknown")
+            return JobOutcome(run_id, "waiting", resumed[0], resumed[1])
+
+        return await self._transact(work)
+
+    async def reset_stale_claims(self, threshold_s: float) -> int:
+        def work(tx: Tx) -> int:
+            return tx.execute(
+                "UPDATE steps SET status = pre_claim_status, claimed_by = NULL,"
+                " claimed_at = NULL, pre_claim_status = NULL"
+                " WHERE status = 'waking' AND claimed_at <= ironflow_now() - ?"
+                " AND NOT EXISTS (SELECT 1 FROM concurrency_leases l WHERE l.run_id = steps.run_id)"
+                " AND NOT EXISTS (SELECT 1 FROM dispatch_queue q WHERE q.run_id = steps.run_id)",
+                (float(threshold_s),),
+            )
+
+        return await self._transact(work)
+
+    async def seconds_until_next_wake(self) -> float | None:
+        def work(tx: Tx) -> float | None:
+            row = tx.fetchone(
+                "SELECT min(wake_at) - ironflow_now() FROM steps"
+                " WHERE status IN ('sleeping', 'waiting') AND wake_at IS NOT NULL"
+            )
+            return None if row is None or row[0] is None else max(0.0, float(row[0]))
+
+        return await self._transact(work)

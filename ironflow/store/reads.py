@@ -1,0 +1,163 @@
+"""Reads for the API and the CLI: a run's detail (with why it waits), and
+the lists of runs, leases, sessions, the queue and the audit trail.
+"""
+
+from __future__ import annotations
+
+from ironflow.protocol import (
+    TERMINAL_RUN_STATUSES,
+    AuditRecord,
+    LeaseRecord,
+    QueueRecord,
+    RunDetail,
+    RunRecord,
+    SessionRecord,
+)
+from ironflow.store.base import (
+    RunNotFound,
+)
+from ironflow.store.core import (
+    _LEASE_COLS,
+    _QUEUE_COLS,
+    _RUN_COLS,
+    _STEP_COLS,
+    SqlStoreBase,
+    Tx,
+    _dec,
+    _iso,
+    _lease_record,
+    _queue_record,
+    _run_record,
+    _step_record,
+    _where,
+)
+
+
+class ReadOps(SqlStoreBase):
+    """Reads for the API and the CLI: a run's detail (with why it waits), and"""
+
+    async def get_run(self, run_id: str) -> RunDetail:
+        def work(tx: Tx) -> RunDetail:
+            now = self._now(tx)
+            row = tx.fetchone(f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (run_id,))
+            if row is None:
+                raise RunNotFound(f"run {run_id} not found")
+            run = _run_record(row)
+            step_rows = tx.fetchall(
+                f"SELECT {_STEP_COLS}, wait_event, invoke_run_id FROM steps WHERE run_id = ?"
+                " ORDER BY seq",
+                (run_id,),
+            )
+            q = tx.fetchone(f"SELECT {_QUEUE_COLS} FROM dispatch_queue WHERE run_id = ?", (run_id,))
+            lease = tx.fetchone(
+                f"SELECT {_LEASE_COLS} FROM concurrency_leases WHERE run_id = ?", (run_id,)
+            )
+            queue = None if q is None else _queue_record(q, now)
+            reason = None
+            if queue is not None:
+                if queue.reason == "recovery" and queue.eligible_at > now:
+                    reason = f"recovery grace until {_iso(queue.eligible_at)}"
+                elif queue.reason == "retry" and queue.eligible_at > now:
+                    reason = f"retry delay until {_iso(queue.eligible_at)}"
+                elif queue.reason == "nack":
+                    reason = "requeued after nack"
+                else:
+                    reason = "waiting for capacity"
+            elif lease is None and run.status not in TERMINAL_RUN_STATUSES:
+                for s in step_rows:
+                    kind, status, wake_at, wait_event, child = s[3], s[4], s[10], s[11], s[12]
+                    if status == "sleeping":
+                        reason = f"sleeping until {_iso(wake_at)}"
+                    elif status == "waiting" and kind == "wait":
+                        reason = f"waiting for event {wait_event}" + (
+                            f" until {_iso(wake_at)}" if wake_at is not None else ""
+                        )
+                    elif status == "waiting" and kind == "invoke":
+                        reason = f"waiting for invoked run {child}"
+                    elif status == "waking":
+                        reason = "waking"
+            return RunDetail(
+                run=run,
+                steps=[_step_record(s) for s in step_rows],
+                queue=queue,
+                lease=None if lease is None else _lease_record(lease, now),
+                waiting_reason=reason,
+                db_now=now,
+            )
+
+        return await self._transact(work)
+
+    async def list_runs(
+        self, *, status: str | None = None, function_id: str | None = None, limit: int = 50
+    ) -> list[RunRecord]:
+        def work(tx: Tx) -> list[RunRecord]:
+            clause, params = _where({"r.status": status, "r.function_id": function_id})
+            rows = tx.fetchall(
+                f"SELECT {_RUN_COLS} FROM runs r {clause} ORDER BY r.created_at DESC, r.id DESC"
+                " LIMIT ?",
+                [*params, limit],
+            )
+            return [_run_record(r) for r in rows]
+
+        return await self._transact(work)
+
+    async def list_leases(self) -> list[LeaseRecord]:
+        def work(tx: Tx) -> list[LeaseRecord]:
+            now = self._now(tx)
+            rows = tx.fetchall(f"SELECT {_LEASE_COLS} FROM concurrency_leases ORDER BY expires_at")
+            return [_lease_record(r, now) for r in rows]
+
+        return await self._transact(work)
+
+    async def list_sessions(self) -> list[SessionRecord]:
+        def work(tx: Tx) -> list[SessionRecord]:
+            rows = tx.fetchall(
+                "SELECT s.id, s.worker_id, s.node_id, s.mode, s.max_concurrent_jobs, s.draining,"
+                " s.expires_at, s.created_at,"
+                " (SELECT count(*) FROM worker_credits c WHERE c.session_id = s.id"
+                "  AND c.claimed_run_id IS NOT NULL),"
+                " (SELECT count(*) FROM worker_credits c WHERE c.session_id = s.id AND c.held = 1),"
+                " s.function_ids FROM worker_sessions s ORDER BY s.created_at"
+            )
+            return [
+                SessionRecord(
+                    r[0],
+                    r[1],
+                    r[2],
+                    r[3],
+                    r[4],
+                    bool(r[5]),
+                    r[6],
+                    r[7],
+                    int(r[8]),
+                    int(r[9]),
+                    _dec(r[10]),
+                )
+                for r in rows
+            ]
+
+        return await self._transact(work)
+
+    async def list_queue(self) -> list[QueueRecord]:
+        def work(tx: Tx) -> list[QueueRecord]:
+            now = self._now(tx)
+            rows = tx.fetchall(
+                f"SELECT {_QUEUE_COLS} FROM dispatch_queue ORDER BY eligible_at, enqueued_at"
+            )
+            return [_queue_record(r, now) for r in rows]
+
+        return await self._transact(work)
+
+    async def list_audit(
+        self, *, run_id: str | None = None, type: str | None = None, limit: int = 100
+    ) -> list[AuditRecord]:
+        def work(tx: Tx) -> list[AuditRecord]:
+            clause, params = _where({"run_id": run_id, "type": type})
+            rows = tx.fetchall(
+                f"SELECT id, at, type, run_id, function_id, data FROM audit_log {clause}"
+                " ORDER BY at, id LIMIT ?",
+                [*params, limit],
+            )
+            return [AuditRecord(r[0], r[1], r[2], r[3], r[4], _dec(r[5])) for r in rows]
+
+        return await self._transact(work)

@@ -1,0 +1,182 @@
+"""Worker sessions and the functions they register: register (with the
+trigger index and the node's limits), a pull session's ownership check, the
+function list, and a session's close (its leases recovered as loop 1 would).
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Literal
+
+from ironflow.ids import new_id
+from ironflow.protocol import (
+    FunctionDef,
+    FunctionRecord,
+)
+from ironflow.store.base import (
+    LimitExceeded,
+    RecoveredSegment,
+    SessionInfo,
+)
+from ironflow.store.core import (
+    Tx,
+    _dec,
+    _enc,
+    _marks,
+    token_hash,
+)
+from ironflow.store.loop1 import CapacityLoop
+
+
+class SessionOps(CapacityLoop):
+    """Worker sessions and the functions they register: register (with the"""
+
+    async def register_worker(
+        self,
+        *,
+        node_id: str,
+        worker_id: str,
+        mode: Literal["stream", "pull"],
+        max_concurrent_jobs: int,
+        functions: list[FunctionDef],
+        session_expiry_s: float,
+        hostname: str = "",
+        max_functions_per_trigger: int | None = None,
+    ) -> SessionInfo:
+        function_ids = [fd.id for fd in functions]
+        secret = secrets.token_urlsafe(32) if mode == "pull" else None
+
+        def work(tx: Tx) -> SessionInfo:
+            for fd in functions:
+                self._upsert_function(tx, fd, max_functions_per_trigger)
+            if function_ids:
+                tx.execute(
+                    "UPDATE functions SET last_seen_at = ironflow_now()"
+                    f" WHERE id IN ({_marks(len(function_ids))})",
+                    function_ids,
+                )
+            session_id = new_id("ses")
+            tx.execute(
+                "INSERT INTO worker_sessions (id, worker_id, node_id, mode, max_concurrent_jobs,"
+                " draining, function_ids, hostname, created_at, expires_at, secret_hash)"
+                " VALUES (?, ?, ?, ?, ?, 0, ?, ?, ironflow_now(), ironflow_now() + ?, ?)",
+                (
+                    session_id,
+                    worker_id,
+                    node_id,
+                    mode,
+                    max_concurrent_jobs,
+                    _enc(function_ids),
+                    hostname,
+                    float(session_expiry_s),
+                    None if secret is None else token_hash(secret),
+                ),
+            )
+            tx.executemany(
+                "INSERT INTO worker_credits (session_id, slot, held) VALUES (?, ?, 0)",
+                [(session_id, slot) for slot in range(max_concurrent_jobs)],
+            )
+            return SessionInfo(
+                session_id, worker_id, node_id, mode, max_concurrent_jobs, function_ids, secret
+            )
+
+        return await self._transact(work)
+
+    def _upsert_function(self, tx: Tx, fd: FunctionDef, max_per_trigger: int | None) -> None:
+        """Store ``fd``; when its definition changed, rewrite its trigger index rows."""
+        changed = tx.fetchone(
+            "INSERT INTO functions (id, definition, audit, version, updated_at)"
+            " VALUES (?, ?, ?, 1, ironflow_now()) ON CONFLICT (id) DO UPDATE SET"
+            " definition = excluded.definition, audit = excluded.audit,"
+            " version = functions.version + 1, updated_at = excluded.updated_at"
+            " WHERE functions.definition <> excluded.definition RETURNING id",
+            (fd.id, _enc(fd), 1 if fd.audit else 0),
+        )
+        if changed is None:
+            return
+        patterns = sorted({t.event for t in fd.triggers})
+        if patterns and max_per_trigger is not None:
+            crowded = tx.fetchone(
+                "SELECT pattern, count(*) FROM function_triggers"
+                f" WHERE pattern IN ({_marks(len(patterns))}) AND function_id <> ?"
+                " GROUP BY pattern HAVING count(*) >= ? LIMIT 1",
+                [*patterns, fd.id, max_per_trigger],
+            )
+            if crowded is not None:
+                raise LimitExceeded(
+                    f"function {fd.id}: event pattern {crowded[0]!r} already triggers"
+                    f" {crowded[1]} functions (limit {max_per_trigger})"
+                )
+        tx.execute("DELETE FROM function_triggers WHERE function_id = ?", (fd.id,))
+        tx.executemany(
+            "INSERT INTO function_triggers (pattern, function_id) VALUES (?, ?)",
+            [(pattern, fd.id) for pattern in patterns],
+        )
+
+    async def pull_session(self, session_id: str, secret: str) -> SessionInfo | None:
+        def work(tx: Tx) -> SessionInfo | None:
+            row = tx.fetchone(
+                "SELECT worker_id, node_id, max_concurrent_jobs, function_ids FROM worker_sessions"
+                " WHERE id = ? AND mode = 'pull' AND secret_hash = ?"
+                " AND expires_at > ironflow_now()",
+                (session_id, token_hash(secret)),
+            )
+            if row is None:
+                return None
+            return SessionInfo(session_id, row[0], row[1], "pull", row[2], _dec(row[3]))
+
+        return await self._transact(work)
+
+    async def list_functions(self, *, live_within_s: float | None = None) -> list[FunctionRecord]:
+        def work(tx: Tx) -> list[FunctionRecord]:
+            now = self._now(tx)
+            records = []
+            for fid, text, version, updated_at, seen in tx.fetchall(
+                "SELECT id, definition, version, updated_at, last_seen_at FROM functions"
+                " ORDER BY id"
+            ):
+                fd = self._fdef_or_none(text)
+                if fd is None:
+                    continue  # stored by an older version under looser rules
+                last = seen if seen is not None else updated_at
+                live = live_within_s is None or last > now - live_within_s
+                records.append(FunctionRecord(fid, fd, version, updated_at, seen, live))
+            return records
+
+        return await self._transact(work)
+
+    async def close_session(
+        self,
+        session_id: str,
+        *,
+        recover_leases: bool,
+        recovery_grace_s: float,
+        recovery_ceiling: int,
+    ) -> list[RecoveredSegment]:
+        def work(tx: Tx) -> list[RecoveredSegment]:
+            tx.notify()  # its reservations become claimable by any node
+            tx.execute(
+                "UPDATE dispatch_queue SET reservation_owner = NULL,"
+                " reservation_expires_at = NULL, lease_token_hash = NULL"
+                " WHERE reservation_owner = ?",
+                (session_id,),
+            )
+            recovered: list[RecoveredSegment] = []
+            if recover_leases:
+                leases = tx.fetchall(
+                    "SELECT run_id, execution_seq, function_id, session_id"
+                    f" FROM concurrency_leases WHERE session_id = ? {tx.lock_wait()}",
+                    (session_id,),
+                )
+                recovered = self._recover(
+                    tx,
+                    leases,
+                    recovery_grace_s=recovery_grace_s,
+                    recovery_ceiling=recovery_ceiling,
+                    no_grace_first=True,
+                )
+            tx.execute("DELETE FROM worker_credits WHERE session_id = ?", (session_id,))
+            tx.execute("DELETE FROM worker_sessions WHERE id = ?", (session_id,))
+            return recovered
+
+        return await self._transact(work)

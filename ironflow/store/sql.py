@@ -1,0 +1,31 @@
+"""The one implementation of :class:`~ironflow.store.base.Store`, assembled
+from one module per concern so each seed mechanism reads on its own:
+
+- ``core``: the transaction surface (``Tx``), shared helpers and machinery;
+- ``fence``: the fence and a segment's life (ack, steps, complete/fail/yield,
+  nack, heartbeat);
+- ``loop1``: the capacity scanner's expiries and recovery;
+- ``loop2``: the waker's claims and the stale-claim sweeper;
+- ``dispatch``: reservations and assignments;
+- ``ingest``: events, runs, invocations, cancellation;
+- ``sessions``: worker registration, functions, pull-session ownership;
+- ``reads``, ``history`` (retention), ``keys``.
+"""
+
+from __future__ import annotations
+
+from ironflow.store.dispatch import DispatchOps
+from ironflow.store.fence import FenceOps
+from ironflow.store.history import RetentionOps
+from ironflow.store.ingest import IngestOps
+from ironflow.store.keys import KeyOps
+from ironflow.store.loop1 import CapacityLoop
+from ironflow.store.loop2 import WakeLoop
+from ironflow.store.reads import ReadOps
+from ironflow.store.sessions import SessionOps
+
+
+class SqlStore(
+    SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps
+):
+    """Every Store method, written once. Backends supply ``_transact`` and lifecycle."""
