@@ -3,16 +3,20 @@
 ``python -m ironflow.node [--dev]`` (also ``ironflow serve``) runs
 ``trio.run`` once::
 
-    node supervisor
-    ├── api                 hypercorn + quart-trio (session actor per websocket)
-    ├── dispatcher          segments → sessions with free credits
-    ├── capacity-scanner    loop 1
-    ├── waker               elapsed sleeps, timed-out waits/invokes
-    ├── stale-claim-sweeper loop 2
-    ├── janitor             finished history past retention → deleted
-    ├── kick-listener       PostgreSQL LISTEN/NOTIFY → kicks from other nodes
-    ├── node-heartbeat
-    └── drain-coordinator   SIGTERM/SIGINT → Shutdown to every session
+    node nursery
+    ├── api                 hypercorn + quart-trio (session actor per websocket),
+    │                       started directly in the node's nursery, NOT
+    │                       restarted: a server that dies stops the node
+    │                       (its sockets and sessions cannot be resumed)
+    └── supervisor          restarts each actor below after a crash, with backoff
+        ├── dispatcher          segments → sessions with free credits
+        ├── capacity-scanner    loop 1
+        ├── waker               elapsed sleeps, timed-out waits/invokes
+        ├── stale-claim-sweeper loop 2
+        ├── janitor             finished history past retention → deleted
+        ├── kick-listener       PostgreSQL LISTEN/NOTIFY → kicks from other nodes
+        ├── node-heartbeat
+        └── drain-coordinator   SIGTERM/SIGINT → Shutdown to every session
 
 This is the only module that knows every part.
 """

@@ -118,14 +118,6 @@ class MemoStep(msgspec.Struct, frozen=True):
     error: ErrorInfo | None = None
 
 
-class ActiveJob(msgspec.Struct, frozen=True):
-    """One job a worker is executing, with the fence it was assigned."""
-
-    job_id: Id
-    run_id: Id
-    execution_seq: Seq
-    lease_token: Token
-    started_at: Epoch = 0.0
 
 
 class JobLeaseStatus(msgspec.Struct, frozen=True):
@@ -172,66 +164,56 @@ class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
     jobs: Annotated[list[ActiveJob], Meta(max_length=MAX_SLOTS_HARD)] | None = None
 
 
-class JobAck(msgspec.Struct, frozen=True, tag="job_ack"):
+class FencedFrame(msgspec.Struct, frozen=True):
+    """The fence every segment-changing frame carries: which job, and the
+    ``(execution_seq, lease_token)`` it was assigned. The engine accepts the
+    frame only while that is still the live fence of the run."""
+
     job_id: Id
     run_id: Id
     execution_seq: Seq
     lease_token: Token
 
 
-class JobNack(msgspec.Struct, frozen=True, tag="job_nack"):
-    job_id: Id
-    run_id: Id
-    execution_seq: Seq
-    lease_token: Token
+class ActiveJob(FencedFrame, frozen=True):
+    """One job a worker is executing (in a Heartbeat), with the fence it was assigned."""
+
+    started_at: Epoch = 0.0
+
+
+class JobAck(FencedFrame, frozen=True, tag="job_ack"):
+    """The worker took the job and starts the handler."""
+
+
+class JobNack(FencedFrame, frozen=True, tag="job_nack"):
     reason: JobNackReason
 
 
-class StepCompleted(msgspec.Struct, frozen=True, tag="step_completed"):
-    job_id: Id
-    run_id: Id
-    execution_seq: Seq
-    lease_token: Token
+class StepCompleted(FencedFrame, frozen=True, tag="step_completed"):
     step_id: StepId
     name: StepName
     output: Any = None
     duration_ms: DurationMs = 0.0
 
 
-class StepFailed(msgspec.Struct, frozen=True, tag="step_failed"):
-    job_id: Id
-    run_id: Id
-    execution_seq: Seq
-    lease_token: Token
+class StepFailed(FencedFrame, frozen=True, tag="step_failed"):
     step_id: StepId
     name: StepName
     error: ErrorInfo
     duration_ms: DurationMs = 0.0
 
 
-class JobCompleted(msgspec.Struct, frozen=True, tag="job_completed"):
-    job_id: Id
-    run_id: Id
-    execution_seq: Seq
-    lease_token: Token
+class JobCompleted(FencedFrame, frozen=True, tag="job_completed"):
     output: Any = None
     duration_ms: DurationMs = 0.0
 
 
-class JobFailed(msgspec.Struct, frozen=True, tag="job_failed"):
-    job_id: Id
-    run_id: Id
-    execution_seq: Seq
-    lease_token: Token
+class JobFailed(FencedFrame, frozen=True, tag="job_failed"):
     error: ErrorInfo
     duration_ms: DurationMs = 0.0
 
 
-class JobYielded(msgspec.Struct, frozen=True, tag="job_yielded"):
-    job_id: Id
-    run_id: Id
-    execution_seq: Seq
-    lease_token: Token
+class JobYielded(FencedFrame, frozen=True, tag="job_yielded"):
     step_id: StepId
     name: StepName
     yield_info: YieldInfo
