@@ -9,6 +9,7 @@ starts; a bad value is a clear :class:`ConfigError`, never a silent clamp.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -151,21 +152,103 @@ _ENV_FIELDS = {
 }
 
 
+# The crash-recovery seed's own names for two loop-2 settings.
+SEED_TIMING_NAMES = {
+    "stale_claim_recovery_interval": "stale_claim_interval_s",
+    "stale_claim_threshold": "stale_claim_threshold_s",
+}
+# A duration as the seed writes it: 90s, 2m, 1m30s, 250ms, 7d (units may repeat).
+_DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+_SECONDS_PER = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: Any, setting: str) -> float:
+    """Seconds from ``90``, ``90.5``, ``"90"``, ``"90s"``, ``"2m"``, ``"1m30s"``, ``"250ms"``.
+
+    Raises:
+      ConfigError: naming ``setting`` and the value, when it is no duration.
+    """
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return float(value)
+    text = str(value).strip().lower().replace(" ", "")
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    parts = _DURATION_PART.findall(text)
+    if not parts or "".join(number + unit for number, unit in parts) != text:
+        raise ConfigError(
+            f"{setting}={value!r} is not a duration (write e.g. 90, 90s, 2m, 1m30s or 250ms)"
+        )
+    return sum(float(number) * _SECONDS_PER[unit] for number, unit in parts)
+
+
+def _timing_spellings() -> dict[str, str]:
+    """Every accepted spelling of a timing (lower case, no prefix) → its field."""
+    names: dict[str, str] = {}
+    for field in Timings.__struct_fields__:
+        names[field] = field
+        if field.endswith("_s"):
+            names[field[:-2]] = field
+    names.update(SEED_TIMING_NAMES)
+    return names
+
+
+def _canonical_timings(given: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+    """``given`` keyed by canonical field; two spellings that disagree are an error
+    (named as the user wrote them: ``prefix`` + the spelling, upper-cased for env)."""
+    spellings = _timing_spellings()
+    out: dict[str, Any] = {}
+    seen_as: dict[str, str] = {}
+    for key, value in given.items():
+        field = spellings.get(key.lower())
+        if field is None:
+            out[key] = value  # unknown: msgspec names it in its own error
+            continue
+        if field in out and _as_number(out[field], field) != _as_number(value, field):
+            first, second = (
+                (prefix + name.upper()) if prefix else name for name in (seen_as[field], key)
+            )
+            raise ConfigError(
+                f"{where}: {first}={out[field]!r} and {second}={value!r} set "
+                f"timings.{field} to different values; keep one"
+            )
+        out[field], seen_as[field] = value, key
+    return out
+
+
+def _as_number(value: Any, field: str) -> float:
+    return float(value) if field == "recovery_ceiling" else parse_duration(value, f"timings.{field}")
+
+
 def _env_overrides(
     env: dict[str, str],
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     top: dict[str, Any] = {}
-    timings: dict[str, Any] = {}
     limits: dict[str, Any] = {}
     for var, field in _ENV_FIELDS.items():
         if var in env:
             top[field] = env[var]
-    for section, struct in ((timings, Timings), (limits, Limits)):
-        for field in struct.__struct_fields__:
-            var = "IRONFLOW_" + field.upper()
-            if var in env:
-                section[field] = env[var]
+    for field in Limits.__struct_fields__:
+        var = "IRONFLOW_" + field.upper()
+        if var in env:
+            limits[field] = env[var]
+    given = {
+        name: env["IRONFLOW_" + name.upper()]
+        for name in _timing_spellings()
+        if "IRONFLOW_" + name.upper() in env
+    }
+    timings = _canonical_timings(given, "environment", prefix="IRONFLOW_")
     return top, timings, limits
+
+
+def _parsed_timings(timings: dict[str, Any]) -> dict[str, Any]:
+    """Every duration in seconds (the seed's forms accepted); the ceiling stays a count."""
+    return {
+        field: value if field not in Timings.__struct_fields__ or field == "recovery_ceiling"
+        else parse_duration(value, f"timings.{field}")
+        for field, value in timings.items()
+    }
 
 
 def _section(raw: dict[str, Any], name: str) -> dict[str, Any]:
@@ -208,7 +291,7 @@ def load_config(
             raise ConfigError(f"cannot read config file {file}: {exc}") from exc
         if not isinstance(raw, dict):
             raise ConfigError(f"config file {file} must hold a mapping")
-        timings.update(_section(raw, "timings"))
+        timings.update(_canonical_timings(_section(raw, "timings"), f"config file {file}"))
         limits.update(_section(raw, "limits"))
         merged.update(raw)
     env_top, env_timings, env_limits = _env_overrides(dict(os.environ if env is None else env))
@@ -220,7 +303,7 @@ def load_config(
     limits.update({k: v for k, v in (limit_overrides or {}).items() if v is not None})
     if dev:
         merged["dev"] = True
-    merged["timings"] = timings
+    merged["timings"] = _parsed_timings(timings)
     merged["limits"] = limits
     try:
         config = msgspec.convert(merged, NodeConfig, strict=False)

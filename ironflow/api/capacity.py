@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quart import Blueprint, Response
+from quart import Blueprint, Response, request
 
 from ironflow.api.auth import require_platform
 from ironflow.api.errors import json_response
@@ -15,7 +15,8 @@ bp = Blueprint("capacity", __name__)
 @bp.get("/v1/capacity/leases")
 async def leases() -> Response:
     await require_platform()
-    return json_response(LeaseList(await state().store.list_leases()))
+    include_expired = request.args.get("all", "").lower() in ("1", "true", "yes")
+    return json_response(LeaseList(await state().store.list_leases(include_expired=include_expired)))
 
 
 @bp.get("/v1/capacity/sessions")

@@ -176,6 +176,8 @@ class LeaseRecord(msgspec.Struct, frozen=True):
     expires_at: float
     activated_at: float
     expires_in_s: float = 0.0
+    # Expired by the database clock, not yet reaped by loop 1 (listed only with all=true).
+    expired: bool = False
 
 
 class SessionRecord(msgspec.Struct, frozen=True):

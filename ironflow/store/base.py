@@ -475,7 +475,9 @@ class Store(abc.ABC):
     ) -> list[RunRecord]: ...
 
     @abc.abstractmethod
-    async def list_leases(self) -> list[LeaseRecord]: ...
+    async def list_leases(self, *, include_expired: bool = False) -> list[LeaseRecord]:
+        """Active (unexpired) concurrency leases; with ``include_expired`` also
+        those expired by the database clock that loop 1 has not reaped yet."""
 
     @abc.abstractmethod
     async def list_sessions(self) -> list[SessionRecord]: ...

@@ -237,6 +237,7 @@ def _lease_record(row: Sequence[Any], now: float) -> LeaseRecord:
         expires_at=row[5],
         activated_at=row[6],
         expires_in_s=row[5] - now,
+        expired=row[5] <= now,
     )
 
 

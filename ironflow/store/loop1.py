@@ -61,17 +61,24 @@ class CapacityLoop(SqlStoreBase):
             if row is None:
                 continue
             new_seq, count, ckey, parent_run_id, parent_step_id = row
+            # The ceiling permits `recovery_ceiling` recoveries; a lease loss past
+            # it is not one of them, so the count (run and audit alike) stays there.
+            exhausted = count > recovery_ceiling
+            if exhausted:
+                count -= 1
             self._audit(
                 tx,
                 "capacity.lease.expired",
                 run_id,
                 function_id,
-                {"execution_seq": seq, "session_id": session_id, "recovery_count": count},
+                {
+                    "execution_seq": seq,
+                    "session_id": session_id,
+                    "recovery_count": count,
+                    "ceiling_reached": exhausted,
+                },
             )
-            if count > recovery_ceiling:
-                # The ceiling permits `recovery_ceiling` recoveries; this lease
-                # loss is not one of them, so the count stays at the ceiling.
-                count -= 1
+            if exhausted:
                 error = ErrorInfo(
                     message=f"segment lost its lease after {count} consecutive recoveries;"
                     f" recovery ceiling is {recovery_ceiling}",

@@ -101,10 +101,16 @@ class ReadOps(SqlStoreBase):
 
         return await self._transact(work)
 
-    async def list_leases(self) -> list[LeaseRecord]:
+    async def list_leases(self, *, include_expired: bool = False) -> list[LeaseRecord]:
         def work(tx: Tx) -> list[LeaseRecord]:
             now = self._now(tx)
-            rows = tx.fetchall(f"SELECT {_LEASE_COLS} FROM concurrency_leases ORDER BY expires_at")
+            # Expired by the database clock but not yet reaped by loop 1: not
+            # active (a heartbeat can no longer revive them), shown only on request.
+            only_active = "" if include_expired else " WHERE expires_at > ?"
+            rows = tx.fetchall(
+                f"SELECT {_LEASE_COLS} FROM concurrency_leases{only_active} ORDER BY expires_at",
+                () if include_expired else (now,),
+            )
             return [_lease_record(r, now) for r in rows]
 
         return await self._transact(work)

@@ -508,6 +508,10 @@ async def test_recovery_ceiling_fails_run_with_recovery_exhausted(store):
     run = (await store.get_run(f.run_id)).run
     assert run.status == "failed" and run.error.code == "EXECUTION_RECOVERY_EXHAUSTED"
     assert run.recovery_count == ceiling
+    # The audit trail agrees with the run: its last lease loss reports the same count.
+    expired = [a for a in await store.list_audit(run_id=f.run_id) if a.type == "capacity.lease.expired"]
+    assert [a.data["recovery_count"] for a in expired] == [1, 2, ceiling]
+    assert [a.data["ceiling_reached"] for a in expired] == [False, False, True]
 
 
 async def test_accepted_yield_resets_recovery_count(store):
@@ -791,3 +795,17 @@ async def test_heartbeat_does_not_revive_an_expired_lease_the_scanner_has_not_re
     assert status.state == "STALE"
     (rec,) = await store.expire_leases(recovery_grace_s=GRACE, recovery_ceiling=10)
     assert rec.run_id == f.run_id and rec.new_execution_seq == f.execution_seq + 1
+
+
+async def test_list_leases_shows_active_leases_and_expired_unreaped_ones_only_on_request(store):
+    s = await worker(store, slots=2)
+    await store.heartbeat(s.session_id, [], session_expiry_s=10_000, lease_expiry_s=LEASE)
+    old = await running(store, s)
+    await store.advance_clock(LEASE / 2)
+    fresh = await running(store, s)
+    await store.advance_clock(LEASE / 2 + 1)  # old expired by database time, fresh not
+    active = await store.list_leases()
+    assert [lease.run_id for lease in active] == [fresh.run_id] and not active[0].expired
+    everything = {lease.run_id: lease for lease in await store.list_leases(include_expired=True)}
+    assert everything[old.run_id].expired and everything[old.run_id].expires_in_s < 0
+    assert not everything[fresh.run_id].expired

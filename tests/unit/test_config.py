@@ -40,7 +40,7 @@ def test_lease_too_close_to_heartbeat_is_refused() -> None:
 def test_non_positive_and_malformed_values_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="scanner_interval_s must be positive"):
         load_config(env={}, timing_overrides={"scanner_interval_s": 0})
-    with pytest.raises(ConfigError, match="invalid configuration"):
+    with pytest.raises(ConfigError, match="timings.lease_expiry_s='soon' is not a duration"):
         load_config(env={"IRONFLOW_LEASE_EXPIRY_S": "soon"})
     bad = tmp_path / "bad.yaml"
     bad.write_text("timings:\n  no_such_timing: 3\n")
@@ -94,3 +94,27 @@ def test_negative_history_retention_is_refused() -> None:
         load_config(env={}, timing_overrides={"history_retention_s": -1})
     with pytest.raises(ConfigError, match="janitor_interval_s must be positive"):
         load_config(env={}, timing_overrides={"janitor_interval_s": 0})
+
+
+def test_the_seeds_setting_names_and_duration_forms_are_accepted(tmp_path: Path) -> None:
+    env = {"IRONFLOW_STALE_CLAIM_RECOVERY_INTERVAL": "1m30s", "IRONFLOW_STALE_CLAIM_THRESHOLD": "2m"}
+    t = load_config(env=env, timing_overrides={"recovery_grace_s": "250ms"}).timings
+    assert (t.stale_claim_interval_s, t.stale_claim_threshold_s, t.recovery_grace_s) == (90, 120, 0.25)
+    f = tmp_path / "c.yaml"
+    f.write_text("timings:\n  lease_expiry: 2m\n  heartbeat_interval_s: 10s\n  stale_claim_threshold: 1h\n")
+    t = load_config(file=f, env={}).timings
+    assert (t.lease_expiry_s, t.heartbeat_interval_s, t.stale_claim_threshold_s) == (120, 10, 3600)
+
+
+def test_two_spellings_that_disagree_stop_the_node_naming_both() -> None:
+    env = {"IRONFLOW_STALE_CLAIM_THRESHOLD": "2m", "IRONFLOW_STALE_CLAIM_THRESHOLD_S": "100"}
+    with pytest.raises(ConfigError, match="IRONFLOW_STALE_CLAIM_THRESHOLD_S='100'.*IRONFLOW_STALE_CLAIM_THRESHOLD='2m'|IRONFLOW_STALE_CLAIM_THRESHOLD='2m'.*IRONFLOW_STALE_CLAIM_THRESHOLD_S='100'"):
+        load_config(env=env)
+    same = {"IRONFLOW_STALE_CLAIM_THRESHOLD": "2m", "IRONFLOW_STALE_CLAIM_THRESHOLD_S": "120"}
+    assert load_config(env=same).timings.stale_claim_threshold_s == 120
+
+
+@pytest.mark.parametrize("value", ["9x", "2 minutes", "m", "1m30", "-5s"])
+def test_a_duration_that_does_not_parse_is_refused_naming_setting_and_value(value: str) -> None:
+    with pytest.raises(ConfigError, match=f"timings.lease_expiry_s={value!r}"):
+        load_config(env={"IRONFLOW_LEASE_EXPIRY_S": value})
