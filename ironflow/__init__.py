@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "Concurrency",
     "Context",
+    "Event",
     "Function",
     "InvokeError",
     "Ironflow",
@@ -28,18 +29,21 @@ __all__ = [
     "RetryPolicy",
     "SerializationError",
     "StepError",
+    "StepInfo",
     "StepTimeoutError",
     "StreamingWorker",
     "RegistrationRefusedError",
     "WorkerAuthError",
     "event",
     "function",
+    "step_info",
 ]
 
 if TYPE_CHECKING:
     from ironflow.sdk import (
         Concurrency,
         Context,
+        Event,
         Function,
         InvokeError,
         Ironflow,
@@ -51,11 +55,13 @@ if TYPE_CHECKING:
         RetryPolicy,
         SerializationError,
         StepError,
+        StepInfo,
         StepTimeoutError,
         StreamingWorker,
         WorkerAuthError,
         event,
         function,
+        step_info,
     )
 
 

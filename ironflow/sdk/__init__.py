@@ -5,8 +5,9 @@ worker process loads no database or server code.
 """
 
 from ironflow.protocol import Concurrency, RetryPolicy, Trigger
+from ironflow.protocol import EventInfo as Event
 from ironflow.sdk.client import Ironflow
-from ironflow.sdk.context import Context, RunInfo, Step
+from ironflow.sdk.context import Context, RunInfo, Step, StepInfo, step_info
 from ironflow.sdk.errors import (
     InvokeError,
     IronflowAPIError,
@@ -25,6 +26,7 @@ from ironflow.sdk.streaming import StreamingWorker
 __all__ = [
     "Concurrency",
     "Context",
+    "Event",
     "Function",
     "InvokeError",
     "Ironflow",
@@ -37,6 +39,7 @@ __all__ = [
     "SerializationError",
     "Step",
     "StepError",
+    "StepInfo",
     "StepTimeoutError",
     "StreamingWorker",
     "Trigger",
@@ -44,4 +47,5 @@ __all__ = [
     "WorkerAuthError",
     "event",
     "function",
+    "step_info",
 ]

@@ -13,12 +13,15 @@ websocket and the HTTP transports.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import hashlib
 import inspect
 import logging
 import math
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
@@ -49,6 +52,7 @@ from ironflow.sdk.errors import (
     IronflowError,
     SerializationError,
     StepError,
+    StepTimeoutError,
 )
 from ironflow.sdk.function import Function
 
@@ -179,6 +183,91 @@ def _ceil_ms(t: float) -> float:
     return math.ceil(t * 1000.0) / 1000.0
 
 
+class StepInfo(msgspec.Struct, frozen=True):
+    """The step being executed (see :func:`step_info`).
+
+    ``idempotency_key`` is the same on every re-execution of this step (a
+    retry, a recovery after a crash, a drain hand-off) and differs between
+    steps: pass it to a payment API or an ``INSERT … ON CONFLICT`` so the
+    step's side effect happens once even if the step itself runs twice.
+    """
+
+    run_id: str
+    step_id: str
+    attempt: int
+    idempotency_key: str
+
+
+_STEP_INFO: contextvars.ContextVar[StepInfo | None] = contextvars.ContextVar(
+    "ironflow_step_info", default=None
+)
+
+
+def step_info() -> StepInfo:
+    """The :class:`StepInfo` of the ``step.run`` body calling this (also in its thread).
+
+    Raises:
+      RuntimeError: called outside a running step.
+    """
+    info = _STEP_INFO.get()
+    if info is None:
+        raise RuntimeError("ironflow.step_info() is only available inside a running step.run body")
+    return info
+
+
+def _idempotency_key(step_id: str) -> str:
+    return "ifstep_" + hashlib.sha256(step_id.encode()).hexdigest()[:32]
+
+
+def _timeout_seconds(timeout: float | timedelta | None, what: str) -> float | None:
+    if timeout is None:
+        return None
+    seconds = _to_seconds(timeout)
+    if not seconds > 0 or not math.isfinite(seconds):
+        raise ValueError(f"{what}: timeout must be a positive number of seconds, got {timeout!r}")
+    return seconds
+
+
+class _Awaitable:
+    """Carries an awaitable out of a worker thread (Trio refuses a bare coroutine there)."""
+
+    __slots__ = ("awaitable",)
+
+    def __init__(self, awaitable: Any):
+        self.awaitable = awaitable
+
+
+def _is_async_callable(fn: Any) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - an object with an async __call__
+    )
+
+
+async def _call(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``fn(*args)`` for any callable a user passes: async, awaitable-returning or sync."""
+    if _is_async_callable(fn):
+        return await fn(*args)
+
+    def in_thread() -> Any:
+        out = fn(*args)
+        return _Awaitable(out) if inspect.isawaitable(out) else out
+
+    out = await trio.to_thread.run_sync(in_thread, abandon_on_cancel=True)
+    if isinstance(out, _Awaitable):
+        return await out.awaitable
+    return out
+
+
+def _first_error(group: BaseExceptionGroup[Any]) -> BaseException:
+    """The error to raise for a failed ``parallel``: a step's own error, not the group."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            return _first_error(exc)
+        if not isinstance(exc, trio.Cancelled):
+            return exc
+    return group
+
+
 class Step:
     """``ctx.step``: durable steps. Every call derives the next step id for its name."""
 
@@ -208,30 +297,75 @@ class Step:
         a = self._job.assignment
         return a.job_id, a.run_id, a.execution_seq, a.lease_token
 
-    async def run(self, name: str, fn: Callable[..., Any], *args: Any) -> Any:
+    async def run(
+        self, name: str, fn: Callable[..., Any], *args: Any, timeout: float | timedelta | None = None
+    ) -> Any:
         """Run ``fn(*args)`` once, durably, and return its JSON output.
 
-        ``fn`` may be async, or sync (run in a worker thread). A memoised step
-        returns its recorded output without calling ``fn``. The result is
-        reported (``StepCompleted``) before this returns. A raising ``fn`` is
-        reported as ``StepFailed`` and raised as ``StepError`` (retryable unless
-        ``fn`` raised a non-retryable ``IronflowError``).
+        ``fn`` may be an ``async def``, a callable returning an awaitable (a
+        lambda around a coroutine call), or a sync function (run in a worker
+        thread). A memoised step returns its recorded output without calling
+        ``fn``. The result is reported (``StepCompleted``) before this returns.
+
+        ``timeout`` (seconds) cancels the step's code when it runs out (a
+        thread-run function is abandoned and its late result ignored) and
+        raises ``StepTimeoutError``, retried per the function's retry policy.
+        A raising ``fn`` is reported as ``StepFailed`` and raised as
+        ``StepError`` (retryable unless ``fn`` raised a non-retryable
+        ``IronflowError``). An output that is not JSON is a non-retryable
+        ``SerializationError`` naming the step and the type.
         """
+        limit = _timeout_seconds(timeout, f"step.run({name!r})")
         step_id = self._next_id(name)
+        return await self._run_step(step_id, name, fn, args, limit)
+
+    async def parallel(self, steps: Sequence[tuple[Any, ...]]) -> list[Any]:
+        """Run several steps concurrently; return their outputs in the given order.
+
+        Each entry is ``(name, fn, *args)``. Step ids are fixed by the names
+        in list order, never by which step finishes first, so a replay after a
+        crash reuses every finished step and re-runs only the others. Names
+        within one call must be distinct. If a step fails, the others are
+        cancelled and its error is raised.
+        """
+        entries = [tuple(entry) for entry in steps]
+        names = [entry[0] if entry else None for entry in entries]
+        if any(len(entry) < 2 or not callable(entry[1]) for entry in entries):
+            raise TypeError('step.parallel takes [(name, fn, *args), ...], e.g. [("a", fetch_a), ("b", fetch_b, 42)]')
+        if len(set(names)) != len(names):
+            raise ValueError(f"step.parallel needs distinct step names, got {names}")
+        ids = [self._next_id(entry[0]) for entry in entries]  # fixed before anything runs
+        results: list[Any] = [None] * len(entries)
+
+        async def one(i: int) -> None:
+            entry = entries[i]
+            results[i] = await self._run_step(ids[i], entry[0], entry[1], entry[2:], None)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for i in range(len(entries)):
+                    nursery.start_soon(one, i)
+        except BaseExceptionGroup as group:
+            raise _first_error(group) from None
+        return results
+
+    async def _run_step(
+        self, step_id: str, name: str, fn: Callable[..., Any], args: tuple[Any, ...], limit: float | None
+    ) -> Any:
         memo = self._memo.get(step_id)
         if memo is not None and memo.status == "completed":
             return memo.output
         fence = self._fence()
+        a = self._job.assignment
+        token = _STEP_INFO.set(StepInfo(a.run_id, step_id, a.attempt, _idempotency_key(step_id)))
         t0 = time.perf_counter()
         try:
-            if inspect.iscoroutinefunction(fn):
-                out = await fn(*args)
-            else:
-                out = await trio.to_thread.run_sync(fn, *args)
-                if inspect.isawaitable(out):
-                    out = await out
+            with trio.fail_after(limit) if limit is not None else contextlib.nullcontext():
+                out = await _call(fn, args)
             raw, value = encode_strict(out, f"output of step {name!r}")
-        except Exception as exc:
+        except (Exception, trio.TooSlowError) as exc:
+            if isinstance(exc, trio.TooSlowError):
+                exc = StepTimeoutError(f"step {name!r} timed out after {limit:g} s")
             info = error_info(exc)
             await self._reporter.step(
                 self._job,
@@ -243,8 +377,8 @@ class Step:
                     duration_ms=(time.perf_counter() - t0) * 1000.0,
                 ),
             )
-            if isinstance(exc, StepError):
-                raise
+            if isinstance(exc, StepError | StepTimeoutError):
+                raise exc from None
             raise StepError(
                 f"step {name!r} failed: {info.message}",
                 step_id=step_id,
@@ -252,6 +386,8 @@ class Step:
                 code=None if info.retryable else info.code,
                 retryable=info.retryable,
             ) from exc
+        finally:
+            _STEP_INFO.reset(token)
         await self._reporter.step(
             self._job,
             StepCompleted(
@@ -295,8 +431,11 @@ class Step:
         match: str | None = None,
         match_value: Any = None,
         timeout: float | timedelta = DEFAULT_WAIT_TIMEOUT_S,
-    ) -> Any:
+    ) -> EventInfo | None:
         """Wait durably for an event named ``event``; return it (``None`` on timeout).
+
+        The event is the same type as ``ctx.event`` (``.id``, ``.name``,
+        ``.data``, ``.received_at``), on the first run and on every replay.
 
         ``match`` is a dotted path in the event data; the awaited event must
         carry ``match_value`` there (default: the triggering event's value at
@@ -306,7 +445,7 @@ class Step:
         memo = self._memo.get(step_id)
         if memo is not None:
             if memo.status == "completed":
-                return memo.output
+                return msgspec.convert(memo.output, EventInfo)
             if memo.status == "timed_out":
                 return None
         if match is not None and match_value is None:
@@ -323,19 +462,30 @@ class Step:
 
     async def invoke(
         self,
-        function_id: str,
+        *args: str,
+        function: str | Function | None = None,
         data: Any = None,
-        *,
         timeout: float | timedelta | None = None,
-        name: str | None = None,
+        **legacy: Any,
     ) -> Any:
-        """Run function ``function_id`` as a child run and return its output.
+        """``invoke(name, *, function, data=None, timeout=None)``: run ``function``
+        (an id or a ``Function``) as a child run and return its output.
 
-        The step name defaults to the function id. A failed (or timed-out)
-        child raises ``InvokeError``, which is never retried.
+        ``step.invoke("charge", function=charge_card, data={"amount": 5})``.
+        A failed (or timed-out) child raises ``InvokeError``, never retried.
+        The old form ``invoke(function_id, data, name=...)`` is a ``TypeError``
+        that shows this one.
         """
-        step_name = name or function_id
-        step_id = self._next_id(step_name)
+        name = args[0] if len(args) == 1 else None
+        if name is None or legacy or function is None:
+            raise TypeError(
+                "step.invoke takes the step name first and the function by keyword: "
+                "await ctx.step.invoke('call-child', function='child-fn', data={...}, timeout=60)"
+            )
+        function_id = function.id if isinstance(function, Function) else function
+        if not isinstance(function_id, str) or not function_id:
+            raise TypeError(f"step.invoke function= must be a function id or a Function, got {function!r}")
+        step_id = self._next_id(name)
         memo = self._memo.get(step_id)
         if memo is not None:
             if memo.status == "completed":
@@ -345,9 +495,10 @@ class Step:
                 code = memo.error.code if memo.error else "INVOKE_FAILED"
                 raise InvokeError(f"invoke of {function_id!r} failed: {message} ({code})")
         raw = encode_strict(data, f"input of invoke {function_id!r}")[0]
-        timeout_at = None if timeout is None else time.time() + _to_seconds(timeout)
+        limit = _timeout_seconds(timeout, f"step.invoke({name!r})")
+        timeout_at = None if limit is None else time.time() + limit
         raise _Yield(
-            step_id, step_name, InvokeYield(function_id=function_id, input=raw, timeout_at=timeout_at)
+            step_id, name, InvokeYield(function_id=function_id, input=raw, timeout_at=timeout_at)
         )
 
 

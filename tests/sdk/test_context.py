@@ -6,7 +6,9 @@ import math
 import time
 from datetime import UTC, datetime
 
+import msgspec
 import pytest
+import trio
 
 import ironflow
 from ironflow.protocol import (
@@ -213,12 +215,19 @@ async def test_wait_for_event_yields_and_memo_returns(assignment_factory, list_r
     assert info.match == "data.order_id" and bytes(info.match_value) == b"7"
     assert info.timeout_at == pytest.approx(time.time() + 10, abs=2)
 
+    event = {"id": "evt_1", "name": "order.approved", "data": {"ok": 1}, "received_at": 5.0}
     memo_done = MemoStep(
-        step_id="r4:approval:0", name="approval", kind="wait", status="completed", output={"ok": 1}
+        step_id="r4:approval:0", name="approval", kind="wait", status="completed", output=event
     )
+
+    async def reads_the_event(ctx):
+        ev = await ctx.step.wait_for_event("approval", event="order.approved", timeout=10)
+        assert isinstance(ev, ironflow.Event) and isinstance(ev, type(ctx.event))
+        return [ev.id, ev.name, ev.data["ok"], ev.received_at]
+
     list_reporter.messages.clear()
-    (msg,) = await _run(handler, assignment_factory(run_id="r4", completed_steps=[memo_done]), list_reporter)
-    assert isinstance(msg, JobCompleted) and bytes(msg.output) == b'{"ok":1}'
+    (msg,) = await _run(reads_the_event, assignment_factory(run_id="r4", completed_steps=[memo_done]), list_reporter)
+    assert isinstance(msg, JobCompleted) and bytes(msg.output) == b'["evt_1","order.approved",1,5.0]'
 
     memo_timeout = MemoStep(
         step_id="r4:approval:0", name="approval", kind="wait", status="timed_out"
@@ -232,7 +241,7 @@ async def test_invoke_yields_and_failed_memo_raises_invoke_error(
     assignment_factory, list_reporter
 ):
     async def handler(ctx):
-        return await ctx.step.invoke("child-fn", {"n": 1}, timeout=30)
+        return await ctx.step.invoke("child-fn", function="child-fn", data={"n": 1}, timeout=30)
 
     (msg,) = await _run(handler, assignment_factory(run_id="r5"), list_reporter)
     assert isinstance(msg.yield_info, InvokeYield) and msg.step_id == "r5:child-fn:0"
@@ -292,3 +301,133 @@ def test_a_function_definition_out_of_bounds_fails_at_the_decorator():
         @ironflow.function(id="f", retries=10**23)
         async def f(ctx):
             return None
+
+
+async def test_a_lambda_around_a_coroutine_call_is_a_step(assignment_factory, list_reporter):
+    async def fetch(n):
+        await trio.sleep(0)
+        return n * 2
+
+    async def handler(ctx):
+        return await ctx.step.run("fetch", lambda: fetch(21))
+
+    (step, done) = await _run(handler, assignment_factory(), list_reporter)
+    assert isinstance(step, StepCompleted) and bytes(done.output) == b"42"
+
+
+async def test_an_object_with_an_async_call_and_a_sync_function_are_steps(assignment_factory, list_reporter):
+    class Fetcher:
+        async def __call__(self, n):
+            return n + 1
+
+    async def handler(ctx):
+        a = await ctx.step.run("obj", Fetcher(), 1)
+        b = await ctx.step.run("sync", lambda x: x * 3, a)
+        return [a, b]
+
+    msgs = await _run(handler, assignment_factory(), list_reporter)
+    assert bytes(msgs[-1].output) == b"[2,6]"
+
+
+async def test_step_timeout_cancels_the_step_and_raises_step_timeout_error(assignment_factory, list_reporter):
+    import time as _time
+
+    async def slow():
+        await trio.sleep(30)
+
+    async def handler(ctx):
+        with pytest.raises(ironflow.StepTimeoutError, match="timed out after 0.05 s"):
+            await ctx.step.run("slow", slow, timeout=0.05)
+        with pytest.raises(ironflow.StepTimeoutError):
+            await ctx.step.run("slow-thread", _time.sleep, 5, timeout=0.05)  # abandoned thread
+        with pytest.raises(ValueError, match="positive"):
+            await ctx.step.run("bad", slow, timeout=-1)
+        return "ok"
+
+    t0 = _time.monotonic()
+    msgs = await _run(handler, assignment_factory(), list_reporter)
+    assert _time.monotonic() - t0 < 2
+    failed = [m for m in msgs if isinstance(m, StepFailed)]
+    assert [m.error.code for m in failed] == ["STEP_TIMEOUT", "STEP_TIMEOUT"]
+    assert all(m.error.retryable for m in failed)
+
+
+async def test_parallel_steps_run_concurrently_and_return_in_order(assignment_factory, list_reporter):
+    async def wait_then(value, delay):
+        await trio.sleep(delay)
+        return value
+
+    async def handler(ctx):
+        return await ctx.step.parallel([("a", wait_then, "A", 0.3), ("b", wait_then, "B", 0.1)])
+
+    import time as _time
+
+    t0 = _time.monotonic()
+    msgs = await _run(handler, assignment_factory(run_id="rp"), list_reporter)
+    assert _time.monotonic() - t0 < 0.55  # ~0.3 s, not 0.4 s
+    steps = [m for m in msgs if isinstance(m, StepCompleted)]
+    assert [m.name for m in steps] == ["b", "a"]  # b finished first...
+    assert [m.step_id for m in steps] == ["rp:b:0", "rp:a:0"]  # ...but ids follow the list
+    assert bytes(msgs[-1].output) == b'["A","B"]'
+
+
+async def test_parallel_replays_finished_steps_and_reruns_only_the_rest(assignment_factory, list_reporter):
+    calls: list[str] = []
+
+    def mark(name):
+        calls.append(name)
+        return name
+
+    async def handler(ctx):
+        return await ctx.step.parallel([("a", mark, "a"), ("b", mark, "b")])
+
+    done_a = MemoStep(step_id="rq:a:0", name="a", kind="run", status="completed", output="a")
+    msgs = await _run(handler, assignment_factory(run_id="rq", completed_steps=[done_a]), list_reporter)
+    assert calls == ["b"] and bytes(msgs[-1].output) == b'["a","b"]'
+
+
+async def test_parallel_refuses_duplicate_names_and_raises_a_failing_steps_error(assignment_factory, list_reporter):
+    async def boom():
+        raise ironflow.NonRetryableError("no", code="NOPE")
+
+    async def forever():
+        await trio.sleep(30)
+
+    async def handler(ctx):
+        with pytest.raises(ValueError, match="distinct"):
+            await ctx.step.parallel([("x", forever), ("x", forever)])
+        with pytest.raises(ironflow.StepError, match="no"):
+            await ctx.step.parallel([("boom", boom), ("slow", forever)])
+        return "ok"
+
+    msgs = await _run(handler, assignment_factory(), list_reporter)
+    assert bytes(msgs[-1].output) == b'"ok"'
+
+
+async def test_step_info_gives_a_key_stable_across_re_executions_and_distinct_per_step(
+    assignment_factory, list_reporter
+):
+    def key():
+        return ironflow.step_info().idempotency_key
+
+    async def handler(ctx):
+        return [await ctx.step.run("pay", key), await ctx.step.run("ship", key)]
+
+    first = await _run(handler, assignment_factory(run_id="rk"), list_reporter)
+    list_reporter.messages.clear()
+    again = await _run(handler, assignment_factory(run_id="rk"), list_reporter)  # a re-execution
+    assert bytes(first[-1].output) == bytes(again[-1].output)
+    pay, ship = msgspec.json.decode(bytes(first[-1].output))
+    assert pay != ship and pay.startswith("ifstep_")
+    with pytest.raises(RuntimeError, match="inside a running step"):
+        ironflow.step_info()
+
+
+async def test_the_old_invoke_form_is_a_type_error_showing_the_new_one(assignment_factory, list_reporter):
+    async def handler(ctx):
+        with pytest.raises(TypeError, match="function='child-fn'"):
+            await ctx.step.invoke("child-fn", {"x": 1}, name="call-child")
+        return "ok"
+
+    msgs = await _run(handler, assignment_factory(), list_reporter)
+    assert bytes(msgs[-1].output) == b'"ok"'
