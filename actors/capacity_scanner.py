@@ -9,7 +9,9 @@ that no scan tick is added to recovery latency — it:
   the segment is re-enqueued with ``eligible_at = now + recovery_grace`` — or
   the run fails with EXECUTION_RECOVERY_EXHAUSTED past the recovery ceiling;
 - deletes expired worker sessions, cascading to their credits (their leases
-  expire on their own clock).
+  expire on their own clock);
+- fails runs past their function's timeout (``FUNCTION_TIMEOUT``, counted from
+  the first start), so the timeout holds even when no worker is alive.
 
 Expiry is decided by the database clock, so a dead node's sessions and leases
 are reaped by any surviving node's scanner.
@@ -41,6 +43,13 @@ async def scan_once(store: Store, config: NodeConfig, kicks: trio.MemorySendChan
         recovery_grace_s=t.recovery_grace_s, recovery_ceiling=int(t.recovery_ceiling)
     )
     sessions = await store.expire_sessions()
+    timed_out = await store.expire_run_deadlines()
+    for ended in timed_out:
+        metrics.RUNS_FINISHED.labels(status="failed").inc()
+        logs.event(
+            log, logging.WARNING, "run: function timeout reached, run failed",
+            run_id=ended.run_id, session_id=ended.session_id, code="FUNCTION_TIMEOUT",
+        )
     if freed:
         logs.event(log, logging.INFO, "capacity: reservations expired, slots freed", count=freed)
     for seg in recovered:
@@ -69,9 +78,9 @@ async def scan_once(store: Store, config: NodeConfig, kicks: trio.MemorySendChan
             )
     if sessions:
         logs.event(log, logging.INFO, "capacity: worker sessions expired", count=sessions)
-    if freed or recovered:
-        kick(kicks, "capacity scan")
-    return freed + len(recovered) + sessions
+    if freed or recovered or timed_out:
+        kick(kicks, "capacity scan")  # freed credits; a parent of a timed-out child resumes
+    return freed + len(recovered) + sessions + len(timed_out)
 
 
 async def run(

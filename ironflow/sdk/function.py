@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -70,6 +71,14 @@ def _concurrency(c: Concurrency | Mapping[str, Any] | int | None) -> Concurrency
     return Concurrency(**c)
 
 
+def _timeout(timeout: float | timedelta | None, timeout_s: float | None) -> float | None:
+    if timeout is not None and timeout_s is not None:
+        raise TypeError("@ironflow.function takes timeout= (seconds or a timedelta); drop timeout_s=")
+    if isinstance(timeout, timedelta):
+        return timeout.total_seconds()
+    return timeout if timeout is not None else timeout_s
+
+
 def _checked(definition: FunctionDef) -> FunctionDef:
     """``definition`` if the engine will accept it, else a ValueError naming the field.
 
@@ -88,6 +97,7 @@ def function(
     triggers: Iterable[Trigger | str | Mapping[str, Any]] = (),
     retries: RetryPolicy | Mapping[str, Any] | int | None = None,
     concurrency: Concurrency | Mapping[str, Any] | int | None = None,
+    timeout: float | timedelta | None = None,
     timeout_s: float | None = None,
     audit: bool = False,
     name: str | None = None,
@@ -97,7 +107,10 @@ def function(
     ``id`` defaults to the handler's name. ``triggers`` are ``event(...)``
     triggers (a bare string is accepted); ``retries`` a ``RetryPolicy``, a
     dict of its fields or a max attempt count; ``concurrency`` a
-    ``Concurrency``, a dict or a limit. A sync handler is a ``TypeError``; a
+    ``Concurrency``, a dict or a limit. ``timeout`` (seconds or a timedelta)
+    bounds a run from its first start to its end: past it the engine fails
+    the run with ``FUNCTION_TIMEOUT``, even if no worker is alive (``timeout_s``
+    is the older spelling). A sync handler is a ``TypeError``; a
     value outside the engine's bounds (``max_attempts`` 1..1000,
     ``backoff_factor`` 1..100, delays and ``timeout_s`` up to a year, ids and
     event names up to 256 characters) is a ``ValueError`` naming the field.
@@ -114,7 +127,7 @@ def function(
                 triggers=[_trigger(t) for t in triggers],
                 retries=_retries(retries),
                 concurrency=_concurrency(concurrency),
-                timeout_s=timeout_s,
+                timeout_s=_timeout(timeout, timeout_s),
                 audit=audit,
                 name=name,
             )

@@ -475,6 +475,11 @@ class Store(abc.ABC):
     ) -> list[RunRecord]: ...
 
     @abc.abstractmethod
+    async def expire_run_deadlines(self) -> list[CancelOutcome]:
+        """Fail every unended run past its function's timeout (``FUNCTION_TIMEOUT``),
+        counted from its first start by the database clock."""
+
+    @abc.abstractmethod
     async def list_leases(self, *, include_expired: bool = False) -> list[LeaseRecord]:
         """Active (unexpired) concurrency leases; with ``include_expired`` also
         those expired by the database clock that loop 1 has not reaped yet."""

@@ -22,7 +22,7 @@ import abc
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
-from typing import Any, Protocol, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import msgspec
 
@@ -34,9 +34,10 @@ from ironflow.protocol import (
     QueueRecord,
     RunRecord,
     StepRecord,
+    job_id_for,
     lookup_path,
 )
-from ironflow.store.base import Store
+from ironflow.store.base import CancelOutcome, Store
 
 T = TypeVar("T")
 
@@ -47,6 +48,8 @@ _INVALID_DEFINITION = "\x00invalid stored definition"
 INVOKED_EVENT = "ironflow/function.invoked"
 # Error code of a run that was recovered more often than the recovery ceiling allows.
 RECOVERY_EXHAUSTED = "EXECUTION_RECOVERY_EXHAUSTED"
+# Error code of a run that outlived its function's timeout (from its first start).
+FUNCTION_TIMEOUT = "FUNCTION_TIMEOUT"
 # Upper bound of leases/reservations one scanner pass fences, so one
 # transaction stays short even after a mass worker death.
 SCAN_BATCH = 500
@@ -355,8 +358,8 @@ class SqlStoreBase(Store):
         tx.execute(
             "INSERT INTO runs (id, function_id, event_id, parent_run_id, parent_step_id, status,"
             " attempt, max_attempts, recovery_count, current_execution_seq, concurrency_key,"
-            " created_at, updated_at) VALUES (?, ?, ?, ?, ?, 'waiting_for_capacity', 1, ?, 0, 1,"
-            " ?, ironflow_now(), ironflow_now())",
+            " timeout_s, created_at, updated_at) VALUES (?, ?, ?, ?, ?, 'waiting_for_capacity',"
+            " 1, ?, 0, 1, ?, ?, ironflow_now(), ironflow_now())",
             (
                 run_id,
                 fd.id,
@@ -365,10 +368,59 @@ class SqlStoreBase(Store):
                 parent_step_id,
                 max(1, fd.retries.max_attempts),
                 ckey,
+                fd.timeout_s,
             ),
         )
         self._enqueue(tx, run_id, 1, fd.id, ckey, 0.0, "new")
         return run_id
+
+    def _end_run(
+        self,
+        tx: Tx,
+        run_id: str,
+        status: Literal["cancelled", "failed"],
+        error: ErrorInfo,
+        parent_run_id: str | None,
+        parent_step_id: str | None,
+    ) -> CancelOutcome:
+        """End a run that has not ended, wherever it is: its lease and queue row
+        go (their credits freed), its execution_seq moves on (so whatever its
+        worker still sends is refused), parked steps fail, a waiting parent
+        resumes. Returns who was executing it, so the caller can tell them."""
+        session_id = node_id = job_id = None
+        lease = tx.fetchone(
+            "DELETE FROM concurrency_leases WHERE run_id = ?"
+            " RETURNING session_id, node_id, execution_seq",
+            (run_id,),
+        )
+        if lease is not None:
+            session_id, node_id = lease[0], lease[1]
+            job_id = job_id_for(run_id, lease[2])
+            self._free_credit(tx, lease[0], run_id, lease[2])
+        queued = tx.fetchone(
+            "DELETE FROM dispatch_queue WHERE run_id = ? RETURNING reservation_owner, execution_seq",
+            (run_id,),
+        )
+        if queued is not None and queued[0] is not None:
+            self._free_credit(tx, queued[0], run_id, queued[1])
+            if session_id is None:
+                session_id = queued[0]
+                job_id = job_id_for(run_id, queued[1])
+                owner = tx.fetchone("SELECT node_id FROM worker_sessions WHERE id = ?", (session_id,))
+                node_id = owner[0] if owner else None
+        tx.execute(
+            "UPDATE runs SET status = ?, error = ?, current_execution_seq = current_execution_seq + 1,"
+            " ended_at = ironflow_now(), updated_at = ironflow_now() WHERE id = ?",
+            (status, _enc(error), run_id),
+        )
+        tx.execute(
+            "UPDATE steps SET status = 'failed', wake_at = NULL, claimed_by = NULL,"
+            " claimed_at = NULL, pre_claim_status = NULL"
+            " WHERE run_id = ? AND status IN ('sleeping', 'waiting', 'waking')",
+            (run_id,),
+        )
+        kicked = self._resolve_parent(tx, parent_run_id, parent_step_id, run_id, error=error)
+        return CancelOutcome(run_id, session_id, node_id, job_id, kicked_run_ids=kicked)
 
     def _insert_event(self, tx: Tx, name: str, data: Any, key: str | None = None) -> str:
         event_id = new_id("evt")

@@ -30,7 +30,7 @@ from ironflow.store.loop1 import CapacityLoop
 
 
 class DispatchOps(CapacityLoop):
-    """Dispatch: reserve runnable segments for sessions with free credits"""
+    """Reservations and assignments for sessions with free credits."""
 
     async def reserve_segments(
         self,

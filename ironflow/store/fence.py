@@ -46,7 +46,7 @@ from ironflow.store.core import (
 
 
 class FenceOps(SqlStoreBase):
-    """The fence and a segment's life: activate its lease (JobAck), record a"""
+    """The fence and a segment's life (see the module docstring)."""
 
     def _fence_alive(self, tx: Tx, fence: Fence) -> bool:
         return (
@@ -128,8 +128,10 @@ class FenceOps(SqlStoreBase):
             ):
                 raise StaleExecution(f"worker session {fence.session_id} is gone")
             run = tx.fetchone(
+                # The function's timeout runs from the first start (deadline_at).
                 "UPDATE runs SET status = 'running', started_at = coalesce(started_at,"
-                " ironflow_now()), updated_at = ironflow_now() WHERE id = ? RETURNING"
+                " ironflow_now()), deadline_at = coalesce(deadline_at, ironflow_now() + timeout_s),"
+                " updated_at = ironflow_now() WHERE id = ? RETURNING"
                 + _RUN_COLS.replace("r.", " "),
                 (fence.run_id,),
             )

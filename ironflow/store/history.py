@@ -22,7 +22,7 @@ from ironflow.store.core import (
 
 
 class RetentionOps(SqlStoreBase):
-    """History retention: purge finished runs (with their steps and audit"""
+    """History retention: finished runs and old events, in short batches."""
 
     async def purge_history(
         self,

@@ -9,7 +9,6 @@ from typing import Any
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
     ErrorInfo,
-    job_id_for,
     lookup_path,
 )
 from ironflow.store.base import (
@@ -32,7 +31,7 @@ from ironflow.store.core import (
 
 
 class IngestOps(SqlStoreBase):
-    """Ingest: events in (idempotency window, the trigger index, runs created),"""
+    """Events in, runs created, waits resolved, invocations, cancellation."""
 
     def _ingest(
         self, tx: Tx, name: str, data: Any, idempotency_key: str | None, window_s: float
@@ -149,45 +148,9 @@ class IngestOps(SqlStoreBase):
                 raise RunNotFound(f"run {run_id} not found")
             if run[0] in TERMINAL_RUN_STATUSES:
                 raise Conflict(f"run {run_id} already {run[0]}")
-            session_id = node_id = job_id = None
-            lease = tx.fetchone(
-                "DELETE FROM concurrency_leases WHERE run_id = ?"
-                " RETURNING session_id, node_id, execution_seq",
-                (run_id,),
-            )
-            if lease is not None:
-                session_id, node_id = lease[0], lease[1]
-                job_id = job_id_for(run_id, lease[2])
-                self._free_credit(tx, lease[0], run_id, lease[2])
-            queued = tx.fetchone(
-                "DELETE FROM dispatch_queue WHERE run_id = ?"
-                " RETURNING reservation_owner, execution_seq",
-                (run_id,),
-            )
-            if queued is not None and queued[0] is not None:
-                self._free_credit(tx, queued[0], run_id, queued[1])
-                if session_id is None:
-                    session_id = queued[0]
-                    job_id = job_id_for(run_id, queued[1])
-                    owner = tx.fetchone(
-                        "SELECT node_id FROM worker_sessions WHERE id = ?", (session_id,)
-                    )
-                    node_id = owner[0] if owner else None
             error = ErrorInfo(message=reason, code="CANCELLED", retryable=False)
-            tx.execute(
-                "UPDATE runs SET status = 'cancelled', error = ?,"
-                " current_execution_seq = current_execution_seq + 1,"
-                " ended_at = ironflow_now(), updated_at = ironflow_now() WHERE id = ?",
-                (_enc(error), run_id),
-            )
-            tx.execute(
-                "UPDATE steps SET status = 'failed', wake_at = NULL, claimed_by = NULL,"
-                " claimed_at = NULL, pre_claim_status = NULL"
-                " WHERE run_id = ? AND status IN ('sleeping', 'waiting', 'waking')",
-                (run_id,),
-            )
+            outcome = self._end_run(tx, run_id, "cancelled", error, run[2], run[3])
             self._audit_if_enabled(tx, "run.cancelled", run_id, {"reason": reason})
-            kicked = self._resolve_parent(tx, run[2], run[3], run_id, error=error)
-            return CancelOutcome(run_id, session_id, node_id, job_id, kicked_run_ids=kicked)
+            return outcome
 
         return await self._transact(work)

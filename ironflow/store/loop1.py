@@ -14,10 +14,12 @@ from ironflow.protocol import (
     ErrorInfo,
 )
 from ironflow.store.base import (
+    CancelOutcome,
     RecoveredSegment,
 )
 from ironflow.store.core import (
     _TERMINAL_SQL,
+    FUNCTION_TIMEOUT,
     RECOVERY_EXHAUSTED,
     SCAN_BATCH,
     SqlStoreBase,
@@ -28,7 +30,7 @@ from ironflow.store.core import (
 
 
 class CapacityLoop(SqlStoreBase):
-    """Loop 1, the capacity scanner's SQL (crash-recovery seed): expired"""
+    """Loop 1: expired reservations, leases and sessions; recovery and its ceiling."""
 
     def _recover(
         self,
@@ -179,6 +181,34 @@ class CapacityLoop(SqlStoreBase):
 
         return await self._transact(work)
 
+    async def expire_run_deadlines(self) -> list[CancelOutcome]:
+        """Fail every unended run past its function's timeout (``FUNCTION_TIMEOUT``).
+
+        Decided here, by the database clock, so it holds with no worker alive;
+        the run's execution_seq moves on, so its worker's later reports are
+        refused as stale.
+        """
+
+        def work(tx: Tx) -> list[CancelOutcome]:
+            rows = tx.fetchall(
+                "SELECT id, timeout_s, parent_run_id, parent_step_id FROM runs"
+                f" WHERE deadline_at IS NOT NULL AND status NOT IN {_TERMINAL_SQL}"
+                f" AND deadline_at <= ironflow_now() ORDER BY deadline_at LIMIT {SCAN_BATCH}"
+                f" {tx.lock()}"
+            )
+            out = []
+            for run_id, timeout_s, parent_run_id, parent_step_id in rows:
+                error = ErrorInfo(
+                    message=f"run exceeded its function's timeout of {timeout_s:g} s",
+                    code=FUNCTION_TIMEOUT,
+                    retryable=False,
+                )
+                out.append(self._end_run(tx, run_id, "failed", error, parent_run_id, parent_step_id))
+                self._audit(tx, "run.timed_out", run_id, None, {"timeout_s": timeout_s})
+            return out
+
+        return await self._transact(work)
+
     async def seconds_until_next_capacity_expiry(self) -> float | None:
         def work(tx: Tx) -> float | None:
             row = tx.fetchone(
@@ -186,7 +216,9 @@ class CapacityLoop(SqlStoreBase):
                 " SELECT min(reservation_expires_at) AS t FROM dispatch_queue"
                 " WHERE reservation_owner IS NOT NULL"
                 " UNION ALL SELECT min(expires_at) FROM concurrency_leases"
-                " UNION ALL SELECT min(expires_at) FROM worker_sessions) u"
+                " UNION ALL SELECT min(expires_at) FROM worker_sessions"
+                " UNION ALL SELECT min(deadline_at) FROM runs WHERE deadline_at IS NOT NULL"
+                f" AND status NOT IN {_TERMINAL_SQL}) u"
             )
             return None if row is None or row[0] is None else max(0.0, float(row[0]))
 

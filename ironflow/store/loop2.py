@@ -23,7 +23,7 @@ from ironflow.store.core import (
 
 
 class WakeLoop(SqlStoreBase):
-    """The waker's claims and loop 2, the stale-claim sweeper (crash-recovery"""
+    """The waker's claims and loop 2, the stale-claim sweeper."""
 
     async def claim_elapsed_steps(self, node_id: str, limit: int) -> list[tuple[str, str]]:
         def work(tx: Tx) -> list[tuple[str, str]]:

@@ -34,7 +34,7 @@ from ironflow.store.core import (
 
 
 class ReadOps(SqlStoreBase):
-    """Reads for the API and the CLI: a run's detail (with why it waits), and"""
+    """Reads for the API and the CLI."""
 
     async def get_run(self, run_id: str) -> RunDetail:
         def work(tx: Tx) -> RunDetail:

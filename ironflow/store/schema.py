@@ -59,6 +59,8 @@ CREATE TABLE IF NOT EXISTS runs (
     recovery_count        INTEGER NOT NULL DEFAULT 0,
     current_execution_seq INTEGER NOT NULL DEFAULT 1,
     concurrency_key       TEXT,
+    timeout_s             {REAL},
+    deadline_at           {REAL},
     output                TEXT,
     error                 TEXT,
     created_at            {REAL} NOT NULL,
@@ -212,6 +214,8 @@ $$
 _ADDED_COLUMNS = [
     ("functions", "last_seen_at", "{REAL}"),
     ("worker_sessions", "secret_hash", "TEXT"),
+    ("runs", "timeout_s", "{REAL}"),
+    ("runs", "deadline_at", "{REAL}"),
 ]
 
 # Fills the trigger index from stored definitions, for a database whose
@@ -234,9 +238,17 @@ def added_columns(dialect: str) -> list[tuple[str, str, str]]:
     return [(t, c, kind.replace("{REAL}", real)) for t, c, kind in _ADDED_COLUMNS]
 
 
+# Indexes on added columns: created after the columns exist (an old database gets
+# the columns first). Runs past their function's timeout, among unended runs.
+_LATE_INDEXES = [
+    "CREATE INDEX IF NOT EXISTS runs_deadline ON runs (deadline_at) WHERE deadline_at IS NOT NULL"
+    " AND status NOT IN ('completed', 'failed', 'cancelled')",
+]
+
+
 def backfill_statements(dialect: str) -> list[str]:
     """Statements run after the DDL and column additions, on every start."""
-    return [_BACKFILL_TRIGGERS[dialect]]
+    return [*_LATE_INDEXES, _BACKFILL_TRIGGERS[dialect]]
 
 
 def statements(dialect: str) -> list[str]:

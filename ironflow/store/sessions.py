@@ -29,7 +29,7 @@ from ironflow.store.loop1 import CapacityLoop
 
 
 class SessionOps(CapacityLoop):
-    """Worker sessions and the functions they register: register (with the"""
+    """Worker sessions and their functions (see the module docstring)."""
 
     async def register_worker(
         self,

@@ -52,3 +52,22 @@ async def test_the_step_api_end_to_end(node: Node, http: httpx.AsyncClient, nurs
     names = [s["name"] for s in detail["steps"]]
     assert names.count("key") == 1 and {"left", "right"} <= set(names)
     worker.stop()
+
+
+@ironflow.function(id="too-slow", triggers=[ironflow.event("slow.go")], timeout=1.0, retries=1)
+async def too_slow(ctx: Any) -> Any:
+    await ctx.step.run("forever", trio.sleep, 30)
+    return "never"
+
+
+async def test_a_run_past_its_function_timeout_fails_engine_side(
+    node: Node, http: httpx.AsyncClient, nursery: trio.Nursery
+) -> None:
+    worker = ironflow.StreamingWorker(node.url, [too_slow], handle_signals=False)
+    await nursery.start(worker.run)
+    t0 = trio.current_time()
+    run_id = (await emit(http, "slow.go"))["run_ids"][0]
+    detail = await wait_for_run(http, run_id, timeout=10)
+    assert detail["run"]["status"] == "failed" and detail["run"]["error"]["code"] == "FUNCTION_TIMEOUT"
+    assert 1.0 <= trio.current_time() - t0 < 4.0
+    worker.stop()

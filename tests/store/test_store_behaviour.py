@@ -809,3 +809,35 @@ async def test_list_leases_shows_active_leases_and_expired_unreaped_ones_only_on
     everything = {lease.run_id: lease for lease in await store.list_leases(include_expired=True)}
     assert everything[old.run_id].expired and everything[old.run_id].expires_in_s < 0
     assert not everything[fresh.run_id].expired
+
+
+async def test_a_run_past_its_function_timeout_fails_and_its_worker_is_fenced(store):
+    s = await worker(store, fn("f", timeout_s=10.0), slots=1)
+    await store.heartbeat(s.session_id, [], session_expiry_s=10_000, lease_expiry_s=LEASE)
+    f = await running(store, s)
+    assert await store.expire_run_deadlines() == []  # not yet
+    await store.advance_clock(9)
+    await store.heartbeat(s.session_id, None, session_expiry_s=10_000, lease_expiry_s=LEASE)
+    assert await store.expire_run_deadlines() == []
+    assert 0 < await store.seconds_until_next_capacity_expiry() <= 1.0
+    await store.advance_clock(1.5)
+    (ended,) = await store.expire_run_deadlines()
+    assert ended.run_id == f.run_id and ended.session_id == s.session_id
+    detail = await store.get_run(f.run_id)
+    assert detail.run.status == "failed" and detail.run.error.code == "FUNCTION_TIMEOUT"
+    assert detail.lease is None and detail.queue is None
+    with pytest.raises(StaleExecution):
+        await store.complete_job(f, "too late")
+    assert await store.expire_run_deadlines() == []  # ended once
+
+
+async def test_the_function_timeout_counts_from_the_first_start_not_from_the_emit(store):
+    s = await worker(store, fn("f", timeout_s=10.0), slots=1)
+    await emit(store)
+    await store.advance_clock(60)  # queued for a minute: no deadline yet
+    assert await store.expire_run_deadlines() == []
+    await store.heartbeat(s.session_id, [], session_expiry_s=10_000, lease_expiry_s=LEASE)
+    (res,) = await reserve(store, s)
+    await store.activate_lease(fence_of(res), lease_expiry_s=LEASE)
+    await store.advance_clock(5)
+    assert await store.expire_run_deadlines() == []
