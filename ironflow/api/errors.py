@@ -111,6 +111,20 @@ def query_int(name: str, default: int, *, low: int = 1, high: int = 1000) -> int
     return value
 
 
+def query_float(name: str, default: float, *, low: float, high: float) -> float:
+    """Number query parameter ``name`` in ``low..high``, or a 400."""
+    raw = request.args.get(name)
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        fail(400, "VALIDATION_ERROR", f"query parameter {name} must be a number, got {raw!r}")
+    if not low <= value <= high:
+        fail(400, "VALIDATION_ERROR", f"query parameter {name} must be in {low:g}..{high:g}")
+    return value
+
+
 def _where() -> tuple[str, str]:
     """Method and path of the request or websocket being handled."""
     if has_websocket_context():

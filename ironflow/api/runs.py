@@ -10,7 +10,7 @@ from quart import Blueprint, Response, request
 from actors.messages import kick
 from ironflow import logs, metrics, retention
 from ironflow.api.auth import require_org, require_platform
-from ironflow.api.errors import decode, json_response, optional_body, query_int
+from ironflow.api.errors import decode, json_response, optional_body, query_float, query_int
 from ironflow.api.state import state
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
@@ -20,10 +20,17 @@ from ironflow.protocol import (
     PurgeRequest,
     PurgeResponse,
     RunList,
+    RunResult,
 )
 
 log = logging.getLogger("ironflow.api")
 bp = Blueprint("runs", __name__)
+
+# Longest a result request is held open; a client wanting longer asks again.
+MAX_RESULT_WAIT_S = 300.0
+# While waiting, the run is re-read this often: a run ended by another node
+# (PostgreSQL) is not announced to this one.
+RESULT_RECHECK_S = 0.5
 
 
 @bp.get("/v1/runs")
@@ -41,6 +48,27 @@ async def list_runs() -> Response:
 async def get_run(run_id: str) -> Response:
     await require_org()
     return json_response(await state().store.get_run(run_id))
+
+
+@bp.get("/v1/runs/<run_id>/result")
+async def run_result(run_id: str) -> Response:
+    """The run's output or error as soon as it ends (held open up to ``wait_s``)."""
+    await require_org()
+    wait_s = query_float("wait_s", 0.0, low=0.0, high=MAX_RESULT_WAIT_S)
+    st = state()
+    deadline = trio.current_time() + wait_s
+    while True:
+        with st.run_waiters.watch(run_id) as ended:
+            run = await st.store.get_run_record(run_id)
+            if run.status in TERMINAL_RUN_STATUSES:
+                return json_response(RunResult(run.id, run.status, True, run.output, run.error))
+            remaining = deadline - trio.current_time()
+            if remaining <= 0:
+                return json_response(RunResult(run.id, run.status, False), 202)
+            # Woken the moment this node ends the run; the re-read backstop covers
+            # a run ended by another node.
+            with trio.move_on_after(min(remaining, RESULT_RECHECK_S)):
+                await ended.wait()
 
 
 @bp.post("/v1/runs/<run_id>/cancel")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import cast
 
 import trio
@@ -39,6 +41,32 @@ class ApiDeps:
         self.ready = ready
 
 
+class RunWaiters:
+    """Requests waiting for runs to end, woken by the store's run-end announcements."""
+
+    def __init__(self) -> None:
+        self._events: dict[str, set[trio.Event]] = {}
+
+    @contextlib.contextmanager
+    def watch(self, run_id: str) -> Iterator[trio.Event]:
+        """An Event set when this node ends ``run_id``; unregistered on exit."""
+        event = trio.Event()
+        self._events.setdefault(run_id, set()).add(event)
+        try:
+            yield event
+        finally:
+            waiting = self._events.get(run_id)
+            if waiting is not None:
+                waiting.discard(event)
+                if not waiting:
+                    del self._events[run_id]
+
+    def notify(self, run_ids: list[str]) -> None:
+        for run_id in run_ids:
+            for event in self._events.get(run_id, ()):
+                event.set()
+
+
 class ApiState:
     """The node's dependencies plus the API's own caches (one per app)."""
 
@@ -50,6 +78,8 @@ class ApiState:
         self.auth_cache: dict[str, tuple[float, Principal]] = {}
         # Pull sessions this node has verified: id → (hash of its secret, session).
         self.pull_sessions: dict[str, tuple[str, SessionInfo]] = {}
+        self.run_waiters = RunWaiters()
+        deps.store.on_runs_ended(self.run_waiters.notify)
 
 
 def state() -> ApiState:

@@ -265,3 +265,14 @@ class SessionList(msgspec.Struct, frozen=True):
 
 class QueueList(msgspec.Struct, frozen=True):
     queue: list[QueueRecord]
+
+
+class RunResult(msgspec.Struct, frozen=True):
+    """``GET /v1/runs/{id}/result``: the run's outcome once it ended (200), or
+    its status so far (202) when it had not ended within ``wait_s``."""
+
+    run_id: str
+    status: RunStatus
+    ended: bool
+    output: Any = None
+    error: ErrorInfo | None = None

@@ -475,9 +475,20 @@ class Store(abc.ABC):
     ) -> list[RunRecord]: ...
 
     @abc.abstractmethod
+    def on_runs_ended(self, listener: Callable[[list[str]], None]) -> None:
+        """Call ``listener(run_ids)`` (in Trio, after commit) whenever a call on this
+        store object ended runs: completed, failed, cancelled, timed out, or
+        failed at the recovery ceiling. Runs ended by another node are not
+        announced here; waiters re-read the store as a backstop."""
+
+    @abc.abstractmethod
     async def expire_run_deadlines(self) -> list[CancelOutcome]:
         """Fail every unended run past its function's timeout (``FUNCTION_TIMEOUT``),
         counted from its first start by the database clock."""
+
+    @abc.abstractmethod
+    async def get_run_record(self, run_id: str) -> RunRecord:
+        """The run alone (no steps): what a result wait re-reads. RunNotFound if unknown."""
 
     @abc.abstractmethod
     async def list_leases(self, *, include_expired: bool = False) -> list[LeaseRecord]:

@@ -255,10 +255,22 @@ class SqlStoreBase(Store):
     def __init__(self) -> None:
         # Decoded FunctionDefs keyed by their stored JSON text (decode once per version).
         self._defs: dict[str, FunctionDef] = {}
+        # Called (in Trio, after commit) with the ids of runs this node ended.
+        self._run_end_listeners: list[Callable[[list[str]], None]] = []
 
     @abc.abstractmethod
     async def _transact(self, work: Callable[[Tx], T]) -> T:
         """Run ``work(tx)`` as one transaction and return its result (or raise)."""
+
+    def on_runs_ended(self, listener: Callable[[list[str]], None]) -> None:
+        """Call ``listener(run_ids)`` after each commit that ended runs (completed,
+        failed, cancelled, timed out, exhausted) through this store object."""
+        self._run_end_listeners.append(listener)
+
+    def _announce_ended(self, run_ids: list[str]) -> None:
+        if run_ids:
+            for listener in self._run_end_listeners:
+                listener(run_ids)
 
     def _fdef(self, text: str) -> FunctionDef:
         """The stored definition ``text``, decoded once per version.

@@ -207,7 +207,9 @@ class FenceOps(SqlStoreBase):
             kicked = self._resolve_parent(tx, row[0], row[1], fence.run_id, output=output)
             return JobOutcome(fence.run_id, "completed", kicked_run_ids=kicked)
 
-        return await self._transact(work)
+        outcome = await self._transact(work)
+        self._announce_ended([fence.run_id])
+        return outcome
 
     async def fail_job(self, fence: Fence, error: ErrorInfo) -> JobOutcome:
         def work(tx: Tx) -> JobOutcome:
@@ -245,7 +247,10 @@ class FenceOps(SqlStoreBase):
             )
             return JobOutcome(fence.run_id, "failed", attempt=attempt, kicked_run_ids=kicked)
 
-        return await self._transact(work)
+        outcome = await self._transact(work)
+        if outcome.status == "failed":
+            self._announce_ended([fence.run_id])
+        return outcome
 
     async def yield_job(
         self, fence: Fence, *, step_id: str, name: str, info: YieldInfo

@@ -153,4 +153,6 @@ class IngestOps(SqlStoreBase):
             self._audit_if_enabled(tx, "run.cancelled", run_id, {"reason": reason})
             return outcome
 
-        return await self._transact(work)
+        outcome = await self._transact(work)
+        self._announce_ended([run_id])
+        return outcome

@@ -161,7 +161,9 @@ class CapacityLoop(SqlStoreBase):
                 no_grace_first=False,
             )
 
-        return await self._transact(work)
+        recovered = await self._transact(work)
+        self._announce_ended([seg.run_id for seg in recovered if seg.exhausted])
+        return recovered
 
     async def expire_sessions(self) -> int:
         def work(tx: Tx) -> int:
@@ -207,7 +209,9 @@ class CapacityLoop(SqlStoreBase):
                 self._audit(tx, "run.timed_out", run_id, None, {"timeout_s": timeout_s})
             return out
 
-        return await self._transact(work)
+        ended = await self._transact(work)
+        self._announce_ended([outcome.run_id for outcome in ended])
+        return ended
 
     async def seconds_until_next_capacity_expiry(self) -> float | None:
         def work(tx: Tx) -> float | None:

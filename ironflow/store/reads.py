@@ -101,6 +101,15 @@ class ReadOps(SqlStoreBase):
 
         return await self._transact(work)
 
+    async def get_run_record(self, run_id: str) -> RunRecord:
+        def work(tx: Tx) -> RunRecord:
+            row = tx.fetchone(f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (run_id,))
+            if row is None:
+                raise RunNotFound(f"run {run_id} not found")
+            return _run_record(row)
+
+        return await self._transact(work)
+
     async def list_leases(self, *, include_expired: bool = False) -> list[LeaseRecord]:
         def work(tx: Tx) -> list[LeaseRecord]:
             now = self._now(tx)

@@ -179,4 +179,6 @@ class SessionOps(CapacityLoop):
             tx.execute("DELETE FROM worker_sessions WHERE id = ?", (session_id,))
             return recovered
 
-        return await self._transact(work)
+        recovered = await self._transact(work)
+        self._announce_ended([seg.run_id for seg in recovered if seg.exhausted])
+        return recovered

@@ -1,0 +1,72 @@
+"""GET /v1/runs/{id}/result: held open by the node and answered the moment the
+run ends — woken by the run's end, not by a re-read interval (both backends)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+import ironflow
+from ironflow.api import runs as runs_api
+from ironflow.node import Node
+from tests.integration.helpers import emit
+
+
+@ironflow.function(id="slowish", triggers=[ironflow.event("slowish.go")], retries=1)
+async def slowish(ctx: Any) -> Any:
+    await ctx.step.run("wait", trio.sleep, ctx.event.data.get("s", 0.5))
+    if ctx.event.data.get("fail"):
+        raise ironflow.NonRetryableError("it broke", code="BROKE")
+    return {"done": True}
+
+
+async def test_a_result_request_is_answered_when_the_run_ends_not_by_polling(
+    node: Node, http: httpx.AsyncClient, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # With the re-read backstop out of the way, only the run-end wake-up can answer early.
+    monkeypatch.setattr(runs_api, "RESULT_RECHECK_S", 60.0)
+    worker = ironflow.StreamingWorker(node.url, [slowish], handle_signals=False)
+    await nursery.start(worker.run)
+    run_id = (await emit(http, "slowish.go", {"s": 0.5}))["run_ids"][0]
+    t0 = time.monotonic()
+    resp = await http.get(f"/v1/runs/{run_id}/result", params={"wait_s": 30}, timeout=40)
+    waited = time.monotonic() - t0
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["ended"] and body["status"] == "completed" and body["output"] == {"done": True}
+    assert 0.4 < waited < 5.0  # the step's 0.5 s, not the 60 s re-read
+    # A failed run answers with its error.
+    run_id = (await emit(http, "slowish.go", {"s": 0.1, "fail": True}))["run_ids"][0]
+    body = (await http.get(f"/v1/runs/{run_id}/result", params={"wait_s": 30}, timeout=40)).json()
+    assert body["status"] == "failed" and body["error"]["code"] == "BROKE"
+    worker.stop()
+
+
+async def test_a_run_still_going_answers_202_and_bad_input_a_4xx(node: Node, http: httpx.AsyncClient) -> None:
+    # The function is known (a pull worker registered it) but nobody polls: the run waits.
+    reg = {"type": "register", "worker_id": "idle", "functions": [{"id": "idle", "triggers": [{"event": "idle.go"}]}]}
+    assert (await http.post("/v1/worker/register", json=reg)).status_code == 201
+    run_id = (await emit(http, "idle.go"))["run_ids"][0]
+    resp = await http.get(f"/v1/runs/{run_id}/result", params={"wait_s": 0.2})
+    assert resp.status_code == 202 and resp.json() == {
+        "run_id": run_id, "status": "waiting_for_capacity", "ended": False, "output": None, "error": None,
+    }
+    assert (await http.get("/v1/runs/run_nope/result")).status_code == 404
+    for bad in ("-1", "lots", "100000"):
+        resp = await http.get(f"/v1/runs/{run_id}/result", params={"wait_s": bad})
+        assert resp.status_code == 400 and "wait_s" in resp.json()["message"]
+    # Cancelling wakes a waiter too.
+    async with trio.open_nursery() as nursery:
+        got: list[dict[str, Any]] = []
+
+        async def wait() -> None:
+            got.append((await http.get(f"/v1/runs/{run_id}/result", params={"wait_s": 30}, timeout=40)).json())
+
+        nursery.start_soon(wait)
+        await trio.sleep(0.2)
+        await http.post(f"/v1/runs/{run_id}/cancel", json={"reason": "enough"})
+    assert got[0]["status"] == "cancelled" and got[0]["error"]["code"] == "CANCELLED"
