@@ -24,6 +24,7 @@ from ironflow.protocol import (
     SleepYield,
     WaitYield,
     YieldInfo,
+    lookup_path,
 )
 from ironflow.store.base import (
     Fence,
@@ -39,10 +40,15 @@ from ironflow.store.core import (
     INVOKED_EVENT,
     SqlStoreBase,
     Tx,
+    _dec,
     _enc,
     _run_record,
     token_hash,
 )
+
+# Events of the awaited name read when a wait parks, looking for one that came
+# while its segment ran; more than this many in one segment is not a wait race.
+EARLY_EVENT_LOOKBACK = 100
 
 
 class FenceOps(SqlStoreBase):
@@ -68,10 +74,11 @@ class FenceOps(SqlStoreBase):
             fence.execution_seq,
         )
 
-    def _take_lease(self, tx: Tx, fence: Fence) -> tuple[str, str | None]:
-        """Delete the fenced lease and free its credit; StaleExecution if it is not live."""
+    def _take_lease(self, tx: Tx, fence: Fence) -> float:
+        """Delete the fenced lease and free its credit; return when the segment
+        started (its ``activated_at``). StaleExecution if it is not live."""
         row = tx.fetchone(
-            f"DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING function_id, node_id",
+            f"DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING activated_at",
             self._fence_params(fence),
         )
         if row is None:
@@ -79,7 +86,7 @@ class FenceOps(SqlStoreBase):
                 f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
             )
         self._free_credit(tx, fence.session_id, fence.run_id, fence.execution_seq)
-        return row[0], row[1]
+        return float(row[0])
 
     async def activate_lease(self, fence: Fence, *, lease_expiry_s: float) -> RunRecord:
         digest = token_hash(fence.lease_token)
@@ -256,7 +263,7 @@ class FenceOps(SqlStoreBase):
         self, fence: Fence, *, step_id: str, name: str, info: YieldInfo
     ) -> JobOutcome:
         def work(tx: Tx) -> JobOutcome:
-            self._take_lease(tx, fence)
+            segment_started = self._take_lease(tx, fence)
             tx.execute(
                 "UPDATE runs SET status = 'waiting', recovery_count = 0,"
                 " updated_at = ironflow_now() WHERE id = ?",
@@ -314,9 +321,40 @@ class FenceOps(SqlStoreBase):
                 match_value=match_value,
                 invoke_run_id=invoke_run_id,
             )
+            if isinstance(info, WaitYield) and self._match_early_event(
+                tx, fence.run_id, step_id, info, since=segment_started
+            ):
+                resumed = self._resume(tx, fence.run_id)
+                if resumed is not None:
+                    return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1], kicked_run_ids=kicked)
             return JobOutcome(fence.run_id, "waiting", kicked_run_ids=kicked)
 
         return await self._transact(work)
+
+    def _match_early_event(
+        self, tx: Tx, run_id: str, step_id: str, info: WaitYield, *, since: float
+    ) -> bool:
+        """Complete a wait just parked with an event that arrived while its segment
+        ran (after ``since``, before the park committed): ingest only matches
+        waits already parked, so without this look-back such an event is lost."""
+        candidates = tx.fetchall(
+            "SELECT id, name, data, received_at FROM events WHERE name = ? AND received_at >= ?"
+            f" ORDER BY received_at LIMIT {EARLY_EVENT_LOOKBACK}",
+            (info.event, since),
+        )
+        for event_id, name, data_text, received_at in candidates:
+            data = _dec(data_text)
+            if info.match is not None and lookup_path(data, info.match) != info.match_value:
+                continue
+            event = _enc({"id": event_id, "name": name, "data": data, "received_at": received_at})
+            return bool(
+                tx.execute(
+                    "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
+                    " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
+                    (event, run_id, step_id),
+                )
+            )
+        return False
 
     @staticmethod
     def _park_step(

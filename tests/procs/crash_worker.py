@@ -9,6 +9,9 @@ Functions it serves:
   ``two-done`` and returns the pid that finished it.
 - ``suicide`` (event ``suicide.go``): records ``start`` and kills its own
   process with SIGKILL, every time.
+- ``sleepy`` (event ``sleepy.go``): step ``before`` records ``before``, a
+  durable ``step.sleep`` of ``data.nap`` seconds (2 by default), step
+  ``after`` records ``after`` and returns the pid that finished it.
 
 Every side effect is one line ``<time.time()> <run_id> <what> <pid>``,
 appended and flushed at once, so a test counts exactly what happened even in
@@ -81,7 +84,23 @@ def main() -> None:
         os.kill(pid, signal.SIGKILL)
         await trio.sleep(10)
 
-    functions = [crashy, suicide]
+    @ironflow.function(id="sleepy", triggers=[ironflow.event("sleepy.go")])
+    async def sleepy(ctx: Any) -> Any:
+        run_id = ctx.run.id
+
+        async def before() -> str:
+            record(run_id, "before")
+            return "before-done"
+
+        async def after() -> int:
+            record(run_id, "after")
+            return pid
+
+        await ctx.step.run("before", before)
+        await ctx.step.sleep("nap", ctx.event.data.get("nap", 2.0))
+        return await ctx.step.run("after", after)
+
+    functions = [crashy, suicide, sleepy]
     worker: Any
     if args.pull:
         worker = ironflow.PullWorker(
