@@ -5,7 +5,7 @@ worker process loads no database or server code.
 """
 
 from ironflow.protocol import Concurrency, RetryPolicy, Trigger
-from ironflow.sdk.client import Ironflow
+from ironflow.sdk.client import Ironflow, IronflowSync
 from ironflow.sdk.context import Context, RunInfo, Step
 from ironflow.sdk.errors import (
     InvokeError,
@@ -30,6 +30,7 @@ __all__ = [
     "Ironflow",
     "IronflowAPIError",
     "IronflowError",
+    "IronflowSync",
     "NonRetryableError",
     "PullWorker",
     "RetryPolicy",
