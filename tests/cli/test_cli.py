@@ -184,11 +184,15 @@ def test_every_timing_has_a_serve_flag(served: list[NodeConfig], field: str) -> 
     assert getattr(served[0].timings, field) == value
 
 
-def test_python_m_ironflow_node_goes_through_serve(served: list[NodeConfig]) -> None:
-    from ironflow import node
+def test_python_m_ironflow_goes_through_serve(
+    served: list[NodeConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import runpy
+    import sys
 
+    monkeypatch.setattr(sys, "argv", ["ironflow", "serve", "--dev", "--port", "9555"])
     with pytest.raises(SystemExit) as exit_info:
-        node.main(["--dev", "--port", "9555"])
+        runpy.run_module("ironflow", run_name="__main__")
     assert exit_info.value.code == 0
     assert served[0].port == 9555 and served[0].dev
 
