@@ -1,7 +1,7 @@
 """The engine node: builds the nursery tree of actors and serves the API.
 
-``python -m ironflow.node [--dev]`` (also ``ironflow serve``) runs
-``trio.run`` once::
+``ironflow serve [--dev]`` (``python -m ironflow serve``; see
+``ironflow/cli/serve.py``) runs :func:`serve` under ``trio.run`` once::
 
     node nursery
     ├── api                 hypercorn + quart-trio (session actor per websocket),
@@ -224,16 +224,3 @@ async def serve(config: NodeConfig) -> None:
             nursery.start_soon(_watch_signals, signals, node)
             await node.run()
             nursery.cancel_scope.cancel()
-
-
-def main(argv: list[str] | None = None) -> None:
-    """``python -m ironflow.node``: same flags as ``ironflow serve``."""
-    from ironflow.cli import main as cli_main
-
-    cli_main(["serve", *(argv if argv is not None else [])], standalone_mode=True)
-
-
-if __name__ == "__main__":
-    import sys
-
-    main(sys.argv[1:])

@@ -5,7 +5,7 @@
                             [--concurrency 50] [--inflight 32] [--json] [--profile]
 
 For each repeat a FRESH node is started as a subprocess (``python -m
-ironflow.node --dev`` on a free port, with a fresh temp state dir and SQLite
+ironflow serve --dev`` on a free port, with a fresh temp state dir and SQLite
 file, or a fresh database on a throwaway PostgreSQL cluster that this script
 starts and stops itself), then ONE worker subprocess (this script re-invoked
 with the hidden ``--worker`` flag: a ``StreamingWorker`` with
@@ -385,7 +385,7 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         node_log = tmp / "node.log"
-        node = _spawn([sys.executable, "-m", "ironflow.node", "--dev", "--port", str(port), "--db", db,
+        node = _spawn([sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port), "--db", db,
                        "--state-dir", str(tmp / "state"), "--log-level", args.node_log_level], node_log)
         await _wait_ready(url, node, node_log)
         out = tmp / "worker.jsonl"

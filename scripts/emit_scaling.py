@@ -29,7 +29,7 @@ def start_node(db: str | None, limit: int) -> str:
     port = free_port()
     state = mkdtemp("ifscale.")
     argv = [
-        sys.executable, "-m", "ironflow.node", "--dev", "--port", str(port), "--state-dir", state,
+        sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port), "--state-dir", state,
         "--max-functions-per-worker", str(BATCH), "--log-level", "WARNING",
         "--db", db or f"{state}/ironflow.db",
     ]

@@ -6,7 +6,7 @@
                                      [--json] [--slow 600] [--keep]
 
 For each repeat a FRESH node is started as a subprocess (``python -m
-ironflow.node --db <fresh db> --port <free> --state-dir <tmp>``, plus ``--dev``
+ironflow serve --db <fresh db> --port <free> --state-dir <tmp>``, plus ``--dev``
 with ``--timings dev``). With default timings the node is NOT started with
 ``--dev``, so org endpoints need an API key: one org admin key is minted
 straight in the fresh database before the node starts, sent as
@@ -246,7 +246,7 @@ def one_repeat(args: argparse.Namespace, scenario: str, pg: ThrowawayPostgres | 
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         node_log = tmp / "node.log"
-        cmd = [sys.executable, "-m", "ironflow.node", "--db", db, "--port", str(port),
+        cmd = [sys.executable, "-m", "ironflow", "serve", "--db", db, "--port", str(port),
                "--state-dir", str(tmp / "state"), "--node-id", f"recov-{index + 1}"]
         if args.timings == "dev":
             cmd.append("--dev")

@@ -6,7 +6,7 @@ worker process loads no database or server code.
 
 from ironflow.protocol import Concurrency, RetryPolicy, Trigger
 from ironflow.protocol import EventInfo as Event
-from ironflow.sdk.client import Ironflow
+from ironflow.sdk.client import Ironflow, IronflowSync
 from ironflow.sdk.context import Context, RunInfo, Step, StepInfo, step_info
 from ironflow.sdk.errors import (
     InvokeError,
@@ -32,6 +32,7 @@ __all__ = [
     "Ironflow",
     "IronflowAPIError",
     "IronflowError",
+    "IronflowSync",
     "NonRetryableError",
     "PullWorker",
     "RetryPolicy",

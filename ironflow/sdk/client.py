@@ -1,37 +1,48 @@
-"""``Ironflow``: the event client — emit events, inspect and cancel runs over HTTP."""
+"""The event clients: emit events, inspect and cancel runs over HTTP.
+
+:class:`Ironflow` is async (for workers and Trio programs); :class:`IronflowSync`
+is its blocking twin (for scripts and the ``ironflow`` CLI). Both send the
+calls described in :mod:`ironflow.sdk.calls` and decode every answer into the
+protocol's types, so they share paths, bodies, decoding and error mapping and
+differ only in the httpx client underneath.
+"""
 
 from __future__ import annotations
 
 import os
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
 
 from ironflow.config import DEFAULT_SERVER_URL
-from ironflow.protocol import (
-    ApiError,
-    CancelRequest,
-    EmitRequest,
-    EmitResponse,
-    InvokeRequest,
-    encoder,
-)
+from ironflow.protocol import ApiError, CancelResponse, EmitResponse, RunDetail, RunRecord
+from ironflow.sdk import calls
+from ironflow.sdk.calls import Answer, Call
 from ironflow.sdk.errors import IronflowAPIError
 
 # REST calls are short; a slow node should surface as an error, not a hang.
 DEFAULT_TIMEOUT_S = 30.0
+# How much of a non-JSON error page (a proxy's, a crash page) to keep in the message.
+ERROR_TEXT_MAX = 500
+
+T = TypeVar("T")
 
 
 def raise_for_api_error(resp: httpx.Response) -> None:
-    """Raise ``IronflowAPIError(status, code, message)`` for a 4xx/5xx answer."""
+    """Raise ``IronflowAPIError(status, code, message)`` for a 4xx/5xx answer.
+
+    The API's ``{code, message}`` body is used as is; any other body (a proxy's
+    page) becomes the reason phrase as code (``BAD_GATEWAY``) and its text.
+    """
     if resp.status_code < 400:
         return
     try:
         body = msgspec.json.decode(resp.content, type=ApiError)
-    except msgspec.DecodeError:  # not our JSON error body (a proxy, a crash page)
-        body = ApiError("HTTP_ERROR", resp.text[:500] if resp.content else resp.reason_phrase or "")
+    except msgspec.DecodeError:
+        code = resp.reason_phrase.upper().replace(" ", "_") or "HTTP_ERROR"
+        body = ApiError(code, resp.text.strip()[:ERROR_TEXT_MAX] or "(empty answer)")
     raise IronflowAPIError(resp.status_code, body.code, body.message)
 
 
@@ -42,13 +53,26 @@ def auth_headers(api_key: str | None) -> dict[str, str]:
     return headers
 
 
+def _target(server_url: str | None, api_key: str | None) -> tuple[str, str | None]:
+    """The server and key a client uses: the arguments, else ``IRONFLOW_*``, else defaults."""
+    server = (server_url or os.environ.get("IRONFLOW_SERVER_URL") or DEFAULT_SERVER_URL).rstrip("/")
+    return server, api_key if api_key is not None else os.environ.get("IRONFLOW_API_KEY")
+
+
+def _answer(call: Call[T], resp: httpx.Response) -> Answer[T]:
+    raise_for_api_error(resp)
+    return Answer(call.decode(resp.content), resp.content)
+
+
 class Ironflow:
-    """Client for an engine node's HTTP API.
+    """Async client for an engine node's HTTP API.
 
     ``server_url`` defaults to ``IRONFLOW_SERVER_URL`` (else
     ``http://localhost:9123``), ``api_key`` to ``IRONFLOW_API_KEY``. Use as
     ``async with Ironflow() as client:`` or call ``aclose()``. Every method
-    raises ``IronflowAPIError`` on a 4xx/5xx answer.
+    raises ``IronflowAPIError`` on a 4xx/5xx answer, ``msgspec.DecodeError``
+    on an answer that is not the documented type, and httpx's errors when the
+    node cannot be reached.
     """
 
     def __init__(
@@ -59,10 +83,7 @@ class Ironflow:
         timeout: float = DEFAULT_TIMEOUT_S,
         transport: httpx.AsyncBaseTransport | None = None,
     ):
-        self.server_url = (
-            server_url or os.environ.get("IRONFLOW_SERVER_URL") or DEFAULT_SERVER_URL
-        ).rstrip("/")
-        self.api_key = api_key if api_key is not None else os.environ.get("IRONFLOW_API_KEY")
+        self.server_url, self.api_key = _target(server_url, api_key)
         self._http = httpx.AsyncClient(
             base_url=self.server_url,
             headers=auth_headers(self.api_key),
@@ -84,46 +105,81 @@ class Ironflow:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def _request(self, method: str, path: str, body: Any = None, **params: Any) -> Any:
-        content = None if body is None else encoder.encode(body)
-        query = {k: v for k, v in params.items() if v is not None}
-        resp = await self._http.request(method, path, content=content, params=query or None)
-        raise_for_api_error(resp)
-        return msgspec.json.decode(resp.content) if resp.content else None
+    async def send(self, call: Call[T]) -> Answer[T]:
+        """Send ``call`` (see :mod:`ironflow.sdk.calls`); its decoded answer and raw JSON."""
+        resp = await self._http.request(
+            call.method, call.path, content=call.content(), params=call.query() or None
+        )
+        return _answer(call, resp)
 
     async def emit(
         self, name: str, data: Any = None, idempotency_key: str | None = None
     ) -> EmitResponse:
         """Emit event ``name`` with ``data``; returns the event id and the runs it started."""
-        body = EmitRequest(name=name, data={} if data is None else data, idempotency_key=idempotency_key)
-        out = await self._request("POST", "/v1/events", body)
-        return msgspec.convert(out, EmitResponse)
+        return (await self.send(calls.emit(name, data, idempotency_key))).value
 
-    async def get_run(self, run_id: str) -> dict[str, Any]:
-        """The run's detail: ``{run, steps, queue, lease, waiting_reason, db_now}``."""
-        out: dict[str, Any] = await self._request("GET", f"/v1/runs/{run_id}")
-        return out
+    async def get_run(self, run_id: str) -> RunDetail:
+        """The run with its steps, queue entry, lease and why it waits."""
+        return (await self.send(calls.get_run(run_id))).value
 
     async def list_runs(
         self, *, status: str | None = None, function: str | None = None, limit: int | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[RunRecord]:
         """Runs, newest first, optionally filtered by status and function id."""
-        out = await self._request("GET", "/v1/runs", status=status, function=function, limit=limit)
-        runs: list[dict[str, Any]] = out["runs"]
-        return runs
+        call = calls.list_runs(status=status, function=function, limit=limit)
+        return (await self.send(call)).value.runs
 
-    async def cancel_run(self, run_id: str, reason: str = "cancelled by user") -> dict[str, Any]:
+    async def cancel_run(self, run_id: str, reason: str = "cancelled by user") -> CancelResponse:
         """Cancel a run; its worker is told to stop the running segment."""
-        out: dict[str, Any] = await self._request(
-            "POST", f"/v1/runs/{run_id}/cancel", CancelRequest(reason=reason)
-        )
-        return out
+        return (await self.send(calls.cancel_run(run_id, reason))).value
 
     async def invoke(self, function_id: str, data: Any = None) -> str:
         """Start function ``function_id`` directly; returns the new run id."""
-        out = await self._request(
-            "POST",
-            f"/v1/functions/{function_id}/invoke",
-            InvokeRequest(data={} if data is None else data),
+        return (await self.send(calls.invoke(function_id, data))).value.run_id
+
+
+class IronflowSync:
+    """The blocking twin of :class:`Ironflow`, for scripts and the CLI.
+
+    Same arguments and defaults; ``transport`` is a sync httpx transport
+    (tests pass ``httpx.MockTransport``). Use as ``with IronflowSync() as
+    client:`` or call ``close()``. :meth:`send` raises what
+    :meth:`Ironflow.send` raises.
+    """
+
+    def __init__(
+        self,
+        server_url: str | None = None,
+        api_key: str | None = None,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        transport: httpx.BaseTransport | None = None,
+    ):
+        self.server_url, self.api_key = _target(server_url, api_key)
+        self._http = httpx.Client(
+            base_url=self.server_url,
+            headers=auth_headers(self.api_key),
+            timeout=timeout,
+            transport=transport,
         )
-        return str(out["run_id"])
+
+    def __enter__(self) -> IronflowSync:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def send(self, call: Call[T]) -> Answer[T]:
+        """Send ``call`` (see :mod:`ironflow.sdk.calls`); its decoded answer and raw JSON."""
+        resp = self._http.request(
+            call.method, call.path, content=call.content(), params=call.query() or None
+        )
+        return _answer(call, resp)

@@ -20,6 +20,9 @@ import pytest
 from click.testing import CliRunner, Result
 
 from ironflow import cli
+from ironflow.cli import keys as keys_cli
+from ironflow.cli import render
+from ironflow.cli import serve as serve_cli
 from ironflow.config import NodeConfig, Timings
 
 Handler = Callable[[httpx.Request], httpx.Response]
@@ -73,7 +76,7 @@ def closed_port() -> int:
 def served(monkeypatch: pytest.MonkeyPatch) -> list[NodeConfig]:
     """Capture the config `serve` would run the node with, instead of running it."""
     configs: list[NodeConfig] = []
-    monkeypatch.setattr(cli, "_serve_node", configs.append)
+    monkeypatch.setattr(serve_cli, "_serve_node", configs.append)
     return configs
 
 
@@ -176,16 +179,20 @@ def test_postgres_url_is_shown_without_its_password(served: list[NodeConfig]) ->
 @pytest.mark.parametrize("field", Timings.__struct_fields__)
 def test_every_timing_has_a_serve_flag(served: list[NodeConfig], field: str) -> None:
     value = getattr(Timings(), field) + 1  # distinct from the default, still valid
-    result = run(["serve", cli._timing_flag(field), str(value)])
+    result = run(["serve", serve_cli.timing_flag(field), str(value)])
     assert result.exit_code == 0, result.output
     assert getattr(served[0].timings, field) == value
 
 
-def test_python_m_ironflow_node_goes_through_serve(served: list[NodeConfig]) -> None:
-    from ironflow import node
+def test_python_m_ironflow_goes_through_serve(
+    served: list[NodeConfig], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import runpy
+    import sys
 
+    monkeypatch.setattr(sys, "argv", ["ironflow", "serve", "--dev", "--port", "9555"])
     with pytest.raises(SystemExit) as exit_info:
-        node.main(["--dev", "--port", "9555"])
+        runpy.run_module("ironflow", run_name="__main__")
     assert exit_info.value.code == 0
     assert served[0].port == 9555 and served[0].dev
 
@@ -602,7 +609,7 @@ def test_keys_create_with_db_mints_in_the_database(
         stores.append(FakeStore(url))
         return stores[-1]
 
-    monkeypatch.setattr(cli, "_open_store", open_store)
+    monkeypatch.setattr(keys_cli, "_open_store", open_store)
     (tmp_path / "ironflow.db").write_bytes(b"")
     result = run(["keys", "create", "--platform", "--db", "ironflow.db"], must_not_call)
     assert result.exit_code == 0, result.output
@@ -663,16 +670,16 @@ def test_keys_create_directly_in_a_real_sqlite_store(tmp_path: Path) -> None:
     ],
 )
 def test_relative_times(delta: float, expected: str) -> None:
-    assert cli._ago(1000.0 - delta, 1000.0) == expected
+    assert render.ago(1000.0 - delta, 1000.0) == expected
 
 
 def test_countdown_and_durations() -> None:
-    assert cli._countdown(12.34) == "in 12.3s"
-    assert cli._countdown(-0.5) == "now"
-    assert cli._countdown(-0.5, past="expired") == "expired"
-    assert cli._ms(3.14159) == "3.1 ms"
-    assert cli._ms(1234.5) == "1234 ms"
-    assert cli._ms(None) == "-"
+    assert render.countdown(12.34) == "in 12.3s"
+    assert render.countdown(-0.5) == "now"
+    assert render.countdown(-0.5, past="expired") == "expired"
+    assert render.ms(3.14159) == "3.1 ms"
+    assert render.ms(1234.5) == "1234 ms"
+    assert render.ms(None) == "-"
 
 
 # ── runs purge ──────────────────────────────────────────────────────────────

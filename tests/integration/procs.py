@@ -90,7 +90,7 @@ async def start_worker(server: str, effects: Path, log_dir: Path, *, pull: bool 
 
 async def start_node(db: str, state_dir: Path, log_dir: Path, *, node_id: str, port: int, extra: list[str] | None = None) -> Proc:
     argv = [
-        sys.executable, "-m", "ironflow.node", "--dev", "--db", db, "--port", str(port),
+        sys.executable, "-m", "ironflow", "serve", "--dev", "--db", db, "--port", str(port),
         "--node-id", node_id, "--state-dir", str(state_dir), *(extra or []),
     ]
     proc = Proc(argv, log_dir / f"{node_id}.log")

@@ -1,0 +1,159 @@
+"""``ironflow serve``: build a NodeConfig from flags and run a node.
+
+The only CLI module that reaches the node, and it imports ``ironflow.node``
+late: the node pulls in the web stack and the store, which no other command
+needs.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from ironflow.cli.errors import usage_failure
+from ironflow.config import (
+    DEFAULT_PORT,
+    DEV_TIMINGS,
+    ConfigError,
+    Limits,
+    NodeConfig,
+    Timings,
+    load_config,
+    redact_url,
+)
+
+# What the shell reports for a process stopped by Ctrl-C (128 + SIGINT).
+EXIT_INTERRUPTED = 130
+
+
+def timing_flag(field: str) -> str:
+    """``lease_expiry_s`` → ``--lease-expiry``."""
+    name = field[:-2] if field.endswith("_s") else field
+    return "--" + name.replace("_", "-")
+
+
+def _struct_options(struct: type[Any], section: str, dev: dict[str, float]) -> Callable[..., Any]:
+    """One flag per field of ``struct`` (Timings or Limits), default and --dev value in its help."""
+    defaults = struct()
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        for field in reversed(struct.__struct_fields__):
+            default = getattr(defaults, field)
+            is_int = isinstance(default, int) and not isinstance(default, bool)
+            dev_note = f", --dev {dev[field]:g}" if field in dev else ""
+            func = click.option(
+                timing_flag(field),
+                field,
+                type=int if is_int else float,
+                default=None,
+                metavar="N" if is_int else "SECONDS",
+                help=f"{'Count' if is_int else 'Seconds'} "
+                f"({section}.{field}; default {default:g}{dev_note}).",
+            )(func)
+        return func
+
+    return decorate
+
+
+def _banner(config: NodeConfig) -> list[str]:
+    host = config.host
+    shown = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::", "") else host
+    lines = [f"ironflow: engine node starting on http://{shown}:{config.port}"]
+    kind = "PostgreSQL" if config.is_postgres else "SQLite"
+    lines.append(f"ironflow: database {redact_url(config.database_url)} ({kind})")
+    if config.dev:
+        t = config.timings
+        lines.append(
+            "ironflow: --dev: org endpoints need no API key; loop-1 timings shortened "
+            f"(heartbeat {t.heartbeat_interval_s:g} s, lease {t.lease_expiry_s:g} s, "
+            f"scanner {t.scanner_interval_s:g} s, grace {t.recovery_grace_s:g} s)"
+        )
+    lines.append("ironflow: Ctrl-C drains workers; a second Ctrl-C stops at once")
+    return lines
+
+
+def _serve_node(config: NodeConfig) -> None:
+    """Run the node until it drains (imported late: the node pulls in the web stack)."""
+    import trio
+
+    from ironflow import logs, node
+
+    logs.setup(config.log_level)
+    trio.run(node.serve, config)
+
+
+@click.command()
+@click.option(
+    "--dev", is_flag=True, help="Local development: no key for org endpoints, short timings."
+)
+@click.option(
+    "--db", default=None, help="SQLite path or postgresql:// URL (env IRONFLOW_DATABASE_URL)."
+)
+@click.option("--host", default=None, help="Interface to bind (default 127.0.0.1).")
+@click.option("--port", type=int, default=None, help=f"Port to bind (default {DEFAULT_PORT}).")
+@click.option("--node-id", default=None, help="Stable node id (default: hostname + random suffix).")
+@click.option(
+    "-f",
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="YAML config file (top-level NodeConfig fields, timings under 'timings:').",
+)
+@click.option(
+    "--state-dir",
+    default=None,
+    help="Where the SQLite default and dev key live (default .ironflow).",
+)
+@click.option(
+    "--log-level",
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+    default=None,
+    help="Log level (default INFO).",
+)
+@_struct_options(Timings, "timings", DEV_TIMINGS)
+@_struct_options(Limits, "limits", {})
+def serve(
+    dev: bool,
+    db: str | None,
+    host: str | None,
+    port: int | None,
+    node_id: str | None,
+    config_file: str | None,
+    state_dir: str | None,
+    log_level: str | None,
+    **flags: Any,
+) -> None:
+    """Run an engine node (Ctrl-C drains, a second Ctrl-C stops).
+
+    Precedence, lowest first: seed defaults, --dev, the -f file, IRONFLOW_*
+    variables, flags. Leases, sessions and stale-claim thresholds must be at
+    least 2x the heartbeat interval.
+    """
+    try:
+        config = load_config(
+            file=config_file,
+            dev=dev,
+            overrides={
+                "db": db,
+                "host": host,
+                "port": port,
+                "node_id": node_id,
+                "state_dir": state_dir,
+                "log_level": log_level.upper() if log_level else None,
+            },
+            timing_overrides={k: v for k, v in flags.items() if k in Timings.__struct_fields__},
+            limit_overrides={k: v for k, v in flags.items() if k in Limits.__struct_fields__},
+        )
+    except ConfigError as exc:
+        usage_failure(str(exc))
+    for line in _banner(config):
+        click.echo(line, err=True)
+    try:
+        _serve_node(config)
+    except KeyboardInterrupt:  # only before the node's signal receiver is open
+        click.echo("ironflow: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)

@@ -1,0 +1,138 @@
+"""The ``/v1`` calls a client makes: method, path, body and the answer's type.
+
+Each function here describes one endpoint call as a :class:`Call`; the async
+:class:`~ironflow.sdk.client.Ironflow` and the sync
+:class:`~ironflow.sdk.client.IronflowSync` send the same descriptions, so the
+two clients cannot disagree on a path, a body or how an answer is decoded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+from ironflow.protocol import (
+    AuditList,
+    CancelRequest,
+    CancelResponse,
+    EmitRequest,
+    EmitResponse,
+    FinishedRunStatus,
+    FunctionList,
+    InvokeRequest,
+    InvokeResponse,
+    KeyCreateRequest,
+    KeyCreateResponse,
+    LeaseList,
+    PurgeRequest,
+    PurgeResponse,
+    QueueList,
+    RunDetail,
+    RunList,
+    SessionList,
+    encoder,
+)
+
+T = TypeVar("T")
+
+
+class Call(msgspec.Struct, Generic[T], frozen=True):
+    """One request to a node and the type its answer decodes into.
+
+    ``params`` with a ``None`` value are left out of the query string.
+    """
+
+    method: str
+    path: str
+    answer: type[T]
+    body: msgspec.Struct | None = None
+    params: Mapping[str, Any] = {}
+
+    def content(self) -> bytes | None:
+        """The body as JSON, its ``None`` fields left out.
+
+        Every optional field of a request body defaults to ``None`` on the
+        API's side, so leaving it out says the same thing and keeps the body
+        as a person would write it.
+        """
+        if self.body is None:
+            return None
+        fields = msgspec.structs.asdict(self.body)
+        return encoder.encode({k: v for k, v in fields.items() if v is not None})
+
+    def query(self) -> dict[str, Any]:
+        return {k: v for k, v in self.params.items() if v is not None}
+
+    def decode(self, content: bytes) -> T:
+        """The answer as ``self.answer``; ``msgspec.DecodeError`` if it is not one."""
+        return msgspec.json.decode(content, type=self.answer)
+
+
+class Answer(msgspec.Struct, Generic[T], frozen=True):
+    """A decoded answer with the bytes it came from (the API's own JSON)."""
+
+    value: T
+    content: bytes
+
+
+def emit(name: str, data: Any = None, idempotency_key: str | None = None) -> Call[EmitResponse]:
+    body = EmitRequest(name=name, data={} if data is None else data, idempotency_key=idempotency_key)
+    return Call("POST", "/v1/events", EmitResponse, body)
+
+
+def get_run(run_id: str) -> Call[RunDetail]:
+    return Call("GET", f"/v1/runs/{run_id}", RunDetail)
+
+
+def list_runs(
+    *, status: str | None = None, function: str | None = None, limit: int | None = None
+) -> Call[RunList]:
+    params = {"status": status, "function": function, "limit": limit}
+    return Call("GET", "/v1/runs", RunList, params=params)
+
+
+def cancel_run(run_id: str, reason: str | None = None) -> Call[CancelResponse]:
+    body = CancelRequest() if reason is None else CancelRequest(reason=reason)
+    return Call("POST", f"/v1/runs/{run_id}/cancel", CancelResponse, body)
+
+
+def purge_runs(
+    older_than_s: float, statuses: Sequence[FinishedRunStatus] | None = None
+) -> Call[PurgeResponse]:
+    body = PurgeRequest(older_than_s=older_than_s, statuses=list(statuses) if statuses else None)
+    return Call("POST", "/v1/runs/purge", PurgeResponse, body)
+
+
+def list_functions(*, include_stale: bool = False) -> Call[FunctionList]:
+    params = {"all": "true" if include_stale else None}
+    return Call("GET", "/v1/functions", FunctionList, params=params)
+
+
+def invoke(function_id: str, data: Any = None) -> Call[InvokeResponse]:
+    body = InvokeRequest(data={} if data is None else data)
+    return Call("POST", f"/v1/functions/{function_id}/invoke", InvokeResponse, body)
+
+
+def list_audit(
+    *, run_id: str | None = None, type: str | None = None, limit: int | None = None
+) -> Call[AuditList]:
+    params = {"run_id": run_id, "type": type, "limit": limit}
+    return Call("GET", "/v1/audit", AuditList, params=params)
+
+
+def list_leases() -> Call[LeaseList]:
+    return Call("GET", "/v1/capacity/leases", LeaseList)
+
+
+def list_sessions() -> Call[SessionList]:
+    return Call("GET", "/v1/capacity/sessions", SessionList)
+
+
+def list_queue() -> Call[QueueList]:
+    return Call("GET", "/v1/capacity/queue", QueueList)
+
+
+def create_key(*, platform: bool = False, role: str = "admin") -> Call[KeyCreateResponse]:
+    return Call("POST", "/v1/keys", KeyCreateResponse, KeyCreateRequest(platform=platform, role=role))
