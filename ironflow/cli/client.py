@@ -70,7 +70,7 @@ def send(client: IronflowSync, call: Call[T]) -> Answer[T]:
     """Send ``call``; any failure (refused, unreachable, undecodable) is a CliFailure."""
     server = client.server_url
     try:
-        return client.send(call)
+        return client.request(call)
     except IronflowAPIError as exc:
         raise api_failure(exc) from None
     except httpx.ConnectError:

@@ -9,9 +9,11 @@ from typing import Any
 
 import click
 
-from ironflow.cli.client import show
+from ironflow.cli import render
+from ironflow.cli.client import send, show
 from ironflow.cli.errors import usage_failure
 from ironflow.cli.options import client_command, json_option
+from ironflow.cli.runs import print_result, wait_for_result
 from ironflow.protocol import EmitResponse
 from ironflow.sdk import calls
 from ironflow.sdk.client import IronflowSync
@@ -57,6 +59,8 @@ def print_emitted(answer: EmitResponse) -> None:
     "--data-file", default=None, help="Read the event data (JSON) from a file, '-' for stdin."
 )
 @click.option("--idempotency-key", default=None, help="A repeat within the window creates nothing.")
+@click.option("--wait", "wait", is_flag=True, help="Wait for the runs it started and print their output.")
+@click.option("--timeout", type=float, default=None, help="With --wait: give up after this many seconds.")
 @json_option
 def emit(
     client: IronflowSync,
@@ -64,8 +68,21 @@ def emit(
     data: str | None,
     data_file: str | None,
     idempotency_key: str | None,
+    wait: bool,
+    timeout: float | None,
     as_json: bool,
 ) -> None:
-    """Emit event NAME; print its id and the runs it started."""
+    """Emit event NAME; print its id and the runs it started (with --wait, their output)."""
     call = calls.emit(name, load_data(data, data_file), idempotency_key)
-    show(client, call, as_json=as_json, render_answer=print_emitted)
+    if not wait:
+        show(client, call, as_json=as_json, render_answer=print_emitted)
+        return
+    answer = send(client, call).value
+    if not as_json:
+        print_emitted(answer)
+    for run_id in answer.run_ids:
+        outcome = wait_for_result(client, run_id, timeout)
+        if as_json:
+            render.echo_json(outcome.content)
+        else:
+            print_result(outcome.value)

@@ -8,7 +8,8 @@ from typing import Any, cast
 import click
 
 from ironflow.cli import render
-from ironflow.cli.client import show
+from ironflow.cli.client import send, show
+from ironflow.cli.errors import CliFailure
 from ironflow.cli.options import client_command, json_option
 from ironflow.protocol import (
     CancelResponse,
@@ -17,9 +18,12 @@ from ironflow.protocol import (
     PurgeResponse,
     RunDetail,
     RunList,
+    RunResult,
     StepRecord,
+    encoder,
 )
 from ironflow.sdk import calls
+from ironflow.sdk.calls import Answer
 from ironflow.sdk.client import IronflowSync
 
 # A run's output gets more room than a table cell: it is the one thing shown.
@@ -177,6 +181,41 @@ def runs_cancel(client: IronflowSync, run_id: str, reason: str | None, as_json: 
         click.echo(f"run {answer.run_id} {answer.status}")
 
     show(client, calls.cancel_run(run_id, reason), as_json=as_json, render_answer=print_cancelled)
+
+
+def wait_for_result(client: IronflowSync, run_id: str, timeout: float | None) -> Answer[RunResult]:
+    """The run's outcome once it ends (the node holds each request open), or its
+    status when ``timeout`` seconds passed first."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        wait_s = calls.RESULT_WAIT_MAX_S if deadline is None else max(0.0, deadline - time.monotonic())
+        answer = send(client, calls.run_result(run_id, wait_s))
+        if answer.value.ended or (deadline is not None and time.monotonic() >= deadline):
+            return answer
+
+
+def print_result(outcome: RunResult) -> None:
+    """The output of a completed run as JSON; a run that did not complete is a failure."""
+    if not outcome.ended:
+        raise CliFailure(f"run {outcome.run_id} is still {outcome.status}")
+    if outcome.status != "completed":
+        error = outcome.error
+        detail = f"{error.code}: {error.message}" if error else outcome.status
+        raise CliFailure(f"run {outcome.run_id} {outcome.status}: {detail}")
+    render.echo_json(encoder.encode(outcome.output))
+
+
+@client_command(group, "wait")
+@click.argument("run_id")
+@click.option("--timeout", type=float, default=None, help="Give up after this many seconds (exit 1).")
+@json_option
+def runs_wait(client: IronflowSync, run_id: str, timeout: float | None, as_json: bool) -> None:
+    """Wait for a run to end and print its output (exit 1 if it failed or is still going)."""
+    answer = wait_for_result(client, run_id, timeout)
+    if as_json:
+        render.echo_json(answer.content)
+    else:
+        print_result(answer.value)
 
 
 class Duration(click.ParamType):

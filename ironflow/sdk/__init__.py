@@ -7,6 +7,7 @@ worker process loads no database or server code.
 from ironflow.protocol import Concurrency, RetryPolicy, Trigger
 from ironflow.protocol import EventInfo as Event
 from ironflow.sdk.client import Ironflow, IronflowSync
+from ironflow.sdk.client import IronflowSync as SyncClient
 from ironflow.sdk.context import Context, RunInfo, Step, StepInfo, step_info
 from ironflow.sdk.errors import (
     InvokeError,
@@ -14,6 +15,7 @@ from ironflow.sdk.errors import (
     IronflowError,
     NonRetryableError,
     RegistrationRefusedError,
+    RunFailedError,
     SerializationError,
     StepError,
     StepTimeoutError,
@@ -33,6 +35,8 @@ __all__ = [
     "IronflowAPIError",
     "IronflowError",
     "IronflowSync",
+    "RunFailedError",
+    "SyncClient",
     "NonRetryableError",
     "PullWorker",
     "RetryPolicy",

@@ -31,6 +31,7 @@ from ironflow.protocol import (
     QueueList,
     RunDetail,
     RunList,
+    RunResult,
     SessionList,
     encoder,
 )
@@ -49,6 +50,8 @@ class Call(msgspec.Struct, Generic[T], frozen=True):
     answer: type[T]
     body: msgspec.Struct | None = None
     params: Mapping[str, Any] = {}
+    # Seconds the answer may take (a held-open result wait); None: the client's default.
+    timeout: float | None = None
 
     def content(self) -> bytes | None:
         """The body as JSON, its ``None`` fields left out.
@@ -84,6 +87,21 @@ def emit(name: str, data: Any = None, idempotency_key: str | None = None) -> Cal
 
 def get_run(run_id: str) -> Call[RunDetail]:
     return Call("GET", f"/v1/runs/{run_id}", RunDetail)
+
+
+# Longest one result request is held open by the node; longer waits are several requests.
+RESULT_WAIT_MAX_S = 60.0
+# Added to a held-open request's timeout: the node answers at wait_s, plus transit.
+RESULT_TIMEOUT_SLACK_S = 10.0
+
+
+def run_result(run_id: str, wait_s: float) -> Call[RunResult]:
+    """The run's outcome: 200 once it ended, 202 with its status if not within ``wait_s``."""
+    wait_s = max(0.0, min(wait_s, RESULT_WAIT_MAX_S))
+    return Call(
+        "GET", f"/v1/runs/{run_id}/result", RunResult,
+        params={"wait_s": wait_s}, timeout=wait_s + RESULT_TIMEOUT_SLACK_S,
+    )
 
 
 def list_runs(

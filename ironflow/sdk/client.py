@@ -10,6 +10,7 @@ differ only in the httpx client underneath.
 from __future__ import annotations
 
 import os
+import time
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -17,10 +18,17 @@ import httpx
 import msgspec
 
 from ironflow.config import DEFAULT_SERVER_URL
-from ironflow.protocol import ApiError, CancelResponse, EmitResponse, RunDetail, RunRecord
+from ironflow.protocol import (
+    ApiError,
+    CancelResponse,
+    EmitResponse,
+    RunDetail,
+    RunRecord,
+    RunResult,
+)
 from ironflow.sdk import calls
 from ironflow.sdk.calls import Answer, Call
-from ironflow.sdk.errors import IronflowAPIError
+from ironflow.sdk.errors import IronflowAPIError, RunFailedError
 
 # REST calls are short; a slow node should surface as an error, not a hang.
 DEFAULT_TIMEOUT_S = 30.0
@@ -64,6 +72,26 @@ def _answer(call: Call[T], resp: httpx.Response) -> Answer[T]:
     return Answer(call.decode(resp.content), resp.content)
 
 
+def _function_id(function: str | Any) -> str:
+    """A function id, or the id of a ``Function`` object."""
+    return function if isinstance(function, str) else str(function.id)
+
+
+def _output_of(outcome: RunResult, timeout: float | None) -> Any:
+    """The output of an ended run; its error as RunFailedError; TimeoutError if not ended."""
+    if not outcome.ended:
+        raise TimeoutError(f"run {outcome.run_id} is still {outcome.status} after {timeout:g} s")
+    if outcome.status == "completed":
+        return outcome.output
+    error = outcome.error
+    raise RunFailedError(
+        outcome.run_id,
+        outcome.status,
+        error.code if error else outcome.status.upper(),
+        error.message if error else f"run {outcome.status}",
+    )
+
+
 class Ironflow:
     """Async client for an engine node's HTTP API.
 
@@ -105,10 +133,11 @@ class Ironflow:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def send(self, call: Call[T]) -> Answer[T]:
+    async def request(self, call: Call[T]) -> Answer[T]:
         """Send ``call`` (see :mod:`ironflow.sdk.calls`); its decoded answer and raw JSON."""
         resp = await self._http.request(
-            call.method, call.path, content=call.content(), params=call.query() or None
+            call.method, call.path, content=call.content(), params=call.query() or None,
+            timeout=call.timeout if call.timeout is not None else httpx.USE_CLIENT_DEFAULT,
         )
         return _answer(call, resp)
 
@@ -116,26 +145,52 @@ class Ironflow:
         self, name: str, data: Any = None, idempotency_key: str | None = None
     ) -> EmitResponse:
         """Emit event ``name`` with ``data``; returns the event id and the runs it started."""
-        return (await self.send(calls.emit(name, data, idempotency_key))).value
+        return (await self.request(calls.emit(name, data, idempotency_key))).value
 
     async def get_run(self, run_id: str) -> RunDetail:
         """The run with its steps, queue entry, lease and why it waits."""
-        return (await self.send(calls.get_run(run_id))).value
+        return (await self.request(calls.get_run(run_id))).value
 
     async def list_runs(
         self, *, status: str | None = None, function: str | None = None, limit: int | None = None
     ) -> list[RunRecord]:
         """Runs, newest first, optionally filtered by status and function id."""
         call = calls.list_runs(status=status, function=function, limit=limit)
-        return (await self.send(call)).value.runs
+        return (await self.request(call)).value.runs
 
     async def cancel_run(self, run_id: str, reason: str = "cancelled by user") -> CancelResponse:
         """Cancel a run; its worker is told to stop the running segment."""
-        return (await self.send(calls.cancel_run(run_id, reason))).value
+        return (await self.request(calls.cancel_run(run_id, reason))).value
 
-    async def invoke(self, function_id: str, data: Any = None) -> str:
-        """Start function ``function_id`` directly; returns the new run id."""
-        return (await self.send(calls.invoke(function_id, data))).value.run_id
+    async def invoke(
+        self, function: str | Any, data: Any = None, *, wait: bool = False, timeout: float | None = None
+    ) -> Any:
+        """Start ``function`` (an id or a ``Function``) directly.
+
+        Returns the new run id; with ``wait=True``, the run's output once it
+        ends (as :meth:`result`).
+        """
+        run_id = (await self.request(calls.invoke(_function_id(function), data))).value.run_id
+        return await self.result(run_id, timeout=timeout) if wait else run_id
+
+    async def send(self, name: str, data: Any = None, idempotency_key: str | None = None) -> EmitResponse:
+        """Send event ``name`` (the same as :meth:`emit`)."""
+        return await self.emit(name, data, idempotency_key)
+
+    async def result(self, run_id: str, *, timeout: float | None = None) -> Any:
+        """The run's output as soon as it ends (the node holds the request open).
+
+        Raises:
+          RunFailedError: the run failed or was cancelled (its code and message).
+          TimeoutError: it had not ended after ``timeout`` seconds (None: wait on).
+          IronflowAPIError: the node refused (404 for an unknown run).
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait_s = calls.RESULT_WAIT_MAX_S if deadline is None else deadline - time.monotonic()
+            outcome = (await self.request(calls.run_result(run_id, wait_s))).value
+            if outcome.ended or (deadline is not None and time.monotonic() >= deadline):
+                return _output_of(outcome, timeout)
 
 
 class IronflowSync:
@@ -177,9 +232,32 @@ class IronflowSync:
     def close(self) -> None:
         self._http.close()
 
-    def send(self, call: Call[T]) -> Answer[T]:
+    def request(self, call: Call[T]) -> Answer[T]:
         """Send ``call`` (see :mod:`ironflow.sdk.calls`); its decoded answer and raw JSON."""
         resp = self._http.request(
-            call.method, call.path, content=call.content(), params=call.query() or None
+            call.method, call.path, content=call.content(), params=call.query() or None,
+            timeout=call.timeout if call.timeout is not None else httpx.USE_CLIENT_DEFAULT,
         )
         return _answer(call, resp)
+
+    def emit(self, name: str, data: Any = None, idempotency_key: str | None = None) -> EmitResponse:
+        """Emit event ``name`` with ``data``; returns the event id and the runs it started."""
+        return self.request(calls.emit(name, data, idempotency_key)).value
+
+    send = emit
+
+    def invoke(
+        self, function: str | Any, data: Any = None, *, wait: bool = False, timeout: float | None = None
+    ) -> Any:
+        """As :meth:`Ironflow.invoke`, blocking."""
+        run_id = self.request(calls.invoke(_function_id(function), data)).value.run_id
+        return self.result(run_id, timeout=timeout) if wait else run_id
+
+    def result(self, run_id: str, *, timeout: float | None = None) -> Any:
+        """As :meth:`Ironflow.result`, blocking."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait_s = calls.RESULT_WAIT_MAX_S if deadline is None else deadline - time.monotonic()
+            outcome = self.request(calls.run_result(run_id, wait_s)).value
+            if outcome.ended or (deadline is not None and time.monotonic() >= deadline):
+                return _output_of(outcome, timeout)

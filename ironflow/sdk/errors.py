@@ -86,6 +86,19 @@ class RegistrationRefusedError(IronflowError):
     code = "REGISTRATION_REFUSED"
 
 
+class RunFailedError(IronflowError):
+    """The awaited run ended without an output: it failed or was cancelled.
+
+    ``code`` and ``message`` are the run's error; ``status`` is ``failed`` or
+    ``cancelled``.
+    """
+
+    def __init__(self, run_id: str, status: str, code: str, message: str):
+        super().__init__(f"run {run_id} {status}: {code}: {message}", code=code, retryable=False)
+        self.run_id = run_id
+        self.status = status
+
+
 class IronflowAPIError(IronflowError):
     """The HTTP API answered 4xx/5xx: ``status``, the server's ``code`` and ``message``."""
 

@@ -56,7 +56,7 @@ def test_sync_client_decodes_an_answer_into_the_protocol_record_and_keeps_its_by
         "http://node.test", transport=httpx.MockTransport(lambda r: httpx.Response(200, json=body))
     )
     with client:
-        answer = client.send(calls.get_run("run_01"))
+        answer = client.request(calls.get_run("run_01"))
     assert isinstance(answer.value, RunDetail)
     assert answer.value.run.error == ErrorInfo("boom", "HANDLER_ERROR")
     assert json.loads(answer.content) == body
@@ -67,7 +67,7 @@ def test_sync_client_raises_the_api_errors_status_code_and_message() -> None:
     transport = httpx.MockTransport(lambda r: httpx.Response(404, json=body))
     with IronflowSync("http://node.test", transport=transport) as client:
         with pytest.raises(IronflowAPIError) as caught:
-            client.send(calls.get_run("run_x"))
+            client.request(calls.get_run("run_x"))
     assert (caught.value.status, caught.value.code, caught.value.message) == (
         404, "RUN_NOT_FOUND", "no run run_x",
     )
@@ -77,7 +77,7 @@ def test_an_error_page_that_is_not_json_is_named_by_its_reason_phrase() -> None:
     transport = httpx.MockTransport(lambda r: httpx.Response(502, text="  upstream down\n"))
     with IronflowSync("http://node.test", transport=transport) as client:
         with pytest.raises(IronflowAPIError) as caught:
-            client.send(calls.list_runs())
+            client.request(calls.list_runs())
     assert (caught.value.code, caught.value.message) == ("BAD_GATEWAY", "upstream down")
 
 
@@ -90,11 +90,11 @@ def test_the_sync_and_async_clients_send_the_same_request_for_one_call() -> None
 
     transport = httpx.MockTransport(handler)
     with IronflowSync("http://node.test", "ifkey_k", transport=transport) as sync_client:
-        sync_client.send(calls.list_runs(status="failed", limit=5))
+        sync_client.request(calls.list_runs(status="failed", limit=5))
 
     async def send_async() -> None:
         async with Ironflow("http://node.test", "ifkey_k", transport=transport) as client:
-            await client.send(calls.list_runs(status="failed", limit=5))
+            await client.request(calls.list_runs(status="failed", limit=5))
 
     trio.run(send_async)
     first, second = ((r.method, str(r.url), r.content, dict(r.headers)) for r in seen)

@@ -70,3 +70,46 @@ async def test_a_run_still_going_answers_202_and_bad_input_a_4xx(node: Node, htt
         await trio.sleep(0.2)
         await http.post(f"/v1/runs/{run_id}/cancel", json={"reason": "enough"})
     assert got[0]["status"] == "cancelled" and got[0]["error"]["code"] == "CANCELLED"
+
+
+async def test_the_client_awaits_results_async_and_sync_and_the_cli_waits(
+    node: Node, http: httpx.AsyncClient, nursery: trio.Nursery
+) -> None:
+    from click.testing import CliRunner
+
+    from ironflow.cli import main
+
+    worker = ironflow.StreamingWorker(node.url, [slowish], handle_signals=False, max_concurrent_jobs=4)
+    await nursery.start(worker.run)
+    async with ironflow.Ironflow(node.url) as client:
+        sent = await client.send("slowish.go", {"s": 0.05})
+        assert await client.result(sent.run_ids[0], timeout=20) == {"done": True}
+        assert await client.invoke(slowish, {"s": 0.05}, wait=True, timeout=20) == {"done": True}
+        failing = (await client.send("slowish.go", {"s": 0.05, "fail": True})).run_ids[0]
+        with pytest.raises(ironflow.RunFailedError) as failed:
+            await client.result(failing, timeout=20)
+        assert failed.value.code == "BROKE" and failed.value.status == "failed"
+        slow = (await client.send("slowish.go", {"s": 5})).run_ids[0]
+        with pytest.raises(TimeoutError):
+            await client.result(slow, timeout=0.3)
+        with pytest.raises(ironflow.IronflowAPIError) as missing:
+            await client.result("run_nope", timeout=1)
+        assert missing.value.status == 404
+
+    def sync_part() -> Any:
+        with ironflow.SyncClient(node.url) as sync:
+            run_id = sync.send("slowish.go", {"s": 0.05}).run_ids[0]
+            return sync.result(run_id, timeout=20)
+
+    assert await trio.to_thread.run_sync(sync_part) == {"done": True}
+
+    def cli(*args: str) -> Any:
+        return CliRunner().invoke(main, ["--server", node.url, *args], catch_exceptions=False)
+
+    done = await trio.to_thread.run_sync(cli, "emit", "slowish.go", "--data", '{"s": 0.05}', "--wait", "--timeout", "20")
+    assert done.exit_code == 0 and '"done": true' in done.output.replace('"done":true', '"done": true'), done.output
+    waited = await trio.to_thread.run_sync(cli, "runs", "wait", failing, "--timeout", "5")
+    assert waited.exit_code == 1 and "BROKE" in waited.output
+    waited = await trio.to_thread.run_sync(cli, "runs", "wait", slow, "--timeout", "0.2")
+    assert waited.exit_code == 1 and "still" in waited.output
+    worker.stop()

@@ -1,0 +1,100 @@
+"""Client round trip: ``send`` an event → ``result()`` returned, for a 1-step run.
+
+Usage: python scripts/result_latency.py [--runs 300] [--db postgresql://…] [--trials 3]
+
+Starts a ``--dev`` node (SQLite unless ``--db``) and one streaming worker
+process, then, sequentially, sends an event and awaits the run's output with
+``Ironflow.result()`` (the node holds the request open and answers when it
+ends the run). Prints p50/p99 per trial and the median of the trials' p50s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+import trio
+
+from children import LIVE, child_env, cleanup_all, free_port, mkdtemp
+
+
+def worker_main(url: str) -> None:
+    import ironflow
+
+    @ironflow.function(id="echo", triggers=[ironflow.event("echo.go")])
+    async def echo(ctx):  # type: ignore[no-untyped-def]
+        return await ctx.step.run("echo", lambda: ctx.event.data)
+
+    worker = ironflow.StreamingWorker(url, [echo], max_concurrent_jobs=10)
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)
+            print("READY", flush=True)
+
+    trio.run(run)
+
+
+def start(db: str | None) -> str:
+    port = free_port()
+    state = mkdtemp("ifres.")
+    argv = [sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port),
+            "--state-dir", state, "--log-level", "WARNING", "--db", db or f"{state}/ironflow.db"]
+    LIVE.append(subprocess.Popen(argv, env=child_env()))
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/readyz").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    worker = subprocess.Popen([sys.executable, __file__, "--worker", url], env=child_env(), stdout=subprocess.PIPE)
+    LIVE.append(worker)
+    assert worker.stdout is not None and worker.stdout.readline().strip() == b"READY"
+    return url
+
+
+async def trial(url: str, runs: int) -> list[float]:
+    import ironflow
+
+    samples = []
+    async with ironflow.Ironflow(url) as client:
+        for i in range(runs + 20):
+            t0 = time.perf_counter()
+            sent = await client.send("echo.go", {"i": i})
+            out = await client.result(sent.run_ids[0], timeout=30)
+            if i >= 20:  # warm-up
+                samples.append((time.perf_counter() - t0) * 1000)
+            assert out == {"i": i}
+    return sorted(samples)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=300)
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--db", default=None)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker_main(args.worker)
+        return
+    atexit.register(cleanup_all)
+    url = start(args.db)
+    p50s = []
+    for n in range(args.trials):
+        samples = trio.run(trial, url, args.runs)
+        p50, p99 = statistics.median(samples), samples[int(len(samples) * 0.99) - 1]
+        p50s.append(p50)
+        print(f"trial {n + 1}: send → result() p50 {p50:.2f} ms, p99 {p99:.2f} ms ({len(samples)} runs)")
+    print(f"median p50 over {args.trials} trials: {statistics.median(p50s):.2f} ms")
+
+
+if __name__ == "__main__":
+    main()
