@@ -94,3 +94,19 @@ def test_negative_history_retention_is_refused() -> None:
         load_config(env={}, timing_overrides={"history_retention_s": -1})
     with pytest.raises(ConfigError, match="janitor_interval_s must be positive"):
         load_config(env={}, timing_overrides={"janitor_interval_s": 0})
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (0, "timings.recovery_ceiling must be positive"),
+        (-1, "timings.recovery_ceiling must be positive"),
+        (2.5, "Expected `int`, got `float`"),
+        ("3 times", "Expected `int`, got `str`"),
+    ],
+)
+def test_a_recovery_ceiling_that_is_not_a_positive_integer_is_refused(value: object, message: str) -> None:
+    # The positivity loop and the typed decoder are the only guards: nothing
+    # after them needs to re-check the ceiling.
+    with pytest.raises(ConfigError, match=message):
+        load_config(env={}, timing_overrides={"recovery_ceiling": value})
