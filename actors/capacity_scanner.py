@@ -30,8 +30,9 @@ from ironflow.store import Store
 
 log = logging.getLogger("ironflow.capacity")
 
-# Wake this long after the earliest expiry: expiry is `expires_at < now` in
-# SQL, and the database clock must have moved strictly past it.
+# Wake this long after the earliest expiry: expiry is `expires_at <= now` in
+# SQL, so the database clock must have reached it; the slack absorbs float
+# rounding and any drift between the database clock and Trio's.
 EXPIRY_SLACK_S = 0.005
 
 

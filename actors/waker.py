@@ -14,7 +14,7 @@ import trio
 from actors.messages import Kick, kick
 from ironflow import logs
 from ironflow.config import NodeConfig
-from ironflow.store import Store
+from ironflow.store import Conflict, Store
 
 log = logging.getLogger("ironflow.waker")
 
@@ -39,7 +39,13 @@ async def run(
     while True:
         claimed = await store.claim_elapsed_steps(node_id, BATCH)
         for run_id, step_id in claimed:
-            await store.resume_claimed_step(node_id, run_id, step_id)
+            try:
+                await store.resume_claimed_step(node_id, run_id, step_id)
+            except Conflict:
+                # The claim was taken away since (the run was cancelled, or loop 2
+                # restored the step): nothing is ours to resume; the batch goes on.
+                logs.event(log, logging.INFO, "waker: claim lost before resume", run_id=run_id, step_id=step_id)
+                continue
             logs.event(log, logging.INFO, "waker: step woke, run resumed", run_id=run_id, step_id=step_id)
         if claimed:
             kick(kicks, "steps woke")

@@ -336,8 +336,6 @@ def validate(config: NodeConfig) -> None:
             f"timings.reservation_expiry_s={t.reservation_expiry_s:g}s is shorter than half "
             f"the heartbeat interval ({hb:g}s)"
         )
-    if t.recovery_ceiling < 0 or int(t.recovery_ceiling) != t.recovery_ceiling:
-        raise ConfigError("timings.recovery_ceiling must be a non-negative integer")
     if t.restart_backoff_max_s < t.restart_backoff_s:
         raise ConfigError("timings.restart_backoff_max_s must be ≥ restart_backoff_s")
     if not 0 < config.port < 65536 and config.port != 0:

@@ -19,7 +19,6 @@ import time
 
 import httpx
 import trio
-
 from children import LIVE, child_env, cleanup_all, free_port, mkdtemp
 
 

@@ -669,18 +669,67 @@ async def test_invoke_unknown_function_fails_step_and_resumes(store):
     assert step.status == "failed" and step.error.code == FunctionNotFound.code
 
 
+async def plant_queue_row(store: Store, run_id: str) -> None:
+    """Queue ``run_id``'s current segment by hand.
+
+    No public path leaves a step ``waking`` while its run is queued or leased
+    (resume completes the step and queues the run in one transaction), so the
+    loop-2 guards are defence in depth; the test builds that state directly.
+    """
+
+    def work(tx) -> None:
+        tx.execute(
+            "INSERT INTO dispatch_queue (run_id, execution_seq, function_id, concurrency_key,"
+            " eligible_at, reason, enqueued_at) SELECT id, current_execution_seq, function_id,"
+            " concurrency_key, ironflow_now(), 'resume', ironflow_now() FROM runs WHERE id = ?",
+            (run_id,),
+        )
+
+    await store._transact(work)  # type: ignore[attr-defined]
+
+
+async def step_claim(store: Store, run_id: str, step_id: str) -> tuple[str, str | None, float | None, str | None]:
+    """(status, claimed_by, claimed_at, pre_claim_status): the claim columns no record carries."""
+
+    def work(tx):
+        return tx.fetchone(
+            "SELECT status, claimed_by, claimed_at, pre_claim_status FROM steps"
+            " WHERE run_id = ? AND step_id = ?",
+            (run_id, step_id),
+        )
+
+    return tuple(await store._transact(work))  # type: ignore[attr-defined]
+
+
 async def test_reset_stale_claims_only_without_lease_or_queue(store):
-    f = await running(store)
+    s = await worker(store, slots=3)
+    fences = [await running(store, s) for _ in range(3)]
+    leased, queued, free = (f.run_id for f in fences)
     now = await store.db_now()
-    await store.yield_job(f, step_id="z", name="z", info=SleepYield(until=now + 1))
+    for f in fences:
+        await store.yield_job(f, step_id="z", name="z", info=SleepYield(until=now + 1))
     await store.advance_clock(2)
-    assert await store.claim_elapsed_steps("dead-node", 10) == [(f.run_id, "z")]
-    assert await store.reset_stale_claims(120) == 0
+    assert len(await store.claim_elapsed_steps("dead-node", 10)) == 3
+    # The run `leased` holds a concurrency lease (and no queue row) ...
+    await plant_queue_row(store, leased)
+    (res,) = await reserve(store, s)
+    await store.activate_lease(fence_of(res), lease_expiry_s=10_000)
+    # ... the run `queued` a dispatch-queue row (and no lease), `free` neither.
+    await plant_queue_row(store, queued)
+    detail = {r: await store.get_run(r) for r in (leased, queued, free)}
+    assert detail[leased].lease is not None and detail[leased].queue is None
+    assert detail[queued].lease is None and detail[queued].queue is not None
+    assert detail[free].lease is None and detail[free].queue is None
+
+    assert await store.reset_stale_claims(120) == 0  # every claim is younger than the threshold
     await store.advance_clock(121)
     assert await store.reset_stale_claims(120) == 1
-    step = (await store.get_run(f.run_id)).steps[0]
-    assert step.status == "sleeping"
-    assert await store.claim_elapsed_steps("n1", 10) == [(f.run_id, "z")]
+    assert await step_claim(store, free, "z") == ("sleeping", None, None, None)
+    for guarded in (leased, queued):
+        status, by, _, pre = await step_claim(store, guarded, "z")
+        assert (status, by, pre) == ("waking", "dead-node", "sleeping")
+    # Restored, the step is claimable again.
+    assert await store.claim_elapsed_steps("n1", 10) == [(free, "z")]
 
 
 # ── misc reads, keys, functions ──────────────────────────────────────────────
@@ -742,11 +791,44 @@ async def test_seconds_until_helpers(store):
     assert RESERVATION - 5 < await store.seconds_until_next_capacity_expiry() <= RESERVATION
 
 
-async def test_nodes_register_and_heartbeat(store):
+async def node_rows(store: Store) -> dict[str, tuple[float, float]]:
+    """node id → (started_at, heartbeat_at); no public read exposes the nodes table."""
+
+    def work(tx) -> dict[str, tuple[float, float]]:
+        rows = tx.fetchall("SELECT id, started_at, heartbeat_at FROM nodes")
+        return {r[0]: (float(r[1]), float(r[2])) for r in rows}
+
+    return await store._transact(work)  # type: ignore[attr-defined]
+
+
+async def test_node_heartbeat_moves_heartbeat_at_and_registers_an_unknown_node(store):
     await store.register_node("n1")
+    t0 = await store.db_now()
+    started, beat = (await node_rows(store))["n1"]
+    assert t0 - 1 < started <= beat <= t0 and beat - started < 0.1
+    await store.advance_clock(5)
     await store.node_heartbeat("n1")
-    await store.node_heartbeat("n2")
-    assert await store.db_now() > 1e9
+    await store.node_heartbeat("n2")  # e.g. its row was purged: the heartbeat re-creates it
+    rows = await node_rows(store)
+    assert rows["n1"][0] == started
+    assert rows["n1"][1] - beat == pytest.approx(5, abs=1)
+    n2_started, n2_beat = rows["n2"]
+    assert n2_started == pytest.approx(n2_beat, abs=0.1)
+    assert n2_beat == pytest.approx(rows["n1"][1], abs=1)
+
+
+async def test_database_clock_tracks_the_wall_clock_and_advance_clock_moves_it_by_exactly_that(store):
+    wall_before = time.time()
+    first = await store.db_now()
+    wall_after = time.time()
+    assert wall_before - 1 < first < wall_after + 1
+    await store.advance_clock(3600)
+    second = await store.db_now()
+    elapsed = time.time() - wall_before
+    # Exactly the hour, plus at most the real time that passed between the reads.
+    assert 3600 - 1e-3 <= second - first <= 3600 + elapsed + 1e-3
+    await store.advance_clock(0.25)
+    assert 0.25 - 1e-3 <= await store.db_now() - second <= 0.25 + (time.time() - wall_before) + 1e-3
 
 
 async def test_retry_policy_from_function_definition(store):
@@ -765,7 +847,7 @@ async def test_watch_kicks_stops_promptly_when_cancelled_at_any_moment(store):
 
 async def test_watch_kicks_hears_work_committed_by_another_store(store, store_url):
     if not store_url.startswith("postgresql"):
-        return  # one node per SQLite file: there is no other node to hear
+        pytest.skip("PostgreSQL only: one node per SQLite file, so no other node to hear")
     from ironflow.store import open_store
 
     heard = trio.Event()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import trio
 
@@ -57,12 +60,28 @@ async def test_failing_request_does_not_poison_its_commit_group(tmp_path):
 
 
 async def test_memory_path_uses_a_temporary_file():
-    store = open_store(":memory:")
-    await store.open()
+    stores = [open_store(":memory:"), open_store("sqlite:///:memory:")]
+    paths = [Path(s.path) for s in stores]  # type: ignore[attr-defined]
     try:
-        assert await store.db_now() > 1e9
+        for store in stores:
+            await store.open()
+        # A real file each (WAL and the writer thread need one), never shared.
+        assert paths[0] != paths[1]
+        for path in paths:
+            assert path.parent == Path(tempfile.gettempdir()) and path.name.startswith("ironflow-")
+            assert path.is_file() and path.stat().st_size > 0
+        await stores[0].register_worker(
+            node_id="n1", worker_id="w", mode="stream", max_concurrent_jobs=1,
+            functions=[FunctionDef(id="f", triggers=[Trigger("e")])], session_expiry_s=60,
+        )
+        assert len(await stores[0].list_sessions()) == 1
+        assert await stores[1].list_sessions() == []
     finally:
-        await store.close()
+        for store in stores:
+            await store.close()
+        for path in paths:
+            for leftover in path.parent.glob(path.name + "*"):
+                leftover.unlink()
 
 
 async def test_a_run_that_ended_exactly_retention_ago_stays_one_more_tick_goes(tmp_path):

@@ -118,3 +118,19 @@ def test_two_spellings_that_disagree_stop_the_node_naming_both() -> None:
 def test_a_duration_that_does_not_parse_is_refused_naming_setting_and_value(value: str) -> None:
     with pytest.raises(ConfigError, match=f"timings.lease_expiry_s={value!r}"):
         load_config(env={"IRONFLOW_LEASE_EXPIRY_S": value})
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (0, "timings.recovery_ceiling must be positive"),
+        (-1, "timings.recovery_ceiling must be positive"),
+        (2.5, "Expected `int`, got `float`"),
+        ("3 times", "Expected `int`, got `str`"),
+    ],
+)
+def test_a_recovery_ceiling_that_is_not_a_positive_integer_is_refused(value: object, message: str) -> None:
+    # The positivity loop and the typed decoder are the only guards: nothing
+    # after them needs to re-check the ceiling.
+    with pytest.raises(ConfigError, match=message):
+        load_config(env={}, timing_overrides={"recovery_ceiling": value})

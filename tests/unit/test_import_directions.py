@@ -1,0 +1,218 @@
+"""Which way imports point (``CONVENTIONS.md``), checked on the source.
+
+Every module of ``ironflow/`` and ``actors/`` is parsed and each import,
+wherever it sits (module level, inside a function, under ``TYPE_CHECKING``),
+is matched against the rules. Names match by prefix at a dot, so
+``ironflow.api`` also covers a future ``ironflow.api.runs``.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OURS = ("ironflow", "actors")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Modules under ``source`` may not import ``forbidden``, or may import only ``allowed`` of ours."""
+
+    why: str
+    source: str
+    forbidden: tuple[str, ...] = ()
+    allowed: tuple[str, ...] | None = None
+    # Importers exempt from the rule (a rule about who may import something).
+    exempt: tuple[str, ...] = ()
+
+
+RULES = [
+    Rule(
+        "a worker process loads no engine code",
+        "ironflow.sdk",
+        forbidden=("ironflow.store", "actors", "ironflow.api", "ironflow.node", "ironflow.cli"),
+    ),
+    Rule(
+        "the store is below everything that uses it",
+        "ironflow.store",
+        forbidden=("actors", "ironflow.api", "ironflow.sdk", "ironflow.cli", "ironflow.node"),
+    ),
+    Rule(
+        "an actor is testable without a server",
+        "actors",
+        forbidden=("ironflow.api", "ironflow.cli", "ironflow.sdk", "ironflow.node"),
+    ),
+    Rule(
+        "wire types import nothing of ours but config and ids",
+        "ironflow.protocol",
+        allowed=("ironflow.protocol", "ironflow.config", "ironflow.ids"),
+    ),
+    Rule(
+        "configuration imports nothing of ours but protocol and ids",
+        "ironflow.config",
+        allowed=("ironflow.protocol", "ironflow.config", "ironflow.ids"),
+    ),
+    Rule(
+        "the CLI is a leaf: only the package entry point starts it",
+        "",
+        forbidden=("ironflow.cli",),
+        exempt=("ironflow.cli", "ironflow.__main__"),
+    ),
+]
+
+# Violations the code has today, each with the issue that removes it. Every
+# entry must still occur (see the test below), so a fixed one is deleted here.
+KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()  # the cli <-> node circle is gone (issue 7)
+
+
+def under(name: str, prefix: str) -> bool:
+    return prefix == "" or name == prefix or name.startswith(prefix + ".")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def our_modules() -> dict[str, Path]:
+    return {
+        module_name(p): p
+        for top in OURS
+        for p in sorted((ROOT / top).rglob("*.py"))
+        if ".venv" not in p.parts
+    }
+
+
+def imports_of(source: str, module: str, is_package: bool, known: Iterable[str]) -> set[str]:
+    """Our modules that ``source`` (the text of ``module``) imports.
+
+    ``from pkg import name`` counts as ``pkg.name`` when that is one of the
+    ``known`` modules, else as ``pkg``; relative imports are resolved.
+    """
+    known = set(known)
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = module.split(".") if is_package else module.split(".")[:-1]
+                anchor = package[: len(package) - (node.level - 1)]
+                base = ".".join([*anchor, base] if base else anchor)
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if candidate in known or any(
+                    k.startswith(candidate + ".") for k in known
+                ) else base)
+    return {name for name in found if name.split(".")[0] in OURS}
+
+
+def violations(
+    graph: dict[str, set[str]], rules: list[Rule] = RULES
+) -> set[tuple[str, str, str]]:
+    """(importer, imported, why) for every import a rule forbids."""
+    out = set()
+    for importer, targets in graph.items():
+        for rule in rules:
+            if not under(importer, rule.source) or any(under(importer, e) for e in rule.exempt):
+                continue
+            for target in targets:
+                if under(target, importer) and rule.source:
+                    continue  # a package's own modules
+                bad = any(under(target, f) for f in rule.forbidden)
+                if rule.allowed is not None:
+                    bad = bad or not any(under(target, a) for a in rule.allowed)
+                if bad:
+                    out.add((importer, target, rule.why))
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = our_modules()
+    return {
+        name: imports_of(path.read_text(), name, path.name == "__init__.py", modules)
+        for name, path in modules.items()
+    }
+
+
+def test_no_module_imports_against_the_allowed_directions() -> None:
+    found = {(a, b): why for a, b, why in violations(import_graph())}
+    unexpected = {
+        f"{a} imports {b} ({why})"
+        for (a, b), why in found.items()
+        if not any(under(a, ka) and under(b, kb) for ka, kb in KNOWN_EXCEPTIONS)
+    }
+    assert not unexpected, "\n".join(sorted(unexpected))
+
+
+def test_every_known_exception_still_occurs_so_fixed_ones_are_deleted() -> None:
+    found = violations(import_graph())
+    for known_importer, known_imported in KNOWN_EXCEPTIONS:
+        assert any(
+            under(a, known_importer) and under(b, known_imported) for a, b, _ in found
+        ), f"{known_importer} -> {known_imported} no longer happens: delete it from KNOWN_EXCEPTIONS"
+
+
+def test_the_checker_sees_every_module_and_its_imports() -> None:
+    graph = import_graph()
+    assert {"ironflow.sdk.streaming", "ironflow.store.base", "actors.waker", "ironflow.protocol"} <= set(graph)
+    assert "ironflow.store" in graph["actors.waker"] and "actors.messages" in graph["actors.waker"]
+    # A function-level import counts like any other.
+    assert "ironflow.api" in graph["ironflow.node"] and "ironflow.node" in graph["ironflow.cli.serve"]
+
+
+SYNTHETIC = {
+    # An SDK module reaching the store, lazily and through `from ironflow import`.
+    "ironflow.sdk.bad": "def f():\n    from ironflow import store\n",
+    # A store module importing an actor by a relative import.
+    "ironflow.store.bad": "from ...actors import waker\n",
+    # An actor importing a module of a future API package.
+    "actors.bad": "import ironflow.api.runs\n",
+    # Wire types importing the store, and config the metrics (neither allowed).
+    "ironflow.protocol.bad": "from ironflow.store.base import Fence\n",
+    "ironflow.config": "from ironflow import metrics\nfrom ironflow.ids import new_id\n",
+    # Allowed: an actor importing the store, the SDK importing protocol.
+    "actors.good": "from ironflow.store import Store\n",
+    "ironflow.sdk.good": "from ironflow.protocol import Register\nfrom . import errors\n",
+}
+
+
+def test_the_checker_catches_a_forbidden_import_in_a_synthetic_module() -> None:
+    known = set(our_modules()) | {"ironflow.api.runs"}
+    graph = {
+        name: imports_of(src, name, False, known) for name, src in SYNTHETIC.items()
+    }
+    assert graph["ironflow.store.bad"] == {"actors.waker"}
+    assert graph["ironflow.sdk.good"] == {"ironflow.protocol", "ironflow.sdk.errors"}
+    found = {(a, b) for a, b, _ in violations(graph)}
+    assert found == {
+        ("ironflow.sdk.bad", "ironflow.store"),
+        ("ironflow.store.bad", "actors.waker"),
+        ("actors.bad", "ironflow.api.runs"),
+        ("ironflow.protocol.bad", "ironflow.store.base"),
+        ("ironflow.config", "ironflow.metrics"),
+    }
+
+
+def test_importing_the_sdk_loads_no_engine_module_or_database_driver() -> None:
+    engine = ("ironflow.store", "actors", "ironflow.api", "ironflow.node", "ironflow.cli",
+              "psycopg", "sqlite3", "quart", "hypercorn")
+    tops = sorted({e.split(".")[0] for e in engine})
+    code = (
+        "import sys, ironflow, ironflow.sdk\n"
+        "from ironflow import StreamingWorker, PullWorker, Ironflow\n"
+        f"print(*(m for m in sys.modules if m.split('.')[0] in {tops!r}))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    ).stdout.split()
+    loaded = sorted(m for m in out if any(under(m, e) for e in engine))
+    assert loaded == []

@@ -1,0 +1,216 @@
+"""The session actor, fed frames through memory channels, on a real SQLite store.
+
+The channels stand in for the websocket: ``inbound`` carries decoded worker
+frames (closed when the socket closes), ``outbox`` the engine's answers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from actors import session
+from actors.directory import SessionDirectory
+from actors.messages import Kick
+from ironflow.config import Limits, NodeConfig, Timings
+from ironflow.protocol import (
+    EngineMessage,
+    FunctionDef,
+    Heartbeat,
+    JobAck,
+    JobAssignment,
+    JobCompleted,
+    LeaseStatus,
+    Refused,
+    Register,
+    Registered,
+    StepCompleted,
+    Trigger,
+    WorkerMessage,
+)
+from ironflow.store import Store
+from ironflow.store.sqlite import SqliteStore
+
+BASE = 1_800_000_000.0
+FN = FunctionDef(id="fn", triggers=[Trigger("go")])
+CFG = NodeConfig(timings=Timings(), limits=Limits(max_slots_per_session=8))
+
+
+# The test itself must take ``autojump_clock`` too: pytest-trio only runs a
+# test on the clock when the test asks for it.
+@pytest.fixture
+async def store(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> AsyncIterator[Store]:
+    s = SqliteStore(str(tmp_path / "vt.db"), now=lambda: BASE + trio.current_time(), inline=True)
+    await s.open()
+    yield s
+    await s.close()
+
+
+def register(slots: int = 2, functions: list[FunctionDef] | None = None) -> Register:
+    return Register(worker_id="w1", functions=functions or [FN], max_concurrent_jobs=slots)
+
+
+class Socket:
+    """One worker connection: the channel ends the session actor is given, and ours."""
+
+    def __init__(self, store: Store, cfg: NodeConfig = CFG) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.directory = SessionDirectory()
+        self.send, self.inbound = trio.open_memory_channel[WorkerMessage](100)
+        self.outbox, self.received = trio.open_memory_channel[EngineMessage](100)
+        self.kick_send, self.kicks = trio.open_memory_channel[Kick](100)
+
+    async def serve(self, *, task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        await session.run(
+            self.store, self.cfg, "n1", self.directory, self.kick_send, self.inbound, self.outbox,
+            task_status=task_status,
+        )
+
+    async def answer(self) -> EngineMessage:
+        with trio.fail_after(10):
+            return await self.received.receive()
+
+    async def until_status(self, run_id: str, status: str) -> None:
+        """Wait for the store to show the run in ``status`` (frames of different
+        runs are applied concurrently, so no answer orders them)."""
+        with trio.fail_after(10):
+            while (await self.store.get_run(run_id)).run.status != status:
+                await trio.sleep(0.001)
+
+    async def assign(self, session_id: str) -> JobAssignment:
+        """Admit one new run to this session as the dispatcher would, and ack it."""
+        await self.store.ingest_event("go", {}, None, idempotency_window_s=60)
+        (res,) = await self.store.reserve_segments(
+            "n1", {session_id: frozenset({"fn"})}, 1, reservation_expiry_s=30
+        )
+        a = res.assignment
+        await self.send.send(JobAck(a.job_id, a.run_id, a.execution_seq, a.lease_token))
+        return a
+
+
+async def test_a_first_message_other_than_register_is_a_protocol_violation(
+    store: Store, autojump_clock: trio.testing.MockClock
+) -> None:
+    sock = Socket(store)
+    await sock.send.send(Heartbeat())
+    with pytest.raises(session.ProtocolViolation, match="first message must be register"):
+        with trio.fail_after(10):
+            await sock.serve()
+    assert await store.list_sessions() == [] and len(sock.directory) == 0
+
+
+async def test_a_socket_closed_before_register_writes_nothing(
+    store: Store, autojump_clock: trio.testing.MockClock
+) -> None:
+    sock = Socket(store)
+    await sock.send.aclose()
+    with trio.fail_after(10):
+        await sock.serve()
+    assert await store.list_sessions() == [] and await store.list_functions() == []
+
+
+async def test_a_second_register_is_a_protocol_violation_and_the_session_is_closed(
+    store: Store, autojump_clock: trio.testing.MockClock
+) -> None:
+    sock = Socket(store)
+    await sock.send.send(register())
+    await sock.send.send(register())
+    with pytest.raises(session.ProtocolViolation, match="register sent twice"):
+        with trio.fail_after(10):
+            await sock.serve()
+    answer = sock.received.receive_nowait()
+    assert isinstance(answer, Registered)
+    assert await store.list_sessions() == [] and len(sock.directory) == 0
+
+
+async def test_a_register_past_a_limit_is_refused_and_nothing_is_written(
+    store: Store, autojump_clock: trio.testing.MockClock
+) -> None:
+    for msg, refusal in [
+        (register(slots=9), "max_concurrent_jobs=9 exceeds this node's limit of 8"),
+        (register(functions=[FN, FN]), "function id 'fn' is registered twice"),
+    ]:
+        sock = Socket(store)
+        await sock.send.send(msg)
+        with pytest.raises(session.RegistrationRefused, match=refusal), trio.fail_after(10):
+            await sock.serve()
+    tight = NodeConfig(limits=Limits(max_functions_per_trigger=1))
+    sock = Socket(store, tight)
+    await sock.send.send(register(functions=[FN, FunctionDef(id="fn2", triggers=[Trigger("go")])]))
+    with pytest.raises(session.RegistrationRefused, match="go"), trio.fail_after(10):
+        await sock.serve()
+    assert await store.list_sessions() == [] and await store.list_functions() == []
+
+
+async def test_a_stale_fence_is_refused_for_that_job_only_and_the_connection_carries_on(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    sock = Socket(store)
+    await sock.send.send(register())
+    session_id = await nursery.start(sock.serve)
+    registered = await sock.answer()
+    t = CFG.timings
+    assert registered == Registered(
+        session_id, int(t.heartbeat_interval_s * 1000), int(t.lease_expiry_s * 1000)
+    )
+    assert sock.directory.get(session_id) is not None
+    a = await sock.assign(session_id)
+    b = await sock.assign(session_id)
+    # A step result for `a` under a lease token that is not the live one, and
+    # `b`'s final result, in one batch.
+    await sock.send.send(
+        StepCompleted(a.job_id, a.run_id, a.execution_seq, "forged-token-0000", "s1", "s1", 1)
+    )
+    await sock.send.send(JobCompleted(b.job_id, b.run_id, b.execution_seq, b.lease_token, "done"))
+    await sock.until_status(b.run_id, "completed")
+    refused = await sock.answer()
+    assert isinstance(refused, Refused)
+    assert (refused.code, refused.job_id, refused.run_id) == ("STALE_EXECUTION", a.job_id, a.run_id)
+    detail_a, detail_b = await store.get_run(a.run_id), await store.get_run(b.run_id)
+    assert detail_a.run.status == "running" and detail_a.steps == [] and detail_a.lease is not None
+    assert detail_b.run.status == "completed" and detail_b.run.output == "done"
+    # The connection carries on: `a`'s live fence still works.
+    await sock.send.send(JobCompleted(a.job_id, a.run_id, a.execution_seq, a.lease_token, "also"))
+    await sock.until_status(a.run_id, "completed")
+    await sock.send.send(Heartbeat(jobs=[]))
+    assert isinstance(await sock.answer(), LeaseStatus)
+
+
+async def test_a_closed_inbound_closes_the_session_and_recovers_its_leases_at_once(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    sock = Socket(store)
+    await sock.send.send(register())
+    done = trio.Event()
+
+    async def serve_then_note(task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+        await sock.serve(task_status=task_status)
+        done.set()
+
+    session_id = await nursery.start(serve_then_note)
+    a = await sock.assign(session_id)
+    await sock.until_status(a.run_id, "running")  # the ack has been applied
+    assert [lease.run_id for lease in await store.list_leases()] == [a.run_id]
+    t0 = trio.current_time()
+    await sock.send.aclose()  # the socket dropped without a drain
+    with trio.fail_after(10):
+        await done.wait()
+    assert trio.current_time() == t0  # at once: no lease expiry waited for
+    assert await store.list_sessions() == [] and await store.list_leases() == []
+    assert sock.directory.get(session_id) is None
+    detail = await store.get_run(a.run_id)
+    assert detail.run.recovery_count == 1
+    assert detail.queue is not None and detail.queue.reason == "recovery"
+    assert detail.queue.execution_seq == a.execution_seq + 1
+    whys = []
+    while True:
+        try:
+            whys.append(sock.kicks.receive_nowait().why)
+        except trio.WouldBlock:
+            break
+    assert whys[-1] == "session closed"
