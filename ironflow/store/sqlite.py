@@ -10,6 +10,7 @@ once a request is queued, its committed result is never dropped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import sqlite3
@@ -77,6 +78,10 @@ class _SqliteTx:
         return True  # one node per file
 
 
+# Files made for `:memory:` stores; the store deletes its own on close.
+_TEMPORARY_FILES: set[str] = set()
+
+
 def _sqlite_path(url: str) -> str:
     for prefix in ("sqlite:///", "sqlite://", "sqlite:"):
         if url.startswith(prefix):
@@ -86,6 +91,7 @@ def _sqlite_path(url: str) -> str:
         # Several statements per request and WAL need a real file.
         fd, path = tempfile.mkstemp(prefix="ironflow-", suffix=".db")
         os.close(fd)
+        _TEMPORARY_FILES.add(path)
         return path
     return url
 
@@ -119,6 +125,8 @@ class SqliteStore(SqlStore):
     ) -> None:
         super().__init__()
         self.path = _sqlite_path(path)
+        # A `:memory:` store lives in a temp file of ours: deleted on close.
+        self._temporary = self.path in _TEMPORARY_FILES
         self._clock = now or time.time
         self._skew = 0.0
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
@@ -162,12 +170,16 @@ class SqliteStore(SqlStore):
         if self._inline_conn is not None:
             self._inline_conn.close()
             self._inline_conn = None
-        if self._thread is None:
-            return
-        self._requests.put(None)
-        thread, self._thread = self._thread, None
-        with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(thread.join)
+        if self._thread is not None:
+            self._requests.put(None)
+            thread, self._thread = self._thread, None
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(thread.join)
+        if self._temporary:
+            _TEMPORARY_FILES.discard(self.path)
+            for suffix in ("", "-wal", "-shm"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path + suffix)
 
     async def advance_clock(self, seconds: float) -> None:
         self._skew += seconds

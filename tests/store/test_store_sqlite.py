@@ -79,9 +79,15 @@ async def test_memory_path_uses_a_temporary_file():
     finally:
         for store in stores:
             await store.close()
-        for path in paths:
-            for leftover in path.parent.glob(path.name + "*"):
-                leftover.unlink()
+    # Closing removes the temp file and its WAL files: nothing piles up in /tmp.
+    assert not [leftover for path in paths for leftover in path.parent.glob(path.name + "*")]
+
+
+async def test_closing_a_file_store_keeps_its_file(tmp_path):
+    store = open_store(str(tmp_path / "kept.db"))
+    await store.open()
+    await store.close()
+    assert (tmp_path / "kept.db").is_file()
 
 
 async def test_a_run_that_ended_exactly_retention_ago_stays_one_more_tick_goes(tmp_path):
