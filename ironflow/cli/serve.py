@@ -43,14 +43,17 @@ def _struct_options(struct: type[Any], section: str, dev: dict[str, float]) -> C
         for field in reversed(struct.__struct_fields__):
             default = getattr(defaults, field)
             is_int = isinstance(default, int) and not isinstance(default, bool)
+            # Timings take the seed's duration forms; load_config parses and names a bad one.
+            duration = section == "timings" and not is_int
             dev_note = f", --dev {dev[field]:g}" if field in dev else ""
             func = click.option(
                 timing_flag(field),
                 field,
-                type=int if is_int else float,
+                type=int if is_int else (str if duration else float),
                 default=None,
-                metavar="N" if is_int else "SECONDS",
-                help=f"{'Count' if is_int else 'Seconds'} "
+                metavar="N" if is_int else ("DURATION" if duration else "SECONDS"),
+                help=f"{'Count' if is_int else 'Seconds'}"
+                f"{' or 90s, 2m, 1m30s, 250ms' if duration else ''} "
                 f"({section}.{field}; default {default:g}{dev_note}).",
             )(func)
         return func

@@ -90,8 +90,15 @@ def test_serve_with_unsafe_timing_exits_2_with_the_config_error(served: list[Nod
 def test_serve_with_non_numeric_timing_is_a_usage_error(served: list[NodeConfig]) -> None:
     result = run(["serve", "--heartbeat-interval", "soon"])
     assert result.exit_code == 2
-    assert "--heartbeat-interval" in result.stderr
+    assert "timings.heartbeat_interval_s='soon' is not a duration" in result.stderr
     assert served == []
+
+
+def test_serve_timing_flags_take_the_seeds_duration_forms(served: list[NodeConfig]) -> None:
+    result = run(["serve", "--lease-expiry", "2m", "--recovery-grace", "250ms", "--stale-claim-threshold", "1m30s"])
+    assert result.exit_code == 0, result.stderr
+    t = served[0].timings
+    assert (t.lease_expiry_s, t.recovery_grace_s, t.stale_claim_threshold_s) == (120, 0.25, 90)
 
 
 def test_serve_with_unreadable_config_file_exits_2(
