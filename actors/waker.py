@@ -20,9 +20,26 @@ log = logging.getLogger("ironflow.waker")
 
 # Steps claimed per transaction.
 BATCH = 100
+# Resumes of one batch in flight at once: they share group commits (SQLite) or
+# pooled connections (PostgreSQL) instead of queueing one transaction each.
+RESUME_CONCURRENCY = 32
 # Wake this long after the earliest wake time: it is `wake_at <= now` in SQL,
 # and the database clock must have reached it.
 WAKE_SLACK_S = 0.005
+
+
+async def _resume(
+    store: Store, node_id: str, run_id: str, step_id: str, limiter: trio.CapacityLimiter
+) -> None:
+    async with limiter:
+        try:
+            await store.resume_claimed_step(node_id, run_id, step_id)
+        except Conflict:
+            # The claim was taken away since (the run was cancelled, or loop 2
+            # restored the step): nothing is ours to resume; the batch goes on.
+            logs.event(log, logging.INFO, "waker: claim lost before resume", run_id=run_id, step_id=step_id)
+            return
+    logs.event(log, logging.DEBUG, "waker: step woke, run resumed", run_id=run_id, step_id=step_id)
 
 
 async def run(
@@ -35,22 +52,28 @@ async def run(
 ) -> None:
     """Run until cancelled; sleeps until the earliest wake time (at most ``waker_interval``)."""
     interval = config.timings.waker_interval_s
+    limiter = trio.CapacityLimiter(RESUME_CONCURRENCY)
+    # Set when this node parks a step with a wake time: it may be due before the
+    # loop's planned wake-up, so the loop re-reads the earliest wake at once.
+    earlier = trio.Event()
+
+    def on_wake_scheduled(wake_at: float) -> None:
+        earlier.set()
+
+    store.on_wake_scheduled(on_wake_scheduled)
     task_status.started()
     while True:
         claimed = await store.claim_elapsed_steps(node_id, BATCH)
-        for run_id, step_id in claimed:
-            try:
-                await store.resume_claimed_step(node_id, run_id, step_id)
-            except Conflict:
-                # The claim was taken away since (the run was cancelled, or loop 2
-                # restored the step): nothing is ours to resume; the batch goes on.
-                logs.event(log, logging.INFO, "waker: claim lost before resume", run_id=run_id, step_id=step_id)
-                continue
-            logs.event(log, logging.INFO, "waker: step woke, run resumed", run_id=run_id, step_id=step_id)
+        async with trio.open_nursery() as nursery:
+            for run_id, step_id in claimed:
+                nursery.start_soon(_resume, store, node_id, run_id, step_id, limiter)
         if claimed:
             kick(kicks, "steps woke")
             if len(claimed) == BATCH:
                 continue
         next_wake = await store.seconds_until_next_wake()
         delay = interval if next_wake is None else min(interval, max(next_wake, 0.0) + WAKE_SLACK_S)
-        await trio.sleep(delay)
+        with trio.move_on_after(delay):
+            await earlier.wait()
+        if earlier.is_set():
+            earlier = trio.Event()

@@ -475,6 +475,12 @@ class Store(abc.ABC):
     ) -> list[RunRecord]: ...
 
     @abc.abstractmethod
+    def on_wake_scheduled(self, listener: Callable[[float], None]) -> None:
+        """Call ``listener(wake_at)`` (in Trio, after commit) whenever a call on this
+        store object parked a step with a wake time, so the waker can wake for
+        it rather than at its next interval tick."""
+
+    @abc.abstractmethod
     def on_runs_ended(self, listener: Callable[[list[str]], None]) -> None:
         """Call ``listener(run_ids)`` (in Trio, after commit) whenever a call on this
         store object ended runs: completed, failed, cancelled, timed out, or

@@ -257,6 +257,8 @@ class SqlStoreBase(Store):
         self._defs: dict[str, FunctionDef] = {}
         # Called (in Trio, after commit) with the ids of runs this node ended.
         self._run_end_listeners: list[Callable[[list[str]], None]] = []
+        # Called (in Trio, after commit) with the wake time of a step just parked.
+        self._wake_listeners: list[Callable[[float], None]] = []
 
     @abc.abstractmethod
     async def _transact(self, work: Callable[[Tx], T]) -> T:
@@ -266,6 +268,16 @@ class SqlStoreBase(Store):
         """Call ``listener(run_ids)`` after each commit that ended runs (completed,
         failed, cancelled, timed out, exhausted) through this store object."""
         self._run_end_listeners.append(listener)
+
+    def on_wake_scheduled(self, listener: Callable[[float], None]) -> None:
+        """Call ``listener(wake_at)`` after each commit that parked a step with a
+        wake time (a sleep, a wait's or an invoke's timeout) through this store."""
+        self._wake_listeners.append(listener)
+
+    def _announce_wake(self, wake_at: float | None) -> None:
+        if wake_at is not None:
+            for listener in self._wake_listeners:
+                listener(wake_at)
 
     def _announce_ended(self, run_ids: list[str]) -> None:
         if run_ids:

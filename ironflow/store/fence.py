@@ -329,7 +329,9 @@ class FenceOps(SqlStoreBase):
                     return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1], kicked_run_ids=kicked)
             return JobOutcome(fence.run_id, "waiting", kicked_run_ids=kicked)
 
-        return await self._transact(work)
+        outcome = await self._transact(work)
+        self._announce_wake(info.until if isinstance(info, SleepYield) else info.timeout_at)
+        return outcome
 
     def _match_early_event(
         self, tx: Tx, run_id: str, step_id: str, info: WaitYield, *, since: float
