@@ -29,7 +29,7 @@ def print_leases(answer: LeaseList) -> None:
             lease.session_id,
             lease.node_id,
             render.ago(lease.activated_at, now),
-            render.countdown(lease.expires_in_s, past="expired"),
+            "expired, not yet reaped" if lease.expired else render.countdown(lease.expires_in_s, past="expired"),
         ]
         for lease in answer.leases
     ]
@@ -85,10 +85,15 @@ def print_queue(answer: QueueList) -> None:
 
 
 @client_command(group, "leases")
+@click.option(
+    "--all", "show_all", is_flag=True,
+    help="Also leases expired by database time that loop 1 has not reaped yet (marked).",
+)
 @json_option
-def capacity_leases(client: IronflowSync, as_json: bool) -> None:
-    """Concurrency leases of executing segments."""
-    show(client, calls.list_leases(), as_json=as_json, render_answer=print_leases)
+def capacity_leases(client: IronflowSync, show_all: bool, as_json: bool) -> None:
+    """Active concurrency leases of executing segments."""
+    call = calls.list_leases(include_expired=show_all)
+    show(client, call, as_json=as_json, render_answer=print_leases)
 
 
 @client_command(group, "sessions")

@@ -140,8 +140,9 @@ def list_audit(
     return Call("GET", "/v1/audit", AuditList, params=params)
 
 
-def list_leases() -> Call[LeaseList]:
-    return Call("GET", "/v1/capacity/leases", LeaseList)
+def list_leases(*, include_expired: bool = False) -> Call[LeaseList]:
+    params = {"all": "true"} if include_expired else {}
+    return Call("GET", "/v1/capacity/leases", LeaseList, params=params)
 
 
 def list_sessions() -> Call[SessionList]:

@@ -516,6 +516,23 @@ def test_capacity_leases_show_when_they_expire() -> None:
     assert "EXPIRES" in result.stdout and "in 4.0s" in result.stdout
 
 
+def test_capacity_leases_all_asks_for_unreaped_ones_and_marks_them() -> None:
+    now = time.time()
+    lease = {
+        "run_id": "run_01", "function_id": "f", "execution_seq": 1, "session_id": "sess_1",
+        "node_id": "node-a", "expires_at": now - 3, "activated_at": now - 90, "expires_in_s": -3.0,
+        "expired": True,
+    }
+    handler = answer(200, {"leases": [lease]})
+    result = run(["capacity", "leases", "--all"], handler)
+    assert result.exit_code == 0, result.output
+    assert handler.seen[0].url.params["all"] == "true"  # type: ignore[attr-defined]
+    assert "expired, not yet reaped" in result.stdout
+    plain = answer(200, {"leases": []})
+    assert run(["capacity", "leases"], plain).exit_code == 0
+    assert "all" not in plain.seen[0].url.params  # type: ignore[attr-defined]
+
+
 def test_functions_list_and_audit_list() -> None:
     functions = {
         "functions": [
