@@ -9,6 +9,11 @@ Functions it serves:
   ``two-done`` and returns the pid that finished it.
 - ``suicide`` (event ``suicide.go``): records ``start`` and kills its own
   process with SIGKILL, every time.
+- ``par`` (event ``par.go``): ``step.parallel`` of ``fast`` (records
+  ``fast``) and ``slow`` (records ``slow-start``, sleeps ``--slow`` the first
+  time, records ``slow-done``).
+- ``keyed`` (event ``keyed.go``): step ``pay`` records ``pay-start`` and
+  ``key:<its idempotency key>``, sleeping ``--slow`` the first time.
 - ``sleepy`` (event ``sleepy.go``): step ``before`` records ``before``, a
   durable ``step.sleep`` of ``data.nap`` seconds (2 by default), step
   ``after`` records ``after`` and returns the pid that finished it.
@@ -100,7 +105,40 @@ def main() -> None:
         await ctx.step.sleep("nap", ctx.event.data.get("nap", 2.0))
         return await ctx.step.run("after", after)
 
-    functions = [crashy, suicide, sleepy]
+    @ironflow.function(id="par", triggers=[ironflow.event("par.go")])
+    async def par(ctx: Any) -> Any:
+        run_id = ctx.run.id
+
+        async def fast() -> str:
+            record(run_id, "fast")
+            return "fast-done"
+
+        async def slow() -> int:
+            first = not already(run_id, "slow-start")
+            record(run_id, "slow-start")
+            if first:
+                await trio.sleep(args.slow)
+            record(run_id, "slow-done")
+            return pid
+
+        return await ctx.step.parallel([("fast", fast), ("slow", slow)])
+
+    @ironflow.function(id="keyed", triggers=[ironflow.event("keyed.go")])
+    async def keyed(ctx: Any) -> Any:
+        run_id = ctx.run.id
+
+        async def pay() -> str:
+            key = ironflow.step_info().idempotency_key
+            first = not already(run_id, "pay-start")
+            record(run_id, "pay-start")
+            record(run_id, "key:" + key)
+            if first:
+                await trio.sleep(args.slow)
+            return key
+
+        return await ctx.step.run("pay", pay)
+
+    functions = [crashy, suicide, sleepy, par, keyed]
     worker: Any
     if args.pull:
         worker = ironflow.PullWorker(
