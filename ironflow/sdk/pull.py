@@ -190,18 +190,17 @@ class PullWorker(WorkerLifecycle):
                     self._root_scope = nursery.cancel_scope
                     if self._stopped:
                         nursery.cancel_scope.cancel()
-                    if self.handle_signals:
-                        nursery.start_soon(self._watch_signals)
-                    try:
-                        await self._register()
-                        self.state = "connected"
-                        task_status.started()
-                        nursery.start_soon(self._heartbeat_loop)
-                        await self._poll_loop(nursery)
-                        await self._wait_for_jobs()
-                    except (WorkerAuthError, RegistrationRefusedError) as exc:
-                        _log.error("%s; stopping", exc)
-                        fatal = exc
+                    with self._signals_handled():
+                        try:
+                            await self._register()
+                            self.state = "connected"
+                            task_status.started()
+                            nursery.start_soon(self._heartbeat_loop)
+                            await self._poll_loop(nursery)
+                            await self._wait_for_jobs()
+                        except (WorkerAuthError, RegistrationRefusedError) as exc:
+                            _log.error("%s; stopping", exc)
+                            fatal = exc
                     nursery.cancel_scope.cancel()
                 if self.session_id is not None and not self._stopped and fatal is None:
                     with trio.move_on_after(GOODBYE_TIMEOUT_S):

@@ -151,13 +151,12 @@ class StreamingWorker(WorkerLifecycle):
                 self._root_scope = nursery.cancel_scope
                 if self._stopped:
                     nursery.cancel_scope.cancel()
-                if self.handle_signals:
-                    nursery.start_soon(self._watch_signals)
-                try:
-                    await self._connect_loop(task_status)
-                except (WorkerAuthError, RegistrationRefusedError) as exc:
-                    _log.error("%s; not reconnecting", exc)
-                    fatal = exc
+                with self._signals_handled():
+                    try:
+                        await self._connect_loop(task_status)
+                    except (WorkerAuthError, RegistrationRefusedError) as exc:
+                        _log.error("%s; not reconnecting", exc)
+                        fatal = exc
                 nursery.cancel_scope.cancel()
             if fatal is not None:
                 raise fatal
