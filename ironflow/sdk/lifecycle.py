@@ -21,16 +21,60 @@ import logging
 import os
 import signal
 import socket
+import sys
 import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import trio
 
+from ironflow.logs import formatter as log_formatter
 from ironflow.sdk.context import JobState
 from ironflow.sdk.function import Function
 
 _log = logging.getLogger("ironflow.worker")
+
+
+class _StderrUnlessConfigured(logging.StreamHandler):  # type: ignore[type-arg]
+    """The worker's lines on stderr while the application has configured no logging.
+
+    Attached to ``ironflow.worker``; a record is written here only when no
+    other handler lies on its propagation path (root included). Once the
+    application configures logging, its handlers get the record and this one
+    stays silent, so nothing is printed twice. Like ``logging.lastResort`` it
+    writes to whatever ``sys.stderr`` is at the time.
+    """
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+        self.setFormatter(log_formatter())
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None:
+            if any(h is not self for h in logger.handlers):
+                return  # the application's handlers have it
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        super().emit(record)
+
+
+def _announce_lifecycle() -> None:
+    """Make the lifecycle lines visible out of the box (idempotent).
+
+    INFO is enabled on ``ironflow.worker`` unless the application chose a
+    level for ``ironflow`` or ``ironflow.worker`` itself.
+    """
+    if not any(isinstance(h, _StderrUnlessConfigured) for h in _log.handlers):
+        _log.addHandler(_StderrUnlessConfigured())
+    if _log.level == logging.NOTSET and logging.getLogger("ironflow").level == logging.NOTSET:
+        _log.setLevel(logging.INFO)
 
 
 class _SignalHub:
@@ -173,7 +217,11 @@ class WorkerLifecycle:
 
     @contextmanager
     def _signals_handled(self) -> Iterator[None]:
-        """While ``run()`` runs: SIGTERM/SIGINT drain this worker with the others."""
+        """While ``run()`` runs: SIGTERM/SIGINT drain this worker with the others.
+
+        Also makes the lifecycle lines visible (see :func:`_announce_lifecycle`).
+        """
+        _announce_lifecycle()
         if not self.handle_signals:
             yield
             return

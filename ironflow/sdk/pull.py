@@ -218,6 +218,7 @@ class PullWorker(WorkerLifecycle):
             self._running = False
             self._http = None
             self._finished.set()
+            _log.info("Worker stopped", extra=_fields(worker_id=self.worker_id, mode="pull"))
 
     # ── internals ────────────────────────────────────────────────────────
 
