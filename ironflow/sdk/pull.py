@@ -31,6 +31,7 @@ from ironflow.protocol import (
     PullPollResponse,
     Register,
     Registered,
+    Shutdown,
     encoder,
 )
 from ironflow.sdk.client import auth_headers
@@ -226,6 +227,13 @@ class PullWorker(WorkerLifecycle):
         if self._poll_scope is not None:
             self._poll_scope.cancel()
 
+    def _on_shutdown(self, msg: Shutdown) -> None:
+        """The node drains: drain too, within its deadline (a positive one wins)."""
+        if not self._draining:
+            _log.info("Engine asked to shut down: %s", msg.reason)
+        timeout = msg.drain_timeout_ms / 1000.0 if msg.drain_timeout_ms > 0 else self.drain_timeout
+        self._begin_drain(timeout)
+
     def _abandon(self, job: JobState, why: str) -> None:
         if not job.abandoned:
             a = job.assignment
@@ -310,7 +318,10 @@ class PullWorker(WorkerLifecycle):
                         raise _SessionLost()
                     if resp.status_code >= 400:
                         raise IronflowError(f"poll failed: {resp.status_code} {_error_code(resp)}")
-                    jobs = msgspec.json.decode(resp.content, type=PullPollResponse).jobs
+                    answer = msgspec.json.decode(resp.content, type=PullPollResponse)
+                    jobs = answer.jobs
+                    if answer.shutdown is not None:
+                        self._on_shutdown(answer.shutdown)
                 except _SessionLost:
                     await self._reregister()
                     continue
