@@ -119,3 +119,50 @@ async def test_a_sigterm_during_an_engine_shutdown_keeps_the_engines_deadline(
     assert run.status == "completed" and run.output == {"pid": proc.pid}
     assert run.attempt == 1 and run.recovery_count == 0
     assert not any("Second signal" in line for line in log_lines(proc))
+
+
+async def test_the_seeds_rolling_deploy_with_a_real_sigterm(
+    node: Node, http: httpx.AsyncClient, tmp_path: Path, procs: list[Proc]
+) -> None:
+    effects = tmp_path / "effects.log"
+    # Two slots, so B is offered to the old worker while it drains.
+    old = await start_drain_worker(procs, node.url, effects, tmp_path, "old", "--max-jobs", "2", "--slow", "3")
+    a = (await emit(http, "drain.go"))["run_ids"][0]
+    await wait_effect(effects, a, "start", pid=old.pid, timeout=10)
+    old.signal(signal.SIGTERM)
+    await wait_log(old, "Waiting for 1 jobs to complete...")
+    b = (await emit(http, "drain.go"))["run_ids"][0]
+    await wait_log(old, "Draining, refusing job")
+    new = await start_drain_worker(procs, node.url, effects, tmp_path, "new", "--slow", "0.1")
+    run_a, run_b = await run_of(http, a), await run_of(http, b)
+    assert run_a["status"] == "completed" and run_a["output"] == {"pid": old.pid}
+    assert run_a["attempt"] == 1 and run_a["recovery_count"] == 0
+    assert run_b["status"] == "completed" and run_b["output"] == {"pid": new.pid}
+    assert run_b["attempt"] == 1 and run_b["recovery_count"] == 0
+    assert await old.wait_exit(timeout=10) == 0, old.tail()
+    # B's handler never started on the old worker.
+    assert [r[3] for r in read_effects(effects) if r[1] == b] == [new.pid, new.pid]
+    stderr = "\n".join(log_lines(old))
+    for line in ("Draining worker...", "Waiting for 1 jobs to complete...", "Draining, refusing job"):
+        assert line in stderr
+    nacks = (await http.get("/v1/audit", params={"run_id": b, "type": "capacity.job.nacked"})).json()["events"]
+    assert [e["data"]["reason"] for e in nacks] == ["DRAINING"]
+
+
+async def test_a_worker_drain_deadline_ends_the_process_on_time(
+    node: Node, http: httpx.AsyncClient, tmp_path: Path, procs: list[Proc]
+) -> None:
+    effects = tmp_path / "effects.log"
+    proc = await start_drain_worker(
+        procs, node.url, effects, tmp_path, "w", "--slow", "30", "--drain-timeout", "1"
+    )
+    run_id = (await emit(http, "drain.go"))["run_ids"][0]
+    await wait_effect(effects, run_id, "start", pid=proc.pid, timeout=10)
+    t0 = trio.current_time()
+    proc.signal(signal.SIGTERM)
+    assert await proc.wait_exit(timeout=10) == 0, proc.tail()
+    # The 1 s drain plus process exit; no close handshake after the deadline.
+    assert trio.current_time() - t0 < 1.0 + 1.0
+    assert "Drain deadline reached; cancelling 1 active jobs" in "\n".join(log_lines(proc))
+    run = (await wait_for_run(http, run_id, "waiting", timeout=5))["run"]
+    assert run["recovery_count"] == 1 and run["attempt"] == 1
