@@ -37,6 +37,9 @@ class SessionDirectory:
     def __init__(self) -> None:
         self._sessions: dict[str, LocalSession] = {}
         self._changed = trio.Event()
+        # Set by the drain coordinator: when this node's drain ends
+        # (trio.current_time()); a pull poll during the drain is told it.
+        self.drain_deadline: float | None = None
 
     def add(self, session: LocalSession) -> None:
         self._sessions[session.session_id] = session
@@ -58,6 +61,9 @@ class SessionDirectory:
 
     def streaming(self) -> list[LocalSession]:
         return [s for s in self._sessions.values() if s.mode == "stream"]
+
+    def all(self) -> list[LocalSession]:
+        return list(self._sessions.values())
 
     def __len__(self) -> int:
         return len(self._sessions)

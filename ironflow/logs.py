@@ -59,12 +59,15 @@ class _KeyValueFormatter(logging.Formatter):
         return record
 
 
+def formatter() -> logging.Formatter:
+    """The ``time LEVEL logger: message key=value ...`` formatter the node and workers share."""
+    return _KeyValueFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def setup(level: str = "INFO") -> None:
     """Send every ``ironflow`` log line to stderr in key=value form."""
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        _KeyValueFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
+    handler.setFormatter(formatter())
     root = logging.getLogger("ironflow")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

@@ -24,7 +24,7 @@ WORKER_DISCONNECTS = Counter(
 RECOVERIES = Counter(
     "ironflow_segments_recovered_total",
     "Segments fenced and re-enqueued by recovery",
-    ["path"],  # lease_expiry | disconnect
+    ["path"],  # lease_expiry | disconnect | drain_deadline
     registry=REGISTRY,
 )
 NACKS = Counter("ironflow_job_nacks_total", "JobNack accepted", ["reason"], registry=REGISTRY)

@@ -130,7 +130,9 @@ class Node:
                 await supervisor.start(
                     "drain-coordinator",
                     drain_coordinator.run,
+                    store,
                     config,
+                    self.node_id,
                     self.directory,
                     self.shutdown_requested,
                     drained,

@@ -35,6 +35,7 @@ from ironflow.protocol import (
     PullPollResponse,
     Register,
     Registered,
+    Shutdown,
     StepCompleted,
     StepFailed,
     WorkerMessage,
@@ -94,12 +95,25 @@ async def owned_session(session_id: str) -> SessionInfo:
     return found
 
 
+def _node_shutdown() -> Shutdown:
+    """The Shutdown a pull poll carries while this node drains: the time left."""
+    st = state()
+    deadline = st.deps.directory.drain_deadline
+    left = st.config.timings.drain_timeout_s if deadline is None else deadline - trio.current_time()
+    # A positive deadline, or the worker would fall back to its own.
+    return Shutdown("engine node shutting down", max(1, int(left * 1000)))
+
+
 @bp.post("/v1/worker/sessions/<session_id>/poll")
 async def poll(session_id: str) -> Response:
     await require_org()
     body = await optional_body(PullPollRequest)
     session = await owned_session(session_id)
     st = state()
+    shutdown_requested = st.deps.shutdown_requested
+    if shutdown_requested.is_set():
+        # No new work during a node drain: the worker is told to drain.
+        return json_response(PullPollResponse([], _node_shutdown()))
     wait_s = min(body.wait_s, st.config.timings.poll_max_wait_s)
     send, receive = trio.open_memory_channel[EngineMessage](body.max_jobs)
     jobs: list[Any] = []
@@ -107,7 +121,15 @@ async def poll(session_id: str) -> Response:
     try:
         kick(st.deps.kicks, "pull poll")
         with trio.move_on_after(wait_s):
-            jobs.append(await receive.receive())
+            async with trio.open_nursery() as waiting:
+
+                async def answer_on_shutdown() -> None:
+                    await shutdown_requested.wait()
+                    waiting.cancel_scope.cancel()
+
+                waiting.start_soon(answer_on_shutdown)
+                jobs.append(await receive.receive())
+                waiting.cancel_scope.cancel()
         # No checkpoint between draining and closing: the dispatcher cannot
         # slip an assignment into the buffer after we looked; a later send
         # fails and the dispatcher releases that reservation at once.
@@ -119,7 +141,10 @@ async def poll(session_id: str) -> Response:
     finally:
         st.deps.directory.remove(session_id, send)
         receive.close()
-    return json_response(PullPollResponse(jobs))
+    # Jobs that were already on their way come back with the Shutdown: the
+    # worker refuses them with JobNack(DRAINING), as a streaming worker does.
+    shutdown = _node_shutdown() if shutdown_requested.is_set() else None
+    return json_response(PullPollResponse(jobs, shutdown))
 
 
 async def _apply(session_id: str, kinds: tuple[type, ...]) -> Response:

@@ -13,7 +13,14 @@ import msgspec
 from msgspec import Meta
 
 from ironflow.protocol.bounds import MAX_DURATION_S, Name, ShortText
-from ironflow.protocol.worker import ErrorInfo, FunctionDef, JobAssignment, RunStatus, StepKind
+from ironflow.protocol.worker import (
+    ErrorInfo,
+    FunctionDef,
+    JobAssignment,
+    RunStatus,
+    Shutdown,
+    StepKind,
+)
 
 # Header carrying a pull session's secret on every call after registration.
 SESSION_SECRET_HEADER = "Ironflow-Session-Secret"
@@ -86,7 +93,11 @@ class PullPollRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class PullPollResponse(msgspec.Struct, frozen=True):
+    """Jobs for a pull worker; ``shutdown`` set when the node drains (the
+    pull form of the streaming ``Shutdown``: drain within its deadline)."""
+
     jobs: list[JobAssignment]
+    shutdown: Shutdown | None = None
 
 
 class FencedResponse(msgspec.Struct, frozen=True):

@@ -2,7 +2,17 @@
 
 Seed (graceful-drain.txt): SIGTERM/SIGINT or ``drain()`` puts the worker in
 draining at once; running jobs get until the deadline; a second signal stops
-at once; ``stop()`` stops at once.
+at once; ``stop()`` stops at once. "The SDK already handles SIGINT and
+SIGTERM. It drains all running workers in the process, then exits."
+
+Signals are handled once per process, not once per worker: Trio delivers a
+signal only to the most recently opened receiver, so a receiver per worker
+would drain one worker and leave the others' jobs to be cut. Every running
+worker with ``handle_signals`` joins one :class:`_SignalHub` for its Trio run;
+the hub opens the single receiver while at least one worker is running. The
+hub counts the user's signals, not the workers' states: a drain started by
+the engine's ``Shutdown`` or by ``drain()`` keeps its deadline when the first
+signal arrives; only a second signal stops every worker at once.
 """
 
 from __future__ import annotations
@@ -11,15 +21,123 @@ import logging
 import os
 import signal
 import socket
+import sys
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import trio
 
+from ironflow.logs import formatter as log_formatter
 from ironflow.sdk.context import JobState
 from ironflow.sdk.function import Function
 
 _log = logging.getLogger("ironflow.worker")
+
+
+class _StderrUnlessConfigured(logging.StreamHandler):  # type: ignore[type-arg]
+    """The worker's lines on stderr while the application has configured no logging.
+
+    Attached to ``ironflow.worker``; a record is written here only when no
+    other handler lies on its propagation path (root included). Once the
+    application configures logging, its handlers get the record and this one
+    stays silent, so nothing is printed twice. Like ``logging.lastResort`` it
+    writes to whatever ``sys.stderr`` is at the time.
+    """
+
+    def __init__(self) -> None:
+        logging.Handler.__init__(self)
+        self.setFormatter(log_formatter())
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logger: logging.Logger | None = logging.getLogger(record.name)
+        while logger is not None:
+            if any(h is not self for h in logger.handlers):
+                return  # the application's handlers have it
+            if not logger.propagate:
+                break
+            logger = logger.parent
+        super().emit(record)
+
+
+def _announce_lifecycle() -> None:
+    """Make the lifecycle lines visible out of the box (idempotent).
+
+    INFO is enabled on ``ironflow.worker`` unless the application chose a
+    level for ``ironflow`` or ``ironflow.worker`` itself.
+    """
+    if not any(isinstance(h, _StderrUnlessConfigured) for h in _log.handlers):
+        _log.addHandler(_StderrUnlessConfigured())
+    if _log.level == logging.NOTSET and logging.getLogger("ironflow").level == logging.NOTSET:
+        _log.setLevel(logging.INFO)
+
+
+class _SignalHub:
+    """The process's one SIGTERM/SIGINT receiver, shared by every running worker."""
+
+    def __init__(self) -> None:
+        self.workers: set[WorkerLifecycle] = set()
+        self.signals = 0
+        self._scope: trio.CancelScope | None = None
+
+    def join(self, worker: WorkerLifecycle) -> None:
+        """Add a running worker; the first one opens the receiver."""
+        self.workers.add(worker)
+        if self.signals:
+            worker._begin_drain(worker.drain_timeout)  # started while the process drains
+        if self._scope is None:
+            self._scope = trio.CancelScope()
+            # A system task: the receiver must outlive whichever worker opened it.
+            trio.lowlevel.spawn_system_task(self._watch, self._scope, name="ironflow-signals")
+
+    def leave(self, worker: WorkerLifecycle) -> None:
+        """Remove a worker; the last one closes the receiver (default handlers return)."""
+        self.workers.discard(worker)
+        if not self.workers and self._scope is not None:
+            self._scope.cancel()
+            self._scope = None
+            self.signals = 0
+
+    async def _watch(self, scope: trio.CancelScope) -> None:
+        with scope:
+            try:
+                receiver = trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
+            except RuntimeError as exc:  # not the main thread
+                _log.warning("signal handling unavailable: %s", exc)
+                return
+            with receiver as signals:
+                async for signum in signals:
+                    self.signals += 1
+                    workers = sorted(self.workers, key=lambda w: w.worker_id)
+                    if self.signals == 1:
+                        _log.info(
+                            "Received signal %s; draining %d workers",
+                            signal.Signals(signum).name,
+                            len(workers),
+                        )
+                        for worker in workers:
+                            worker._begin_drain(worker.drain_timeout)
+                    else:
+                        _log.info("Second signal; stopping now")
+                        for worker in workers:
+                            worker.stop()
+
+
+_HUB: trio.lowlevel.RunVar[_SignalHub] = trio.lowlevel.RunVar("ironflow_signal_hub")
+
+
+def _signal_hub() -> _SignalHub:
+    try:
+        return _HUB.get()
+    except LookupError:
+        hub = _SignalHub()
+        _HUB.set(hub)
+        return hub
 
 
 def default_worker_id() -> str:
@@ -97,18 +215,19 @@ class WorkerLifecycle:
     def _drain_started(self) -> None:
         """Transport-specific reaction to a drain (wake what waits for new work)."""
 
-    async def _watch_signals(self) -> None:
-        try:
-            receiver = trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
-        except RuntimeError as exc:  # not the main thread
-            _log.warning("signal handling unavailable: %s", exc)
+    @contextmanager
+    def _signals_handled(self) -> Iterator[None]:
+        """While ``run()`` runs: SIGTERM/SIGINT drain this worker with the others.
+
+        Also makes the lifecycle lines visible (see :func:`_announce_lifecycle`).
+        """
+        _announce_lifecycle()
+        if not self.handle_signals:
+            yield
             return
-        with receiver as signals:
-            async for signum in signals:
-                if not self._draining:
-                    _log.info("Received signal %s", signal.Signals(signum).name)
-                    self._begin_drain(self.drain_timeout)
-                else:
-                    _log.info("Second signal; stopping now")
-                    self.stop()
-                    return
+        hub = _signal_hub()
+        hub.join(self)
+        try:
+            yield
+        finally:
+            hub.leave(self)

@@ -31,6 +31,7 @@ from ironflow.protocol import (
     PullPollResponse,
     Register,
     Registered,
+    Shutdown,
     encoder,
 )
 from ironflow.sdk.client import auth_headers
@@ -190,18 +191,17 @@ class PullWorker(WorkerLifecycle):
                     self._root_scope = nursery.cancel_scope
                     if self._stopped:
                         nursery.cancel_scope.cancel()
-                    if self.handle_signals:
-                        nursery.start_soon(self._watch_signals)
-                    try:
-                        await self._register()
-                        self.state = "connected"
-                        task_status.started()
-                        nursery.start_soon(self._heartbeat_loop)
-                        await self._poll_loop(nursery)
-                        await self._wait_for_jobs()
-                    except (WorkerAuthError, RegistrationRefusedError) as exc:
-                        _log.error("%s; stopping", exc)
-                        fatal = exc
+                    with self._signals_handled():
+                        try:
+                            await self._register()
+                            self.state = "connected"
+                            task_status.started()
+                            nursery.start_soon(self._heartbeat_loop)
+                            await self._poll_loop(nursery)
+                            await self._wait_for_jobs()
+                        except (WorkerAuthError, RegistrationRefusedError) as exc:
+                            _log.error("%s; stopping", exc)
+                            fatal = exc
                     nursery.cancel_scope.cancel()
                 if self.session_id is not None and not self._stopped and fatal is None:
                     with trio.move_on_after(GOODBYE_TIMEOUT_S):
@@ -219,12 +219,20 @@ class PullWorker(WorkerLifecycle):
             self._running = False
             self._http = None
             self._finished.set()
+            _log.info("Worker stopped", extra=_fields(worker_id=self.worker_id, mode="pull"))
 
     # ── internals ────────────────────────────────────────────────────────
 
     def _drain_started(self) -> None:
         if self._poll_scope is not None:
             self._poll_scope.cancel()
+
+    def _on_shutdown(self, msg: Shutdown) -> None:
+        """The node drains: drain too, within its deadline (a positive one wins)."""
+        if not self._draining:
+            _log.info("Engine asked to shut down: %s", msg.reason)
+        timeout = msg.drain_timeout_ms / 1000.0 if msg.drain_timeout_ms > 0 else self.drain_timeout
+        self._begin_drain(timeout)
 
     def _abandon(self, job: JobState, why: str) -> None:
         if not job.abandoned:
@@ -310,7 +318,10 @@ class PullWorker(WorkerLifecycle):
                         raise _SessionLost()
                     if resp.status_code >= 400:
                         raise IronflowError(f"poll failed: {resp.status_code} {_error_code(resp)}")
-                    jobs = msgspec.json.decode(resp.content, type=PullPollResponse).jobs
+                    answer = msgspec.json.decode(resp.content, type=PullPollResponse)
+                    jobs = answer.jobs
+                    if answer.shutdown is not None:
+                        self._on_shutdown(answer.shutdown)
                 except _SessionLost:
                     await self._reregister()
                     continue

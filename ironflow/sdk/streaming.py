@@ -46,7 +46,8 @@ from ironflow.sdk.lifecycle import WorkerLifecycle
 OUTBOX_SIZE = 256
 # Frames the websocket library buffers before it stops reading the socket.
 RECEIVE_QUEUE_SIZE = 64
-# Bound on flushing the outbox and the close handshake once a drain ends.
+# Bound on the close handshake when a connection ends other than by a drain
+# (a drain's flush and close share the drain's own deadline).
 CLOSE_TIMEOUT_S = 5.0
 # How long a connect (TCP + websocket handshake) may take.
 CONNECT_TIMEOUT_S = 10.0
@@ -132,6 +133,9 @@ class StreamingWorker(WorkerLifecycle):
         )
         self._drain_requested = trio.Event()
         self._session_scope: trio.CancelScope | None = None
+        # Around the whole connection, close handshake included: cancelled
+        # when a drain's deadline leaves no time to close politely.
+        self._connection_scope: trio.CancelScope | None = None
         self._outbox: trio.MemorySendChannel[Any] | None = None
 
     # ── public control ───────────────────────────────────────────────────
@@ -151,13 +155,12 @@ class StreamingWorker(WorkerLifecycle):
                 self._root_scope = nursery.cancel_scope
                 if self._stopped:
                     nursery.cancel_scope.cancel()
-                if self.handle_signals:
-                    nursery.start_soon(self._watch_signals)
-                try:
-                    await self._connect_loop(task_status)
-                except (WorkerAuthError, RegistrationRefusedError) as exc:
-                    _log.error("%s; not reconnecting", exc)
-                    fatal = exc
+                with self._signals_handled():
+                    try:
+                        await self._connect_loop(task_status)
+                    except (WorkerAuthError, RegistrationRefusedError) as exc:
+                        _log.error("%s; not reconnecting", exc)
+                        fatal = exc
                 nursery.cancel_scope.cancel()
             if fatal is not None:
                 raise fatal
@@ -201,15 +204,16 @@ class StreamingWorker(WorkerLifecycle):
         if self.api_key:
             headers = [(b"authorization", f"Bearer {self.api_key}".encode())]
         try:
-            async with open_websocket_url(
-                websocket_url(self.server_url),
-                extra_headers=headers,
-                max_message_size=MAX_FRAME_BYTES,
-                message_queue_size=RECEIVE_QUEUE_SIZE,
-                connect_timeout=CONNECT_TIMEOUT_S,
-                disconnect_timeout=CLOSE_TIMEOUT_S,
-            ) as ws:
-                await self._serve(ws, on_registered)
+            with trio.CancelScope() as self._connection_scope:
+                async with open_websocket_url(
+                    websocket_url(self.server_url),
+                    extra_headers=headers,
+                    max_message_size=MAX_FRAME_BYTES,
+                    message_queue_size=RECEIVE_QUEUE_SIZE,
+                    connect_timeout=CONNECT_TIMEOUT_S,
+                    disconnect_timeout=CLOSE_TIMEOUT_S,
+                ) as ws:
+                    await self._serve(ws, on_registered)
         except ConnectionRejected as exc:
             if exc.status_code in (401, 403):
                 raise WorkerAuthError(
@@ -290,10 +294,12 @@ class StreamingWorker(WorkerLifecycle):
             await send.send(Heartbeat(jobs=jobs))
 
     async def _drain_watch(self, send: trio.MemorySendChannel[Any]) -> None:
+        """Wait for the running jobs, then flush and close, all by the drain deadline."""
         await self._drain_requested.wait()
+        deadline = self._drain_deadline
         if self._jobs:
             _log.info(f"Waiting for {len(self._jobs)} jobs to complete...")
-        with trio.move_on_at(self._drain_deadline):
+        with trio.move_on_at(deadline):
             while self._jobs:
                 self._jobs_changed = trio.Event()
                 await self._jobs_changed.wait()
@@ -301,10 +307,16 @@ class StreamingWorker(WorkerLifecycle):
             _log.warning(f"Drain deadline reached; cancelling {len(self._jobs)} active jobs")
             for job in list(self._jobs.values()):
                 job.abandon()
-        # Flush what the jobs queued, then half-close and wait for the engine's close.
-        with trio.move_on_after(CLOSE_TIMEOUT_S):
-            await send.send(_CLOSE)
-            await trio.sleep_forever()  # the writer cancels the session once closed
+        else:
+            # Flush what the jobs queued, then half-close and wait for the
+            # engine's close; the writer ends the session once closed.
+            with trio.move_on_at(deadline):
+                await send.send(_CLOSE)
+                await trio.sleep_forever()
+        # The deadline has passed: drop the connection without a handshake
+        # (the engine recovers what it still leases to this session).
+        if self._connection_scope is not None:
+            self._connection_scope.cancel()
 
     async def _receive_loop(
         self,

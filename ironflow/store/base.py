@@ -297,6 +297,11 @@ class Store(abc.ABC):
         grace); a run that already has recoveries gets ``recovery_grace_s``.
         """
 
+    @abc.abstractmethod
+    async def record_node_drain(self, kind: str, data: Any, *, run_id: str | None = None) -> None:
+        """Audit one step of a node's drain (``node.drain.*``: started, completed,
+        deadline_reached, and recovered for each segment recovered at the deadline)."""
+
     # events and runs --------------------------------------------------------
 
     @abc.abstractmethod

@@ -444,9 +444,35 @@ class FenceOps(SqlStoreBase):
             )
             assert row is not None
             eligible_at = self._enqueue(tx, fence.run_id, row[0], row[1], row[2], 0.0, "nack")
+            # Always recorded, whatever the function's audit toggle, like every
+            # capacity.* event: a run's story includes the assignments refused.
+            self._audit(
+                tx,
+                "capacity.job.nacked",
+                fence.run_id,
+                row[1],
+                {
+                    "reason": reason,
+                    "execution_seq": fence.execution_seq,
+                    "next_execution_seq": row[0],
+                    "session_id": fence.session_id,
+                },
+            )
             return JobOutcome(fence.run_id, "waiting", row[0], eligible_at, row[3])
 
         return await self._transact(work)
+
+    @staticmethod
+    def _release_held(tx: Tx, session_id: str, free_slots: int) -> None:
+        """Give back up to ``free_slots`` credits held back after AT_CAPACITY nacks."""
+        if free_slots <= 0:
+            return
+        tx.execute(
+            "UPDATE worker_credits SET held = 0 WHERE session_id = ? AND slot IN ("
+            " SELECT slot FROM worker_credits WHERE session_id = ? AND held = 1"
+            " ORDER BY slot LIMIT ?)",
+            (session_id, session_id, free_slots),
+        )
 
     async def heartbeat(
         self,
@@ -472,6 +498,9 @@ class FenceOps(SqlStoreBase):
                     " WHERE session_id = ? AND expires_at > ironflow_now()",
                     (float(lease_expiry_s), session_id),
                 )
+                # No job list, no count of free slots: an older worker that
+                # heartbeats is taken at its word and gets its held slots back.
+                self._release_held(tx, session_id, row[0])
                 return []
             out: list[JobLeaseStatus] = []
             for job in jobs:
@@ -503,11 +532,8 @@ class FenceOps(SqlStoreBase):
                 else:
                     state = "UNKNOWN"
                 out.append(JobLeaseStatus(job.job_id, job.run_id, job.execution_seq, state))
-            if len(jobs) < row[0]:
-                tx.execute(
-                    "UPDATE worker_credits SET held = 0 WHERE session_id = ? AND held = 1",
-                    (session_id,),
-                )
+            # k free slots on the worker release at most k held credits.
+            self._release_held(tx, session_id, row[0] - len(jobs))
             return out
 
         return await self._transact(work)

@@ -6,7 +6,7 @@ function list, and a session's close (its leases recovered as loop 1 would).
 from __future__ import annotations
 
 import secrets
-from typing import Literal
+from typing import Any, Literal
 
 from ironflow.ids import new_id
 from ironflow.protocol import (
@@ -144,6 +144,16 @@ class SessionOps(CapacityLoop):
             return records
 
         return await self._transact(work)
+
+    async def record_node_drain(self, kind: str, data: Any, *, run_id: str | None = None) -> None:
+        def work(tx: Tx) -> None:
+            function_id = None
+            if run_id is not None:
+                row = tx.fetchone("SELECT function_id FROM runs WHERE id = ?", (run_id,))
+                function_id = row[0] if row is not None else None
+            self._audit(tx, kind, run_id, function_id, data)
+
+        await self._transact(work)
 
     async def close_session(
         self,

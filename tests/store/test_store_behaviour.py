@@ -392,6 +392,41 @@ async def test_nack_at_capacity_holds_credit_until_heartbeat_shows_space(store):
     assert again.assignment.execution_seq == 2
 
 
+async def test_a_heartbeat_showing_k_free_slots_releases_k_held_credits(store):
+    s = await worker(store, slots=3)
+    for _ in range(3):
+        await emit(store)
+    for res in await reserve(store, s):
+        await store.nack_job(fence_of(res), "AT_CAPACITY")
+    assert (await store.list_sessions())[0].credits_held == 3
+    two_busy = [ActiveJob("j1", "run_x", 1, "t"), ActiveJob("j2", "run_y", 1, "t")]
+    await store.heartbeat(s.session_id, two_busy, session_expiry_s=SESSION, lease_expiry_s=LEASE)
+    assert (await store.list_sessions())[0].credits_held == 2
+    assert len(await reserve(store, s)) == 1
+
+
+async def test_a_compatibility_heartbeat_releases_held_credits(store):
+    s = await worker(store, slots=2)
+    await emit(store)
+    (res,) = await reserve(store, s)
+    await store.nack_job(fence_of(res), "AT_CAPACITY")
+    assert (await store.list_sessions())[0].credits_held == 1
+    await store.heartbeat(s.session_id, None, session_expiry_s=SESSION, lease_expiry_s=LEASE)
+    assert (await store.list_sessions())[0].credits_held == 0
+
+
+async def test_every_nack_is_audited_with_reason_run_and_seq(store):
+    s = await worker(store, slots=2)
+    await emit(store)
+    (res,) = await reserve(store, s)
+    f = fence_of(res)
+    await store.nack_job(f, "AT_CAPACITY")
+    (audit,) = await store.list_audit(run_id=f.run_id, type="capacity.job.nacked")
+    assert audit.data["reason"] == "AT_CAPACITY"
+    assert audit.data["execution_seq"] == 1 and audit.data["next_execution_seq"] == 2
+    assert audit.data["session_id"] == s.session_id
+
+
 async def test_nack_after_activation_releases_lease(store):
     f = await running(store)
     out = await store.nack_job(f, "DRAINING")

@@ -1,0 +1,88 @@
+"""A worker process for the graceful-drain tests: real signals, real exits.
+
+Usage: python tests/procs/drain_worker.py SERVER_URL EFFECTS_FILE
+       [--workers stream,pull] [--slow S] [--max-jobs N] [--drain-timeout S]
+       [--configure-logging]
+
+It runs one worker per entry of ``--workers`` in one Trio run (one process)
+and configures no logging unless ``--configure-logging`` is given (then
+``logging.basicConfig`` at INFO, as an application would).
+
+Function ``slow`` (event ``drain.go``): records ``start``, sleeps ``--slow``
+seconds in a step, records ``done`` and returns the pid. Every side effect is
+one line ``<time.time()> <run_id> <what> <pid>`` (as in ``crash_worker.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import ironflow  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("server")
+    parser.add_argument("effects")
+    parser.add_argument("--workers", default="stream")
+    parser.add_argument("--slow", type=float, default=3.0)
+    parser.add_argument("--max-jobs", type=int, default=1)
+    parser.add_argument("--drain-timeout", type=float, default=30.0)
+    parser.add_argument("--configure-logging", action="store_true")
+    args = parser.parse_args()
+    if args.configure_logging:
+        logging.basicConfig(level=logging.INFO, format="APP %(levelname)s %(name)s: %(message)s")
+    effects = Path(args.effects)
+    pid = os.getpid()
+
+    def record(run_id: str, what: str) -> None:
+        with effects.open("a") as f:
+            f.write(f"{time.time():.6f} {run_id} {what} {pid}\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    @ironflow.function(id="slow", triggers=[ironflow.event("drain.go")])
+    async def slow(ctx: Any) -> Any:
+        run_id = ctx.run.id
+
+        async def work() -> dict[str, int]:
+            record(run_id, "start")
+            await trio.sleep(args.slow)
+            record(run_id, "done")
+            return {"pid": pid}
+
+        return await ctx.step.run("work", work)
+
+    workers: list[Any] = []
+    for kind in args.workers.split(","):
+        common: dict[str, Any] = {
+            "max_concurrent_jobs": args.max_jobs,
+            "drain_timeout": args.drain_timeout,
+            "reconnect_delay": 0.2,
+        }
+        if kind == "pull":
+            workers.append(ironflow.PullWorker(args.server, [slow], poll_wait=2.0, **common))
+        else:
+            workers.append(ironflow.StreamingWorker(args.server, [slow], **common))
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            for worker in workers:
+                await nursery.start(worker.run)
+            print(f"READY {pid}", flush=True)
+
+    trio.run(run)
+
+
+if __name__ == "__main__":
+    main()
