@@ -72,3 +72,35 @@ def cleanup_all() -> None:
     for d in list(TEMPS):
         shutil.rmtree(d, ignore_errors=True)
         TEMPS.remove(d)
+
+
+def start_dev_node(db: str | None, prefix: str) -> str:
+    """A ``--dev`` node subprocess (SQLite in a tracked temp dir unless ``db``); its URL once ready."""
+    import sys
+    import time
+
+    import httpx
+
+    port = free_port()
+    state = mkdtemp(prefix)
+    argv = [sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port),
+            "--state-dir", state, "--log-level", "WARNING", "--db", db or f"{state}/ironflow.db"]
+    LIVE.append(subprocess.Popen(argv, env=child_env()))
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/readyz").status_code == 200:
+                return url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"node on {url} did not become ready")
+
+
+def start_script_worker(script: str, url: str) -> None:
+    """``script --worker URL`` as a tracked subprocess; returns once it printed READY."""
+    import sys
+
+    worker = subprocess.Popen([sys.executable, script, "--worker", url], env=child_env(), stdout=subprocess.PIPE)
+    LIVE.append(worker)
+    assert worker.stdout is not None and worker.stdout.readline().strip() == b"READY"

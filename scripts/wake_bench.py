@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import atexit
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
 import trio
-from children import LIVE, child_env, cleanup_all, free_port, mkdtemp
+from children import cleanup_all, start_dev_node, start_script_worker
 
 WORKER_SLOTS = 200
 
@@ -44,22 +42,8 @@ def worker_main(url: str) -> None:
 
 
 def start(db: str | None) -> str:
-    port = free_port()
-    state = mkdtemp("ifwake.")
-    argv = [sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port),
-            "--state-dir", state, "--log-level", "WARNING", "--db", db or f"{state}/ironflow.db"]
-    LIVE.append(subprocess.Popen(argv, env=child_env()))
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/readyz").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    worker = subprocess.Popen([sys.executable, __file__, "--worker", url], env=child_env(), stdout=subprocess.PIPE)
-    LIVE.append(worker)
-    assert worker.stdout is not None and worker.stdout.readline().strip() == b"READY"
+    url = start_dev_node(db, "ifwake.")
+    start_script_worker(__file__, url)
     return url
 
 

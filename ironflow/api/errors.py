@@ -99,27 +99,24 @@ async def optional_body(kind: type[T]) -> T:
 
 def query_int(name: str, default: int, *, low: int = 1, high: int = 1000) -> int:
     """Integer query parameter ``name`` in ``low..high``, or a 400."""
-    raw = request.args.get(name)
-    if raw is None:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        fail(400, "VALIDATION_ERROR", f"query parameter {name} must be an integer, got {raw!r}")
-    if not low <= value <= high:
-        fail(400, "VALIDATION_ERROR", f"query parameter {name} must be in {low}..{high}")
-    return value
+    return int(_query_number(name, default, low, high, int, "an integer"))
 
 
 def query_float(name: str, default: float, *, low: float, high: float) -> float:
     """Number query parameter ``name`` in ``low..high``, or a 400."""
+    return _query_number(name, default, low, high, float, "a number")
+
+
+def _query_number(
+    name: str, default: float, low: float, high: float, kind: type[int] | type[float], what: str
+) -> float:
     raw = request.args.get(name)
     if raw is None:
         return default
     try:
-        value = float(raw)
+        value = kind(raw)
     except ValueError:
-        fail(400, "VALIDATION_ERROR", f"query parameter {name} must be a number, got {raw!r}")
+        fail(400, "VALIDATION_ERROR", f"query parameter {name} must be {what}, got {raw!r}")
     if not low <= value <= high:
         fail(400, "VALIDATION_ERROR", f"query parameter {name} must be in {low:g}..{high:g}")
     return value
