@@ -149,3 +149,84 @@ async def test_an_operator_purge_waits_for_the_other_nodes_batch(pg_url):
         assert done == [1]
     finally:
         await store.close()
+
+
+async def _park_sleeps(store, n: int, until: float) -> list[str]:
+    """``n`` runs, each parked in a sleep step due at ``until``; their run ids."""
+    from ironflow.protocol import SleepYield
+    from ironflow.store import Fence
+
+    fd = FunctionDef(id="sleeper", triggers=[Trigger("nap")])
+    session = await store.register_worker(
+        node_id="n0", worker_id="w", mode="stream", max_concurrent_jobs=n, functions=[fd], session_expiry_s=600
+    )
+    for _ in range(n):
+        await store.ingest_event("nap", {}, None, idempotency_window_s=1)
+    run_ids = []
+    offer = {session.session_id: frozenset({"sleeper"})}
+    while len(run_ids) < n:
+        for res in await store.reserve_segments("n0", offer, 100, reservation_expiry_s=60):
+            a = res.assignment
+            fence = Fence(session.session_id, a.run_id, a.execution_seq, a.lease_token)
+            await store.activate_lease(fence, lease_expiry_s=600)
+            await store.yield_job(fence, step_id="nap", name="nap", info=SleepYield(until=until))
+            run_ids.append(a.run_id)
+    return run_ids
+
+
+async def test_two_nodes_wakers_racing_claim_and_resume_each_sleep_exactly_once(pg_url):
+    nodes = [open_store(pg_url), open_store(pg_url)]
+    for s in nodes:
+        await s.open()
+    try:
+        now = await nodes[0].db_now()
+        run_ids = await _park_sleeps(nodes[0], 300, now - 1)  # all due at once
+        claimed: list[list[tuple[str, str]]] = [[], []]
+
+        async def waker(i: int) -> None:
+            while True:
+                batch = await nodes[i].claim_elapsed_steps(f"n{i}", 25)
+                if not batch:
+                    return
+                claimed[i].extend(batch)
+                for run_id, step_id in batch:
+                    await nodes[i].resume_claimed_step(f"n{i}", run_id, step_id)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waker, 0)
+            nursery.start_soon(waker, 1)
+        both = claimed[0] + claimed[1]
+        assert len(both) == len(set(both)) == 300  # each claimed by exactly one node
+        assert claimed[0] and claimed[1]  # and both really raced
+        for run_id in run_ids:
+            detail = await nodes[0].get_run(run_id)
+            (nap,) = [s for s in detail.steps if s.step_id == "nap"]
+            assert nap.status == "completed"
+            assert detail.queue is not None and detail.queue.reason == "resume"
+    finally:
+        for s in nodes:
+            await s.close()
+
+
+async def test_a_claim_left_by_a_dead_node_is_restored_and_resumed_once_by_another(pg_url):
+    dead, survivor = open_store(pg_url), open_store(pg_url)
+    for s in (dead, survivor):
+        await s.open()
+    try:
+        now = await dead.db_now()
+        (run_id,) = await _park_sleeps(dead, 1, now - 1)
+        assert await dead.claim_elapsed_steps("dead-node", 10) == [(run_id, "nap")]
+        # The dead node never resumes. Before the threshold nothing moves...
+        assert await survivor.reset_stale_claims(threshold_s=60) == 0
+        assert await survivor.claim_elapsed_steps("survivor", 10) == []
+        await survivor.advance_clock(61)
+        # ...after it, loop 2 restores the step and the survivor's waker takes it.
+        assert await survivor.reset_stale_claims(threshold_s=60) == 1
+        assert await survivor.claim_elapsed_steps("survivor", 10) == [(run_id, "nap")]
+        await survivor.resume_claimed_step("survivor", run_id, "nap")
+        detail = await survivor.get_run(run_id)
+        assert detail.queue is not None and detail.queue.reason == "resume"
+        assert await survivor.claim_elapsed_steps("survivor", 10) == []  # resumed once
+    finally:
+        for s in (dead, survivor):
+            await s.close()
