@@ -1,12 +1,15 @@
 """The drain coordinator in virtual time: a node drain as Shutdown frames and a deadline.
 
-No store: the coordinator works on the node's session directory alone, and a
-"worker" here is a ``LocalSession`` whose outbox the test reads.
+A "worker" here is a ``LocalSession`` whose outbox the test reads; the store
+(SQLite, inline on the Trio thread) holds no pull session of this node unless
+a test puts one there, so only the directory's sessions hold the drain up.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import trio
@@ -16,15 +19,29 @@ from actors import drain_coordinator
 from actors.directory import LocalSession, SessionDirectory
 from ironflow.config import NodeConfig, Timings
 from ironflow.protocol import EngineMessage, Shutdown
+from ironflow.store import Store
+from ironflow.store.sqlite import SqliteStore
 
 DRAIN_S = 25.0
 CFG = NodeConfig(timings=Timings(drain_timeout_s=DRAIN_S))
 
 
-class Node:
-    """The pieces of a node the coordinator sees: the directory and two events."""
+BASE = 1.7e9
 
-    def __init__(self) -> None:
+
+@pytest.fixture
+async def store(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> AsyncIterator[Store]:
+    s = SqliteStore(str(tmp_path / "vt.db"), now=lambda: BASE + trio.current_time(), inline=True)
+    await s.open()
+    yield s
+    await s.close()
+
+
+class Node:
+    """The pieces of a node the coordinator sees: its store, directory and two events."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
         self.directory = SessionDirectory()
         self.shutdown_requested = trio.Event()
         self.drained = trio.Event()
@@ -39,7 +56,13 @@ class Node:
 
     async def start(self, nursery: trio.Nursery) -> None:
         await nursery.start(
-            drain_coordinator.run, CFG, self.directory, self.shutdown_requested, self.drained
+            drain_coordinator.run,
+            self.store,
+            CFG,
+            "node-a",
+            self.directory,
+            self.shutdown_requested,
+            self.drained,
         )
 
     async def drained_at(self) -> float:
@@ -55,9 +78,9 @@ async def leave_at(directory: SessionDirectory, session_id: str, at: float) -> N
 
 
 async def test_a_node_drain_sends_shutdown_with_the_deadline_to_every_streaming_session(
-    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    node = Node()
+    node = Node(store)
     streams = [node.connect("s1"), node.connect("s2")]
     pull = node.connect("p1", mode="pull")
     await node.start(nursery)
@@ -68,17 +91,18 @@ async def test_a_node_drain_sends_shutdown_with_the_deadline_to_every_streaming_
             "engine node shutting down", int(DRAIN_S * 1000)
         )
         assert session.draining
-    # A pull worker has no socket to hear a Shutdown; its poll ends with the server.
+    # A pull worker has no socket to hear a Shutdown: its next poll answers it
+    # (the directory's drain deadline); meanwhile it too is offered no work.
     with pytest.raises(trio.WouldBlock):
         node.outboxes["p1"].receive_nowait()
-    # Draining sessions are offered no new work from here on.
-    assert not pull.draining and set(node.directory.offers()) == {"p1"}
+    assert pull.draining and set(node.directory.offers()) == set()
+    assert node.directory.drain_deadline == pytest.approx(DRAIN_S, abs=0.01)
 
 
 async def test_nothing_is_sent_before_a_drain_is_requested(
-    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    node = Node()
+    node = Node(store)
     session = node.connect("s1")
     await node.start(nursery)
     await trio.sleep(1000.0)
@@ -88,10 +112,10 @@ async def test_nothing_is_sent_before_a_drain_is_requested(
 
 
 async def test_the_drain_waits_for_the_last_streaming_session_to_leave(
-    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="ironflow.drain")
-    node = Node()
+    node = Node(store)
     node.connect("s1")
     node.connect("s2")
     node.connect("p1", mode="pull")  # a pull session does not hold the drain up
@@ -104,10 +128,10 @@ async def test_the_drain_waits_for_the_last_streaming_session_to_leave(
 
 
 async def test_at_the_drain_deadline_drained_is_set_with_sessions_still_connected(
-    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="ironflow.drain")
-    node = Node()
+    node = Node(store)
     node.connect("s1")
     node.connect("stuck")  # its job outlives the deadline: it recovers through loop 1
     await node.start(nursery)
@@ -121,9 +145,9 @@ async def test_at_the_drain_deadline_drained_is_set_with_sessions_still_connecte
 
 
 async def test_with_no_streaming_session_the_drain_completes_at_once(
-    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    node = Node()
+    node = Node(store)
     node.connect("p1", mode="pull")
     await node.start(nursery)
     await trio.sleep(5.0)
@@ -132,9 +156,9 @@ async def test_with_no_streaming_session_the_drain_completes_at_once(
 
 
 async def test_a_full_or_closed_outbox_does_not_stop_the_others_hearing_shutdown(
-    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    node = Node()
+    node = Node(store)
     full = node.connect("full", capacity=0)  # nobody reading: send_nowait would block
     gone = node.connect("gone")
     node.outboxes["gone"].close()  # the socket went: the send end is broken
