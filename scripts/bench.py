@@ -637,7 +637,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     pg: ThrowawayPostgres | None = None
     try:
         if "postgres" in backends:
-            pg = ThrowawayPostgres()
+            # PostgreSQL's default durability (fsync, synchronous_commit on): never
+            # the test fixture's fsync=off for a figure.
+            pg = ThrowawayPostgres(durable=True)
             pg.start()
             _TEMPS.append(pg.base_dir)  # also removed by _cleanup_all() on a signal
         for backend in backends:
