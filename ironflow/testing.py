@@ -67,11 +67,15 @@ class ThrowawayPostgres:
     ``new_database()`` creates its databases there.
 
     ``durable``: keep PostgreSQL's default ``fsync``/``synchronous_commit``
-    (benchmarks) instead of the tests' ``fsync=off``.
+    (benchmarks) instead of the tests' ``fsync=off``. ``server_options``: more
+    ``-c name=value`` settings for the server (e.g. a preloaded extension).
     """
 
-    def __init__(self, url: str | None = None, *, durable: bool = False) -> None:
+    def __init__(
+        self, url: str | None = None, *, durable: bool = False, server_options: str = ""
+    ) -> None:
         self.durable = durable
+        self.server_options = server_options
         self.base_dir = ""
         self.url = (url or "").rstrip("/")
         self._pg_ctl = ""
@@ -110,7 +114,8 @@ class ThrowawayPostgres:
         return self.url
 
     def _options(self) -> str:
-        return SERVER_OPTIONS if self.durable else f"{SERVER_OPTIONS} {NO_FSYNC_OPTIONS}"
+        durability = "" if self.durable else NO_FSYNC_OPTIONS
+        return " ".join(o for o in (SERVER_OPTIONS, durability, self.server_options) if o)
 
     def stop(self) -> None:
         """Stop the server (fast shutdown) and remove its directory. Idempotent."""

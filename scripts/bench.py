@@ -174,10 +174,15 @@ def _vm_hwm_kib(pid: int) -> int | None:
     return None
 
 
-def _cpu_s(pid: int) -> float:
+def _main_thread_cpu_s(pid: int) -> float:
+    """utime + stime of ``pid``'s main thread alone (the node's Trio thread)."""
+    return _cpu_s(pid, f"/proc/{pid}/task/{pid}/stat")
+
+
+def _cpu_s(pid: int, stat: str = "") -> float:
     """utime + stime of ``pid`` in seconds (all its threads)."""
     try:
-        with open(f"/proc/{pid}/stat") as fh:
+        with open(stat or f"/proc/{pid}/stat") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
@@ -187,6 +192,26 @@ def _cpu_s(pid: int) -> float:
 # ═══════════════════════════════════════════════════════════════════════════
 # measurement
 # ═══════════════════════════════════════════════════════════════════════════
+
+
+def _pg_counters(db_url: str, reset: bool) -> dict[str, Any]:
+    """Transactions committed in ``db_url``'s database and statements executed in it
+    (pg_stat_statements, BEGIN/COMMIT/SAVEPOINT included), optionally resetting the latter."""
+    import psycopg
+
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        if reset:
+            conn.execute("SELECT pg_stat_statements_reset()")
+        xacts = conn.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database"
+                             " WHERE datname = current_database()").fetchone()
+        rows = conn.execute(
+            "SELECT calls, left(regexp_replace(query, '\\s+', ' ', 'g'), 90) FROM pg_stat_statements"
+            " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " ORDER BY calls DESC").fetchall()
+    return {"xacts": int(xacts[0]) if xacts else 0,
+            "statements": sum(int(c) for c, _ in rows),
+            "top": [[int(c), q] for c, q in rows[:12]]}
 
 
 def pct(values: list[float], p: float) -> float:
@@ -407,9 +432,11 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
                 profilers["node"] = Profiler(node.pid, tmp / "node.prof", tmp / "spy-node.log")
                 profilers["worker"] = Profiler(worker.pid, tmp / "worker.prof", tmp / "spy-worker.log")
                 await asyncio.sleep(1.0)  # let py-spy attach
+            pg0 = _pg_counters(db, reset=True) if backend == "postgres" else None
             sent: dict[str, float] = {}
             sem = asyncio.Semaphore(args.inflight)
-            cpu0 = (_cpu_s(node.pid), _cpu_s(worker.pid), time.process_time())
+            cpu0 = (_cpu_s(node.pid), _cpu_s(worker.pid), time.process_time(),
+                    _main_thread_cpu_s(node.pid))
 
             batch = max(1, args.emit_batch)
 
@@ -423,7 +450,9 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             await asyncio.gather(*(bounded(i) for i in range(0, args.runs, batch)))
             emits_done = time.time()
             runs = await _wait_done(client, url, out, LOAD_FN, args.runs, args.timeout, worker)
-            cpu1 = (_cpu_s(node.pid), _cpu_s(worker.pid), time.process_time())
+            cpu1 = (_cpu_s(node.pid), _cpu_s(worker.pid), time.process_time(),
+                    _main_thread_cpu_s(node.pid))
+            pg1 = _pg_counters(db, reset=False) if pg0 is not None else None
             sample = sorted(sent)[:: max(1, len(sent) // 100)]
             commit_lat = await _step_commit_latency(client, url, sample, _index_records(out))
 
@@ -477,7 +506,14 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             "cpu_node_s": cpu1[0] - cpu0[0],
             "cpu_worker_s": cpu1[1] - cpu0[1],
             "cpu_bench_client_s": cpu1[2] - cpu0[2],
+            # of cpu_node_s: the node's main (Trio) thread; the rest is its database threads
+            "cpu_node_main_thread_s": cpu1[3] - cpu0[3],
         }
+        if pg0 is not None and pg1 is not None:
+            # Our own two counter queries (and the completion polls) are included: a few per trial.
+            result["pg_xacts_per_run"] = (pg1["xacts"] - pg0["xacts"]) / args.runs
+            result["pg_statements_per_run"] = pg1["statements"] / args.runs
+            result["pg_top_statements"] = pg1["top"]
         if profile:
             result["profile"] = {name: analyse_profile(p.out) for name, p in profilers.items()}
         return result
@@ -584,8 +620,11 @@ COLUMNS = [
     ("node RSS MB", "node_peak_rss_mb", "{:.0f}"),
     ("wrk RSS MB", "worker_peak_rss_mb", "{:.0f}"),
     ("node CPU s", "cpu_node_s", "{:.2f}"),
+    ("node main thr CPU s", "cpu_node_main_thread_s", "{:.2f}"),
     ("wrk CPU s", "cpu_worker_s", "{:.2f}"),
     ("emitter CPU s", "cpu_bench_client_s", "{:.2f}"),
+    ("PG xacts/run", "pg_xacts_per_run", "{:.1f}"),
+    ("PG stmts/run", "pg_statements_per_run", "{:.1f}"),
 ]
 
 
@@ -639,7 +678,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         if "postgres" in backends:
             # PostgreSQL's default durability (fsync, synchronous_commit on): never
             # the test fixture's fsync=off for a figure.
-            pg = ThrowawayPostgres(durable=True)
+            # pg_stat_statements counts the statements (round trips) per run.
+            pg = ThrowawayPostgres(
+                durable=True, server_options="-c shared_preload_libraries=pg_stat_statements")
             pg.start()
             _TEMPS.append(pg.base_dir)  # also removed by _cleanup_all() on a signal
         for backend in backends:
@@ -652,6 +693,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             report["backends"][backend] = {"repeats": rows, "median": med}
             if not args.json:
                 print_table(backend, rows, med, args)
+                if rows[-1].get("pg_top_statements"):
+                    print("statements executed in the last repeat's loaded phase, most frequent first:")
+                    for calls, query in rows[-1]["pg_top_statements"]:
+                        print(f"  {calls:7d}  {query}")
         if args.profile:
             backend = backends[0]
             if not args.json:
