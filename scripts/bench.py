@@ -3,6 +3,7 @@
 
     python scripts/bench.py [--runs 1000] [--repeat 3] [--backend sqlite|postgres|both]
                             [--concurrency 50] [--inflight 32] [--json] [--profile]
+                            [--nodes 1]
 
 For each repeat a FRESH node is started as a subprocess (``python -m
 ironflow.node --dev`` on a free port, with a fresh temp state dir and SQLite
@@ -179,6 +180,13 @@ def _main_thread_cpu_s(pid: int) -> float:
     return _cpu_s(pid, f"/proc/{pid}/task/{pid}/stat")
 
 
+def _cpu_all(nodes: list[subprocess.Popen[bytes]],
+             workers: list[subprocess.Popen[bytes]]) -> tuple[float, float, float, float]:
+    """CPU seconds so far: all nodes, all workers, this script, the nodes' main threads."""
+    return (sum(_cpu_s(n.pid) for n in nodes), sum(_cpu_s(w.pid) for w in workers),
+            time.process_time(), sum(_main_thread_cpu_s(n.pid) for n in nodes))
+
+
 def _cpu_s(pid: int, stat: str = "") -> float:
     """utime + stime of ``pid`` in seconds (all its threads)."""
     try:
@@ -221,10 +229,6 @@ def pct(values: list[float], p: float) -> float:
     s = sorted(values)
     k = max(0, min(len(s) - 1, math.ceil(p / 100.0 * len(s)) - 1))
     return s[k]
-
-
-def _index_records(path: Path) -> dict[str, dict[str, Any]]:
-    return {r["run"]: r for r in _read_records(path) if "run" in r}
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
@@ -350,17 +354,22 @@ async def _step_commit_latency(client: Any, url: str, run_ids: list[str],
     return out
 
 
-async def _wait_done(client: Any, url: str, out: Path, fn: str, n: int, timeout: float,
-                     proc: subprocess.Popen[bytes]) -> list[dict[str, Any]]:
+def _read_all(outs: list[Path]) -> list[dict[str, Any]]:
+    return [r for out in outs for r in _read_records(out)]
+
+
+async def _wait_done(client: Any, url: str, outs: list[Path], fn: str, n: int, timeout: float,
+                     procs: list[subprocess.Popen[bytes]]) -> list[dict[str, Any]]:
     """Wait until the worker reported ``n`` handlers of ``fn`` done, then until the
     engine shows ``n`` runs of ``fn`` completed; return their RunRecords."""
     deadline = time.monotonic() + timeout
     while True:
-        done = sum(1 for r in _read_records(out) if r.get("fn") == fn)
+        done = sum(1 for r in _read_all(outs) if r.get("fn") == fn)
         if done >= n:
             break
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {proc.returncode} after {done}/{n} runs")
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {proc.returncode} after {done}/{n} runs")
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {done}/{n} {fn} handlers finished within {timeout}s")
         await asyncio.sleep(0.1)
@@ -403,21 +412,31 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
                      profile: bool = False) -> dict[str, Any]:
 
     tmp = Path(_mkdtemp("ifbench."))
-    node = worker = None
+    nodes: list[subprocess.Popen[bytes]] = []
+    workers: list[subprocess.Popen[bytes]] = []
     profilers: dict[str, Profiler] = {}
     try:
         db = pg.new_database("bench") if backend == "postgres" and pg else str(tmp / "state" / "ironflow.db")
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        node_log = tmp / "node.log"
-        node = _spawn([sys.executable, "-m", "ironflow.node", "--dev", "--port", str(port), "--db", db,
-                       "--state-dir", str(tmp / "state"), "--log-level", args.node_log_level], node_log)
-        await _wait_ready(url, node, node_log)
-        out = tmp / "worker.jsonl"
-        worker_log = tmp / "worker.log"
-        worker = _spawn([sys.executable, str(Path(__file__).resolve()), "--worker", "--server", url,
-                         "--out", str(out), "--concurrency", str(args.concurrency)], worker_log)
-        await _wait_worker_ready(out, worker, worker_log)
+        # Several nodes share one PostgreSQL database, each with its own worker; emits
+        # go to the nodes in turn.
+        urls: list[str] = []
+        outs: list[Path] = []
+        for k in range(args.nodes if backend == "postgres" else 1):
+            port = _free_port()
+            urls.append(f"http://127.0.0.1:{port}")
+            node_log = tmp / f"node{k}.log"
+            nodes.append(_spawn([sys.executable, "-m", "ironflow.node", "--dev", "--port", str(port),
+                                 "--db", db, "--state-dir", str(tmp / f"state{k}"),
+                                 "--log-level", args.node_log_level], node_log))
+            await _wait_ready(urls[k], nodes[k], node_log)
+        for k, node_url in enumerate(urls):
+            outs.append(tmp / f"worker{k}.jsonl")
+            worker_log = tmp / f"worker{k}.log"
+            workers.append(_spawn([sys.executable, str(Path(__file__).resolve()), "--worker",
+                                   "--server", node_url, "--out", str(outs[k]),
+                                   "--concurrency", str(args.concurrency)], worker_log))
+            await _wait_worker_ready(outs[k], workers[k], worker_log)
+        url, node, worker = urls[0], nodes[0], workers[0]
 
         async with _LoadClient(args.inflight) as client:
             # ── idle phase: one event at a time, the worker otherwise idle ──
@@ -425,7 +444,7 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             for i in range(args.idle_events):
                 await _emit(client, url, IDLE_EVENT, i, idle_sent)
                 await asyncio.sleep(args.idle_gap)
-            await _wait_done(client, url, out, IDLE_FN, args.idle_events, args.timeout, worker)
+            await _wait_done(client, url, outs, IDLE_FN, args.idle_events, args.timeout, workers)
 
             # ── loaded phase ──
             if profile:
@@ -435,37 +454,36 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             pg0 = _pg_counters(db, reset=True) if backend == "postgres" else None
             sent: dict[str, float] = {}
             sem = asyncio.Semaphore(args.inflight)
-            cpu0 = (_cpu_s(node.pid), _cpu_s(worker.pid), time.process_time(),
-                    _main_thread_cpu_s(node.pid))
+            cpu0 = _cpu_all(nodes, workers)
 
             batch = max(1, args.emit_batch)
 
             async def bounded(i: int) -> None:
                 async with sem:
                     if batch == 1:
-                        await _emit(client, url, LOAD_EVENT, i, sent)
+                        await _emit(client, urls[i % len(urls)], LOAD_EVENT, i, sent)
                     else:
-                        await _emit_batch(client, url, LOAD_EVENT, i, min(batch, args.runs - i), sent)
+                        await _emit_batch(client, urls[(i // batch) % len(urls)], LOAD_EVENT, i,
+                                          min(batch, args.runs - i), sent)
 
             await asyncio.gather(*(bounded(i) for i in range(0, args.runs, batch)))
             emits_done = time.time()
-            runs = await _wait_done(client, url, out, LOAD_FN, args.runs, args.timeout, worker)
-            cpu1 = (_cpu_s(node.pid), _cpu_s(worker.pid), time.process_time(),
-                    _main_thread_cpu_s(node.pid))
+            runs = await _wait_done(client, url, outs, LOAD_FN, args.runs, args.timeout, workers)
+            cpu1 = _cpu_all(nodes, workers)
             pg1 = _pg_counters(db, reset=False) if pg0 is not None else None
             sample = sorted(sent)[:: max(1, len(sent) // 100)]
-            commit_lat = await _step_commit_latency(client, url, sample, _index_records(out))
+            by_run_now = {r["run"]: r for r in _read_all(outs) if "run" in r}
+            commit_lat = await _step_commit_latency(client, url, sample, by_run_now)
 
-        hwm_node = _vm_hwm_kib(node.pid)
-        hwm_worker = _vm_hwm_kib(worker.pid)
+        hwm_node = max((_vm_hwm_kib(n.pid) or 0) for n in nodes)
+        hwm_worker = max((_vm_hwm_kib(w.pid) or 0) for w in workers)
         for p in profilers.values():
             p.stop()
-        _stop(worker)
-        worker = None
-        _stop(node)
-        node = None
+        for proc in workers + nodes:
+            _stop(proc)
+        workers, nodes = [], []
 
-        records = _read_records(out)
+        records = _read_all(outs)
         by_run = {r["run"]: r for r in records if "run" in r}
         load_runs = [r for r in runs if r["id"] in sent]
         if len(load_runs) != min(args.runs, 1000):
@@ -485,6 +503,7 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
         replays = sum(1 for rid in sent if by_run[rid]["segment_start"] != by_run[rid]["start"])
         result: dict[str, Any] = {
             "backend": backend,
+            "nodes": len(urls),
             "runs": args.runs,
             "wall_s": wall,
             "emit_phase_s": emits_done - first_emit,
@@ -520,8 +539,8 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
     finally:
         for p in profilers.values():
             p.stop()
-        _stop(worker)
-        _stop(node)
+        for proc in workers + nodes:
+            _stop(proc)
         if args.keep:
             print(f"kept {tmp}", file=sys.stderr)
             _TEMPS.remove(str(tmp))
@@ -668,7 +687,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     backends = ["sqlite", "postgres"] if args.backend == "both" else [args.backend]
     report: dict[str, Any] = {
         "config": {"runs": args.runs, "repeat": args.repeat, "concurrency": args.concurrency,
-                   "inflight": args.inflight, "steps_per_run": STEPS_PER_RUN,
+                   "inflight": args.inflight, "steps_per_run": STEPS_PER_RUN, "nodes": args.nodes,
                    "idle_events": args.idle_events, "idle_gap_s": args.idle_gap,
                    "cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "backends": {},
@@ -718,6 +737,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--backend", choices=["sqlite", "postgres", "both"], default="sqlite")
     ap.add_argument("--concurrency", type=int, default=50, help="worker max_concurrent_jobs")
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="PostgreSQL only: nodes sharing the database, one worker each")
     ap.add_argument("--inflight", type=int, default=32, help="emit requests in flight")
     ap.add_argument("--emit-batch", type=int, default=1,
                     help="events per request in the loaded phase (1: POST /v1/events each; "
