@@ -20,6 +20,9 @@ Each repeat has two phases:
 * idle: ``--idle-events`` (50) events emitted one at a time, ``--idle-gap``
   (50 ms) apart, the worker otherwise idle. Its emit→handler-start p50 is the
   figure the target "emit→start p50 ≤ 10 ms" refers to.
+* latency (after the loaded phase): ``--latency`` (100) one-step runs, one at
+  a time: emit sent → the run first read back ``completed`` (GET polled back
+  to back: an upper bound by one GET round trip).
 * loaded: ``--runs`` events emitted over HTTP with at most ``--inflight``
   requests in flight; wait until every run is ``completed``.
 
@@ -64,6 +67,8 @@ LOAD_EVENT = "bench.load"
 IDLE_EVENT = "bench.idle"
 LOAD_FN = "bench-load"
 IDLE_FN = "bench-idle"
+LAT_EVENT = "bench.latency"
+LAT_FN = "bench-latency"
 
 
 # ═══════════════════════════════════════════════════════════════════════════
@@ -107,6 +112,10 @@ def worker_main(server: str, out: str, concurrency: int) -> None:
     async def bench_idle(ctx: Any) -> dict[str, Any]:
         return await body(ctx)
 
+    @ironflow.function(LAT_FN, triggers=[ironflow.event(LAT_EVENT)])
+    async def bench_latency(ctx: Any) -> dict[str, Any]:
+        return await ctx.step.run("a", trivial, 0)
+
     fh = open(out, "a", buffering=1)
 
     def flush() -> None:
@@ -122,7 +131,7 @@ def worker_main(server: str, out: str, concurrency: int) -> None:
 
     async def main() -> None:
         worker = ironflow.StreamingWorker(
-            server, [bench_load, bench_idle], max_concurrent_jobs=concurrency,
+            server, [bench_load, bench_idle, bench_latency], max_concurrent_jobs=concurrency,
             drain_timeout=10.0, reconnect_delay=0.5, handle_signals=True,
         )
         async with trio.open_nursery() as nursery:
@@ -395,6 +404,28 @@ async def _wait_done(client: Any, url: str, outs: list[Path], fn: str, n: int, t
         await asyncio.sleep(0.25)
 
 
+async def _latency_phase(client: Any, url: str, n: int, timeout: float) -> list[float]:
+    """``n`` one-step runs one after another: ms from sending the emit to the first
+    GET of the run that shows it ``completed`` (polled back to back, so an upper
+    bound by at most one GET round trip)."""
+    out: list[float] = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        r = await client.post(f"{url}/v1/events", json={"name": LAT_EVENT, "data": {"i": i}})
+        r.raise_for_status()
+        (run_id,) = r.json()["run_ids"]
+        while True:
+            r = await client.get(f"{url}/v1/runs/{run_id}")
+            r.raise_for_status()
+            status = r.json()["run"]["status"]
+            if status == "completed":
+                break
+            if status in ("failed", "cancelled") or time.perf_counter() - t0 > timeout:
+                raise RuntimeError(f"latency run {run_id} ended {status}")
+        out.append((time.perf_counter() - t0) * 1000.0)
+    return out
+
+
 class Profiler:
     """py-spy attached to a pid, raw (collapsed) output."""
 
@@ -474,6 +505,8 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             sample = sorted(sent)[:: max(1, len(sent) // 100)]
             by_run_now = {r["run"]: r for r in _read_all(outs) if "run" in r}
             commit_lat = await _step_commit_latency(client, url, sample, by_run_now)
+            # ── latency phase: one-step runs, one at a time, the node otherwise idle ──
+            one_step = await _latency_phase(client, url, args.latency, args.timeout)
 
         hwm_node = max((_vm_hwm_kib(n.pid) or 0) for n in nodes)
         hwm_worker = max((_vm_hwm_kib(w.pid) or 0) for w in workers)
@@ -518,6 +551,8 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             "step_commit_p50_ms": pct(commit_lat, 50),
             "step_commit_p99_ms": pct(commit_lat, 99),
             "emit_batch": batch,
+            "one_step_p50_ms": pct(one_step, 50),
+            "one_step_p99_ms": pct(one_step, 99),
             "node_peak_rss_mb": hwm_node / 1024.0 if hwm_node else None,
             "worker_peak_rss_mb": hwm_worker / 1024.0 if hwm_worker else None,
             "replayed_segments": replays,
@@ -631,6 +666,8 @@ COLUMNS = [
     ("steps/s", "steps_per_s", "{:.0f}"),
     ("wall s", "wall_s", "{:.2f}"),
     ("emit s", "emit_phase_s", "{:.2f}"),
+    ("1-step p50 ms", "one_step_p50_ms", "{:.1f}"),
+    ("1-step p99 ms", "one_step_p99_ms", "{:.1f}"),
     ("e→s p50 ms", "emit_start_p50_ms", "{:.1f}"),
     ("e→s p99 ms", "emit_start_p99_ms", "{:.1f}"),
     ("idle e→s p50", "idle_emit_start_p50_ms", "{:.2f}"),
@@ -744,6 +781,9 @@ def main() -> None:
                     help="events per request in the loaded phase (1: POST /v1/events each; "
                          "N>1: POST /v1/events/batch)")
     ap.add_argument("--idle-events", type=int, default=50)
+    ap.add_argument("--latency", type=int, default=100,
+                    help="one-step runs emitted one at a time after the loaded phase, "
+                         "emit → seen completed")
     ap.add_argument("--idle-gap", type=float, default=0.05, help="seconds between idle emits")
     ap.add_argument("--timeout", type=float, default=300.0, help="per phase, seconds")
     ap.add_argument("--node-log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -47,6 +47,7 @@ retried.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 from collections.abc import Callable, Iterable, Sequence
@@ -55,6 +56,8 @@ from typing import Any, TypeVar
 import outcome
 import psycopg
 import trio
+from psycopg import pq
+from psycopg.adapt import Transformer
 
 from ironflow.store.core import SqlStore, Tx
 from ironflow.store.schema import SCHEMA_LOCK_KEY, statements
@@ -83,8 +86,8 @@ MAX_GROUP = 128
 # Connections (each its own actor thread) per node: one runs statements while
 # another waits for its commit's WAL flush.
 ACTOR_CONNECTIONS = 2
-# Server-side prepared statements kept per connection: above the number of
-# distinct statements the store issues, so none is evicted and re-prepared.
+# Server-side prepared statements per connection: above the number of distinct
+# statements the store issues; beyond it a statement runs unprepared.
 PREPARED_MAX = 512
 # LISTEN/NOTIFY channel that carries dispatcher kicks between nodes.
 KICK_CHANNEL = "ironflow_kick"
@@ -100,30 +103,112 @@ _RETRYABLE = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailu
 _PENDING, _TAKEN, _WITHDRAWN = 0, 1, 2
 
 
+def _numbered(sql: str) -> bytes:
+    """``?`` placeholders → libpq's ``$1, $2, …``."""
+    parts = sql.split("?")
+    out = [parts[0]]
+    for i, part in enumerate(parts[1:], start=1):
+        out.append(f"${i}{part}")
+    return "".join(out).encode()
+
+
+# Parameter type OIDs sent with the text-format values (0: let the server infer).
+_OID_UNKNOWN, _OID_BOOL, _OID_INT8, _OID_FLOAT8 = 0, 16, 20, 701
+_INT8_MIN, _INT8_MAX = -(2**63), 2**63 - 1
+_OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
+
+
+def _text_params(params: Sequence[Any]) -> tuple[list[bytes | None], tuple[int, ...]] | None:
+    """Parameters as libpq text values and type OIDs; ``None`` for a type only
+    psycopg's adapters know (then the statement goes through a cursor)."""
+    values: list[bytes | None] = []
+    oids: list[int] = []
+    for v in params:
+        t = type(v)
+        if v is None:
+            values.append(None)
+            oids.append(_OID_UNKNOWN)
+        elif t is str:
+            values.append(v.encode())
+            oids.append(_OID_UNKNOWN)  # as psycopg sends str: the server infers
+        elif t is int and _INT8_MIN <= v <= _INT8_MAX:
+            values.append(str(v).encode())
+            oids.append(_OID_INT8)
+        elif t is float and math.isfinite(v):
+            values.append(repr(v).encode())
+            oids.append(_OID_FLOAT8)
+        elif t is bool:
+            values.append(b"t" if v else b"f")
+            oids.append(_OID_BOOL)
+        else:
+            return None
+    return values, tuple(oids)
+
+
 class _PgTx:
-    """:class:`~ironflow.store.core.Tx` over an actor's connection inside a group transaction."""
+    """:class:`~ironflow.store.core.Tx` over an actor's connection inside a group transaction.
+
+    The store's statements go straight to libpq (``PQexecPrepared`` on a
+    statement prepared once per connection, text parameters, rows loaded by
+    psycopg's own loaders): a psycopg cursor costs about twice the client CPU
+    per statement. A parameter of another type than str/int/float/bool/None
+    sends its statement through a cursor instead.
+    """
 
     dialect = "postgres"
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], prepared: dict[Any, bytes]) -> None:
+        self._conn = conn
+        self._pgconn = conn.pgconn
+        self._loader = Transformer(conn)
+        self._prepared = prepared  # (sql, oids) → statement name, for this connection
         self._cur = conn.cursor()
+        self._rows: list[tuple[Any, ...]] = []
         # Set by a call that wants the dispatcher kick; read once the call succeeded.
         self.notify_wanted = False
 
+    def _run(self, sql: str, params: Sequence[Any]) -> int:
+        """Run one statement; keep its rows for fetch*; return its row count."""
+        adapted = _text_params(params)
+        if adapted is None:
+            self._cur.execute(_pg_sql(sql), params, prepare=True)
+            self._rows = self._cur.fetchall() if self._cur.description is not None else []
+            return self._cur.rowcount
+        values, oids = adapted
+        key = (sql, oids)
+        name = self._prepared.get(key)
+        if name is None:
+            if len(self._prepared) >= PREPARED_MAX:
+                return self._check(self._pgconn.exec_params(_numbered(sql), values, oids))
+            name = f"ironflow_{len(self._prepared)}".encode()
+            self._check(self._pgconn.prepare(name, _numbered(sql), oids))
+            self._prepared[key] = name
+        # libpq takes None as NULL (psycopg's own calls pass it); its stub says bytes only.
+        return self._check(self._pgconn.exec_prepared(name, values))  # type: ignore[arg-type]
+
+    def _check(self, res: pq.abc.PGresult) -> int:
+        if res.status not in _OK:
+            raise psycopg.errors.error_from_result(res, encoding=self._conn.info.encoding)
+        if res.status == pq.ExecStatus.TUPLES_OK:
+            self._loader.set_pgresult(res)
+            self._rows = self._loader.load_rows(0, res.ntuples, tuple)
+        else:
+            self._rows = []
+        return res.command_tuples or 0
+
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        self._cur.execute(_pg_sql(sql), params, prepare=True)
-        return self._cur.rowcount
+        return self._run(sql, params)
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         self._cur.executemany(_pg_sql(sql), list(rows))
 
     def fetchone(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
-        self._cur.execute(_pg_sql(sql), params, prepare=True)
-        return self._cur.fetchone()
+        self._run(sql, params)
+        return self._rows[0] if self._rows else None
 
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        self._cur.execute(_pg_sql(sql), params, prepare=True)
-        return self._cur.fetchall()
+        self._run(sql, params)
+        return self._rows
 
     def lock(self, of: str | None = None) -> str:
         return f"FOR UPDATE OF {of} SKIP LOCKED" if of else "FOR UPDATE SKIP LOCKED"
@@ -135,15 +220,15 @@ class _PgTx:
         return f"FOR SHARE OF {of}"
 
     def notify(self) -> None:
-        # One pg_notify per group, sent before COMMIT (see _Actor._commit).
+        # One pg_notify per group, sent before COMMIT (see _commit).
         self.notify_wanted = True
 
     def advisory_lock(self, key: str) -> None:
-        self._cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (key,))
+        self._run("SELECT pg_advisory_xact_lock(hashtext(?))", (key,))
 
-    def raw(self, sql: str, params: Sequence[Any] = ()) -> None:
-        """A statement of the actor's own (BEGIN, SAVEPOINT, COMMIT…), not prepared."""
-        self._cur.execute(sql, params)
+    def raw(self, sql: str) -> None:
+        """A statement of the actor's own (BEGIN, SAVEPOINT, COMMIT…), no parameters."""
+        self._check(self._pgconn.exec_(sql.encode()))
 
 
 class _Request:
@@ -176,11 +261,13 @@ class _Actor:
     def __init__(self, store: PostgresStore, name: str) -> None:
         self._store = store
         self._conn: psycopg.Connection[Any] | None = None
+        self._prepared: dict[Any, bytes] = {}
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     def _connect(self) -> psycopg.Connection[Any]:
         conn = psycopg.connect(self._store.url, autocommit=True)
         conn.prepared_max = PREPARED_MAX
+        self._prepared = {}  # statements are prepared per connection
         return conn
 
     def _loop(self) -> None:
@@ -203,7 +290,7 @@ class _Actor:
         try:
             if self._conn is None or self._conn.closed:
                 self._conn = self._connect()
-            tx = _PgTx(self._conn)
+            tx = _PgTx(self._conn, self._prepared)
             results = self._optimistic(tx, batch)
             if results is None:
                 results, retry = self._careful(tx, batch)
@@ -277,7 +364,7 @@ class _Actor:
 def _commit(tx: _PgTx, notify: bool) -> None:
     if notify:
         # Delivered at COMMIT to every node's kick listener: one per group.
-        tx.raw("SELECT pg_notify(%s, '')", (KICK_CHANNEL,))
+        tx.execute("SELECT pg_notify(?, '')", (KICK_CHANNEL,))
     tx.raw("COMMIT")
 
 
