@@ -189,6 +189,29 @@ def _main_thread_cpu_s(pid: int) -> float:
     return _cpu_s(pid, f"/proc/{pid}/task/{pid}/stat")
 
 
+def _pg_server_cpu_s(pg: ThrowawayPostgres | None) -> float:
+    """CPU seconds of the throwaway PostgreSQL's postmaster and its live children
+    (backends, WAL writer…); a backend that already exited is not counted."""
+    if pg is None or not pg.base_dir:
+        return float("nan")
+    try:
+        with open(f"{pg.base_dir}/data/postmaster.pid") as fh:
+            postmaster = int(fh.readline())
+    except (OSError, ValueError):
+        return float("nan")
+    total = _cpu_s(postmaster)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == postmaster:
+                total += _cpu_s(int(entry))
+    return total
+
+
 def _cpu_all(nodes: list[subprocess.Popen[bytes]],
              workers: list[subprocess.Popen[bytes]]) -> tuple[float, float, float, float]:
     """CPU seconds so far: all nodes, all workers, this script, the nodes' main threads."""
@@ -486,6 +509,7 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             sent: dict[str, float] = {}
             sem = asyncio.Semaphore(args.inflight)
             cpu0 = _cpu_all(nodes, workers)
+            pg_cpu0 = _pg_server_cpu_s(pg if backend == "postgres" else None)
 
             batch = max(1, args.emit_batch)
 
@@ -501,6 +525,7 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             emits_done = time.time()
             runs = await _wait_done(client, url, outs, LOAD_FN, args.runs, args.timeout, workers)
             cpu1 = _cpu_all(nodes, workers)
+            pg_cpu1 = _pg_server_cpu_s(pg if backend == "postgres" else None)
             pg1 = _pg_counters(db, reset=False) if pg0 is not None else None
             sample = sorted(sent)[:: max(1, len(sent) // 100)]
             by_run_now = {r["run"]: r for r in _read_all(outs) if "run" in r}
@@ -562,6 +587,8 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             "cpu_bench_client_s": cpu1[2] - cpu0[2],
             # of cpu_node_s: the node's main (Trio) thread; the rest is its database threads
             "cpu_node_main_thread_s": cpu1[3] - cpu0[3],
+            # PostgreSQL's processes during the loaded phase
+            "cpu_pg_server_s": pg_cpu1 - pg_cpu0 if backend == "postgres" else None,
         }
         if pg0 is not None and pg1 is not None:
             # Our own two counter queries (and the completion polls) are included: a few per trial.
@@ -679,6 +706,7 @@ COLUMNS = [
     ("node main thr CPU s", "cpu_node_main_thread_s", "{:.2f}"),
     ("wrk CPU s", "cpu_worker_s", "{:.2f}"),
     ("emitter CPU s", "cpu_bench_client_s", "{:.2f}"),
+    ("PG server CPU s", "cpu_pg_server_s", "{:.2f}"),
     ("PG xacts/run", "pg_xacts_per_run", "{:.1f}"),
     ("PG stmts/run", "pg_statements_per_run", "{:.1f}"),
 ]
