@@ -11,8 +11,10 @@ for users who want a real PostgreSQL in their tests.
 It needs the PostgreSQL server binaries (``initdb``, ``pg_ctl``): Debian's
 ``/usr/lib/postgresql/<version>/bin`` (newest version first) or ``PATH``. As
 root they are run as the ``postgres`` user (``runuser``), since PostgreSQL
-refuses to run as root. The cluster trusts every local connection and runs
+refuses to run as root. The cluster trusts every local connection and, by default, runs
 with ``fsync=off``: for tests only, never for data you want to keep.
+``ThrowawayPostgres(durable=True)`` keeps PostgreSQL's default durability
+(``fsync`` and ``synchronous_commit`` on): the setting for benchmarks.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ TEMP_DIR, TEMP_PREFIX = "/tmp", "pgt."
 SUPERUSER = "postgres"
 # OS user that runs initdb/postgres when we are root (they refuse to run as root).
 OS_USER = "postgres"
-# Server settings: TCP on loopback only; no fsync (throwaway data, much faster);
-# enough connections for several nodes' pools plus parallel tests.
-SERVER_OPTIONS = "-c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+# Server settings: TCP on loopback only; enough connections for several nodes'
+# pools plus parallel tests.
+SERVER_OPTIONS = "-c listen_addresses=127.0.0.1 -c max_connections=200"
+# Added unless ``durable``: no fsync (throwaway data, much faster).
+NO_FSYNC_OPTIONS = "-c fsync=off"
 # Seconds pg_ctl waits for the server to accept connections.
 START_TIMEOUT_S = 30
 # What to tell a user whose machine lacks the server binaries.
@@ -61,9 +65,17 @@ class ThrowawayPostgres:
     instead of starting one, e.g. from an environment variable in CI;
     ``start()`` then only returns it, ``stop()`` leaves it alone and
     ``new_database()`` creates its databases there.
+
+    ``durable``: keep PostgreSQL's default ``fsync``/``synchronous_commit``
+    (benchmarks) instead of the tests' ``fsync=off``. ``server_options``: more
+    ``-c name=value`` settings for the server (e.g. a preloaded extension).
     """
 
-    def __init__(self, url: str | None = None) -> None:
+    def __init__(
+        self, url: str | None = None, *, durable: bool = False, server_options: str = ""
+    ) -> None:
+        self.durable = durable
+        self.server_options = server_options
         self.base_dir = ""
         self.url = (url or "").rstrip("/")
         self._pg_ctl = ""
@@ -94,12 +106,16 @@ class ThrowawayPostgres:
             self._started = True
             log = Path(self.base_dir, "log")
             _run([self._pg_ctl, "-D", data, "-l", str(log), "-w", "-t", str(START_TIMEOUT_S),
-                  "start", "-o", f"-p {port} -k {self.base_dir} {SERVER_OPTIONS}"], log=log)
+                  "start", "-o", f"-p {port} -k {self.base_dir} {self._options()}"], log=log)
         except BaseException:
             self.stop()
             raise
         self.url = f"postgresql://{SUPERUSER}@127.0.0.1:{port}"
         return self.url
+
+    def _options(self) -> str:
+        durability = "" if self.durable else NO_FSYNC_OPTIONS
+        return " ".join(o for o in (SERVER_OPTIONS, durability, self.server_options) if o)
 
     def stop(self) -> None:
         """Stop the server (fast shutdown) and remove its directory. Idempotent."""

@@ -3,6 +3,7 @@
 
     python scripts/bench.py [--runs 1000] [--repeat 3] [--backend sqlite|postgres|both]
                             [--concurrency 50] [--inflight 32] [--json] [--profile]
+                            [--nodes 1]
 
 For each repeat a FRESH node is started as a subprocess (``python -m
 ironflow serve --dev`` on a free port, with a fresh temp state dir and SQLite
@@ -19,6 +20,9 @@ Each repeat has two phases:
 * idle: ``--idle-events`` (50) events emitted one at a time, ``--idle-gap``
   (50 ms) apart, the worker otherwise idle. Its emit→handler-start p50 is the
   figure the target "emit→start p50 ≤ 10 ms" refers to.
+* latency (after the loaded phase): ``--latency`` (100) one-step runs, one at
+  a time: emit sent → the run first read back ``completed`` (GET polled back
+  to back: an upper bound by one GET round trip).
 * loaded: ``--runs`` events emitted over HTTP with at most ``--inflight``
   requests in flight; wait until every run is ``completed``.
 
@@ -63,6 +67,8 @@ LOAD_EVENT = "bench.load"
 IDLE_EVENT = "bench.idle"
 LOAD_FN = "bench-load"
 IDLE_FN = "bench-idle"
+LAT_EVENT = "bench.latency"
+LAT_FN = "bench-latency"
 
 
 # ═══════════════════════════════════════════════════════════════════════════
@@ -106,6 +112,10 @@ def worker_main(server: str, out: str, concurrency: int) -> None:
     async def bench_idle(ctx: Any) -> dict[str, Any]:
         return await body(ctx)
 
+    @ironflow.function(LAT_FN, triggers=[ironflow.event(LAT_EVENT)])
+    async def bench_latency(ctx: Any) -> dict[str, Any]:
+        return await ctx.step.run("a", trivial, 0)
+
     fh = open(out, "a", buffering=1)
 
     def flush() -> None:
@@ -121,7 +131,7 @@ def worker_main(server: str, out: str, concurrency: int) -> None:
 
     async def main() -> None:
         worker = ironflow.StreamingWorker(
-            server, [bench_load, bench_idle], max_concurrent_jobs=concurrency,
+            server, [bench_load, bench_idle, bench_latency], max_concurrent_jobs=concurrency,
             drain_timeout=10.0, reconnect_delay=0.5, handle_signals=True,
         )
         async with trio.open_nursery() as nursery:
@@ -174,10 +184,45 @@ def _vm_hwm_kib(pid: int) -> int | None:
     return None
 
 
-def _cpu_s(pid: int) -> float:
+def _main_thread_cpu_s(pid: int) -> float:
+    """utime + stime of ``pid``'s main thread alone (the node's Trio thread)."""
+    return _cpu_s(pid, f"/proc/{pid}/task/{pid}/stat")
+
+
+def _pg_server_cpu_s(pg: ThrowawayPostgres | None) -> float:
+    """CPU seconds of the throwaway PostgreSQL's postmaster and its live children
+    (backends, WAL writer…); a backend that already exited is not counted."""
+    if pg is None or not pg.base_dir:
+        return float("nan")
+    try:
+        with open(f"{pg.base_dir}/data/postmaster.pid") as fh:
+            postmaster = int(fh.readline())
+    except (OSError, ValueError):
+        return float("nan")
+    total = _cpu_s(postmaster)
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == postmaster:
+                total += _cpu_s(int(entry))
+    return total
+
+
+def _cpu_all(nodes: list[subprocess.Popen[bytes]],
+             workers: list[subprocess.Popen[bytes]]) -> tuple[float, float, float, float]:
+    """CPU seconds so far: all nodes, all workers, this script, the nodes' main threads."""
+    return (sum(_cpu_s(n.pid) for n in nodes), sum(_cpu_s(w.pid) for w in workers),
+            time.process_time(), sum(_main_thread_cpu_s(n.pid) for n in nodes))
+
+
+def _cpu_s(pid: int, stat: str = "") -> float:
     """utime + stime of ``pid`` in seconds (all its threads)."""
     try:
-        with open(f"/proc/{pid}/stat") as fh:
+        with open(stat or f"/proc/{pid}/stat") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, IndexError, ValueError):
@@ -189,6 +234,26 @@ def _cpu_s(pid: int) -> float:
 # ═══════════════════════════════════════════════════════════════════════════
 
 
+def _pg_counters(db_url: str, reset: bool) -> dict[str, Any]:
+    """Transactions committed in ``db_url``'s database and statements executed in it
+    (pg_stat_statements, BEGIN/COMMIT/SAVEPOINT included), optionally resetting the latter."""
+    import psycopg
+
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        if reset:
+            conn.execute("SELECT pg_stat_statements_reset()")
+        xacts = conn.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database"
+                             " WHERE datname = current_database()").fetchone()
+        rows = conn.execute(
+            "SELECT calls, left(regexp_replace(query, '\\s+', ' ', 'g'), 90) FROM pg_stat_statements"
+            " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
+            " ORDER BY calls DESC").fetchall()
+    return {"xacts": int(xacts[0]) if xacts else 0,
+            "statements": sum(int(c) for c, _ in rows),
+            "top": [[int(c), q] for c, q in rows[:12]]}
+
+
 def pct(values: list[float], p: float) -> float:
     """Nearest-rank percentile (p in 0..100)."""
     if not values:
@@ -196,10 +261,6 @@ def pct(values: list[float], p: float) -> float:
     s = sorted(values)
     k = max(0, min(len(s) - 1, math.ceil(p / 100.0 * len(s)) - 1))
     return s[k]
-
-
-def _index_records(path: Path) -> dict[str, dict[str, Any]]:
-    return {r["run"]: r for r in _read_records(path) if "run" in r}
 
 
 def _read_records(path: Path) -> list[dict[str, Any]]:
@@ -325,17 +386,22 @@ async def _step_commit_latency(client: Any, url: str, run_ids: list[str],
     return out
 
 
-async def _wait_done(client: Any, url: str, out: Path, fn: str, n: int, timeout: float,
-                     proc: subprocess.Popen[bytes]) -> list[dict[str, Any]]:
+def _read_all(outs: list[Path]) -> list[dict[str, Any]]:
+    return [r for out in outs for r in _read_records(out)]
+
+
+async def _wait_done(client: Any, url: str, outs: list[Path], fn: str, n: int, timeout: float,
+                     procs: list[subprocess.Popen[bytes]]) -> list[dict[str, Any]]:
     """Wait until the worker reported ``n`` handlers of ``fn`` done, then until the
     engine shows ``n`` runs of ``fn`` completed; return their RunRecords."""
     deadline = time.monotonic() + timeout
     while True:
-        done = sum(1 for r in _read_records(out) if r.get("fn") == fn)
+        done = sum(1 for r in _read_all(outs) if r.get("fn") == fn)
         if done >= n:
             break
-        if proc.poll() is not None:
-            raise RuntimeError(f"worker exited with {proc.returncode} after {done}/{n} runs")
+        for proc in procs:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker exited with {proc.returncode} after {done}/{n} runs")
         if time.monotonic() > deadline:
             raise TimeoutError(f"only {done}/{n} {fn} handlers finished within {timeout}s")
         await asyncio.sleep(0.1)
@@ -361,6 +427,28 @@ async def _wait_done(client: Any, url: str, out: Path, fn: str, n: int, timeout:
         await asyncio.sleep(0.25)
 
 
+async def _latency_phase(client: Any, url: str, n: int, timeout: float) -> list[float]:
+    """``n`` one-step runs one after another: ms from sending the emit to the first
+    GET of the run that shows it ``completed`` (polled back to back, so an upper
+    bound by at most one GET round trip)."""
+    out: list[float] = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        r = await client.post(f"{url}/v1/events", json={"name": LAT_EVENT, "data": {"i": i}})
+        r.raise_for_status()
+        (run_id,) = r.json()["run_ids"]
+        while True:
+            r = await client.get(f"{url}/v1/runs/{run_id}")
+            r.raise_for_status()
+            status = r.json()["run"]["status"]
+            if status == "completed":
+                break
+            if status in ("failed", "cancelled") or time.perf_counter() - t0 > timeout:
+                raise RuntimeError(f"latency run {run_id} ended {status}")
+        out.append((time.perf_counter() - t0) * 1000.0)
+    return out
+
+
 class Profiler:
     """py-spy attached to a pid, raw (collapsed) output."""
 
@@ -378,21 +466,31 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
                      profile: bool = False) -> dict[str, Any]:
 
     tmp = Path(_mkdtemp("ifbench."))
-    node = worker = None
+    nodes: list[subprocess.Popen[bytes]] = []
+    workers: list[subprocess.Popen[bytes]] = []
     profilers: dict[str, Profiler] = {}
     try:
         db = pg.new_database("bench") if backend == "postgres" and pg else str(tmp / "state" / "ironflow.db")
-        port = _free_port()
-        url = f"http://127.0.0.1:{port}"
-        node_log = tmp / "node.log"
-        node = _spawn([sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port), "--db", db,
-                       "--state-dir", str(tmp / "state"), "--log-level", args.node_log_level], node_log)
-        await _wait_ready(url, node, node_log)
-        out = tmp / "worker.jsonl"
-        worker_log = tmp / "worker.log"
-        worker = _spawn([sys.executable, str(Path(__file__).resolve()), "--worker", "--server", url,
-                         "--out", str(out), "--concurrency", str(args.concurrency)], worker_log)
-        await _wait_worker_ready(out, worker, worker_log)
+        # Several nodes share one PostgreSQL database, each with its own worker; emits
+        # go to the nodes in turn.
+        urls: list[str] = []
+        outs: list[Path] = []
+        for k in range(args.nodes if backend == "postgres" else 1):
+            port = _free_port()
+            urls.append(f"http://127.0.0.1:{port}")
+            node_log = tmp / f"node{k}.log"
+            nodes.append(_spawn([sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port),
+                                 "--db", db, "--state-dir", str(tmp / f"state{k}"),
+                                 "--log-level", args.node_log_level], node_log))
+            await _wait_ready(urls[k], nodes[k], node_log)
+        for k, node_url in enumerate(urls):
+            outs.append(tmp / f"worker{k}.jsonl")
+            worker_log = tmp / f"worker{k}.log"
+            workers.append(_spawn([sys.executable, str(Path(__file__).resolve()), "--worker",
+                                   "--server", node_url, "--out", str(outs[k]),
+                                   "--concurrency", str(args.concurrency)], worker_log))
+            await _wait_worker_ready(outs[k], workers[k], worker_log)
+        url, node, worker = urls[0], nodes[0], workers[0]
 
         async with _LoadClient(args.inflight) as client:
             # ── idle phase: one event at a time, the worker otherwise idle ──
@@ -400,43 +498,50 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             for i in range(args.idle_events):
                 await _emit(client, url, IDLE_EVENT, i, idle_sent)
                 await asyncio.sleep(args.idle_gap)
-            await _wait_done(client, url, out, IDLE_FN, args.idle_events, args.timeout, worker)
+            await _wait_done(client, url, outs, IDLE_FN, args.idle_events, args.timeout, workers)
 
             # ── loaded phase ──
             if profile:
                 profilers["node"] = Profiler(node.pid, tmp / "node.prof", tmp / "spy-node.log")
                 profilers["worker"] = Profiler(worker.pid, tmp / "worker.prof", tmp / "spy-worker.log")
                 await asyncio.sleep(1.0)  # let py-spy attach
+            pg0 = _pg_counters(db, reset=True) if backend == "postgres" else None
             sent: dict[str, float] = {}
             sem = asyncio.Semaphore(args.inflight)
-            cpu0 = (_cpu_s(node.pid), _cpu_s(worker.pid), time.process_time())
+            cpu0 = _cpu_all(nodes, workers)
+            pg_cpu0 = _pg_server_cpu_s(pg if backend == "postgres" else None)
 
             batch = max(1, args.emit_batch)
 
             async def bounded(i: int) -> None:
                 async with sem:
                     if batch == 1:
-                        await _emit(client, url, LOAD_EVENT, i, sent)
+                        await _emit(client, urls[i % len(urls)], LOAD_EVENT, i, sent)
                     else:
-                        await _emit_batch(client, url, LOAD_EVENT, i, min(batch, args.runs - i), sent)
+                        await _emit_batch(client, urls[(i // batch) % len(urls)], LOAD_EVENT, i,
+                                          min(batch, args.runs - i), sent)
 
             await asyncio.gather(*(bounded(i) for i in range(0, args.runs, batch)))
             emits_done = time.time()
-            runs = await _wait_done(client, url, out, LOAD_FN, args.runs, args.timeout, worker)
-            cpu1 = (_cpu_s(node.pid), _cpu_s(worker.pid), time.process_time())
+            runs = await _wait_done(client, url, outs, LOAD_FN, args.runs, args.timeout, workers)
+            cpu1 = _cpu_all(nodes, workers)
+            pg_cpu1 = _pg_server_cpu_s(pg if backend == "postgres" else None)
+            pg1 = _pg_counters(db, reset=False) if pg0 is not None else None
             sample = sorted(sent)[:: max(1, len(sent) // 100)]
-            commit_lat = await _step_commit_latency(client, url, sample, _index_records(out))
+            by_run_now = {r["run"]: r for r in _read_all(outs) if "run" in r}
+            commit_lat = await _step_commit_latency(client, url, sample, by_run_now)
+            # ── latency phase: one-step runs, one at a time, the node otherwise idle ──
+            one_step = await _latency_phase(client, url, args.latency, args.timeout)
 
-        hwm_node = _vm_hwm_kib(node.pid)
-        hwm_worker = _vm_hwm_kib(worker.pid)
+        hwm_node = max((_vm_hwm_kib(n.pid) or 0) for n in nodes)
+        hwm_worker = max((_vm_hwm_kib(w.pid) or 0) for w in workers)
         for p in profilers.values():
             p.stop()
-        _stop(worker)
-        worker = None
-        _stop(node)
-        node = None
+        for proc in workers + nodes:
+            _stop(proc)
+        workers, nodes = [], []
 
-        records = _read_records(out)
+        records = _read_all(outs)
         by_run = {r["run"]: r for r in records if "run" in r}
         load_runs = [r for r in runs if r["id"] in sent]
         if len(load_runs) != min(args.runs, 1000):
@@ -456,6 +561,7 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
         replays = sum(1 for rid in sent if by_run[rid]["segment_start"] != by_run[rid]["start"])
         result: dict[str, Any] = {
             "backend": backend,
+            "nodes": len(urls),
             "runs": args.runs,
             "wall_s": wall,
             "emit_phase_s": emits_done - first_emit,
@@ -470,6 +576,8 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             "step_commit_p50_ms": pct(commit_lat, 50),
             "step_commit_p99_ms": pct(commit_lat, 99),
             "emit_batch": batch,
+            "one_step_p50_ms": pct(one_step, 50),
+            "one_step_p99_ms": pct(one_step, 99),
             "node_peak_rss_mb": hwm_node / 1024.0 if hwm_node else None,
             "worker_peak_rss_mb": hwm_worker / 1024.0 if hwm_worker else None,
             "replayed_segments": replays,
@@ -477,15 +585,24 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             "cpu_node_s": cpu1[0] - cpu0[0],
             "cpu_worker_s": cpu1[1] - cpu0[1],
             "cpu_bench_client_s": cpu1[2] - cpu0[2],
+            # of cpu_node_s: the node's main (Trio) thread; the rest is its database threads
+            "cpu_node_main_thread_s": cpu1[3] - cpu0[3],
+            # PostgreSQL's processes during the loaded phase
+            "cpu_pg_server_s": pg_cpu1 - pg_cpu0 if backend == "postgres" else None,
         }
+        if pg0 is not None and pg1 is not None:
+            # Our own two counter queries (and the completion polls) are included: a few per trial.
+            result["pg_xacts_per_run"] = (pg1["xacts"] - pg0["xacts"]) / args.runs
+            result["pg_statements_per_run"] = pg1["statements"] / args.runs
+            result["pg_top_statements"] = pg1["top"]
         if profile:
             result["profile"] = {name: analyse_profile(p.out) for name, p in profilers.items()}
         return result
     finally:
         for p in profilers.values():
             p.stop()
-        _stop(worker)
-        _stop(node)
+        for proc in workers + nodes:
+            _stop(proc)
         if args.keep:
             print(f"kept {tmp}", file=sys.stderr)
             _TEMPS.remove(str(tmp))
@@ -576,6 +693,8 @@ COLUMNS = [
     ("steps/s", "steps_per_s", "{:.0f}"),
     ("wall s", "wall_s", "{:.2f}"),
     ("emit s", "emit_phase_s", "{:.2f}"),
+    ("1-step p50 ms", "one_step_p50_ms", "{:.1f}"),
+    ("1-step p99 ms", "one_step_p99_ms", "{:.1f}"),
     ("e→s p50 ms", "emit_start_p50_ms", "{:.1f}"),
     ("e→s p99 ms", "emit_start_p99_ms", "{:.1f}"),
     ("idle e→s p50", "idle_emit_start_p50_ms", "{:.2f}"),
@@ -584,8 +703,12 @@ COLUMNS = [
     ("node RSS MB", "node_peak_rss_mb", "{:.0f}"),
     ("wrk RSS MB", "worker_peak_rss_mb", "{:.0f}"),
     ("node CPU s", "cpu_node_s", "{:.2f}"),
+    ("node main thr CPU s", "cpu_node_main_thread_s", "{:.2f}"),
     ("wrk CPU s", "cpu_worker_s", "{:.2f}"),
     ("emitter CPU s", "cpu_bench_client_s", "{:.2f}"),
+    ("PG server CPU s", "cpu_pg_server_s", "{:.2f}"),
+    ("PG xacts/run", "pg_xacts_per_run", "{:.1f}"),
+    ("PG stmts/run", "pg_statements_per_run", "{:.1f}"),
 ]
 
 
@@ -629,7 +752,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     backends = ["sqlite", "postgres"] if args.backend == "both" else [args.backend]
     report: dict[str, Any] = {
         "config": {"runs": args.runs, "repeat": args.repeat, "concurrency": args.concurrency,
-                   "inflight": args.inflight, "steps_per_run": STEPS_PER_RUN,
+                   "inflight": args.inflight, "steps_per_run": STEPS_PER_RUN, "nodes": args.nodes,
                    "idle_events": args.idle_events, "idle_gap_s": args.idle_gap,
                    "cpus": os.cpu_count(), "python": sys.version.split()[0]},
         "backends": {},
@@ -637,7 +760,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     pg: ThrowawayPostgres | None = None
     try:
         if "postgres" in backends:
-            pg = ThrowawayPostgres()
+            # PostgreSQL's default durability (fsync, synchronous_commit on): never
+            # the test fixture's fsync=off for a figure.
+            # pg_stat_statements counts the statements (round trips) per run.
+            pg = ThrowawayPostgres(
+                durable=True, server_options="-c shared_preload_libraries=pg_stat_statements")
             pg.start()
             _TEMPS.append(pg.base_dir)  # also removed by _cleanup_all() on a signal
         for backend in backends:
@@ -650,6 +777,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             report["backends"][backend] = {"repeats": rows, "median": med}
             if not args.json:
                 print_table(backend, rows, med, args)
+                if rows[-1].get("pg_top_statements"):
+                    print("statements executed in the last repeat's loaded phase, most frequent first:")
+                    for calls, query in rows[-1]["pg_top_statements"]:
+                        print(f"  {calls:7d}  {query}")
         if args.profile:
             backend = backends[0]
             if not args.json:
@@ -671,11 +802,16 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--backend", choices=["sqlite", "postgres", "both"], default="sqlite")
     ap.add_argument("--concurrency", type=int, default=50, help="worker max_concurrent_jobs")
+    ap.add_argument("--nodes", type=int, default=1,
+                    help="PostgreSQL only: nodes sharing the database, one worker each")
     ap.add_argument("--inflight", type=int, default=32, help="emit requests in flight")
     ap.add_argument("--emit-batch", type=int, default=1,
                     help="events per request in the loaded phase (1: POST /v1/events each; "
                          "N>1: POST /v1/events/batch)")
     ap.add_argument("--idle-events", type=int, default=50)
+    ap.add_argument("--latency", type=int, default=100,
+                    help="one-step runs emitted one at a time after the loaded phase, "
+                         "emit → seen completed")
     ap.add_argument("--idle-gap", type=float, default=0.05, help="seconds between idle emits")
     ap.add_argument("--timeout", type=float, default=300.0, help="per phase, seconds")
     ap.add_argument("--node-log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -1,24 +1,63 @@
-"""The production backend: PostgreSQL shared by many nodes.
+"""The production backend: PostgreSQL shared by many nodes, behind a database actor.
 
-psycopg's async API is asyncio-only, so each transaction runs on a pooled
-sync connection in a Trio worker thread. The thread call is shielded: a
-committed result is never dropped and a thread holding a connection is never
-abandoned. If the caller is cancelled meanwhile, the running statement is
-interrupted with ``conn.cancel_safe()`` (the transaction rolls back) and the
-cancellation propagates once the thread is done.
+psycopg's async API is asyncio-only, so the node talks to PostgreSQL through
+sync connections owned by dedicated threads (the *database actor*). Every
+store call is a ``work(tx)`` closure queued to those threads. A thread takes
+everything pending (at most :data:`MAX_GROUP` calls) and runs it as ONE
+transaction with ONE commit (group commit), then hands each result back to
+its Trio task with ``run_sync_soon``. A result is delivered only after the
+COMMIT returned: ``synchronous_commit`` stays on, so an acknowledged call
+survives a crash of the node or of PostgreSQL.
+
+One call's failure never undoes another call's work:
+
+* optimistic pass: the group runs without savepoints (they would cost two
+  round trips per call). If every call succeeds, it commits.
+* if any call raises (a Python exception such as ``StaleExecution``, an SQL
+  error, a deadlock), the whole transaction is rolled back — nothing of it was
+  committed — and the group is run again in the careful pass, one SAVEPOINT
+  per call: a failing call is rolled back to its savepoint and gets its error;
+  a deadlock victim or serialization failure is rolled back to its savepoint
+  and queued again for the next group (after this one committed and released
+  its locks), at most :data:`TX_ATTEMPTS` times in all. Closures are
+  therefore run again after such a rollback; they have no effect outside the
+  transaction (the store's contract since PostgreSQL's deadlock retry).
+
+``NOTIFY`` is coalesced: calls only record that they want the dispatcher
+kick, and the group sends one ``pg_notify`` before its COMMIT (dropped with a
+call rolled back to its savepoint).
+
+Cancellation, decided under one lock with the actor taking the request: a
+caller cancelled while its request still waits in the queue withdraws it (the
+actor skips it) and ``trio.Cancelled`` propagates at once. Once an actor took
+the request, it runs to its commit or rollback; the caller waits shielded for
+the result (a committed result is never dropped, and no statement is
+interrupted, so a connection is never left mid-transaction), returns it, and
+the cancellation is delivered at its next checkpoint. A connection that
+fails is closed, every call of its group gets the error, and the thread opens
+a new one for the next group.
+
+Row locks are held until the group commits (a few milliseconds): other nodes'
+transactions touching the same rows wait that long. The claims use ``SKIP
+LOCKED``, so they skip rather than wait; a deadlock between groups (of this
+node's connections or of several nodes) costs PostgreSQL's
+``deadlock_timeout`` (1 s by default) to the victim call only, which is
+retried.
 """
 
 from __future__ import annotations
 
+import math
+import queue
 import threading
-import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import outcome
 import psycopg
 import trio
-from psycopg_pool import ConnectionPool
+from psycopg import pq
+from psycopg.adapt import Transformer
 
 from ironflow.store.core import Tx
 from ironflow.store.schema import (
@@ -44,39 +83,136 @@ def _pg_sql(sql: str) -> str:
     return out
 
 
-
-# A transaction PostgreSQL aborted as a deadlock victim (or serialization
-# failure) is retried this many times in all, with a short linear backoff.
+# A call PostgreSQL aborted as a deadlock victim (or serialization failure) is
+# run this many times in all, each retry in a later group than the last.
 TX_ATTEMPTS = 5
+# Most calls one group commit takes: bounds the latency of the first call in
+# a burst while still amortising the commit (one WAL flush) over many.
+MAX_GROUP = 128
+# Connections (each its own actor thread) per node: one runs statements while
+# another waits for its commit's WAL flush.
+ACTOR_CONNECTIONS = 2
+# Server-side prepared statements per connection: above the number of distinct
+# statements the store issues; beyond it a statement runs unprepared.
+PREPARED_MAX = 512
 # LISTEN/NOTIFY channel that carries dispatcher kicks between nodes.
 KICK_CHANNEL = "ironflow_kick"
 # How often the listener thread looks up from its socket to see if it must stop.
 LISTEN_POLL_S = 0.5
 # How often start-up checks that the listener thread is listening.
 LISTEN_READY_POLL_S = 0.01
-TX_RETRY_BACKOFF_S = 0.005
+
+# Errors after which PostgreSQL rolled back the statement for a reason that
+# running the same call again (after the other transaction ended) resolves.
+_RETRYABLE = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
+
+_PENDING, _TAKEN, _WITHDRAWN = 0, 1, 2
+
+
+def _numbered(sql: str) -> bytes:
+    """``?`` placeholders → libpq's ``$1, $2, …``."""
+    parts = sql.split("?")
+    out = [parts[0]]
+    for i, part in enumerate(parts[1:], start=1):
+        out.append(f"${i}{part}")
+    return "".join(out).encode()
+
+
+# Parameter type OIDs sent with the text-format values (0: let the server infer).
+_OID_UNKNOWN, _OID_BOOL, _OID_INT8, _OID_FLOAT8 = 0, 16, 20, 701
+_INT8_MIN, _INT8_MAX = -(2**63), 2**63 - 1
+_OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
+
+
+def _text_params(params: Sequence[Any]) -> tuple[list[bytes | None], tuple[int, ...]] | None:
+    """Parameters as libpq text values and type OIDs; ``None`` for a type only
+    psycopg's adapters know (then the statement goes through a cursor)."""
+    values: list[bytes | None] = []
+    oids: list[int] = []
+    for v in params:
+        t = type(v)
+        if v is None:
+            values.append(None)
+            oids.append(_OID_UNKNOWN)
+        elif t is str:
+            values.append(v.encode())
+            oids.append(_OID_UNKNOWN)  # as psycopg sends str: the server infers
+        elif t is int and _INT8_MIN <= v <= _INT8_MAX:
+            values.append(str(v).encode())
+            oids.append(_OID_INT8)
+        elif t is float and math.isfinite(v):
+            values.append(repr(v).encode())
+            oids.append(_OID_FLOAT8)
+        elif t is bool:
+            values.append(b"t" if v else b"f")
+            oids.append(_OID_BOOL)
+        else:
+            return None
+    return values, tuple(oids)
+
 
 class _PgTx:
-    """:class:`~ironflow.store.core.Tx` over one psycopg connection inside a transaction."""
+    """:class:`~ironflow.store.core.Tx` over an actor's connection inside a group transaction.
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    The store's statements go straight to libpq (``PQexecPrepared`` on a
+    statement prepared once per connection, text parameters, rows loaded by
+    psycopg's own loaders): a psycopg cursor costs about twice the client CPU
+    per statement. A parameter of another type than str/int/float/bool/None
+    sends its statement through a cursor instead.
+    """
+
+    def __init__(self, conn: psycopg.Connection[Any], prepared: dict[Any, bytes]) -> None:
+        self._conn = conn
+        self._pgconn = conn.pgconn
+        self._loader = Transformer(conn)
+        self._prepared = prepared  # (sql, oids) → statement name, for this connection
         self._cur = conn.cursor()
-        self._notified = False
+        self._rows: list[tuple[Any, ...]] = []
+        # Set by a call that wants the dispatcher kick; read once the call succeeded.
+        self.notify_wanted = False
+
+    def _run(self, sql: str, params: Sequence[Any]) -> int:
+        """Run one statement; keep its rows for fetch*; return its row count."""
+        adapted = _text_params(params)
+        if adapted is None:
+            self._cur.execute(_pg_sql(sql), params, prepare=True)
+            self._rows = self._cur.fetchall() if self._cur.description is not None else []
+            return self._cur.rowcount
+        values, oids = adapted
+        key = (sql, oids)
+        name = self._prepared.get(key)
+        if name is None:
+            if len(self._prepared) >= PREPARED_MAX:
+                return self._check(self._pgconn.exec_params(_numbered(sql), values, oids))
+            name = f"ironflow_{len(self._prepared)}".encode()
+            self._check(self._pgconn.prepare(name, _numbered(sql), oids))
+            self._prepared[key] = name
+        # libpq takes None as NULL (psycopg's own calls pass it); its stub says bytes only.
+        return self._check(self._pgconn.exec_prepared(name, values))  # type: ignore[arg-type]
+
+    def _check(self, res: pq.abc.PGresult) -> int:
+        if res.status not in _OK:
+            raise psycopg.errors.error_from_result(res, encoding=self._conn.info.encoding)
+        if res.status == pq.ExecStatus.TUPLES_OK:
+            self._loader.set_pgresult(res)
+            self._rows = self._loader.load_rows(0, res.ntuples, tuple)
+        else:
+            self._rows = []
+        return res.command_tuples or 0
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        self._cur.execute(_pg_sql(sql), params, prepare=True)
-        return self._cur.rowcount
+        return self._run(sql, params)
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
         self._cur.executemany(_pg_sql(sql), list(rows))
 
     def fetchone(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
-        self._cur.execute(_pg_sql(sql), params, prepare=True)
-        return self._cur.fetchone()
+        self._run(sql, params)
+        return self._rows[0] if self._rows else None
 
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        self._cur.execute(_pg_sql(sql), params, prepare=True)
-        return self._cur.fetchall()
+        self._run(sql, params)
+        return self._rows
 
     def lock(self, of: str | None = None) -> str:
         return f"FOR UPDATE OF {of} SKIP LOCKED" if of else "FOR UPDATE SKIP LOCKED"
@@ -88,13 +224,156 @@ class _PgTx:
         return f"FOR SHARE OF {of}"
 
     def notify(self) -> None:
-        # Delivered at COMMIT to every node's kick listener (and dropped on rollback).
-        if not self._notified:
-            self._cur.execute("SELECT pg_notify(%s, '')", (KICK_CHANNEL,))
-            self._notified = True
+        # One pg_notify per group, sent before COMMIT (see _commit).
+        self.notify_wanted = True
 
     def advisory_lock(self, key: str) -> None:
-        self._cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (key,))
+        self._run("SELECT pg_advisory_xact_lock(hashtext(?))", (key,))
+
+    def try_advisory_lock(self, key: str) -> bool:
+        row = self.fetchone("SELECT pg_try_advisory_xact_lock(hashtext(?))", (key,))
+        return bool(row and row[0])
+
+    def raw(self, sql: str) -> None:
+        """A statement of the actor's own (BEGIN, SAVEPOINT, COMMIT…), no parameters."""
+        self._check(self._pgconn.exec_(sql.encode()))
+
+
+class _Request:
+    """One queued store call: its closure and how to hand back its outcome."""
+
+    __slots__ = ("attempts", "deliver", "state", "token", "work")
+
+    def __init__(
+        self,
+        work: Callable[[Tx], Any],
+        token: trio.lowlevel.TrioToken,
+        deliver: Callable[[outcome.Outcome[Any]], None],
+    ) -> None:
+        self.work = work
+        self.token = token
+        self.deliver = deliver
+        self.state = _PENDING
+        self.attempts = 0
+
+    def hand_back(self, result: outcome.Outcome[Any]) -> None:
+        try:
+            self.token.run_sync_soon(self.deliver, result)
+        except trio.RunFinishedError:
+            pass  # the caller's Trio run is over: nobody is waiting
+
+
+class _Actor:
+    """One thread owning one connection: takes groups of requests, commits each once."""
+
+    def __init__(self, store: PostgresStore, name: str) -> None:
+        self._store = store
+        self._conn: psycopg.Connection[Any] | None = None
+        self._prepared: dict[Any, bytes] = {}
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+
+    def _connect(self) -> psycopg.Connection[Any]:
+        conn = psycopg.connect(self._store.url, autocommit=True)
+        conn.prepared_max = PREPARED_MAX
+        self._prepared = {}  # statements are prepared per connection
+        return conn
+
+    def _loop(self) -> None:
+        retry: list[_Request] = []
+        try:
+            stop = False
+            while not stop:
+                batch, stop = self._store._take(block=not retry, room=MAX_GROUP - len(retry))
+                batch = retry + batch
+                retry = self._run_group(batch) if batch else []
+            for req in retry:
+                req.hand_back(outcome.Error(RuntimeError("PostgresStore closed")))
+        finally:
+            if self._conn is not None:
+                self._conn.close()
+
+    def _run_group(self, batch: list[_Request]) -> list[_Request]:
+        """Commit ``batch`` as one transaction; deliver outcomes; return calls to retry."""
+        retry: list[_Request] = []
+        try:
+            if self._conn is None or self._conn.closed:
+                self._conn = self._connect()
+            tx = _PgTx(self._conn, self._prepared)
+            results = self._optimistic(tx, batch)
+            if results is None:
+                results, retry = self._careful(tx, batch)
+        except BaseException as exc:  # the connection or the COMMIT failed: every caller hears it
+            self._discard_connection()
+            results = [outcome.Error(exc)] * len(batch)
+            retry = []
+        for req, result in zip(batch, results, strict=True):
+            if result is not None:
+                req.hand_back(result)
+        return retry
+
+    def _discard_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except Exception:
+                pass  # already broken; a fresh one is opened for the next group
+
+    @staticmethod
+    def _optimistic(tx: _PgTx, batch: list[_Request]) -> list[outcome.Outcome[Any] | None] | None:
+        """Every call in one transaction, no savepoints; ``None`` (rolled back) if one failed."""
+        values: list[outcome.Outcome[Any] | None] = []
+        notify = False
+        tx.raw("BEGIN")
+        for req in batch:
+            tx.notify_wanted = False
+            try:
+                values.append(outcome.Value(req.work(tx)))
+            except Exception:
+                tx.raw("ROLLBACK")
+                return None
+            notify = notify or tx.notify_wanted
+        _commit(tx, notify)
+        return values
+
+    @staticmethod
+    def _careful(
+        tx: _PgTx, batch: list[_Request]
+    ) -> tuple[list[outcome.Outcome[Any] | None], list[_Request]]:
+        """Every call under its own SAVEPOINT: a failure undoes only its own call."""
+        results: list[outcome.Outcome[Any] | None] = []
+        retry: list[_Request] = []
+        notify = False
+        tx.raw("BEGIN")
+        for req in batch:
+            tx.notify_wanted = False
+            req.attempts += 1
+            tx.raw("SAVEPOINT call")
+            try:
+                value = req.work(tx)
+            except _RETRYABLE as exc:
+                tx.raw("ROLLBACK TO SAVEPOINT call")
+                if req.attempts < TX_ATTEMPTS:
+                    retry.append(req)
+                    results.append(None)
+                else:
+                    results.append(outcome.Error(exc))
+            except Exception as exc:
+                tx.raw("ROLLBACK TO SAVEPOINT call")
+                results.append(outcome.Error(exc))
+            else:
+                results.append(outcome.Value(value))
+                notify = notify or tx.notify_wanted
+            tx.raw("RELEASE SAVEPOINT call")
+        _commit(tx, notify)
+        return results, retry
+
+
+def _commit(tx: _PgTx, notify: bool) -> None:
+    if notify:
+        # Delivered at COMMIT to every node's kick listener: one per group.
+        tx.execute("SELECT pg_notify(?, '')", (KICK_CHANNEL,))
+    tx.raw("COMMIT")
 
     def try_advisory_lock(self, key: str) -> bool:
         self._cur.execute("SELECT pg_try_advisory_xact_lock(hashtext(%s))", (key,))
@@ -103,42 +382,58 @@ class _PgTx:
 
 
 class PostgresStore(SqlStore):
-    """Engine state in PostgreSQL at ``url`` (``postgresql://…``), pooled connections."""
+    """Engine state in PostgreSQL at ``url`` (``postgresql://…``).
 
-    def __init__(self, url: str, *, min_size: int = 2, max_size: int = 8) -> None:
+    ``connections``: how many actor threads (each owning one connection)
+    group-commit this node's store calls.
+    """
+
+    def __init__(self, url: str, *, connections: int = ACTOR_CONNECTIONS) -> None:
         super().__init__()
         self.url = url.replace("postgres://", "postgresql://", 1)
-        self._pool = ConnectionPool(
-            self.url, min_size=min_size, max_size=max_size, open=False, kwargs={"autocommit": True}
-        )
-        self._open = False
+        self._connections = connections
+        self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        # Taking a request (actor) and withdrawing it (cancelled caller) are decided under it.
+        self._state_lock = threading.Lock()
+        self._actors: list[_Actor] = []
 
     # lifecycle --------------------------------------------------------------------
 
     async def open(self) -> None:
-        if self._open:
+        if self._actors:
             return
-        await trio.to_thread.run_sync(self._open_sync)
-        self._open = True
+        await trio.to_thread.run_sync(self._create_schema)
+        self._actors = [
+            _Actor(self, f"ironflow-pg-actor-{i}") for i in range(max(1, self._connections))
+        ]
+        for actor in self._actors:
+            actor.thread.start()
 
-    def _open_sync(self) -> None:
-        self._pool.open(wait=True, timeout=30.0)
-        with self._pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
-            # Two nodes starting together must not race on CREATE … IF NOT EXISTS.
-            cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
-            for stmt in statements("postgres"):
-                cur.execute(stmt)
-            for table, column, kind in added_columns("postgres"):
-                cur.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {kind}")
-            for stmt in backfill_statements("postgres"):
-                cur.execute(stmt)
+    def _create_schema(self) -> None:
+        with psycopg.connect(self.url, autocommit=True) as conn:
+            with conn.transaction(), conn.cursor() as cur:
+                # Two nodes starting together must not race on CREATE … IF NOT EXISTS.
+                cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
+                for stmt in statements("postgres"):
+                    cur.execute(stmt)
+                for table, column, kind in added_columns("postgres"):
+                    cur.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {kind}")
+                for stmt in backfill_statements("postgres"):
+                    cur.execute(stmt)
 
     async def close(self) -> None:
-        if not self._open:
+        if not self._actors:
             return
-        self._open = False
+        actors, self._actors = self._actors, []
+        for _ in actors:
+            self._requests.put(None)
+
+        def join() -> None:
+            for actor in actors:
+                actor.thread.join()
+
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(self._pool.close)
+            await trio.to_thread.run_sync(join)
 
     async def reclaim_space(self, max_pages: int) -> int:
         """Nothing to do: autovacuum makes deleted rows' space reusable (it does
@@ -189,42 +484,50 @@ class PostgresStore(SqlStore):
             finally:
                 stop.set()
 
-    # transactions -----------------------------------------------------------------
+    # the database actor -----------------------------------------------------------
+
+    def _take(self, *, block: bool, room: int) -> tuple[list[_Request], bool]:
+        """Up to ``room`` pending requests, marked taken (withdrawn ones skipped),
+        waiting for the first one if ``block``; and whether this actor must stop
+        after them (it took a stop sentinel: one per actor, queued by close())."""
+        batch: list[_Request] = []
+        while len(batch) < room:
+            try:
+                req = self._requests.get(block=block and not batch)
+            except queue.Empty:
+                break
+            if req is None:
+                return batch, True
+            with self._state_lock:
+                if req.state != _PENDING:
+                    continue  # withdrawn by its cancelled caller
+                req.state = _TAKEN
+            batch.append(req)
+        return batch, False
 
     async def _transact(self, work: Callable[[Tx], T]) -> T:
-        held: list[psycopg.Connection[Any]] = []
-        finished = False
+        if not self._actors:
+            raise RuntimeError("PostgresStore is not open")
+        done = trio.Event()
+        box: list[outcome.Outcome[T]] = []
 
-        def run() -> T:
-            for attempt in range(1, TX_ATTEMPTS + 1):
-                try:
-                    with self._pool.connection() as conn:
-                        held.append(conn)
-                        try:
-                            with conn.transaction():
-                                return work(_PgTx(conn))
-                        finally:
-                            held.clear()
-                except (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure):
-                    # PostgreSQL rolled the whole transaction back: it had no
-                    # effect, and every method is one closure, so run it again.
-                    if attempt == TX_ATTEMPTS:
-                        raise
-                    time.sleep(TX_RETRY_BACKOFF_S * attempt)
-            raise AssertionError("unreachable")
+        def deliver(result: outcome.Outcome[T]) -> None:
+            box.append(result)
+            done.set()
 
-        async def interrupt_on_cancel() -> None:
-            try:
-                await trio.sleep_forever()
-            finally:
-                if not finished and held:
-                    held[0].cancel_safe(timeout=5.0)
-
-        result: outcome.Outcome[T]
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(interrupt_on_cancel)
+        req = _Request(work, trio.lowlevel.current_trio_token(), deliver)
+        self._requests.put(req)
+        try:
+            await done.wait()
+        except trio.Cancelled:
+            with self._state_lock:
+                withdrawn = req.state == _PENDING
+                if withdrawn:
+                    req.state = _WITHDRAWN
+            if withdrawn:
+                raise  # never ran: nothing to hand back
+            # An actor is running it: it will commit or roll back; its result
+            # must reach the caller (the cancellation comes at the next checkpoint).
             with trio.CancelScope(shield=True):
-                result = await outcome.acapture(trio.to_thread.run_sync, run)
-            finished = True
-            nursery.cancel_scope.cancel()
-        return result.unwrap()
+                await done.wait()
+        return box[0].unwrap()

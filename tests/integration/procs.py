@@ -14,6 +14,7 @@ import trio
 
 ROOT = Path(__file__).resolve().parents[2]
 CRASH_WORKER = ROOT / "tests" / "procs" / "crash_worker.py"
+LOAD_WORKER = ROOT / "tests" / "procs" / "load_worker.py"
 
 
 class Proc:
@@ -84,6 +85,14 @@ async def start_worker(server: str, effects: Path, log_dir: Path, *, pull: bool 
     if pull:
         argv.append("--pull")
     proc = Proc(argv, log_dir / f"{name}.log")
+    await proc.wait_line("READY")
+    return proc
+
+
+async def start_load_worker(server: str, log_dir: Path, *, name: str, max_jobs: int = 50) -> Proc:
+    """A worker serving ``load3`` (three trivial steps, event ``load.go``)."""
+    proc = Proc([sys.executable, str(LOAD_WORKER), server, "--max-jobs", str(max_jobs)],
+                log_dir / f"{name}.log")
     await proc.wait_line("READY")
     return proc
 
