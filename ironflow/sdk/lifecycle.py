@@ -30,7 +30,8 @@ from typing import Any
 import trio
 
 from ironflow.logs import formatter as log_formatter
-from ironflow.sdk.context import JobState
+from ironflow.protocol import JobAssignment, JobNackReason
+from ironflow.sdk.context import JobState, Reporter, execute_job
 from ironflow.sdk.function import Function
 
 _log = logging.getLogger("ironflow.worker")
@@ -214,6 +215,38 @@ class WorkerLifecycle:
 
     def _drain_started(self) -> None:
         """Transport-specific reaction to a drain (wake what waits for new work)."""
+
+    def _refusal(self, a: JobAssignment) -> JobNackReason | None:
+        """Why this worker refuses assignment ``a`` (logged), or None to take it.
+
+        DRAINING while draining (another worker takes it, no attempt spent);
+        AT_CAPACITY with every slot busy (the engine holds a credit back).
+        """
+        fields = {"run_id": a.run_id, "execution_seq": a.execution_seq}
+        if self._draining:
+            _log.info("Draining, refusing job", extra={"fields": fields})
+            return "DRAINING"
+        if len(self._jobs) >= self.max_concurrent_jobs:
+            _log.info("At capacity, refusing job", extra={"fields": fields})
+            return "AT_CAPACITY"
+        return None
+
+    async def _execute(self, job: JobState, reporter: Reporter, acked: trio.Event | None = None) -> None:
+        """Run one accepted job's segment to its single report; forget it after.
+
+        ``acked``: user code starts only once the JobAck is on the wire, so a
+        handler that dies at once still leaves the engine a lease to recover.
+        """
+        try:
+            with job.scope:
+                if acked is not None:
+                    await acked.wait()
+                await execute_job(self.functions.get(job.assignment.function_id), job, reporter)
+        finally:
+            job.done = True
+            if self._jobs.get(job.assignment.job_id) is job:
+                del self._jobs[job.assignment.job_id]
+            self._jobs_changed.set()
 
     @contextmanager
     def _signals_handled(self) -> Iterator[None]:

@@ -25,7 +25,6 @@ from ironflow.protocol import (
     JobAck,
     JobAssignment,
     JobNack,
-    JobNackReason,
     LeaseStatus,
     PullPollRequest,
     PullPollResponse,
@@ -35,7 +34,7 @@ from ironflow.protocol import (
     encoder,
 )
 from ironflow.sdk.client import auth_headers
-from ironflow.sdk.context import JobState, execute_job
+from ironflow.sdk.context import JobState
 from ironflow.sdk.errors import IronflowError, RegistrationRefusedError, WorkerAuthError
 from ironflow.sdk.function import Function
 from ironflow.sdk.lifecycle import WorkerLifecycle
@@ -348,13 +347,7 @@ class PullWorker(WorkerLifecycle):
         if a.job_id in self._jobs:
             return
         fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
-        reason: JobNackReason | None = None
-        if self._draining:
-            reason = "DRAINING"
-            _log.info("Draining, refusing job", extra=_fields(run_id=a.run_id))
-        elif len(self._jobs) >= self.max_concurrent_jobs:
-            reason = "AT_CAPACITY"
-            _log.info("At capacity, refusing job", extra=_fields(run_id=a.run_id))
+        reason = self._refusal(a)
         if reason is not None:
             with trio.move_on_after(CALL_TIMEOUT_S):
                 try:
@@ -375,19 +368,7 @@ class PullWorker(WorkerLifecycle):
             del self._jobs[a.job_id]
             self._jobs_changed.set()
             return
-        nursery.start_soon(self._run_job, job)
-
-    async def _run_job(self, job: JobState) -> None:
-        try:
-            with job.scope:
-                await execute_job(
-                    self.functions.get(job.assignment.function_id), job, self._reporter
-                )
-        finally:
-            job.done = True
-            if self._jobs.get(job.assignment.job_id) is job:
-                del self._jobs[job.assignment.job_id]
-            self._jobs_changed.set()
+        nursery.start_soon(self._execute, job, self._reporter)
 
     async def _wait_for_jobs(self) -> None:
         if self._stopped:

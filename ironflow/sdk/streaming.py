@@ -27,7 +27,6 @@ from ironflow.protocol import (
     JobAck,
     JobAssignment,
     JobNack,
-    JobNackReason,
     LeaseStatus,
     Refused,
     Register,
@@ -36,7 +35,7 @@ from ironflow.protocol import (
     encoder,
     engine_message_decoder,
 )
-from ironflow.sdk.context import JobState, execute_job
+from ironflow.sdk.context import JobState
 from ironflow.sdk.errors import IronflowError, RegistrationRefusedError, WorkerAuthError
 from ironflow.sdk.function import Function
 from ironflow.sdk.lifecycle import WorkerLifecycle
@@ -387,16 +386,7 @@ class StreamingWorker(WorkerLifecycle):
     ) -> None:
         if a.job_id in self._jobs:
             return  # still running here: a nack would requeue a running job
-        reason: JobNackReason | None = None
-        if self._draining:
-            reason = "DRAINING"
-            _log.info("Draining, refusing job", extra=_fields(run_id=a.run_id, execution_seq=a.execution_seq))
-        elif len(self._jobs) >= self.max_concurrent_jobs:
-            reason = "AT_CAPACITY"
-            _log.info(
-                "At capacity, refusing job",
-                extra=_fields(run_id=a.run_id, execution_seq=a.execution_seq),
-            )
+        reason = self._refusal(a)
         if reason is not None:
             await send.send(
                 JobNack(
@@ -419,17 +409,4 @@ class StreamingWorker(WorkerLifecycle):
             )
         )
         await send.send(acked)
-        nursery.start_soon(self._run_job, job, reporter, acked.written)
-
-    async def _run_job(self, job: JobState, reporter: _OutboxReporter, acked: trio.Event) -> None:
-        try:
-            with job.scope:
-                # User code runs only once the JobAck is on the wire: a handler
-                # that dies at once still left the engine a lease to recover.
-                await acked.wait()
-                await execute_job(self.functions.get(job.assignment.function_id), job, reporter)
-        finally:
-            job.done = True
-            if self._jobs.get(job.assignment.job_id) is job:
-                del self._jobs[job.assignment.job_id]
-            self._jobs_changed.set()
+        nursery.start_soon(self._execute, job, reporter, acked.written)
