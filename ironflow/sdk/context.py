@@ -198,7 +198,9 @@ class StepInfo(msgspec.Struct, frozen=True):
     idempotency_key: str
 
 
-_STEP_INFO: contextvars.ContextVar[StepInfo | None] = contextvars.ContextVar(
+# (run_id, step_id, attempt) of the running step; StepInfo is built on request
+# (the key is a hash: most steps never ask for it).
+_STEP_INFO: contextvars.ContextVar[tuple[str, str, int] | None] = contextvars.ContextVar(
     "ironflow_step_info", default=None
 )
 
@@ -209,10 +211,11 @@ def step_info() -> StepInfo:
     Raises:
       RuntimeError: called outside a running step.
     """
-    info = _STEP_INFO.get()
-    if info is None:
+    current = _STEP_INFO.get()
+    if current is None:
         raise RuntimeError("ironflow.step_info() is only available inside a running step.run body")
-    return info
+    run_id, step_id, attempt = current
+    return StepInfo(run_id, step_id, attempt, _idempotency_key(step_id))
 
 
 def _idempotency_key(step_id: str) -> str:
@@ -357,7 +360,7 @@ class Step:
             return memo.output
         fence = self._fence()
         a = self._job.assignment
-        token = _STEP_INFO.set(StepInfo(a.run_id, step_id, a.attempt, _idempotency_key(step_id)))
+        token = _STEP_INFO.set((a.run_id, step_id, a.attempt))
         t0 = time.perf_counter()
         try:
             with trio.fail_after(limit) if limit is not None else contextlib.nullcontext():
