@@ -12,6 +12,7 @@ from ironflow.api import (
     functions,
     health,
     keys,
+    openapi,
     pull,
     runs,
     worker_socket,
@@ -19,12 +20,15 @@ from ironflow.api import (
 from ironflow.api.state import EXTENSION, ApiDeps, ApiState
 
 # Every surface, one module each (see the package docstring).
-SURFACES = (health, events, runs, functions, audit, keys, capacity, pull, worker_socket)
+SURFACES = (
+    health, openapi, events, runs, functions, audit, keys, capacity, pull, worker_socket,
+)
 
 
 def create_app(deps: ApiDeps) -> QuartTrio:
     """Build the quart-trio application serving ``deps``."""
-    app = QuartTrio("ironflow")
+    # No framework static route: the dashboard blueprint serves its own assets.
+    app = QuartTrio("ironflow", static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = deps.config.max_frame_bytes
     app.extensions[EXTENSION] = ApiState(deps)
     for surface in SURFACES:
