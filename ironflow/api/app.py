@@ -8,6 +8,7 @@ from ironflow.api import (
     audit,
     capacity,
     errors,
+    event_reads,
     events,
     functions,
     health,
@@ -21,7 +22,7 @@ from ironflow.api.state import EXTENSION, ApiDeps, ApiState
 
 # Every surface, one module each (see the package docstring).
 SURFACES = (
-    health, openapi, events, runs, functions, audit, keys, capacity, pull, worker_socket,
+    health, openapi, events, event_reads, runs, functions, audit, keys, capacity, pull, worker_socket,
 )
 
 

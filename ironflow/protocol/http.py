@@ -263,3 +263,29 @@ class SessionList(msgspec.Struct, frozen=True):
 
 class QueueList(msgspec.Struct, frozen=True):
     queue: list[QueueRecord]
+
+
+# ── events and re-runs (read by the dashboard and the CLI) ──────────────────
+
+
+class EventRecord(msgspec.Struct, frozen=True):
+    """A stored event and the runs it started (or an invocation's run)."""
+
+    id: str
+    name: str
+    data: Any
+    received_at: float
+    run_ids: list[str]
+    idempotency_key: str | None = None
+
+
+class EventList(msgspec.Struct, frozen=True):
+    events: list[EventRecord]
+
+
+class RerunResponse(msgspec.Struct, frozen=True):
+    """``POST /v1/runs/{run_id}/rerun``: a new run of the same function with the same event."""
+
+    run_id: str
+    rerun_of: str
+    event_id: str

@@ -23,6 +23,7 @@ from ironflow.protocol import (
     ActiveJob,
     AuditRecord,
     ErrorInfo,
+    EventRecord,
     FunctionDef,
     FunctionRecord,
     JobAssignment,
@@ -487,6 +488,19 @@ class Store(abc.ABC):
     async def list_audit(
         self, *, run_id: str | None = None, type: str | None = None, limit: int = 100
     ) -> list[AuditRecord]: ...
+
+    @abc.abstractmethod
+    async def list_events(self, *, name: str | None = None, limit: int = 50) -> list[EventRecord]:
+        """Stored events, newest first, each with the runs it started."""
+
+    @abc.abstractmethod
+    async def get_event(self, event_id: str) -> EventRecord:
+        """One stored event. NotFound."""
+
+    @abc.abstractmethod
+    async def rerun(self, run_id: str) -> tuple[str, str]:
+        """A new run of ``run_id``'s function with its event: (new run id, event id).
+        RunNotFound when the run, its event or its function is gone."""
 
     # history retention --------------------------------------------------------------
 

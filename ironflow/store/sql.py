@@ -9,12 +9,13 @@ from one module per concern so each seed mechanism reads on its own:
 - ``dispatch``: reservations and assignments;
 - ``ingest``: events, runs, invocations, cancellation;
 - ``sessions``: worker registration, functions, pull-session ownership;
-- ``reads``, ``history`` (retention), ``keys``.
+- ``reads``, ``event_reads`` (events, re-runs), ``history`` (retention), ``keys``.
 """
 
 from __future__ import annotations
 
 from ironflow.store.dispatch import DispatchOps
+from ironflow.store.event_reads import EventReadOps
 from ironflow.store.fence import FenceOps
 from ironflow.store.history import RetentionOps
 from ironflow.store.ingest import IngestOps
@@ -26,6 +27,7 @@ from ironflow.store.sessions import SessionOps
 
 
 class SqlStore(
-    SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps
+    SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
+    EventReadOps,
 ):
     """Every Store method, written once. Backends supply ``_transact`` and lifecycle."""
