@@ -7,6 +7,7 @@ from quart_trio import QuartTrio
 from ironflow.api import (
     audit,
     capacity,
+    dashboard,
     errors,
     event_reads,
     events,
@@ -22,7 +23,8 @@ from ironflow.api.state import EXTENSION, ApiDeps, ApiState
 
 # Every surface, one module each (see the package docstring).
 SURFACES = (
-    health, openapi, events, event_reads, runs, functions, audit, keys, capacity, pull, worker_socket,
+    health, openapi, dashboard, events, event_reads, runs, functions, audit, keys, capacity, pull,
+    worker_socket,
 )
 
 

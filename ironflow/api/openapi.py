@@ -64,6 +64,10 @@ _WORKER_FRAMES = "Streaming-worker frames (see docs/http-api.md); each is one ta
 
 # Every route the node serves. Keep in step with the blueprints (a test checks).
 ROUTES: tuple[Route, ...] = (
+    Route("get", "/", "The dashboard (HTML)", "none", {200: None}, media="text/html",
+          tags=("dashboard",)),
+    Route("get", "/dashboard/{filename}", "The dashboard's script and style sheet", "none",
+          {200: None}, media="application/octet-stream", tags=("dashboard",)),
     Route("get", "/healthz", "Liveness", "none", {200: p.Health}, tags=("health",)),
     Route("get", "/readyz", "Readiness: 503 while starting or draining", "none",
           {200: p.Health, 503: p.Health}, tags=("health",)),
