@@ -126,6 +126,19 @@ class JobOutcome(msgspec.Struct, frozen=True):
     attempt: int | None = None
     # Runs made runnable as a side effect (e.g. a parent resumed by a finished invoke).
     kicked_run_ids: list[str] = []
+    # Set when the run ended here (completed or failed): for the run-duration metric.
+    function_id: str | None = None
+    duration_s: float | None = None
+
+
+class CapacityGauges(msgspec.Struct, frozen=True):
+    """Counts behind the capacity gauges of ``/metrics`` (cluster-wide)."""
+
+    runnable: int
+    in_grace: int
+    delayed: int
+    leases: int
+    sessions_by_mode: dict[str, int]
 
 
 class CancelOutcome(msgspec.Struct, frozen=True):
@@ -488,6 +501,10 @@ class Store(abc.ABC):
     async def list_audit(
         self, *, run_id: str | None = None, type: str | None = None, limit: int = 100
     ) -> list[AuditRecord]: ...
+
+    @abc.abstractmethod
+    async def capacity_gauges(self) -> CapacityGauges:
+        """Queue depth by state, active leases and live sessions by mode, in one read."""
 
     @abc.abstractmethod
     async def list_events(self, *, name: str | None = None, limit: int = 50) -> list[EventRecord]:

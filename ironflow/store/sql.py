@@ -9,7 +9,8 @@ from one module per concern so each seed mechanism reads on its own:
 - ``dispatch``: reservations and assignments;
 - ``ingest``: events, runs, invocations, cancellation;
 - ``sessions``: worker registration, functions, pull-session ownership;
-- ``reads``, ``event_reads`` (events, re-runs), ``history`` (retention), ``keys``.
+- ``reads``, ``event_reads`` (events, re-runs), ``gauges`` (for /metrics), ``history``
+  (retention), ``keys``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from ironflow.store.dispatch import DispatchOps
 from ironflow.store.event_reads import EventReadOps
 from ironflow.store.fence import FenceOps
+from ironflow.store.gauges import GaugeOps
 from ironflow.store.history import RetentionOps
 from ironflow.store.ingest import IngestOps
 from ironflow.store.keys import KeyOps
@@ -28,6 +30,6 @@ from ironflow.store.sessions import SessionOps
 
 class SqlStore(
     SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
-    EventReadOps,
+    EventReadOps, GaugeOps,
 ):
     """Every Store method, written once. Backends supply ``_transact`` and lifecycle."""
