@@ -159,6 +159,12 @@ def _path_parameters(path: str) -> list[dict[str, Any]]:
     return [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}} for n in names]
 
 
+def _operation_id(route: Route) -> str:
+    """``get_v1_runs_run_id`` for ``GET /v1/runs/{run_id}``; ``get_index`` for ``/``."""
+    words = route.path.strip("/").replace("{", "").replace("}", "").replace(".", "_").split("/")
+    return "_".join([route.method, *(w for w in words if w)]) if any(words) else f"{route.method}_index"
+
+
 def _operation(route: Route, schema_of: dict[Any, dict[str, Any]]) -> dict[str, Any]:
     responses: dict[str, Any] = {}
     for status, kind in sorted(route.answers.items()):
@@ -176,8 +182,7 @@ def _operation(route: Route, schema_of: dict[Any, dict[str, Any]]) -> dict[str, 
     }
     op: dict[str, Any] = {
         "summary": route.summary,
-        "operationId": f"{route.method}_{route.path.strip('/').replace('/', '_').replace('{', '').replace('}', '')}"
-        or route.method,
+        "operationId": _operation_id(route),
         "tags": list(route.tags),
         "security": _SECURITY[route.auth],
         "responses": responses,

@@ -47,6 +47,8 @@ def test_the_document_is_valid_openapi_3_1() -> None:
     document = build_document()
     assert document["openapi"].startswith("3.1")
     validate(document)  # raises OpenAPIValidationError on any fault
+    ids = [op["operationId"] for ops in document["paths"].values() for op in ops.values()]
+    assert len(ids) == len(set(ids)), "operation ids must be unique"
 
 
 def test_the_document_describes_every_route_the_app_serves_and_no_other() -> None:
