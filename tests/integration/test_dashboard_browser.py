@@ -239,3 +239,56 @@ async def test_dashboard_shows_live_runs_steps_waits_recoveries_and_capacity_and
     finally:
         for proc in reversed(procs):
             proc.stop()
+
+
+async def test_without_dev_the_page_asks_for_a_key_keeps_it_for_the_tab_and_says_what_it_cannot_see(
+    browser: Any, tmp_path: Path
+) -> None:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    db = tmp_path / "ironflow.db"
+    node = Proc(
+        [sys.executable, "-m", "ironflow.node", "--db", str(db), "--port", str(port),
+         "--node-id", "node_keys", "--state-dir", str(tmp_path / "state")],
+        tmp_path / "node.log",
+    )
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=10.0) as http:
+            with trio.fail_after(30):
+                while True:
+                    try:
+                        if (await http.get("/readyz")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    await trio.sleep(0.1)
+            assert (await http.get("/v1/runs")).status_code == 401  # not a --dev node
+            minted = subprocess.run(
+                [sys.executable, "-m", "ironflow", "keys", "create", "--db", str(db), "--json"],
+                capture_output=True, text=True, check=True, cwd=ROOT,
+            )
+            org_key = json.loads(minted.stdout)["key"]
+
+            browser.get(base + "/#/runs")
+            _wait(browser, "the key prompt", lambda d: "needs an API key" in _text(d, "#notice"))
+            assert _count(browser, "#runs-table") == 0  # nothing shown without a key
+            browser.find_element(By.ID, "api-key").send_keys(org_key)
+            _click(browser, "#access button.primary")
+            _wait(browser, "the runs table", lambda d: "No runs yet." in _text(d, "#runs-table"))
+            assert _text(browser, "#access").startswith(f"key …{org_key[-4:]}")
+
+            # Kept for the tab: a reload still has it; it never reaches localStorage.
+            browser.refresh()
+            _wait(browser, "the runs table after a reload", lambda d: "No runs yet." in _text(d, "#runs-table"))
+            assert browser.execute_script("return window.localStorage.length") == 0
+
+            # An org key may not see capacity: the page says so.
+            browser.get(base + "/#/workers")
+            _wait(browser, "the platform-key notice", lambda d: "platform key" in _text(d, "#view-error"))
+
+            # Forgetting the key asks for one again.
+            _click(browser, "#access button")
+            _wait(browser, "the key prompt again", lambda d: d.find_elements(By.ID, "api-key"))
+            assert browser.execute_script("return window.sessionStorage.length") == 0
+    finally:
+        node.stop()
