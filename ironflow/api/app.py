@@ -17,14 +17,15 @@ from ironflow.api import (
     openapi,
     pull,
     runs,
+    stats,
     worker_socket,
 )
 from ironflow.api.state import EXTENSION, ApiDeps, ApiState
 
 # Every surface, one module each (see the package docstring).
 SURFACES = (
-    health, openapi, dashboard, events, event_reads, runs, functions, audit, keys, capacity, pull,
-    worker_socket,
+    health, openapi, dashboard, events, event_reads, runs, stats, functions, audit, keys, capacity,
+    pull, worker_socket,
 )
 
 

@@ -289,3 +289,31 @@ class RerunResponse(msgspec.Struct, frozen=True):
     run_id: str
     rerun_of: str
     event_id: str
+
+
+class RunBucket(msgspec.Struct, frozen=True):
+    """Runs created in the bucket starting at ``start`` (epoch s) now in ``status``."""
+
+    start: float
+    status: RunStatus
+    count: int
+
+
+class FunctionRunCount(msgspec.Struct, frozen=True):
+    """Runs of ``function_id`` created in the window now in ``status``."""
+
+    function_id: str
+    status: RunStatus
+    count: int
+
+
+class RunStats(msgspec.Struct, frozen=True):
+    """``GET /v1/stats/runs``: runs created in the last ``window_s`` by status,
+    per ``bucket_s`` bucket and per function (the dashboard's chart and rates)."""
+
+    window_s: int
+    bucket_s: int
+    since: float
+    db_now: float
+    buckets: list[RunBucket]
+    functions: list[FunctionRunCount]

@@ -33,6 +33,7 @@ from ironflow.protocol import (
     QueueRecord,
     RunDetail,
     RunRecord,
+    RunStats,
     SessionRecord,
     YieldInfo,
 )
@@ -501,6 +502,10 @@ class Store(abc.ABC):
     async def list_audit(
         self, *, run_id: str | None = None, type: str | None = None, limit: int = 100
     ) -> list[AuditRecord]: ...
+
+    @abc.abstractmethod
+    async def run_stats(self, *, window_s: int, bucket_s: int) -> RunStats:
+        """Runs created in the last ``window_s`` by status, per ``bucket_s`` and per function."""
 
     @abc.abstractmethod
     async def capacity_gauges(self) -> CapacityGauges:

@@ -9,7 +9,7 @@ from one module per concern so each seed mechanism reads on its own:
 - ``dispatch``: reservations and assignments;
 - ``ingest``: events, runs, invocations, cancellation;
 - ``sessions``: worker registration, functions, pull-session ownership;
-- ``reads``, ``event_reads`` (events, re-runs), ``gauges`` (for /metrics), ``history``
+- ``reads``, ``event_reads`` (events, re-runs), ``gauges`` (for /metrics), ``stats`` (the dashboard's counts), ``history``
   (retention), ``keys``.
 """
 
@@ -26,10 +26,11 @@ from ironflow.store.loop1 import CapacityLoop
 from ironflow.store.loop2 import WakeLoop
 from ironflow.store.reads import ReadOps
 from ironflow.store.sessions import SessionOps
+from ironflow.store.stats import StatsOps
 
 
 class SqlStore(
     SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
-    EventReadOps, GaugeOps,
+    EventReadOps, GaugeOps, StatsOps,
 ):
     """Every Store method, written once. Backends supply ``_transact`` and lifecycle."""

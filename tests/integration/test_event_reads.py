@@ -69,3 +69,21 @@ async def test_rerun_starts_a_new_run_of_the_same_function_with_the_same_event(
 async def test_rerun_of_an_unknown_run_is_a_404(node: Node, http: httpx.AsyncClient) -> None:
     resp = await http.post("/v1/runs/run_nope/rerun")
     assert resp.status_code == 404 and resp.json()["code"] == "RUN_NOT_FOUND"
+
+
+async def test_run_stats_count_recent_runs_by_status_per_minute_and_per_function(
+    node: Node, http: httpx.AsyncClient, nursery: trio.Nursery
+) -> None:
+    await _start_worker(nursery, node)
+    done = [(await emit(http, "echo.go", {"i": i}))["run_ids"][0] for i in range(3)]
+    for run_id in done:
+        await wait_for_run(http, run_id)
+    stats = (await http.get("/v1/stats/runs", params={"window_s": 600, "bucket_s": 60})).json()
+    assert stats["window_s"] == 600 and stats["bucket_s"] == 60
+    assert stats["functions"] == [{"function_id": "echo", "status": "completed", "count": 3}]
+    assert sum(b["count"] for b in stats["buckets"]) == 3
+    for bucket in stats["buckets"]:
+        assert bucket["status"] == "completed" and bucket["start"] % 60 == 0
+        assert stats["since"] - 60 <= bucket["start"] <= stats["db_now"]
+    too_fine = await http.get("/v1/stats/runs", params={"window_s": 86400, "bucket_s": 10})
+    assert too_fine.status_code == 400 and too_fine.json()["code"] == "VALIDATION_ERROR"
