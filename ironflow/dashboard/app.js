@@ -12,6 +12,11 @@
   const KEY_STORAGE = "ironflow.apiKey";
   const TERMINAL = new Set(["completed", "failed", "cancelled"]);
   const RUN_STATUSES = ["waiting_for_capacity", "running", "waiting", "completed", "failed", "cancelled"];
+  // The chart and the failure rates change slowly: re-read them every STATS_EVERY polls (30 s).
+  const STATS_EVERY = 15;
+  const STATS_QUERY = "/v1/stats/runs?window_s=3600&bucket_s=60";
+  const CHART_GROUPS = ["completed", "failed", "cancelled", "active"];
+  const chartGroup = (status) => (CHART_GROUPS.includes(status) ? status : "active");
 
   const main = document.getElementById("view");
   let view = null;        // the view on screen: {refresh(), token}
@@ -169,6 +174,8 @@
     status.value = params.get("status") || "";
     search.value = params.get("q") || "";
     const live = el("div", { id: "runs-live" });
+    const chart = el("div", { class: "panel", id: "runs-chart" });
+    let polls = 0;
     const setQuery = () => {
       const q = new URLSearchParams();
       if (status.value) q.set("status", status.value);
@@ -184,6 +191,7 @@
       el("div", { class: "toolbar" }, status, fn, search,
         el("button", { type: "button", text: "Search", onclick: setQuery }),
         (params.toString() ? el("a", { href: "#/runs", text: "clear" }) : null)),
+      chart,
       live,
     );
     get("/v1/functions?all=true").then((data) => {
@@ -204,7 +212,37 @@
         runs = (await get(`/v1/runs?${query}`)).runs;
       }
       fill(live, caption, runsTable(runs));
+      if (polls++ % STATS_EVERY === 0) fill(chart, runsChart(await get(STATS_QUERY)));
     };
+  }
+
+  // Runs created per minute over the last hour, stacked by (current) status.
+  function runsChart(stats) {
+    const width = stats.bucket_s;
+    const first = Math.floor(stats.since / width) * width;
+    const columns = new Map();
+    for (let t = first; t <= stats.db_now; t += width) columns.set(t, { completed: 0, failed: 0, cancelled: 0, active: 0 });
+    for (const b of stats.buckets) {
+      const col = columns.get(b.start);
+      if (col) col[chartGroup(b.status)] += b.count;
+    }
+    const totals = [...columns.values()].map((c) => CHART_GROUPS.reduce((n, g) => n + c[g], 0));
+    const peak = Math.max(1, ...totals);
+    const bars = [...columns.entries()].map(([start, col], i) => {
+      const column = el("div", { class: "col", title: `${new Date(start * 1000).toLocaleTimeString()}: ${totals[i]} runs` });
+      for (const g of CHART_GROUPS) {
+        if (!col[g]) continue;
+        const part = el("div", { class: `c-${g}` });
+        part.style.height = `${(col[g] / peak) * 72}px`;
+        column.append(part);
+      }
+      return column;
+    });
+    return el("div", {},
+      el("div", { class: "legend" }, el("strong", { text: "Runs per minute, last hour" }),
+        el("span", { class: "muted", text: `peak ${peak}/min · ${totals.reduce((a, b) => a + b, 0)} runs` }),
+        CHART_GROUPS.map((g) => el("span", {}, el("i", { class: `c-${g}` }), g))),
+      el("div", { class: "chart" }, bars));
   }
 
   async function searchRuns(q) {
@@ -435,10 +473,21 @@
     const live = el("div", { id: "functions-live" });
     root.append(el("h1", { text: "Functions" }), live);
     const forms = new Map();  // keep each invoke form (and what was typed) across refreshes
+    let polls = 0;
+    let counts = new Map();  // function id → {runs, failed} over the last hour
     return async () => {
       const functions = (await get("/v1/functions?all=true")).functions;
+      if (polls++ % STATS_EVERY === 0) {
+        counts = new Map();
+        for (const c of (await get(STATS_QUERY)).functions) {
+          const entry = counts.get(c.function_id) || { runs: 0, failed: 0 };
+          entry.runs += c.count;
+          if (c.status === "failed") entry.failed += c.count;
+          counts.set(c.function_id, entry);
+        }
+      }
       fill(live, el("table", { id: "functions-table" },
-        el("thead", {}, el("tr", {}, ["function", "triggers", "retries", "concurrency", "last seen", "invoke"].map((h) => el("th", { text: h })))),
+        el("thead", {}, el("tr", {}, ["function", "triggers", "retries", "concurrency", "runs (1 h)", "failed (1 h)", "last seen", "invoke"].map((h) => el("th", { text: h })))),
         el("tbody", {}, functions.length ? functions.map((f) => {
           if (!forms.has(f.id)) forms.set(f.id, invokeForm(f.id));
           const d = f.definition;
@@ -449,10 +498,17 @@
             el("td", { class: "mono", text: d.triggers.map((t) => t.event).join(", ") || "—" }),
             el("td", { text: `${r.max_attempts} attempts, ${r.initial_delay_s}s ×${r.backoff_factor} ≤ ${r.max_delay_s}s` }),
             el("td", { text: d.concurrency ? `${d.concurrency.limit}${d.concurrency.key ? ` per ${d.concurrency.key}` : ""}` : "unlimited" }),
+            el("td", { class: "runs-1h", text: (counts.get(f.id) || { runs: 0 }).runs }),
+            el("td", { class: "failed-1h", text: failureRate(counts.get(f.id)) }),
             el("td", { text: fmtTime(f.last_seen_at) }),
             el("td", {}, forms.get(f.id)));
-        }) : el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No functions registered: start a worker." })))));
+        }) : el("tr", {}, el("td", { colspan: 8, class: "muted", text: "No functions registered: start a worker." })))));
     };
+  }
+
+  function failureRate(count) {
+    if (!count || !count.runs) return "—";
+    return `${count.failed} (${Math.round((100 * count.failed) / count.runs)} %)`;
   }
 
   function invokeForm(functionId) {

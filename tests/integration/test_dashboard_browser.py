@@ -215,9 +215,13 @@ async def test_dashboard_shows_live_runs_steps_waits_recoveries_and_capacity_and
 
             browser.get(base + "/#/runs")
             _wait(browser, "three runs", lambda d: _count(d, "tr.run-row") == 3)
+            _wait(browser, "the runs-per-minute chart", lambda d: "3 runs" in _text(d, "#runs-chart"))
+            assert _count(browser, "#runs-chart .chart .col") >= 60  # one column per minute of the hour
             _shot(browser, "runs")
             browser.get(base + "/#/functions")
             _wait(browser, "the functions", lambda d: "napper" in _text(d, "#functions-table"))
+            _wait(browser, "the hour's counts", lambda d: _text(d, 'tr[data-function-id="echo"] .runs-1h') == "1")
+            assert _text(browser, 'tr[data-function-id="echo"] .failed-1h') == "0 (0 %)"
             _shot(browser, "functions")
 
             # 6. Capacity needs a platform key: refused without, shown with one.
