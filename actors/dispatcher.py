@@ -10,6 +10,7 @@ followed by dispatch with no tick added (deliberately beyond the seed).
 from __future__ import annotations
 
 import logging
+import time
 
 import trio
 
@@ -57,6 +58,8 @@ async def _dispatch_round(
                 continue
             handed += 1
             metrics.ASSIGNMENTS.inc()
+            if assignment.execution_seq == 1:  # a new run's first segment: emit → dispatch
+                metrics.EMIT_TO_DISPATCH.observe(max(time.time() - assignment.event.received_at, 0.0))
             logs.event(
                 log,
                 logging.DEBUG,

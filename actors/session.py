@@ -16,6 +16,7 @@ stays the backstop for what no socket reports).
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from typing import Literal
 
@@ -44,6 +45,7 @@ from ironflow.protocol import (
 )
 from ironflow.store import (
     Fence,
+    JobOutcome,
     LimitExceeded,
     SessionInfo,
     SessionNotFound,
@@ -116,6 +118,13 @@ async def register(
         raise RegistrationRefused(str(exc)) from exc
 
 
+def _observe_run_duration(outcome: JobOutcome) -> None:
+    if outcome.function_id is not None and outcome.duration_s is not None:
+        metrics.RUN_DURATION.labels(function=outcome.function_id, status=outcome.status).observe(
+            max(outcome.duration_s, 0.0)
+        )
+
+
 def _fence(session_id: str, msg: FencedMessage) -> Fence:
     return Fence(session_id, msg.run_id, msg.execution_seq, msg.lease_token)
 
@@ -147,6 +156,7 @@ async def handle(
         return None
     if isinstance(msg, StepCompleted | StepFailed):
         completed = isinstance(msg, StepCompleted)
+        received = time.perf_counter()
         await store.record_step(
             _fence(session_id, msg),
             step_id=msg.step_id,
@@ -156,17 +166,20 @@ async def handle(
             error=msg.error if isinstance(msg, StepFailed) else None,
             duration_ms=msg.duration_ms,
         )
+        metrics.STEP_COMMIT.observe(time.perf_counter() - received)
         metrics.STEPS_RECORDED.labels(status="completed" if completed else "failed").inc()
         return None
     if isinstance(msg, JobCompleted):
-        await store.complete_job(_fence(session_id, msg), msg.output)
+        outcome = await store.complete_job(_fence(session_id, msg), msg.output)
         metrics.RUNS_FINISHED.labels(status="completed").inc()
+        _observe_run_duration(outcome)
         kick(kicks, "job completed")
         return None
     if isinstance(msg, JobFailed):
         outcome = await store.fail_job(_fence(session_id, msg), msg.error)
         if outcome.status == "failed":
             metrics.RUNS_FINISHED.labels(status="failed").inc()
+            _observe_run_duration(outcome)
             logs.event(log, logging.INFO, "run: failed", run_id=msg.run_id, code=msg.error.code)
         else:
             logs.event(

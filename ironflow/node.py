@@ -14,6 +14,7 @@
         ├── waker               elapsed sleeps, timed-out waits/invokes
         ├── stale-claim-sweeper loop 2
         ├── janitor             finished history past retention → deleted
+        ├── metrics-sampler     capacity gauges of /metrics (queue, leases, sessions)
         ├── kick-listener       PostgreSQL LISTEN/NOTIFY → kicks from other nodes
         ├── node-heartbeat
         └── drain-coordinator   SIGTERM/SIGINT → Shutdown to every session
@@ -41,6 +42,7 @@ from actors import (
     drain_coordinator,
     janitor,
     kick_listener,
+    metrics_sampler,
     node_heartbeat,
     stale_claim_sweeper,
     waker,
@@ -127,6 +129,7 @@ class Node:
                 await supervisor.start("waker", waker.run, store, config, self.node_id, kick_send)
                 await supervisor.start("stale-claim-sweeper", stale_claim_sweeper.run, store, config)
                 await supervisor.start("janitor", janitor.run, store, config, self.node_id)
+                await supervisor.start("metrics-sampler", metrics_sampler.run, store)
                 await supervisor.start(
                     "drain-coordinator",
                     drain_coordinator.run,

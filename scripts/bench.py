@@ -4,6 +4,7 @@
     python scripts/bench.py [--runs 1000] [--repeat 3] [--backend sqlite|postgres|both]
                             [--concurrency 50] [--inflight 32] [--json] [--profile]
                             [--nodes 1]
+                            [--dashboards N]
 
 For each repeat a FRESH node is started as a subprocess (``python -m
 ironflow serve --dev`` on a free port, with a fresh temp state dir and SQLite
@@ -35,6 +36,10 @@ node and of the worker, read just before they are stopped.
 ``--profile`` adds one extra, unreported repeat (first backend) with
 ``py-spy`` attached to the node and the worker during the loaded phase and
 prints their hotspots (own time and inclusive time per function).
+
+``--dashboards N`` keeps N windows of the node's dashboard (runs view, live)
+open in one headless Chromium during every repeat, to measure what open
+dashboards cost the node (compare ``node CPU s`` with and without).
 
 Nothing here is hard-coded: every figure printed is measured by this run.
 """
@@ -182,6 +187,33 @@ def _vm_hwm_kib(pid: int) -> int | None:
     except OSError:
         return None
     return None
+
+
+def _open_dashboards(url: str, count: int) -> Any:
+    """``count`` windows of the node's dashboard (runs view) in one headless
+    Chromium, each polling the node as a user's open page would; returns the
+    Selenium driver (``quit()`` closes them all)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+
+    options = Options()
+    options.binary_location = shutil.which("chromium") or "/usr/bin/chromium"
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver") or "/usr/bin/chromedriver"),
+                              options=options)
+    for i in range(count):
+        if i:
+            driver.switch_to.new_window("window")
+        driver.get(url + "/#/runs")
+    hidden = 0  # a hidden page stops polling: say so rather than measure nothing
+    for handle in driver.window_handles:
+        driver.switch_to.window(handle)
+        hidden += bool(driver.execute_script("return document.hidden"))
+    if hidden:
+        print(f"warning: {hidden} of {count} dashboard windows are hidden and do not poll", file=sys.stderr)
+    return driver
 
 
 def _main_thread_cpu_s(pid: int) -> float:
@@ -468,6 +500,7 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
     tmp = Path(_mkdtemp("ifbench."))
     nodes: list[subprocess.Popen[bytes]] = []
     workers: list[subprocess.Popen[bytes]] = []
+    dashboards: Any = None
     profilers: dict[str, Profiler] = {}
     try:
         db = pg.new_database("bench") if backend == "postgres" and pg else str(tmp / "state" / "ironflow.db")
@@ -491,6 +524,8 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
                                    "--concurrency", str(args.concurrency)], worker_log))
             await _wait_worker_ready(outs[k], workers[k], worker_log)
         url, node, worker = urls[0], nodes[0], workers[0]
+        if args.dashboards:
+            dashboards = _open_dashboards(url, args.dashboards)
 
         async with _LoadClient(args.inflight) as client:
             # ── idle phase: one event at a time, the worker otherwise idle ──
@@ -599,6 +634,8 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             result["profile"] = {name: analyse_profile(p.out) for name, p in profilers.items()}
         return result
     finally:
+        if dashboards is not None:
+            dashboards.quit()
         for p in profilers.values():
             p.stop()
         for proc in workers + nodes:
@@ -818,6 +855,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="one extra repeat under py-spy")
     ap.add_argument("--keep", action="store_true", help="keep temp dirs (logs, profiles)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--dashboards", type=int, default=0,
+                    help="keep this many dashboard windows open (headless Chromium) during each repeat")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--server", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

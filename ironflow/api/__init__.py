@@ -5,6 +5,10 @@ One module per surface, each handler a named function of a few lines
 
 - ``health``: ``/healthz``, ``/readyz``, ``/metrics``;
 - ``events``, ``runs``, ``functions``, ``audit``, ``keys``: the ``/v1`` REST API;
+- ``event_reads``: stored events and a run's re-run (read by the dashboard);
+- ``stats``: recent runs counted by status (the dashboard's chart and rates);
+- ``dashboard``: the page at ``/`` and its assets;
+- ``openapi``: ``/openapi.json``, generated from the protocol types;
 - ``capacity``: leases, sessions and the queue (platform keys only);
 - ``pull``: the pull-worker long-poll endpoints;
 - ``worker_socket``: the streaming-worker websocket ``/v1/worker``;

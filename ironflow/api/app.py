@@ -7,24 +7,32 @@ from quart_trio import QuartTrio
 from ironflow.api import (
     audit,
     capacity,
+    dashboard,
     errors,
+    event_reads,
     events,
     functions,
     health,
     keys,
+    openapi,
     pull,
     runs,
+    stats,
     worker_socket,
 )
 from ironflow.api.state import EXTENSION, ApiDeps, ApiState
 
 # Every surface, one module each (see the package docstring).
-SURFACES = (health, events, runs, functions, audit, keys, capacity, pull, worker_socket)
+SURFACES = (
+    health, openapi, dashboard, events, event_reads, runs, stats, functions, audit, keys, capacity,
+    pull, worker_socket,
+)
 
 
 def create_app(deps: ApiDeps) -> QuartTrio:
     """Build the quart-trio application serving ``deps``."""
-    app = QuartTrio("ironflow")
+    # No framework static route: the dashboard blueprint serves its own assets.
+    app = QuartTrio("ironflow", static_folder=None)
     app.config["MAX_CONTENT_LENGTH"] = deps.config.max_frame_bytes
     app.extensions[EXTENSION] = ApiState(deps)
     for surface in SURFACES:

@@ -287,3 +287,57 @@ class RunResult(msgspec.Struct, frozen=True):
     ended: bool
     output: Any = None
     error: ErrorInfo | None = None
+
+
+# ── events and re-runs (read by the dashboard and the CLI) ──────────────────
+
+
+class EventRecord(msgspec.Struct, frozen=True):
+    """A stored event and the runs it started (or an invocation's run)."""
+
+    id: str
+    name: str
+    data: Any
+    received_at: float
+    run_ids: list[str]
+    idempotency_key: str | None = None
+
+
+class EventList(msgspec.Struct, frozen=True):
+    events: list[EventRecord]
+
+
+class RerunResponse(msgspec.Struct, frozen=True):
+    """``POST /v1/runs/{run_id}/rerun``: a new run of the same function with the same event."""
+
+    run_id: str
+    rerun_of: str
+    event_id: str
+
+
+class RunBucket(msgspec.Struct, frozen=True):
+    """Runs created in the bucket starting at ``start`` (epoch s) now in ``status``."""
+
+    start: float
+    status: RunStatus
+    count: int
+
+
+class FunctionRunCount(msgspec.Struct, frozen=True):
+    """Runs of ``function_id`` created in the window now in ``status``."""
+
+    function_id: str
+    status: RunStatus
+    count: int
+
+
+class RunStats(msgspec.Struct, frozen=True):
+    """``GET /v1/stats/runs``: runs created in the last ``window_s`` by status,
+    per ``bucket_s`` bucket and per function (the dashboard's chart and rates)."""
+
+    window_s: int
+    bucket_s: int
+    since: float
+    db_now: float
+    buckets: list[RunBucket]
+    functions: list[FunctionRunCount]

@@ -23,6 +23,7 @@ from ironflow.protocol import (
     ActiveJob,
     AuditRecord,
     ErrorInfo,
+    EventRecord,
     FunctionDef,
     FunctionRecord,
     JobAssignment,
@@ -32,6 +33,7 @@ from ironflow.protocol import (
     QueueRecord,
     RunDetail,
     RunRecord,
+    RunStats,
     SessionRecord,
     YieldInfo,
 )
@@ -125,6 +127,19 @@ class JobOutcome(msgspec.Struct, frozen=True):
     attempt: int | None = None
     # Runs made runnable as a side effect (e.g. a parent resumed by a finished invoke).
     kicked_run_ids: list[str] = []
+    # Set when the run ended here (completed or failed): for the run-duration metric.
+    function_id: str | None = None
+    duration_s: float | None = None
+
+
+class CapacityGauges(msgspec.Struct, frozen=True):
+    """Counts behind the capacity gauges of ``/metrics`` (cluster-wide)."""
+
+    runnable: int
+    in_grace: int
+    delayed: int
+    leases: int
+    sessions_by_mode: dict[str, int]
 
 
 class CancelOutcome(msgspec.Struct, frozen=True):
@@ -516,6 +531,27 @@ class Store(abc.ABC):
     async def list_audit(
         self, *, run_id: str | None = None, type: str | None = None, limit: int = 100
     ) -> list[AuditRecord]: ...
+
+    @abc.abstractmethod
+    async def run_stats(self, *, window_s: int, bucket_s: int) -> RunStats:
+        """Runs created in the last ``window_s`` by status, per ``bucket_s`` and per function."""
+
+    @abc.abstractmethod
+    async def capacity_gauges(self) -> CapacityGauges:
+        """Queue depth by state, active leases and live sessions by mode, in one read."""
+
+    @abc.abstractmethod
+    async def list_events(self, *, name: str | None = None, limit: int = 50) -> list[EventRecord]:
+        """Stored events, newest first, each with the runs it started."""
+
+    @abc.abstractmethod
+    async def get_event(self, event_id: str) -> EventRecord:
+        """One stored event. NotFound."""
+
+    @abc.abstractmethod
+    async def rerun(self, run_id: str) -> tuple[str, str]:
+        """A new run of ``run_id``'s function with its event: (new run id, event id).
+        RunNotFound when the run, its event or its function is gone."""
 
     # history retention --------------------------------------------------------------
 

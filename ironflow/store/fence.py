@@ -51,6 +51,11 @@ from ironflow.store.core import (
 EARLY_EVENT_LOOKBACK = 100
 
 
+# What a finished run reports for ironflow_run_duration_seconds: its function
+# and how long it took from its first segment's start (or creation) to its end.
+_RUN_FUNCTION_AND_DURATION = "function_id, ended_at - COALESCE(started_at, created_at)"
+
+
 class FenceOps(SqlStoreBase):
     """The fence and a segment's life (see the module docstring)."""
 
@@ -206,13 +211,15 @@ class FenceOps(SqlStoreBase):
             row = tx.fetchone(
                 "UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
                 " updated_at = ironflow_now() WHERE id = ?"
-                " RETURNING parent_run_id, parent_step_id",
+                f" RETURNING parent_run_id, parent_step_id, {_RUN_FUNCTION_AND_DURATION}",
                 (_enc(output), fence.run_id),
             )
             assert row is not None
             self._audit_if_enabled(tx, "run.completed", fence.run_id, {})
             kicked = self._resolve_parent(tx, row[0], row[1], fence.run_id, output=output)
-            return JobOutcome(fence.run_id, "completed", kicked_run_ids=kicked)
+            return JobOutcome(
+                fence.run_id, "completed", kicked_run_ids=kicked, function_id=row[2], duration_s=row[3]
+            )
 
         outcome = await self._transact(work)
         self._announce_ended([fence.run_id])
@@ -243,16 +250,20 @@ class FenceOps(SqlStoreBase):
                     tx, fence.run_id, row[0], fd.id, ckey, fd.retries.delay_after(attempt), "retry"
                 )
                 return JobOutcome(fence.run_id, "waiting", row[0], eligible_at, row[1])
-            tx.execute(
+            ended = tx.fetchone(
                 "UPDATE runs SET status = 'failed', error = ?, ended_at = ironflow_now(),"
-                " updated_at = ironflow_now() WHERE id = ?",
+                f" updated_at = ironflow_now() WHERE id = ? RETURNING {_RUN_FUNCTION_AND_DURATION}",
                 (_enc(error), fence.run_id),
             )
+            assert ended is not None
             self._audit_if_enabled(tx, "run.failed", fence.run_id, {"error": error})
             kicked = self._resolve_parent(
                 tx, parent_run_id, parent_step_id, fence.run_id, error=error
             )
-            return JobOutcome(fence.run_id, "failed", attempt=attempt, kicked_run_ids=kicked)
+            return JobOutcome(
+                fence.run_id, "failed", attempt=attempt, kicked_run_ids=kicked,
+                function_id=ended[0], duration_s=ended[1],
+            )
 
         outcome = await self._transact(work)
         if outcome.status == "failed":

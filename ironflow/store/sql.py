@@ -9,13 +9,16 @@ from one module per concern so each seed mechanism reads on its own:
 - ``dispatch``: reservations and assignments;
 - ``ingest``: events, runs, invocations, cancellation;
 - ``sessions``: worker registration, functions, pull-session ownership;
-- ``reads``, ``history`` (retention), ``keys``.
+- ``reads``, ``event_reads`` (events, re-runs), ``gauges`` (for /metrics), ``stats`` (the dashboard's counts), ``history``
+  (retention), ``keys``.
 """
 
 from __future__ import annotations
 
 from ironflow.store.dispatch import DispatchOps
+from ironflow.store.event_reads import EventReadOps
 from ironflow.store.fence import FenceOps
+from ironflow.store.gauges import GaugeOps
 from ironflow.store.history import RetentionOps
 from ironflow.store.ingest import IngestOps
 from ironflow.store.keys import KeyOps
@@ -23,9 +26,11 @@ from ironflow.store.loop1 import CapacityLoop
 from ironflow.store.loop2 import WakeLoop
 from ironflow.store.reads import ReadOps
 from ironflow.store.sessions import SessionOps
+from ironflow.store.stats import StatsOps
 
 
 class SqlStore(
-    SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps
+    SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
+    EventReadOps, GaugeOps, StatsOps,
 ):
     """Every Store method, written once. Backends supply ``_transact`` and lifecycle."""

@@ -1,0 +1,73 @@
+"""Recent events with the runs they started, and re-running a run's event.
+
+Read by the dashboard's events view and its "re-run" action; a re-run is a
+new run of the same function with the same stored event, never a second
+emit (which would start every function the event triggers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ironflow.protocol import EventRecord
+from ironflow.store.base import NotFound, RunNotFound
+from ironflow.store.core import SqlStoreBase, Tx, _dec, _enc, _where
+
+_EVENT_COLS = "id, name, data, received_at, run_ids, idempotency_key"
+
+
+def _event_record(row: Any) -> EventRecord:
+    return EventRecord(row[0], row[1], _dec(row[2]), row[3], _dec(row[4]) or [], row[5])
+
+
+class EventReadOps(SqlStoreBase):
+    """Recent events with their runs, one event, and a run's re-run."""
+
+    async def list_events(self, *, name: str | None = None, limit: int = 50) -> list[EventRecord]:
+        def work(tx: Tx) -> list[EventRecord]:
+            clause, params = _where({"name": name})
+            rows = tx.fetchall(
+                f"SELECT {_EVENT_COLS} FROM events {clause}"
+                " ORDER BY received_at DESC, id DESC LIMIT ?",
+                [*params, limit],
+            )
+            return [_event_record(r) for r in rows]
+
+        return await self._transact(work)
+
+    async def get_event(self, event_id: str) -> EventRecord:
+        def work(tx: Tx) -> EventRecord:
+            row = tx.fetchone(f"SELECT {_EVENT_COLS} FROM events WHERE id = ?", (event_id,))
+            if row is None:
+                raise NotFound(f"event {event_id} not found")
+            return _event_record(row)
+
+        return await self._transact(work)
+
+    async def rerun(self, run_id: str) -> tuple[str, str]:
+        def work(tx: Tx) -> tuple[str, str]:
+            run = tx.fetchone(
+                "SELECT r.event_id, e.data, f.definition FROM runs r"
+                " JOIN events e ON e.id = r.event_id"
+                " JOIN functions f ON f.id = r.function_id WHERE r.id = ?",
+                (run_id,),
+            )
+            if run is None:
+                raise RunNotFound(f"run {run_id} not found, or its event or function is gone")
+            event_id, data_text, definition = run
+            fd = self._fdef_or_none(definition)
+            if fd is None:
+                raise NotFound(
+                    f"run {run_id}'s function has a stored definition this version refuses;"
+                    " restart its worker to register it again"
+                )
+            new_run_id = self._create_run(tx, fd, event_id, _dec(data_text))
+            row = tx.fetchone("SELECT run_ids FROM events WHERE id = ?", (event_id,))
+            run_ids = (_dec(row[0]) if row else None) or []
+            tx.execute(
+                "UPDATE events SET run_ids = ? WHERE id = ?", (_enc([*run_ids, new_run_id]), event_id)
+            )
+            self._audit_if_enabled(tx, "run.rerun", new_run_id, {"rerun_of": run_id})
+            return new_run_id, event_id
+
+        return await self._transact(work)

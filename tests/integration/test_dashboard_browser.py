@@ -1,0 +1,298 @@
+"""The dashboard in a real browser (headless Chromium through Selenium),
+against a real node process with a real worker process.
+
+One walk through the page, in the order a user would go: a run appears live
+after an emit, its steps and output show, a waiting run shows why and a
+countdown and is cancelled from the page, a run whose worker was killed with
+SIGKILL shows its two segments, the capacity view works with a platform key,
+and an XSS payload in a step output stays text. Screenshots of the main
+pages go to ``docs/screenshots/`` (so the README's pictures stay current).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from tests.integration.helpers import wait_for_step
+from tests.integration.procs import ROOT, Proc, start_node
+
+pytestmark = pytest.mark.slow
+
+webdriver = pytest.importorskip("selenium.webdriver")
+from selenium.common.exceptions import NoAlertPresentException, TimeoutException  # noqa: E402
+from selenium.webdriver.chrome.options import Options  # noqa: E402
+from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.webdriver.common.by import By  # noqa: E402
+from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
+
+DASHBOARD_WORKER = ROOT / "tests" / "procs" / "dashboard_worker.py"
+SCREENSHOTS = ROOT / "docs" / "screenshots"
+# Long enough for a 2 s poll plus a slow shared machine.
+WAIT_S = 20.0
+# Sets a global if the payload ever runs as markup: the test checks it never does.
+XSS = '<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2">'
+
+
+def _find(names: list[str]) -> str | None:
+    for name in names:
+        found = shutil.which(name) or (name if Path(name).exists() else None)
+        if found:
+            return found
+    return None
+
+
+CHROMIUM = _find(["chromium", "chromium-browser", "/usr/bin/chromium"])
+CHROMEDRIVER = _find(["chromedriver", "/usr/bin/chromedriver"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def browser() -> Iterator[Any]:
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("needs Debian's chromium and chromium-driver (.ci/run installs them)")
+    options = Options()
+    options.binary_location = CHROMIUM
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1000", "--lang=en-US"):
+        options.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+async def _start_worker(server: str, state: Path, log_dir: Path, name: str) -> Proc:
+    proc = Proc([sys.executable, str(DASHBOARD_WORKER), server], log_dir / f"{name}.log",
+                env={"DASH_WORKER_STATE": str(state)})
+    await proc.wait_line("READY")
+    return proc
+
+
+def _wait(driver: Any, what: str, predicate: Callable[[Any], Any]) -> Any:
+    try:
+        return WebDriverWait(driver, WAIT_S, poll_frequency=0.2).until(predicate)
+    except TimeoutException as exc:
+        raise AssertionError(f"the page never showed {what}; it shows: {_text(driver, 'main')[:2000]}") from exc
+
+
+# The page redraws its live parts every 2 s, so elements are read in one
+# script call (never found first and read later, when they may be gone).
+def _text(driver: Any, css: str) -> str:
+    return str(driver.execute_script(
+        "const e = document.querySelector(arguments[0]); return e ? e.innerText.trim() : '';", css))
+
+
+def _texts(driver: Any, css: str) -> list[str]:
+    return list(driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map((e) => e.innerText.trim());", css))
+
+
+def _attrs(driver: Any, css: str, name: str) -> list[str]:
+    return list(driver.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map((e) => e.getAttribute(arguments[1]));",
+        css, name))
+
+
+def _count(driver: Any, css: str) -> int:
+    return int(driver.execute_script("return document.querySelectorAll(arguments[0]).length;", css))
+
+
+def _click(driver: Any, css: str) -> None:
+    driver.execute_script("document.querySelector(arguments[0]).click();", css)
+
+
+def _shot(driver: Any, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    height = driver.execute_script(
+        "return Math.max(document.documentElement.scrollHeight, document.body.scrollHeight)")
+    # The window's outer size includes the browser's own frame: leave room for it.
+    driver.set_window_size(1400, max(700, min(int(height) + 140, 2000)))
+    driver.save_screenshot(str(SCREENSHOTS / f"{name}.png"))
+    driver.set_window_size(1400, 1000)
+
+
+def _no_script_ran(driver: Any) -> None:
+    assert driver.execute_script("return window.__xss === undefined"), "the payload ran as markup"
+    try:
+        alert = driver.switch_to.alert
+    except NoAlertPresentException:
+        return
+    raise AssertionError(f"an alert opened: {alert.text}")
+
+
+async def _run_status(http: httpx.AsyncClient, run_id: str, wanted: str) -> None:
+    with trio.fail_after(WAIT_S):
+        while (await http.get(f"/v1/runs/{run_id}")).json()["run"]["status"] != wanted:
+            await trio.sleep(0.1)
+
+
+async def test_dashboard_shows_live_runs_steps_waits_recoveries_and_capacity_and_renders_payloads_as_text(
+    browser: Any, tmp_path: Path
+) -> None:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    db = tmp_path / "ironflow.db"
+    procs: list[Proc] = []
+    try:
+        procs.append(await start_node(str(db), tmp_path / "state", tmp_path, node_id="node_dash", port=port))
+        worker = await _start_worker(base, tmp_path, tmp_path, "worker1")
+        procs.append(worker)
+        async with httpx.AsyncClient(base_url=base, timeout=10.0) as http:
+            # 1. The runs page is open; a run emitted elsewhere appears without a reload.
+            browser.get(base + "/#/runs")
+            _wait(browser, "the empty runs table", lambda d: "No runs yet." in _text(d, "#runs-table"))
+            emitted = (await http.post("/v1/events", json={"name": "dash.echo", "data": {"html": XSS}})).json()
+            echo_run = emitted["run_ids"][0]
+            row = f'tr[data-run-id="{echo_run}"]'
+            _wait(browser, "the emitted run", lambda d: _count(d, row) == 1)
+            _wait(browser, "the run completed", lambda d: "completed" in _text(d, row))
+            assert "echo" in _text(browser, row) and "1/3" in _text(browser, row)
+
+            # 2. Its page: both steps, their outputs, the run's output; the payload is text.
+            _click(browser, f"{row} a")
+            _wait(browser, "the run's output", lambda d: _count(d, "#run-output") == 1)
+            assert _attrs(browser, "#steps .step", "data-step") == ["render", "count"]
+            outputs = _texts(browser, "#steps .step-output")
+            assert XSS.replace('"', '\\"') in outputs[0], outputs
+            assert outputs[1] == "1"
+            assert json.loads(_text(browser, "#run-output")) == {"rendered": {"html": XSS}, "count": 1}
+            assert _count(browser, "main img, main script") == 0
+            assert _count(browser, "#timeline .tl-bar") == 2
+            _no_script_ran(browser)
+            _shot(browser, "run")
+
+            # 3. The events page sends an event; the waiting run says why and counts down.
+            browser.get(base + "/#/events")
+            browser.find_element(By.ID, "event-name").send_keys("dash.nap")
+            browser.find_element(By.ID, "event-data").send_keys('{"why": "a nap"}')
+            browser.find_element(By.ID, "send-event").click()
+            _wait(browser, "the started run", lambda d: _count(d, "#send-result a") == 1)
+            nap_run = _text(browser, "#send-result a")
+            _wait(browser, "the event in the list", lambda d: nap_run in _text(d, "#events-table"))
+            _shot(browser, "events")
+            _click(browser, "#send-result a")
+            _wait(browser, "why the run waits", lambda d: "sleeping until" in _text(d, "#waiting-reason"))
+            countdown = _text(browser, "#waiting .countdown")
+            assert countdown.startswith("in 59 m") or countdown.startswith("in 1 h"), countdown
+            _shot(browser, "run-waiting")
+
+            # 4. Cancel it from the page.
+            _click(browser, "#cancel-run")
+            _wait(browser, "the run cancelled", lambda d: _text(d, "#run-status") == "cancelled")
+            await _run_status(http, nap_run, "cancelled")
+
+            # 5. A worker killed with SIGKILL mid-step: the run's second segment says it was recovered.
+            crash_run = (await http.post("/v1/events", json={"name": "dash.crash"})).json()["run_ids"][0]
+            await worker.wait_line(f"HANGING {crash_run}")
+            await wait_for_step(http, crash_run, "one")  # its result reached the engine
+            worker.signal(signal.SIGKILL)
+            procs.append(await _start_worker(base, tmp_path, tmp_path, "worker2"))
+            await _run_status(http, crash_run, "completed")
+            browser.get(f"{base}/#/runs/{crash_run}")
+            _wait(browser, "two segments", lambda d: _count(d, "#timeline .tl-seg") == 2)
+            assert _attrs(browser, "#timeline .tl-seg", "data-seq") == ["1", "2"]
+            second = _texts(browser, "#timeline .tl-seg")[1]
+            assert "recovered" in second, second
+            _shot(browser, "run-recovered")
+
+            browser.get(base + "/#/runs")
+            _wait(browser, "three runs", lambda d: _count(d, "tr.run-row") == 3)
+            _wait(browser, "the runs-per-minute chart", lambda d: "3 runs" in _text(d, "#runs-chart"))
+            assert _count(browser, "#runs-chart .chart .col") >= 60  # one column per minute of the hour
+            _shot(browser, "runs")
+            browser.get(base + "/#/functions")
+            _wait(browser, "the functions", lambda d: "napper" in _text(d, "#functions-table"))
+            _wait(browser, "the hour's counts", lambda d: _text(d, 'tr[data-function-id="echo"] .runs-1h') == "1")
+            assert _text(browser, 'tr[data-function-id="echo"] .failed-1h') == "0 (0 %)"
+            _shot(browser, "functions")
+
+            # 6. Capacity needs a platform key: refused without, shown with one.
+            browser.get(base + "/#/workers")
+            _wait(browser, "the platform-key notice", lambda d: "platform key" in _text(d, "#view-error"))
+            minted = subprocess.run(
+                [sys.executable, "-m", "ironflow", "keys", "create", "--platform", "--db", str(db), "--json"],
+                capture_output=True, text=True, check=True, cwd=ROOT,
+            )
+            browser.find_element(By.ID, "api-key").send_keys(json.loads(minted.stdout)["key"])
+            _click(browser, "#access button.primary")
+            _wait(browser, "the live worker session", lambda d: "stream" in _text(d, "#sessions-table"))
+            held = (await http.post("/v1/events", json={"name": "dash.crash"})).json()["run_ids"][0]
+            _wait(browser, "the held lease", lambda d: held in _text(d, "#leases-table"))
+            assert _text(browser, "#leases-table .countdown").startswith("in "), "no expiry countdown"
+            assert _text(browser, "#view-error") == ""
+            _shot(browser, "workers")
+            _no_script_ran(browser)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+async def test_without_dev_the_page_asks_for_a_key_keeps_it_for_the_tab_and_says_what_it_cannot_see(
+    browser: Any, tmp_path: Path
+) -> None:
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    db = tmp_path / "ironflow.db"
+    node = Proc(
+        [sys.executable, "-m", "ironflow.node", "--db", str(db), "--port", str(port),
+         "--node-id", "node_keys", "--state-dir", str(tmp_path / "state")],
+        tmp_path / "node.log",
+    )
+    try:
+        async with httpx.AsyncClient(base_url=base, timeout=10.0) as http:
+            with trio.fail_after(30):
+                while True:
+                    try:
+                        if (await http.get("/readyz")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    await trio.sleep(0.1)
+            assert (await http.get("/v1/runs")).status_code == 401  # not a --dev node
+            minted = subprocess.run(
+                [sys.executable, "-m", "ironflow", "keys", "create", "--db", str(db), "--json"],
+                capture_output=True, text=True, check=True, cwd=ROOT,
+            )
+            org_key = json.loads(minted.stdout)["key"]
+
+            browser.get(base + "/#/runs")
+            _wait(browser, "the key prompt", lambda d: "needs an API key" in _text(d, "#notice"))
+            assert _count(browser, "#runs-table") == 0  # nothing shown without a key
+            browser.find_element(By.ID, "api-key").send_keys(org_key)
+            _click(browser, "#access button.primary")
+            _wait(browser, "the runs table", lambda d: "No runs yet." in _text(d, "#runs-table"))
+            assert _text(browser, "#access").startswith(f"key …{org_key[-4:]}")
+
+            # Kept for the tab: a reload still has it; it never reaches localStorage.
+            browser.refresh()
+            _wait(browser, "the runs table after a reload", lambda d: "No runs yet." in _text(d, "#runs-table"))
+            assert browser.execute_script("return window.localStorage.length") == 0
+
+            # An org key may not see capacity: the page says so.
+            browser.get(base + "/#/workers")
+            _wait(browser, "the platform-key notice", lambda d: "platform key" in _text(d, "#view-error"))
+
+            # Forgetting the key asks for one again.
+            _click(browser, "#access button")
+            _wait(browser, "the key prompt again", lambda d: d.find_elements(By.ID, "api-key"))
+            assert browser.execute_script("return window.sessionStorage.length") == 0
+    finally:
+        node.stop()
