@@ -20,9 +20,16 @@ from ironflow.protocol import EmitRequest, ErrorInfo, RunDetail, RunRecord, Step
 _IMPLICIT_METHODS = {"HEAD", "OPTIONS"}
 
 
+class _NoStore:
+    """Routing and the document need no store; the app only subscribes to run ends."""
+
+    def on_runs_ended(self, listener: Any) -> None:
+        pass
+
+
 def _app() -> Any:
     deps = ApiDeps(
-        store=None,  # type: ignore[arg-type]  # routing and the document need no store
+        store=_NoStore(),  # type: ignore[arg-type]
         config=NodeConfig(dev=True),
         node_id="node_test",
         directory=None,  # type: ignore[arg-type]

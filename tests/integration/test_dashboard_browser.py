@@ -252,7 +252,7 @@ async def test_without_dev_the_page_asks_for_a_key_keeps_it_for_the_tab_and_says
     base = f"http://127.0.0.1:{port}"
     db = tmp_path / "ironflow.db"
     node = Proc(
-        [sys.executable, "-m", "ironflow.node", "--db", str(db), "--port", str(port),
+        [sys.executable, "-m", "ironflow", "serve", "--db", str(db), "--port", str(port),
          "--node-id", "node_keys", "--state-dir", str(tmp_path / "state")],
         tmp_path / "node.log",
     )
