@@ -72,7 +72,9 @@ class Node:
     def __init__(self, config: NodeConfig, *, store: Store | None = None) -> None:
         self.config = config
         self.node_id = config.node_id or f"{socket.gethostname()}-{new_id('node')[-8:]}"
-        self.store: Store = store if store is not None else open_store(config.database_url)
+        self.store: Store = store if store is not None else open_store(
+            config.database_url, sqlite_auto_vacuum=config.sqlite_auto_vacuum
+        )
         self.directory = SessionDirectory()
         self.shutdown_requested = trio.Event()
         self.ready = trio.Event()

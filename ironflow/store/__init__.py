@@ -17,12 +17,16 @@ from ironflow.store.base import *  # noqa: F403
 from ironflow.store.base import Store
 
 
-def open_store(url: str, *, now: Callable[[], float] | None = None) -> Store:
+def open_store(
+    url: str, *, now: Callable[[], float] | None = None, sqlite_auto_vacuum: bool = False
+) -> Store:
     """Build (not yet open) the backend ``url`` names.
 
     ``postgres://`` / ``postgresql://`` → :class:`~ironflow.store.postgres.PostgresStore`;
     anything else is a SQLite path or ``sqlite:///path`` (parent directories are
     created). ``now`` drives the SQLite clock in tests; PostgreSQL uses its own.
+    ``sqlite_auto_vacuum`` makes a NEW SQLite file shrink when history is purged
+    (see :class:`~ironflow.store.sqlite.SqliteStore`).
     Call ``await store.open()`` before use and ``await store.close()`` after.
     """
     if url.startswith(("postgres://", "postgresql://")):
@@ -33,4 +37,4 @@ def open_store(url: str, *, now: Callable[[], float] | None = None) -> Store:
 
     path = _sqlite_path(url)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    return SqliteStore(path, now=now)
+    return SqliteStore(path, now=now, auto_vacuum=sqlite_auto_vacuum)

@@ -115,9 +115,9 @@ async def test_a_run_that_ended_exactly_retention_ago_stays_one_more_tick_goes(t
         await store.close()
 
 
-async def test_a_new_file_gives_purged_pages_back_to_the_file_system(tmp_path):
+async def test_a_new_file_with_auto_vacuum_gives_purged_pages_back_to_the_file_system(tmp_path):
     path = tmp_path / "db"
-    store = SqliteStore(str(path))
+    store = SqliteStore(str(path), auto_vacuum=True)
     await store.open()
     try:
         blob = {"pad": "x" * 4000}
@@ -152,6 +152,24 @@ async def test_a_file_made_without_auto_vacuum_reclaims_nothing_and_still_works(
         await store.advance_clock(10)
         assert (await store.purge_history(older_than_s=1, idempotency_window_s=1, batch=500)).events == 50
         assert await store.reclaim_space(1000) == 0
+    finally:
+        await store.close()
+
+
+async def test_by_default_purged_pages_are_reused_not_given_back(tmp_path):
+    path = tmp_path / "db"
+    store = SqliteStore(str(path))
+    await store.open()
+    try:
+        blob = {"pad": "x" * 4000}
+        await store.ingest_events([("nobody.listens", blob, None)] * 200, idempotency_window_s=1)
+        await store.advance_clock(10)
+        while (await store.purge_history(older_than_s=1, idempotency_window_s=1, batch=500)).events:
+            pass
+        assert await store.reclaim_space(1000) == 0  # auto_vacuum off: nothing to give back
+        pages = _page_count(path)
+        await store.ingest_events([("nobody.listens", blob, None)] * 200, idempotency_window_s=1)
+        assert _page_count(path) <= pages + 20  # the freed pages took the new events
     finally:
         await store.close()
 
