@@ -42,7 +42,6 @@ CREATE TABLE IF NOT EXISTS events (
     received_at     {REAL} NOT NULL,
     run_ids         TEXT NOT NULL DEFAULT '[]'
 );
-CREATE INDEX IF NOT EXISTS events_by_name ON events (name, received_at);
 CREATE INDEX IF NOT EXISTS events_idempotency ON events (idempotency_key, received_at)
     WHERE idempotency_key IS NOT NULL;
 -- The janitor finds events past the idempotency window by age.
