@@ -7,8 +7,6 @@ timing assertion is exact.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,18 +18,11 @@ from actors.messages import Kick
 from ironflow.config import NodeConfig, Timings
 from ironflow.protocol import FunctionDef, Trigger
 from ironflow.store import Fence, Store
-from ironflow.store.sqlite import SqliteStore
+from tests.unit.virtual_time import BASE
 
-BASE = 1_800_000_000.0
 FN = FunctionDef(id="fn", triggers=[Trigger("go")])
 
 
-@pytest.fixture
-async def store(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> AsyncIterator[Store]:
-    s = SqliteStore(str(tmp_path / "vt.db"), now=lambda: BASE + trio.current_time(), inline=True)
-    await s.open()
-    yield s
-    await s.close()
 
 
 def config(**timings: Any) -> NodeConfig:

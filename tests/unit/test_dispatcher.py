@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
-import pytest
 import trio
 import trio.testing
 
@@ -15,18 +11,11 @@ from actors.messages import Kick, kick
 from ironflow.config import NodeConfig, Timings
 from ironflow.protocol import EngineMessage, FunctionDef, JobAssignment, Trigger
 from ironflow.store import Fence, Store
-from ironflow.store.sqlite import SqliteStore
+from tests.unit.virtual_time import BASE
 
-BASE = 1_800_000_000.0
 FN = FunctionDef(id="fn", triggers=[Trigger("go")])
 
 
-@pytest.fixture
-async def store(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> AsyncIterator[Store]:
-    s = SqliteStore(str(tmp_path / "vt.db"), now=lambda: BASE + trio.current_time(), inline=True)
-    await s.open()
-    yield s
-    await s.close()
 
 
 async def test_new_work_is_dispatched_on_a_kick_not_a_timer(

@@ -8,8 +8,6 @@ a test puts one there, so only the directory's sessions hold the drain up.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 import trio
@@ -20,21 +18,13 @@ from actors.directory import LocalSession, SessionDirectory
 from ironflow.config import NodeConfig, Timings
 from ironflow.protocol import EngineMessage, Shutdown
 from ironflow.store import Store
-from ironflow.store.sqlite import SqliteStore
 
 DRAIN_S = 25.0
 CFG = NodeConfig(timings=Timings(drain_timeout_s=DRAIN_S))
 
 
-BASE = 1.7e9
 
 
-@pytest.fixture
-async def store(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> AsyncIterator[Store]:
-    s = SqliteStore(str(tmp_path / "vt.db"), now=lambda: BASE + trio.current_time(), inline=True)
-    await s.open()
-    yield s
-    await s.close()
 
 
 class Node:

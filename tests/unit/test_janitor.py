@@ -7,8 +7,6 @@ janitor interval are exact: the test can say at which tick a run goes.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,21 +18,14 @@ from ironflow import metrics
 from ironflow.config import NodeConfig, Timings
 from ironflow.protocol import FunctionDef, SleepYield, Trigger
 from ironflow.store import Fence, RunNotFound, Store
-from ironflow.store.sqlite import SqliteStore
+from tests.unit.virtual_time import BASE
 
-BASE = 1_800_000_000.0
 HOUR = 3600.0
 FN = FunctionDef(id="fn", triggers=[Trigger("go")])
 
 
 # The test itself must take ``autojump_clock`` too: pytest-trio only runs a
 # test on the clock when the test asks for it.
-@pytest.fixture
-async def store(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> AsyncIterator[Store]:
-    s = SqliteStore(str(tmp_path / "vt.db"), now=lambda: BASE + trio.current_time(), inline=True)
-    await s.open()
-    yield s
-    await s.close()
 
 
 def config(**timings: Any) -> NodeConfig:

@@ -6,9 +6,6 @@ frames (closed when the socket closes), ``outbox`` the engine's answers.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
-
 import pytest
 import trio
 import trio.testing
@@ -33,21 +30,13 @@ from ironflow.protocol import (
     WorkerMessage,
 )
 from ironflow.store import Store
-from ironflow.store.sqlite import SqliteStore
 
-BASE = 1_800_000_000.0
 FN = FunctionDef(id="fn", triggers=[Trigger("go")])
 CFG = NodeConfig(timings=Timings(), limits=Limits(max_slots_per_session=8))
 
 
 # The test itself must take ``autojump_clock`` too: pytest-trio only runs a
 # test on the clock when the test asks for it.
-@pytest.fixture
-async def store(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> AsyncIterator[Store]:
-    s = SqliteStore(str(tmp_path / "vt.db"), now=lambda: BASE + trio.current_time(), inline=True)
-    await s.open()
-    yield s
-    await s.close()
 
 
 def register(slots: int = 2, functions: list[FunctionDef] | None = None) -> Register:

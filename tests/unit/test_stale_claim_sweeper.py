@@ -8,8 +8,6 @@ held by the capacity layer (a lease or a queue row).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,9 +18,8 @@ from actors import stale_claim_sweeper
 from ironflow.config import NodeConfig, Timings
 from ironflow.protocol import FunctionDef, SleepYield, Trigger, WaitYield, YieldInfo
 from ironflow.store import Fence, Store
-from ironflow.store.sqlite import SqliteStore
+from tests.unit.virtual_time import BASE
 
-BASE = 1_800_000_000.0
 FN = FunctionDef(id="fn", triggers=[Trigger("go")])
 INTERVAL = 60.0
 THRESHOLD = 120.0
@@ -33,12 +30,6 @@ CFG = NodeConfig(
 
 # The test itself must take ``autojump_clock`` too: pytest-trio only runs a
 # test on the clock when the test asks for it.
-@pytest.fixture
-async def store(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> AsyncIterator[Store]:
-    s = SqliteStore(str(tmp_path / "vt.db"), now=lambda: BASE + trio.current_time(), inline=True)
-    await s.open()
-    yield s
-    await s.close()
 
 
 class Parked:

@@ -7,8 +7,6 @@ waker resumes it can be compared exactly.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,9 +18,8 @@ from actors.messages import Kick
 from ironflow.config import NodeConfig, Timings
 from ironflow.protocol import FunctionDef, InvokeYield, SleepYield, Trigger, WaitYield, YieldInfo
 from ironflow.store import Fence, Store
-from ironflow.store.sqlite import SqliteStore
+from tests.unit.virtual_time import BASE
 
-BASE = 1_800_000_000.0
 FNS = [FunctionDef(id="fn", triggers=[Trigger("go")]), FunctionDef(id="child", triggers=[])]
 # How late after a wake time the waker may act: its slack, plus float noise.
 LATE = waker.WAKE_SLACK_S + 0.001
@@ -30,12 +27,6 @@ LATE = waker.WAKE_SLACK_S + 0.001
 
 # The test itself must take ``autojump_clock`` too: pytest-trio only runs a
 # test on the clock when the test asks for it.
-@pytest.fixture
-async def store(tmp_path: Path, autojump_clock: trio.testing.MockClock) -> AsyncIterator[Store]:
-    s = SqliteStore(str(tmp_path / "vt.db"), now=lambda: BASE + trio.current_time(), inline=True)
-    await s.open()
-    yield s
-    await s.close()
 
 
 def config(waker_interval_s: float = 1000.0) -> NodeConfig:
