@@ -74,8 +74,9 @@ def cleanup_all() -> None:
         TEMPS.remove(d)
 
 
-def start_dev_node(db: str | None, prefix: str) -> str:
-    """A ``--dev`` node subprocess (SQLite in a tracked temp dir unless ``db``); its URL once ready."""
+def start_dev_node(db: str | None, prefix: str, extra: list[str] | None = None) -> str:
+    """A ``--dev`` node subprocess (SQLite in a tracked temp dir unless ``db``, ``extra``
+    serve flags); its URL once ready."""
     import sys
     import time
 
@@ -84,7 +85,7 @@ def start_dev_node(db: str | None, prefix: str) -> str:
     port = free_port()
     state = mkdtemp(prefix)
     argv = [sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port),
-            "--state-dir", state, "--log-level", "WARNING", "--db", db or f"{state}/ironflow.db"]
+            "--state-dir", state, "--log-level", "WARNING", "--db", db or f"{state}/ironflow.db", *(extra or [])]
     LIVE.append(subprocess.Popen(argv, env=child_env()))
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
@@ -104,3 +105,16 @@ def start_script_worker(script: str, url: str) -> None:
     worker = subprocess.Popen([sys.executable, script, "--worker", url], env=child_env(), stdout=subprocess.PIPE)
     LIVE.append(worker)
     assert worker.stdout is not None and worker.stdout.readline().strip() == b"READY"
+
+
+def serve_worker_until_stopped(worker: object) -> None:
+    """Run an SDK ``worker`` in this process; print READY once it registered
+    (what :func:`start_script_worker` waits for)."""
+    import trio
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(worker.run)  # type: ignore[attr-defined]
+            print("READY", flush=True)
+
+    trio.run(run)

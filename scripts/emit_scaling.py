@@ -15,35 +15,16 @@ from __future__ import annotations
 import argparse
 import atexit
 import statistics
-import subprocess
-import sys
 import time
 
 import httpx
-from children import LIVE, child_env, cleanup_all, free_port, mkdtemp
+from children import cleanup_all, start_dev_node
 
 BATCH = 1000
 
 
-def start_node(db: str | None, limit: int) -> str:
-    port = free_port()
-    state = mkdtemp("ifscale.")
-    argv = [
-        sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port), "--state-dir", state,
-        "--max-functions-per-worker", str(BATCH), "--log-level", "WARNING",
-        "--db", db or f"{state}/ironflow.db",
-    ]
-    LIVE.append(subprocess.Popen(argv, env=child_env()))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/readyz").status_code == 200:
-                return url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit("node did not start")
+def start_node(db: str | None) -> str:
+    return start_dev_node(db, "ifscale.", ["--max-functions-per-worker", str(BATCH)])
 
 
 def register(http: httpx.Client, ids: list[str]) -> None:
@@ -69,7 +50,7 @@ def main() -> None:
     parser.add_argument("--db", default=None)
     args = parser.parse_args()
     atexit.register(cleanup_all)
-    url = start_node(args.db, BATCH)
+    url = start_node(args.db)
     with httpx.Client(base_url=url, timeout=60) as http:
         register(http, ["f0"])
         emit_latencies(http, "warm.up", 50)

@@ -16,7 +16,7 @@ import statistics
 import time
 
 import trio
-from children import cleanup_all, start_dev_node, start_script_worker
+from children import cleanup_all, serve_worker_until_stopped, start_dev_node, start_script_worker
 
 
 def worker_main(url: str) -> None:
@@ -27,13 +27,7 @@ def worker_main(url: str) -> None:
         return await ctx.step.run("echo", lambda: ctx.event.data)
 
     worker = ironflow.StreamingWorker(url, [echo], max_concurrent_jobs=10)
-
-    async def run() -> None:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(worker.run)
-            print("READY", flush=True)
-
-    trio.run(run)
+    serve_worker_until_stopped(worker)
 
 
 def start(db: str | None) -> str:

@@ -17,8 +17,7 @@ import statistics
 import time
 
 import httpx
-import trio
-from children import cleanup_all, start_dev_node, start_script_worker
+from children import cleanup_all, serve_worker_until_stopped, start_dev_node, start_script_worker
 
 WORKER_SLOTS = 200
 
@@ -32,13 +31,7 @@ def worker_main(url: str) -> None:
         return await ctx.step.run("woke", time.time)
 
     worker = ironflow.StreamingWorker(url, [napper], max_concurrent_jobs=WORKER_SLOTS)
-
-    async def run() -> None:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(worker.run)
-            print("READY", flush=True)
-
-    trio.run(run)
+    serve_worker_until_stopped(worker)
 
 
 def start(db: str | None) -> str:
