@@ -12,15 +12,12 @@ import trio
 from ironflow import metrics
 from ironflow.store import Store
 
-# Sampling period: well under a usual 15 s scrape interval, and one short
-# read (four counts and a GROUP BY) every few seconds is nothing for the store.
-SAMPLE_S = 5.0
 # Every transport a session can use, so a gauge drops to 0 rather than vanishing.
 TRANSPORTS = ("stream", "pull")
 
 
 async def run(
-    store: Store, *, period_s: float = SAMPLE_S, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    store: Store, *, period_s: float, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Sample the capacity counts every ``period_s`` seconds until cancelled.
 

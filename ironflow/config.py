@@ -57,6 +57,12 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True):
     dispatch_idle_poll_s: float = 10.0
     # Ceiling on how long a pull worker's poll is held open by the node.
     poll_max_wait_s: float = 30.0
+    # A held-open result request re-reads its run this often: the safety net for
+    # a run ended by another node (this node's own ends wake it at once).
+    result_recheck_s: float = 0.5
+    # The capacity gauges are sampled this often: well under a usual 15 s
+    # scrape interval, and one short read every few seconds is nothing.
+    metrics_sample_s: float = 5.0
     # An actor that crashes is restarted after this backoff, doubling to the cap.
     restart_backoff_s: float = 0.05
     restart_backoff_max_s: float = 5.0

@@ -131,7 +131,10 @@ class Node:
                 await supervisor.start("waker", waker.run, store, config, self.node_id, kick_send)
                 await supervisor.start("stale-claim-sweeper", stale_claim_sweeper.run, store, config)
                 await supervisor.start("janitor", janitor.run, store, config, self.node_id)
-                await supervisor.start("metrics-sampler", metrics_sampler.run, store)
+                await supervisor.start(
+                    "metrics-sampler",
+                    partial(metrics_sampler.run, store, period_s=config.timings.metrics_sample_s),
+                )
                 await supervisor.start(
                     "drain-coordinator",
                     drain_coordinator.run,

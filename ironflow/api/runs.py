@@ -28,9 +28,6 @@ bp = Blueprint("runs", __name__)
 
 # Longest a result request is held open; a client wanting longer asks again.
 MAX_RESULT_WAIT_S = 300.0
-# While waiting, the run is re-read this often: a run ended by another node
-# (PostgreSQL) is not announced to this one.
-RESULT_RECHECK_S = 0.5
 
 
 @bp.get("/v1/runs")
@@ -67,7 +64,7 @@ async def run_result(run_id: str) -> Response:
                 return json_response(RunResult(run.id, run.status, False), 202)
             # Woken the moment this node ends the run; the re-read backstop covers
             # a run ended by another node.
-            with trio.move_on_after(min(remaining, RESULT_RECHECK_S)):
+            with trio.move_on_after(min(remaining, st.config.timings.result_recheck_s)):
                 await ended.wait()
 
 

@@ -11,7 +11,6 @@ import pytest
 import trio
 
 import ironflow
-from ironflow.api import runs as runs_api
 from ironflow.node import Node
 from tests.integration.helpers import emit
 
@@ -28,7 +27,7 @@ async def test_a_result_request_is_answered_when_the_run_ends_not_by_polling(
     node: Node, http: httpx.AsyncClient, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # With the re-read backstop out of the way, only the run-end wake-up can answer early.
-    monkeypatch.setattr(runs_api, "RESULT_RECHECK_S", 60.0)
+    monkeypatch.setattr(node.config.timings, "result_recheck_s", 60.0)
     worker = ironflow.StreamingWorker(node.url, [slowish], handle_signals=False)
     await nursery.start(worker.run)
     run_id = (await emit(http, "slowish.go", {"s": 0.5}))["run_ids"][0]
