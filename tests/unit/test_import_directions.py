@@ -65,11 +65,6 @@ RULES = [
     ),
 ]
 
-# Violations the code has today, each with the issue that removes it. Every
-# entry must still occur (see the test below), so a fixed one is deleted here.
-KNOWN_EXCEPTIONS: set[tuple[str, str]] = set()  # the cli <-> node circle is gone (issue 7)
-
-
 def under(name: str, prefix: str) -> bool:
     return prefix == "" or name == prefix or name.startswith(prefix + ".")
 
@@ -144,21 +139,8 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def test_no_module_imports_against_the_allowed_directions() -> None:
-    found = {(a, b): why for a, b, why in violations(import_graph())}
-    unexpected = {
-        f"{a} imports {b} ({why})"
-        for (a, b), why in found.items()
-        if not any(under(a, ka) and under(b, kb) for ka, kb in KNOWN_EXCEPTIONS)
-    }
-    assert not unexpected, "\n".join(sorted(unexpected))
-
-
-def test_every_known_exception_still_occurs_so_fixed_ones_are_deleted() -> None:
-    found = violations(import_graph())
-    for known_importer, known_imported in KNOWN_EXCEPTIONS:
-        assert any(
-            under(a, known_importer) and under(b, known_imported) for a, b, _ in found
-        ), f"{known_importer} -> {known_imported} no longer happens: delete it from KNOWN_EXCEPTIONS"
+    found = {f"{a} imports {b} ({why})" for a, b, why in violations(import_graph())}
+    assert not found, "\n".join(sorted(found))
 
 
 def test_the_checker_sees_every_module_and_its_imports() -> None:
