@@ -359,3 +359,13 @@ async def test_an_internal_fault_is_a_500_with_a_request_id_also_in_the_log(
     request_id = resp.json()["message"].split("request id ")[1].rstrip(")")
     assert request_id.startswith("req_")
     assert any(getattr(r, "fields", {}).get("request_id") == request_id for r in caplog.records)
+
+
+async def test_functions_no_worker_registered_lately_are_not_listed_as_live(node: Node, http: httpx.AsyncClient) -> None:
+    assert (await register_pull(http, fns("old"))).status_code == 201
+    await node.store.advance_clock(node.config.limits.function_live_s + 1)
+    assert (await register_pull(http, fns("fresh", event="f.go"))).status_code == 201
+    listed = (await http.get("/v1/functions")).json()["functions"]
+    assert [f["id"] for f in listed] == ["fresh"]
+    everything = {f["id"]: f["live"] for f in (await http.get("/v1/functions", params={"all": "true"})).json()["functions"]}
+    assert everything == {"old": False, "fresh": True}
