@@ -36,6 +36,13 @@ from ironflow.sdk.function import Function
 
 _log = logging.getLogger("ironflow.worker")
 
+# A pull worker's goodbye (``DELETE`` of its session) must land before the
+# drain deadline, even when jobs ran to it: the goodbye is what makes the node
+# recover a cut job's lease at once (a streaming worker's dropped socket does
+# that by itself). So a pull drain stops waiting for jobs this much (at most a
+# tenth of the drain) before its deadline.
+GOODBYE_RESERVE_S = 0.25
+
 
 class _StderrUnlessConfigured(logging.StreamHandler):  # type: ignore[type-arg]
     """The worker's lines on stderr while the application has configured no logging.
@@ -178,6 +185,7 @@ class WorkerLifecycle:
         self._jobs: dict[str, JobState] = {}
         self._jobs_changed = trio.Event()
         self._draining = False
+        self._drain_started_at = 0.0
         self._drain_deadline = 0.0
         self._stopped = False
         self._running = False
@@ -209,12 +217,43 @@ class WorkerLifecycle:
             return  # a drain in progress keeps its original deadline
         self._draining = True
         self.state = "draining"
-        self._drain_deadline = trio.current_time() + max(timeout, 0.0)
+        self._drain_started_at = trio.current_time()
+        self._drain_deadline = self._drain_started_at + max(timeout, 0.0)
         _log.info("Draining worker...", extra={"fields": {"worker_id": self.worker_id}})
         self._drain_started()
 
     def _drain_started(self) -> None:
         """Transport-specific reaction to a drain (wake what waits for new work)."""
+
+    def _call_deadline(self, timeout: float) -> float:
+        """When a call to the engine must give up: after ``timeout``, and never
+        past the drain deadline while draining (the whole drain ends by it)."""
+        at = trio.current_time() + timeout
+        return min(at, self._drain_deadline) if self._draining else at
+
+    def _goodbye_reserve(self) -> float:
+        """The end of a drain kept for the goodbye (see ``GOODBYE_RESERVE_S``)."""
+        return min(GOODBYE_RESERVE_S, (self._drain_deadline - self._drain_started_at) / 10)
+
+    async def _await_jobs(self, until: float) -> bool:
+        """The drain's wait: running jobs get until ``until``; the rest are cancelled.
+
+        Logs the seed's lines (``Waiting for N jobs to complete...``, and
+        ``Drain deadline reached; cancelling N active jobs``). True when every
+        job ended in time.
+        """
+        if self._jobs:
+            _log.info(f"Waiting for {len(self._jobs)} jobs to complete...")
+        with trio.move_on_at(until):
+            while self._jobs:
+                self._jobs_changed = trio.Event()
+                await self._jobs_changed.wait()
+        if not self._jobs:
+            return True
+        _log.warning(f"Drain deadline reached; cancelling {len(self._jobs)} active jobs")
+        for job in list(self._jobs.values()):
+            job.abandon()
+        return False
 
     def _refusal(self, a: JobAssignment) -> JobNackReason | None:
         """Why this worker refuses assignment ``a`` (logged), or None to take it.

@@ -45,7 +45,7 @@ RESULT_RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)
 POLL_BACKOFF_S = (1.0, 30.0)
 # Plain calls (ack, steps, results) must answer quickly; the poll gets its wait on top.
 CALL_TIMEOUT_S = 10.0
-# Bound on the goodbye (DELETE session) when stopping gracefully.
+# Bound on the goodbye (DELETE session); a drain's deadline bounds it further.
 GOODBYE_TIMEOUT_S = 5.0
 
 _log = logging.getLogger("ironflow.worker")
@@ -203,7 +203,8 @@ class PullWorker(WorkerLifecycle):
                             fatal = exc
                     nursery.cancel_scope.cancel()
                 if self.session_id is not None and not self._stopped and fatal is None:
-                    with trio.move_on_after(GOODBYE_TIMEOUT_S):
+                    # Within the drain's deadline, like everything in a drain.
+                    with trio.move_on_at(self._call_deadline(GOODBYE_TIMEOUT_S)):
                         try:
                             await http.delete(
                                 f"/v1/worker/sessions/{self.session_id}",
@@ -349,7 +350,7 @@ class PullWorker(WorkerLifecycle):
         fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
         reason = self._refusal(a)
         if reason is not None:
-            with trio.move_on_after(CALL_TIMEOUT_S):
+            with trio.move_on_at(self._call_deadline(CALL_TIMEOUT_S)):
                 try:
                     await self._post("/nack", JobNack(*fence, reason=reason))
                 except httpx.HTTPError as exc:
@@ -371,18 +372,9 @@ class PullWorker(WorkerLifecycle):
         nursery.start_soon(self._execute, job, self._reporter)
 
     async def _wait_for_jobs(self) -> None:
-        if self._stopped:
-            return
-        if self._jobs:
-            _log.info(f"Waiting for {len(self._jobs)} jobs to complete...")
-        with trio.move_on_at(self._drain_deadline):
-            while self._jobs:
-                self._jobs_changed = trio.Event()
-                await self._jobs_changed.wait()
-        if self._jobs:
-            _log.warning(f"Drain deadline reached; cancelling {len(self._jobs)} active jobs")
-            for job in list(self._jobs.values()):
-                job.abandon()
+        """Running jobs get the drain, less the end kept for the goodbye."""
+        if not self._stopped:
+            await self._await_jobs(self._drain_deadline - self._goodbye_reserve())
 
     async def _heartbeat_loop(self) -> None:
         while True:

@@ -296,17 +296,7 @@ class StreamingWorker(WorkerLifecycle):
         """Wait for the running jobs, then flush and close, all by the drain deadline."""
         await self._drain_requested.wait()
         deadline = self._drain_deadline
-        if self._jobs:
-            _log.info(f"Waiting for {len(self._jobs)} jobs to complete...")
-        with trio.move_on_at(deadline):
-            while self._jobs:
-                self._jobs_changed = trio.Event()
-                await self._jobs_changed.wait()
-        if self._jobs:
-            _log.warning(f"Drain deadline reached; cancelling {len(self._jobs)} active jobs")
-            for job in list(self._jobs.values()):
-                job.abandon()
-        else:
+        if await self._await_jobs(deadline):
             # Flush what the jobs queued, then half-close and wait for the
             # engine's close; the writer ends the session once closed.
             with trio.move_on_at(deadline):

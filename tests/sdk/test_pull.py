@@ -19,9 +19,10 @@ from ironflow.protocol import (
 
 
 class FakeHttpEngine:
-    def __init__(self, jobs, *, ack_status=200):
+    def __init__(self, jobs, *, ack_status=200, goodbye_delay=0.0):
         self.jobs = list(jobs)
         self.ack_status = ack_status
+        self.goodbye_delay = goodbye_delay
         self.calls: list[tuple[str, str, object]] = []
         self.stale: set[str] = set()
 
@@ -33,6 +34,8 @@ class FakeHttpEngine:
         if kind in ("ack", "nack", "steps", "result"):
             msg = worker_message_decoder.decode(request.content)
         self.calls.append((request.method, kind, msg or body))
+        if request.method == "DELETE":
+            await trio.sleep(self.goodbye_delay)  # a node slow to answer the goodbye
         if kind == "register":
             out = Registered(session_id="s1", heartbeat_interval_ms=20, lease_expiry_ms=90_000)
             return httpx.Response(200, content=encoder.encode(out))
@@ -120,3 +123,42 @@ async def test_pull_worker_abandons_stale_lease_from_heartbeat():
         gate.set()
         await worker.drain()
     assert "result" not in engine.kinds()
+
+
+async def test_a_slow_goodbye_is_cut_at_the_drain_deadline():
+    # The job ends at once; the node never answers the DELETE in time. Before,
+    # the goodbye got its own 5 s after the deadline.
+    engine = FakeHttpEngine([make_assignment(run_id="p4")], goodbye_delay=30)
+    worker = _worker(engine, [two_steps], drain_timeout=0.5)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        with trio.fail_after(5):
+            while "result" not in engine.kinds():
+                await trio.sleep(0.01)
+        t0 = trio.current_time()
+        await worker.drain()
+        took = trio.current_time() - t0
+    assert engine.calls[-1][0] == "DELETE"
+    assert 0.4 < took < 0.6
+
+
+async def test_a_job_cut_at_the_deadline_still_gets_its_goodbye_within_it():
+    @ironflow.function(id="fn")
+    async def endless(ctx):
+        return await ctx.step.run("forever", trio.sleep_forever)
+
+    engine = FakeHttpEngine([make_assignment(run_id="p5")])
+    worker = _worker(engine, [endless], drain_timeout=1.0)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        with trio.fail_after(5):
+            while "ack" not in engine.kinds():
+                await trio.sleep(0.01)
+        t0 = trio.current_time()
+        await worker.drain()
+        took = trio.current_time() - t0
+    # The job is cut a goodbye's reserve before the deadline, so the DELETE
+    # (which makes the node recover its lease at once) lands within it.
+    assert engine.calls[-1][0] == "DELETE"
+    assert "result" not in engine.kinds()
+    assert 0.7 < took <= 1.0
