@@ -12,6 +12,7 @@ import trio
 
 from ironflow.config import NodeConfig, load_config
 from ironflow.node import Node
+from tests.integration.procs import Proc, free_port, start_node
 
 # Timings for in-process tests: --dev values, plus a long idle re-check so a
 # test proves the dispatcher is kicked rather than polling.
@@ -54,3 +55,33 @@ async def node(
 async def http(node: Node) -> AsyncIterator[httpx.AsyncClient]:
     async with httpx.AsyncClient(base_url=node.url, timeout=10.0) as client:
         yield client
+
+
+# ── real processes ──────────────────────────────────────────────────────────
+
+
+@pytest.fixture
+async def procs() -> AsyncIterator[list[Proc]]:
+    """Processes a test started; each is killed (if still alive) afterwards."""
+    started: list[Proc] = []
+    yield started
+    for proc in reversed(started):
+        proc.stop()
+
+
+class ServedNode:
+    """An ``ironflow serve --dev`` process on a database of the test's backend."""
+
+    def __init__(self, proc: Proc, db: str, port: int) -> None:
+        self.proc, self.db, self.port = proc, db, port
+        self.url = f"http://127.0.0.1:{port}"
+
+
+async def serve_node(
+    procs: list[Proc], db: str, tmp_path: Path, node_id: str, *extra: str
+) -> ServedNode:
+    """Start one more node process (``extra``: serve flags) and wait until ready."""
+    port = free_port()
+    proc = await start_node(db, tmp_path / node_id, tmp_path, node_id=node_id, port=port, extra=list(extra))
+    procs.append(proc)
+    return ServedNode(proc, db, port)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,13 @@ import trio
 ROOT = Path(__file__).resolve().parents[2]
 CRASH_WORKER = ROOT / "tests" / "procs" / "crash_worker.py"
 LOAD_WORKER = ROOT / "tests" / "procs" / "load_worker.py"
+DRAIN_WORKER = ROOT / "tests" / "procs" / "drain_worker.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 class Proc:
@@ -119,6 +127,25 @@ async def start_node(db: str, state_dir: Path, log_dir: Path, *, node_id: str, p
             await trio.sleep(0.1)
 
 
+async def start_drain_worker(
+    procs: list[Proc], server: str, effects: Path, log_dir: Path, name: str, *args: str
+) -> Proc:
+    """``tests/procs/drain_worker.py`` (its flags in ``args``), once registered."""
+    argv = [sys.executable, str(DRAIN_WORKER), server, str(effects), *args]
+    proc = Proc(argv, log_dir / f"{name}.log")
+    procs.append(proc)
+    await proc.wait_line("READY")
+    return proc
+
+
+async def wait_log(proc: Proc, text: str, timeout: float = 10.0) -> None:
+    """Wait until the process's stderr holds ``text``."""
+    with trio.fail_after(timeout):
+        while text not in proc.log_path.read_text(errors="replace"):
+            assert proc.alive(), f"process exited before logging {text!r}: {proc.tail()}"
+            await trio.sleep(0.02)
+
+
 def read_effects(path: Path) -> list[tuple[float, str, str, int]]:
     """Every recorded side effect: (time, run_id, what, pid)."""
     if not path.exists():
@@ -141,3 +168,27 @@ async def wait_effect(path: Path, run_id: str, what: str, *, pid: int | None = N
 
 def count(rows: list[Any], run_id: str, what: str) -> int:
     return sum(1 for r in rows if r[1] == run_id and r[2] == what)
+
+
+async def stored_runs(db: str, run_ids: list[str]) -> dict[str, Any]:
+    """Each run's row, read straight from the database (the node may be gone)."""
+    from ironflow.store import open_store
+
+    store = open_store(db)
+    await store.open()
+    try:
+        return {run_id: (await store.get_run(run_id)).run for run_id in run_ids}
+    finally:
+        await store.close()
+
+
+async def stored_audit(db: str, run_id: str | None = None) -> list[Any]:
+    """Audit records from the database: a run's, or all of them."""
+    from ironflow.store import open_store
+
+    store = open_store(db)
+    await store.open()
+    try:
+        return list(await store.list_audit(run_id=run_id, limit=10_000))
+    finally:
+        await store.close()

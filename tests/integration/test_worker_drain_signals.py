@@ -1,5 +1,9 @@
 """Graceful drain with real worker processes and real signals (seed: graceful-drain.txt).
 
+The seed's rolling deploy is the DRAINING row of the counter table, in
+``test_counter_table.py``; ``ironflow serve`` receiving SIGTERM is in
+``test_serve_drain.py``.
+
 The worker processes (``tests/procs/drain_worker.py``) configure no logging,
 so their stderr shows what a user running ``python worker.py`` sees.
 """
@@ -7,7 +11,6 @@ so their stderr shows what a user running ``python worker.py`` sees.
 from __future__ import annotations
 
 import signal
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,11 +22,9 @@ import trio
 from ironflow.node import Node
 from tests.integration.conftest import node_config
 from tests.integration.helpers import emit, wait_for_run
-from tests.integration.procs import ROOT, Proc, read_effects, wait_effect
+from tests.integration.procs import Proc, read_effects, start_drain_worker, wait_effect, wait_log
 
 pytestmark = pytest.mark.slow
-
-DRAIN_WORKER = ROOT / "tests" / "procs" / "drain_worker.py"
 
 
 @pytest.fixture
@@ -32,24 +33,6 @@ async def procs() -> AsyncIterator[list[Proc]]:
     yield started
     for proc in started:
         proc.stop()
-
-
-async def start_drain_worker(
-    procs: list[Proc], server: str, effects: Path, log_dir: Path, name: str, *args: str
-) -> Proc:
-    argv = [sys.executable, str(DRAIN_WORKER), server, str(effects), *args]
-    proc = Proc(argv, log_dir / f"{name}.log")
-    procs.append(proc)
-    await proc.wait_line("READY")
-    return proc
-
-
-async def wait_log(proc: Proc, text: str, timeout: float = 10.0) -> None:
-    """Wait until the process's stderr holds ``text``."""
-    with trio.fail_after(timeout):
-        while text not in proc.log_path.read_text(errors="replace"):
-            assert proc.alive(), f"process exited before logging {text!r}: {proc.tail()}"
-            await trio.sleep(0.02)
 
 
 def log_lines(proc: Proc) -> list[str]:
@@ -119,34 +102,6 @@ async def test_a_sigterm_during_an_engine_shutdown_keeps_the_engines_deadline(
     assert run.status == "completed" and run.output == {"pid": proc.pid}
     assert run.attempt == 1 and run.recovery_count == 0
     assert not any("Second signal" in line for line in log_lines(proc))
-
-
-async def test_the_seeds_rolling_deploy_with_a_real_sigterm(
-    node: Node, http: httpx.AsyncClient, tmp_path: Path, procs: list[Proc]
-) -> None:
-    effects = tmp_path / "effects.log"
-    # Two slots, so B is offered to the old worker while it drains.
-    old = await start_drain_worker(procs, node.url, effects, tmp_path, "old", "--max-jobs", "2", "--slow", "3")
-    a = (await emit(http, "drain.go"))["run_ids"][0]
-    await wait_effect(effects, a, "start", pid=old.pid, timeout=10)
-    old.signal(signal.SIGTERM)
-    await wait_log(old, "Waiting for 1 jobs to complete...")
-    b = (await emit(http, "drain.go"))["run_ids"][0]
-    await wait_log(old, "Draining, refusing job")
-    new = await start_drain_worker(procs, node.url, effects, tmp_path, "new", "--slow", "0.1")
-    run_a, run_b = await run_of(http, a), await run_of(http, b)
-    assert run_a["status"] == "completed" and run_a["output"] == {"pid": old.pid}
-    assert run_a["attempt"] == 1 and run_a["recovery_count"] == 0
-    assert run_b["status"] == "completed" and run_b["output"] == {"pid": new.pid}
-    assert run_b["attempt"] == 1 and run_b["recovery_count"] == 0
-    assert await old.wait_exit(timeout=10) == 0, old.tail()
-    # B's handler never started on the old worker.
-    assert [r[3] for r in read_effects(effects) if r[1] == b] == [new.pid, new.pid]
-    stderr = "\n".join(log_lines(old))
-    for line in ("Draining worker...", "Waiting for 1 jobs to complete...", "Draining, refusing job"):
-        assert line in stderr
-    nacks = (await http.get("/v1/audit", params={"run_id": b, "type": "capacity.job.nacked"})).json()["events"]
-    assert [e["data"]["reason"] for e in nacks] == ["DRAINING"]
 
 
 async def test_a_worker_drain_deadline_ends_the_process_on_time(

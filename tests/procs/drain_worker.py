@@ -2,15 +2,26 @@
 
 Usage: python tests/procs/drain_worker.py SERVER_URL EFFECTS_FILE
        [--workers stream,pull] [--slow S] [--max-jobs N] [--drain-timeout S]
-       [--configure-logging]
+       [--configure-logging] [--advertise N]
 
 It runs one worker per entry of ``--workers`` in one Trio run (one process)
 and configures no logging unless ``--configure-logging`` is given (then
 ``logging.basicConfig`` at INFO, as an application would).
 
-Function ``slow`` (event ``drain.go``): records ``start``, sleeps ``--slow``
-seconds in a step, records ``done`` and returns the pid. Every side effect is
-one line ``<time.time()> <run_id> <what> <pid>`` (as in ``crash_worker.py``).
+``--advertise N`` registers N slots with the engine while running at most
+``--max-jobs``: the engine's credits exceed the worker's free slots, as after
+a reconnect, so an assignment past ``--max-jobs`` is refused ``AT_CAPACITY``
+(streaming workers only).
+
+Functions:
+- ``slow`` (event ``drain.go``): records ``start``, sleeps ``--slow`` seconds
+  in a step, records ``done`` and returns the pid.
+- ``flaky`` (event ``flaky.go``, 3 attempts, 0.1 s backoff): records
+  ``start``; on attempt 1 raises a plain (retryable) error, on later attempts
+  returns the pid.
+
+Every side effect is one line ``<time.time()> <run_id> <what> <pid>`` (as in
+``crash_worker.py``).
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ def main() -> None:
     parser.add_argument("--max-jobs", type=int, default=1)
     parser.add_argument("--drain-timeout", type=float, default=30.0)
     parser.add_argument("--configure-logging", action="store_true")
+    parser.add_argument("--advertise", type=int, default=None)
     args = parser.parse_args()
     if args.configure_logging:
         logging.basicConfig(level=logging.INFO, format="APP %(levelname)s %(name)s: %(message)s")
@@ -63,6 +75,30 @@ def main() -> None:
 
         return await ctx.step.run("work", work)
 
+    @ironflow.function(
+        id="flaky",
+        triggers=[ironflow.event("flaky.go")],
+        retries={"max_attempts": 3, "initial_delay_s": 0.1},
+    )
+    async def flaky(ctx: Any) -> Any:
+        record(ctx.run.id, "start")
+        if ctx.run.attempt < 2:
+            raise RuntimeError("transient failure on the first attempt")
+        return {"pid": pid}
+
+    class Overcommitted(ironflow.StreamingWorker):
+        """Registers ``--advertise`` slots, runs ``--max-jobs``: the SDK's own
+        refusal (and its log line) with the real number of slots."""
+
+        def _refusal(self, a: Any) -> Any:
+            advertised = self.max_concurrent_jobs
+            self.max_concurrent_jobs = args.max_jobs
+            try:
+                return super()._refusal(a)
+            finally:
+                self.max_concurrent_jobs = advertised
+
+    functions = [slow, flaky]
     workers: list[Any] = []
     for kind in args.workers.split(","):
         common: dict[str, Any] = {
@@ -71,9 +107,12 @@ def main() -> None:
             "reconnect_delay": 0.2,
         }
         if kind == "pull":
-            workers.append(ironflow.PullWorker(args.server, [slow], poll_wait=2.0, **common))
+            workers.append(ironflow.PullWorker(args.server, functions, poll_wait=2.0, **common))
+        elif args.advertise:
+            common["max_concurrent_jobs"] = args.advertise
+            workers.append(Overcommitted(args.server, functions, **common))
         else:
-            workers.append(ironflow.StreamingWorker(args.server, [slow], **common))
+            workers.append(ironflow.StreamingWorker(args.server, functions, **common))
 
     async def run() -> None:
         async with trio.open_nursery() as nursery:
