@@ -8,6 +8,7 @@ node dies between the two, loop 2 (the stale-claim sweeper) restores the step.
 from __future__ import annotations
 
 import logging
+import os
 
 import trio
 
@@ -26,6 +27,12 @@ RESUME_CONCURRENCY = 32
 # Wake this long after the earliest wake time: it is `wake_at <= now` in SQL,
 # and the database clock must have reached it.
 WAKE_SLACK_S = 0.005
+# Test-only fault switch: a node started with this set to 1 exits the process
+# (``os._exit``, no cleanup, like a crash) right after the waker's first claim
+# commits and before it resumes anything, leaving the claimed steps
+# ``waking``: what loop 2 exists to repair (tests/integration/test_wake_claims.py).
+FAULT_EXIT_AFTER_CLAIM_ENV = "IRONFLOW_TEST_FAULT_EXIT_AFTER_WAKE_CLAIM"
+FAULT_EXIT_CODE = 86
 
 
 async def _resume(
@@ -61,9 +68,14 @@ async def run(
         earlier.set()
 
     store.on_wake_scheduled(on_wake_scheduled)
+    crash_after_claim = os.environ.get(FAULT_EXIT_AFTER_CLAIM_ENV) == "1"
     task_status.started()
     while True:
         claimed = await store.claim_elapsed_steps(node_id, BATCH)
+        if claimed and crash_after_claim:
+            logs.event(log, logging.CRITICAL, "waker: test fault: exiting between claim and resume",
+                       claimed=len(claimed))
+            os._exit(FAULT_EXIT_CODE)
         async with trio.open_nursery() as nursery:
             for run_id, step_id in claimed:
                 nursery.start_soon(_resume, store, node_id, run_id, step_id, limiter)

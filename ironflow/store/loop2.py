@@ -47,13 +47,23 @@ class WakeLoop(SqlStoreBase):
     async def resume_claimed_step(self, node_id: str, run_id: str, step_id: str) -> JobOutcome:
         def work(tx: Tx) -> JobOutcome:
             step = tx.fetchone(
-                "SELECT kind, invoke_run_id FROM steps WHERE run_id = ? AND step_id = ?"
-                " AND status = 'waking' AND claimed_by = ?",
+                "SELECT s.kind, s.invoke_run_id, s.claimed_at, s.pre_claim_status, f.audit"
+                " FROM steps s JOIN runs r ON r.id = s.run_id"
+                " LEFT JOIN functions f ON f.id = r.function_id"
+                " WHERE s.run_id = ? AND s.step_id = ? AND s.status = 'waking' AND s.claimed_by = ?",
                 (run_id, step_id, node_id),
             )
             if step is None:
                 raise Conflict(f"step {run_id}/{step_id} is not claimed by node {node_id}")
-            kind, child = step
+            kind, child, claimed_at, pre_claim_status, audit = step
+            if audit:
+                # One record per wake, in the resume's transaction: with
+                # ``step.claim.restored`` it counts each step's claims in the
+                # database (a function's ordinary audit events, opt-in).
+                self._audit(tx, "step.woke", run_id, None, {
+                    "step_id": step_id, "node_id": node_id, "from": pre_claim_status,
+                    "claimed_at": float(claimed_at),
+                })
             status, error = "completed", None
             if kind == "wait":
                 status = "timed_out"
@@ -81,14 +91,29 @@ class WakeLoop(SqlStoreBase):
 
     async def reset_stale_claims(self, threshold_s: float) -> int:
         def work(tx: Tx) -> int:
-            return tx.execute(
-                "UPDATE steps SET status = pre_claim_status, claimed_by = NULL,"
-                " claimed_at = NULL, pre_claim_status = NULL"
+            stale = tx.fetchall(
+                "SELECT run_id, step_id, claimed_by, claimed_at FROM steps"
                 " WHERE status = 'waking' AND claimed_at <= ironflow_now() - ?"
                 " AND NOT EXISTS (SELECT 1 FROM concurrency_leases l WHERE l.run_id = steps.run_id)"
-                " AND NOT EXISTS (SELECT 1 FROM dispatch_queue q WHERE q.run_id = steps.run_id)",
+                " AND NOT EXISTS (SELECT 1 FROM dispatch_queue q WHERE q.run_id = steps.run_id)"
+                f" {tx.lock()}",
                 (float(threshold_s),),
             )
+            restored = 0
+            for run_id, step_id, claimed_by, claimed_at in stale:
+                # Re-checked in the UPDATE: a claimer may have resumed it since.
+                n = tx.execute(
+                    "UPDATE steps SET status = pre_claim_status, claimed_by = NULL,"
+                    " claimed_at = NULL, pre_claim_status = NULL"
+                    " WHERE run_id = ? AND step_id = ? AND status = 'waking' AND claimed_at = ?",
+                    (run_id, step_id, claimed_at),
+                )
+                if n:
+                    restored += 1
+                    self._audit_if_enabled(tx, "step.claim.restored", run_id, {
+                        "step_id": step_id, "claimed_by": claimed_by, "claimed_at": float(claimed_at),
+                    })
+            return restored
 
         return await self._transact(work)
 

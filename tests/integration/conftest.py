@@ -78,10 +78,12 @@ class ServedNode:
 
 
 async def serve_node(
-    procs: list[Proc], db: str, tmp_path: Path, node_id: str, *extra: str
+    procs: list[Proc], db: str, tmp_path: Path, node_id: str, *extra: str, env: dict[str, str] | None = None
 ) -> ServedNode:
     """Start one more node process (``extra``: serve flags) and wait until ready."""
     port = free_port()
-    proc = await start_node(db, tmp_path / node_id, tmp_path, node_id=node_id, port=port, extra=list(extra))
+    proc = await start_node(
+        db, tmp_path / node_id, tmp_path, node_id=node_id, port=port, extra=list(extra), env=env
+    )
     procs.append(proc)
     return ServedNode(proc, db, port)

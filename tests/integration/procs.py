@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CRASH_WORKER = ROOT / "tests" / "procs" / "crash_worker.py"
 LOAD_WORKER = ROOT / "tests" / "procs" / "load_worker.py"
 DRAIN_WORKER = ROOT / "tests" / "procs" / "drain_worker.py"
+WAKE_WORKER = ROOT / "tests" / "procs" / "wake_worker.py"
 
 
 def free_port() -> int:
@@ -105,12 +106,15 @@ async def start_load_worker(server: str, log_dir: Path, *, name: str, max_jobs: 
     return proc
 
 
-async def start_node(db: str, state_dir: Path, log_dir: Path, *, node_id: str, port: int, extra: list[str] | None = None) -> Proc:
+async def start_node(
+    db: str, state_dir: Path, log_dir: Path, *, node_id: str, port: int, extra: list[str] | None = None,
+    env: dict[str, str] | None = None,
+) -> Proc:
     argv = [
         sys.executable, "-m", "ironflow", "serve", "--dev", "--db", db, "--port", str(port),
         "--node-id", node_id, "--state-dir", str(state_dir), *(extra or []),
     ]
-    proc = Proc(argv, log_dir / f"{node_id}.log")
+    proc = Proc(argv, log_dir / f"{node_id}.log", env=env)
     import httpx
 
     url = f"http://127.0.0.1:{port}"
@@ -192,3 +196,23 @@ async def stored_audit(db: str, run_id: str | None = None) -> list[Any]:
         return list(await store.list_audit(run_id=run_id, limit=10_000))
     finally:
         await store.close()
+
+
+def db_rows(db: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Rows of one read-only query, straight from the database (``?`` placeholders).
+
+    For counting what a test must see *in the database* (step rows, audit
+    records), independently of the node's API.
+    """
+    if db.startswith("postgresql://"):
+        import psycopg
+
+        with psycopg.connect(db) as conn:
+            return list(conn.execute(sql.replace("?", "%s"), params).fetchall())
+    import sqlite3
+
+    conn = sqlite3.connect(db)
+    try:
+        return list(conn.execute(sql, params).fetchall())
+    finally:
+        conn.close()
