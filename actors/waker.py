@@ -36,7 +36,12 @@ FAULT_EXIT_CODE = 86
 
 
 async def _resume(
-    store: Store, node_id: str, run_id: str, step_id: str, limiter: trio.CapacityLimiter
+    store: Store,
+    node_id: str,
+    run_id: str,
+    step_id: str,
+    limiter: trio.CapacityLimiter,
+    kicks: trio.MemorySendChannel[Kick],
 ) -> None:
     async with limiter:
         try:
@@ -46,6 +51,9 @@ async def _resume(
             # restored the step): nothing is ours to resume; the batch goes on.
             logs.event(log, logging.INFO, "waker: claim lost before resume", run_id=run_id, step_id=step_id)
             return
+    # Dispatch starts with the first resumed run, not after the whole batch
+    # (kicks coalesce: a round already pending absorbs this one).
+    kick(kicks, "steps woke")
     logs.event(log, logging.DEBUG, "waker: step woke, run resumed", run_id=run_id, step_id=step_id)
 
 
@@ -78,11 +86,9 @@ async def run(
             os._exit(FAULT_EXIT_CODE)
         async with trio.open_nursery() as nursery:
             for run_id, step_id in claimed:
-                nursery.start_soon(_resume, store, node_id, run_id, step_id, limiter)
-        if claimed:
-            kick(kicks, "steps woke")
-            if len(claimed) == BATCH:
-                continue
+                nursery.start_soon(_resume, store, node_id, run_id, step_id, limiter, kicks)
+        if len(claimed) == BATCH:
+            continue
         next_wake = await store.seconds_until_next_wake()
         delay = interval if next_wake is None else min(interval, max(next_wake, 0.0) + WAKE_SLACK_S)
         with trio.move_on_after(delay):

@@ -5,6 +5,12 @@
                             [--concurrency 50] [--inflight 32] [--json] [--profile]
                             [--nodes 1]
                             [--dashboards N]
+    python scripts/bench.py --wake 1000 [--backend …] [--nodes K] [--repeat R]
+
+``--wake N`` measures wake-up lateness instead (``wake_at`` → handler
+resumed, for N sleeps due at the same instant; see ``scripts/wake_bench.py``,
+which it runs with ``--backend``, ``--nodes``, ``--repeat``, ``--wake-lead``
+and ``--wake-slots``).
 
 For each repeat a FRESH node is started as a subprocess (``python -m
 ironflow serve --dev`` on a free port, with a fresh temp state dir and SQLite
@@ -857,6 +863,10 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--dashboards", type=int, default=0,
                     help="keep this many dashboard windows open (headless Chromium) during each repeat")
+    ap.add_argument("--wake", type=int, default=0, metavar="N",
+                    help="measure wake-up lateness of N sleeps due at once instead (scripts/wake_bench.py)")
+    ap.add_argument("--wake-lead", type=float, default=6.0, help="--wake: seconds from the emits to the wake time")
+    ap.add_argument("--wake-slots", type=int, default=200, help="--wake: each worker's max_concurrent_jobs")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--server", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -864,6 +874,11 @@ def main() -> None:
 
     if args.worker:
         worker_main(args.server, args.out, args.concurrency)
+        return
+    if args.wake:
+        import wake_bench
+
+        wake_bench.run(args.wake, args.backend, args.nodes, args.repeat, args.wake_lead, args.wake_slots)
         return
 
     def on_term(signum: int, frame: Any) -> None:
