@@ -27,13 +27,11 @@ import argparse
 import atexit
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from children import LIVE, REPO, child_env, cleanup_all, free_port, mkdtemp, stop
 
