@@ -118,3 +118,29 @@ def serve_worker_until_stopped(worker: object) -> None:
             print("READY", flush=True)
 
     trio.run(run)
+
+
+def spawn_node(db: str, state_dir: Path, log: Path, *, node_id: str, extra: list[str] | None = None) -> str:
+    """A ``--dev`` node on ``db`` whose output goes to ``log`` (tracked); its URL once ready."""
+    import sys
+    import time
+
+    import httpx
+
+    port = free_port()
+    argv = [sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port), "--node-id", node_id,
+            "--state-dir", str(state_dir), "--log-level", "WARNING", "--db", db, *(extra or [])]
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(argv, env=child_env(), cwd=REPO, stdout=fh, stderr=subprocess.STDOUT)
+    LIVE.append(proc)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        if proc.poll() is not None:
+            raise SystemExit(f"node {node_id} exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(url + "/readyz").status_code == 200:
+                return url
+        except httpx.TransportError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"node {node_id} did not become ready; see {log}")

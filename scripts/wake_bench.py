@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from children import LIVE, REPO, child_env, cleanup_all, free_port, mkdtemp, stop
+from children import LIVE, REPO, child_env, cleanup_all, mkdtemp, spawn_node, stop
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -93,22 +93,7 @@ def _notes(outs: list[Path]) -> dict[str, dict[str, float]]:
 
 
 def _start_node(db: str, tmp: Path, k: int) -> str:
-    import httpx
-
-    port = free_port()
-    argv = [sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port), "--node-id", f"node-{k}",
-            "--state-dir", str(tmp / f"state{k}"), "--log-level", "WARNING", "--db", db]
-    with open(tmp / f"node{k}.log", "wb") as log:
-        LIVE.append(subprocess.Popen(argv, env=child_env(), cwd=REPO, stdout=log, stderr=subprocess.STDOUT))
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/readyz").status_code == 200:
-                return url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"node {k} did not become ready; see {tmp / f'node{k}.log'}")
+    return spawn_node(db, tmp / f"state{k}", tmp / f"node{k}.log", node_id=f"node-{k}")
 
 
 def _start_worker(url: str, out: Path, slots: int) -> None:
