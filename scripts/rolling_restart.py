@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from children import LIVE, REPO, child_env, cleanup_all, mkdtemp, spawn_node, stop
+from children import LIVE, REPO, TEMPS, child_env, cleanup_all, mkdtemp, spawn_node, stop
 
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
@@ -92,7 +92,7 @@ def worker_main(url: str, out: str, slots: int, work_ms: float) -> None:
             try:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(worker.run)
-                    print("READY", flush=True)
+                    print(f"READY {worker.session_id}", flush=True)
 
                     async def flusher() -> None:
                         while True:
@@ -114,6 +114,7 @@ def worker_main(url: str, out: str, slots: int, work_ms: float) -> None:
 class Worker:
     def __init__(self, url: str, tmp: Path, name: str, args: argparse.Namespace) -> None:
         self.out = tmp / f"{name}.jsonl"
+        self.session = ""
         argv = [sys.executable, str(Path(__file__).resolve()), "--worker", url, "--out", str(self.out),
                 "--slots", str(args.slots), "--work-ms", str(args.work_ms)]
         with open(tmp / f"{name}.log", "wb") as log:
@@ -122,8 +123,10 @@ class Worker:
 
     def wait_ready(self) -> None:
         assert self.proc.stdout is not None
-        if self.proc.stdout.readline().strip() != b"READY":
+        line = self.proc.stdout.readline().decode().split()
+        if not line or line[0] != "READY":
             raise SystemExit(f"worker {self.proc.pid} did not start")
+        self.session = line[1]
 
 
 class Load(threading.Thread):
@@ -167,13 +170,16 @@ def pct(values: list[float], p: float) -> float:
     return s[max(0, min(len(s) - 1, math.ceil(p / 100.0 * len(s)) - 1))]
 
 
-def restart_all(url: str, tmp: Path, workers: list[Worker], args: argparse.Namespace) -> list[int]:
-    """One worker at a time: SIGTERM the old, start the replacement; returns old exit codes."""
+def restart_all(url: str, tmp: Path, workers: list[Worker], args: argparse.Namespace,
+                drained: set[str]) -> list[int]:
+    """One worker at a time: SIGTERM the old, start the replacement; returns old exit codes
+    (``drained`` gets the old workers' session ids)."""
     codes = []
     for k in range(args.rounds * len(workers)):
         i = k % len(workers)
         old = workers[i]
         old.proc.send_signal(signal.SIGTERM)
+        drained.add(old.session)
         new = Worker(url, tmp, f"worker{i}-{k}", args)
         new.wait_ready()
         codes.append(old.proc.wait(timeout=60))
@@ -183,7 +189,7 @@ def restart_all(url: str, tmp: Path, workers: list[Worker], args: argparse.Names
     return codes
 
 
-async def read_outcome(db: str) -> tuple[list[Any], list[Any]]:
+async def read_outcome(db: str) -> tuple[list[Any], list[Any], list[Any]]:
     from ironflow.store import open_store
 
     store = open_store(db)
@@ -191,9 +197,10 @@ async def read_outcome(db: str) -> tuple[list[Any], list[Any]]:
     try:
         runs = await store.list_runs(function_id="rolling", limit=10**7)
         nacks = await store.list_audit(type="capacity.job.nacked", limit=10**6)
+        lost = await store.list_audit(type="capacity.lease.expired", limit=10**6)
     finally:
         await store.close()
-    return runs, nacks
+    return runs, nacks, lost
 
 
 def report(args: argparse.Namespace, load: Load, runs: list[Any], nacks: list[Any],
@@ -239,6 +246,7 @@ def main() -> None:
     ap.add_argument("--after", type=float, default=5.0, help="seconds of load after the last restart")
     ap.add_argument("--rounds", type=int, default=1, help="restart every worker this many times")
     ap.add_argument("--db", default=None, help="a postgresql:// URL (default: SQLite in a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (node and worker logs)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -249,6 +257,9 @@ def main() -> None:
     import trio
 
     tmp = Path(mkdtemp("ifroll."))
+    if args.keep:
+        TEMPS.remove(str(tmp))
+        print(f"logs in {tmp}", file=sys.stderr)
     db = args.db or str(tmp / "ironflow.db")
     node = spawn_node(db, tmp / "state", tmp / "node.log", node_id="node")
     workers = [Worker(node, tmp, f"worker{i}", args) for i in range(args.workers)]
@@ -259,7 +270,8 @@ def main() -> None:
     load.start()
     time.sleep(args.before)
     r0 = time.time()
-    codes = restart_all(node, tmp, workers, args)
+    drained: set[str] = set()
+    codes = restart_all(node, tmp, workers, args, drained)
     r1 = time.time()
     outs = sorted(tmp.glob("worker*.jsonl"))
     time.sleep(args.after)
@@ -276,7 +288,7 @@ def main() -> None:
             time.sleep(0.1)
     for proc in list(LIVE):
         stop(proc)
-    runs, nacks = trio.run(read_outcome, db)
+    runs, nacks, lost = trio.run(read_outcome, db)
     starts: dict[str, list[tuple[float, int]]] = {}
     for out in outs:
         if out.exists():
@@ -284,6 +296,9 @@ def main() -> None:
                 note = json.loads(line)
                 starts.setdefault(note["run"], []).append((note["start"], note["pid"]))
     report(args, load, runs, nacks, starts, (t0, r0, r1), codes)
+    from_drained = sum(1 for a in lost if a.data.get("session_id") in drained)
+    print(f"  leases recovered (capacity.lease.expired): {len(lost)}, of them {from_drained} held by"
+          f" a drained worker's session")
 
 
 if __name__ == "__main__":

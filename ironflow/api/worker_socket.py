@@ -44,6 +44,8 @@ WS_INTERNAL_ERROR = 1011
 WS_CLOSE_TIMEOUT_S = 1.0
 # Frames read ahead of the session actor, and frames queued for the socket.
 INBOUND_BUFFER = 256
+# Bound on handing a closed socket's last frames to its session actor.
+LAST_FRAMES_TIMEOUT_S = 10.0
 OUTBOX_BUFFER = 1024
 
 
@@ -83,13 +85,26 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
     async def reader() -> None:
         # close() rather than `async with`: aclose() checkpoints, and a cancel
         # arriving there would swallow the _CloseSocket that explains the close.
+        held: list[WorkerMessage] = []  # read, not yet handed to the session actor
         try:
             while True:
                 data = await ws.receive()
                 if isinstance(data, bytes):
                     raise _CloseSocket(WS_UNSUPPORTED_DATA, "binary frames are not supported: send JSON text frames")
-                msg = _decode_worker_frame(data)
-                await inbound_send.send(msg)
+                held.append(_decode_worker_frame(data))
+                await inbound_send.send(held[0])
+                held.clear()
+        except trio.Cancelled:
+            # The peer closed: quart-trio cancels this handler as soon as it
+            # sees the disconnect, while frames that arrived before it may
+            # still be in hand or in quart's buffer (the session actor was
+            # behind). They are the worker's last words (a drained worker's
+            # results): hand them over too, or their leases would be recovered.
+            held += _frames_left_in(ws)
+            with trio.CancelScope(shield=True), trio.move_on_after(LAST_FRAMES_TIMEOUT_S):
+                for msg in held:
+                    await inbound_send.send(msg)
+            raise
         finally:
             inbound_send.close()
 
@@ -160,6 +175,30 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
                     await ws.close(WS_GOING_AWAY, "engine node stopping")
                 except Exception:
                     pass
+
+
+def _frames_left_in(ws: Any) -> list[WorkerMessage]:
+    """Text frames quart-trio received for ``ws`` that no one has read yet.
+
+    quart-trio queues received frames on a memory channel whose ``receive``
+    is the websocket's ``_receive`` (quart-trio 0.12); anything else yields
+    nothing. Frames that cannot be read are dropped (the socket is gone, so
+    there is no one left to tell).
+    """
+    channel = getattr(getattr(ws, "_receive", None), "__self__", None)
+    frames: list[WorkerMessage] = []
+    if not isinstance(channel, trio.MemoryReceiveChannel):
+        return frames
+    while True:
+        try:
+            data = channel.receive_nowait()
+        except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+            return frames
+        if isinstance(data, str):
+            try:
+                frames.append(_decode_worker_frame(data))
+            except _CloseSocket:
+                continue
 
 
 def _decode_worker_frame(data: str) -> WorkerMessage:
