@@ -446,14 +446,18 @@ class SqlStoreBase(Store):
         kicked = self._resolve_parent(tx, parent_run_id, parent_step_id, run_id, error=error)
         return CancelOutcome(run_id, session_id, node_id, job_id, kicked_run_ids=kicked)
 
-    def _insert_event(self, tx: Tx, name: str, data: Any, key: str | None = None) -> str:
-        event_id = new_id("evt")
+    @staticmethod
+    def _insert_event(
+        tx: Tx, event_id: str, name: str, data: Any, key: str | None, run_ids: list[str]
+    ) -> None:
+        """Record an event with the runs it started. Callers create the runs
+        first under a pre-made ``event_id`` (no foreign key ties them), so the
+        event is written once rather than inserted and then updated."""
         tx.execute(
-            "INSERT INTO events (id, name, data, idempotency_key, received_at)"
-            " VALUES (?, ?, ?, ?, ironflow_now())",
-            (event_id, name, _enc(data), key),
+            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids)"
+            " VALUES (?, ?, ?, ?, ironflow_now(), ?)",
+            (event_id, name, _enc(data), key, _enc(run_ids)),
         )
-        return event_id
 
     def _resume(self, tx: Tx, run_id: str) -> tuple[int, float] | None:
         """Queue a parked run's next segment now (reason 'resume'); None if not resumable."""

@@ -59,6 +59,42 @@ async def test_failing_request_does_not_poison_its_commit_group(tmp_path):
         await store.close()
 
 
+async def test_a_failing_request_loses_its_own_writes_and_its_group_keeps_theirs(tmp_path):
+    # The writer runs a group optimistically without savepoints; a failure
+    # must roll back only the failing request's writes, wherever it falls.
+    store = SqliteStore(str(tmp_path / "db"))
+    await store.open()
+    insert = "INSERT INTO audit_log (id, at, type, data) VALUES (?, 0, 'test', '{}')"
+
+    def good(i: int):
+        return lambda tx: tx.execute(insert, (f"good{i}",))
+
+    def bad(i: int):
+        def work(tx):
+            tx.execute(insert, (f"bad{i}",))
+            raise RuntimeError("boom")
+
+        return work
+
+    failures: list[BaseException] = []
+
+    async def call(work) -> None:
+        try:
+            await store._transact(work)
+        except RuntimeError as exc:
+            failures.append(exc)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(60):
+                nursery.start_soon(call, bad(i) if i % 3 == 1 else good(i))
+        ids = await store._transact(lambda tx: [r[0] for r in tx.fetchall("SELECT id FROM audit_log")])
+        assert len(failures) == 20
+        assert sorted(ids) == sorted(f"good{i}" for i in range(60) if i % 3 != 1)
+    finally:
+        await store.close()
+
+
 async def test_memory_path_uses_a_temporary_file():
     stores = [open_store(":memory:"), open_store("sqlite:///:memory:")]
     paths = [Path(s.path) for s in stores]  # type: ignore[attr-defined]
