@@ -37,7 +37,7 @@ from ironflow.protocol import (
     job_id_for,
     lookup_path,
 )
-from ironflow.store.base import CancelOutcome, Store
+from ironflow.store.base import CancelOutcome, RecoveredSegment, Store
 
 T = TypeVar("T")
 
@@ -107,6 +107,9 @@ class Tx(Protocol):
     def lock_wait(self) -> str:
         """``FOR UPDATE`` (waits for a concurrent holder) on PostgreSQL, ``""`` on SQLite."""
 
+    def runs_ended(self, run_ids: list[str]) -> None:
+        """These runs end in this transaction: tell the other nodes at commit."""
+
     def notify(self) -> None:
         """Tell every node's dispatcher, at commit, that queue rows became claimable."""
 
@@ -121,6 +124,11 @@ class Tx(Protocol):
 
 
 # ── small helpers ──────────────────────────────────────────────────────────
+
+
+def _exhausted(recovered: list[RecoveredSegment]) -> list[str]:
+    """The runs a recovery ended (failed at the recovery ceiling)."""
+    return [seg.run_id for seg in recovered if seg.exhausted]
 
 
 def _where(filters: dict[str, Any]) -> tuple[str, list[Any]]:
@@ -278,6 +286,23 @@ class SqlStoreBase(Store):
         if wake_at is not None:
             for listener in self._wake_listeners:
                 listener(wake_at)
+
+    async def _transact_ending(self, work: Callable[[Tx], T], ended: Callable[[T], list[str]]) -> T:
+        """:meth:`_transact` for work that may end runs (``ended`` picks their ids
+        from its result): the transaction tells the other nodes
+        (:meth:`Tx.runs_ended`, a NOTIFY on PostgreSQL) and, after the commit,
+        this node's listeners hear them."""
+
+        def announcing(tx: Tx) -> T:
+            result = work(tx)
+            run_ids = ended(result)
+            if run_ids:
+                tx.runs_ended(run_ids)
+            return result
+
+        result = await self._transact(announcing)
+        self._announce_ended(ended(result))
+        return result
 
     def _announce_ended(self, run_ids: list[str]) -> None:
         if run_ids:

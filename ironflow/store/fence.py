@@ -240,9 +240,7 @@ class FenceOps(SqlStoreBase):
                 fence.run_id, "completed", kicked_run_ids=kicked, function_id=row[2], duration_s=row[3]
             )
 
-        outcome = await self._transact(work)
-        self._announce_ended([fence.run_id])
-        return outcome
+        return await self._transact_ending(work, lambda _: [fence.run_id])
 
     async def fail_job(self, fence: Fence, error: ErrorInfo) -> JobOutcome:
         def work(tx: Tx) -> JobOutcome:
@@ -285,10 +283,9 @@ class FenceOps(SqlStoreBase):
                 function_id=ended[0], duration_s=ended[1],
             )
 
-        outcome = await self._transact(work)
-        if outcome.status == "failed":
-            self._announce_ended([fence.run_id])
-        return outcome
+        return await self._transact_ending(
+            work, lambda outcome: [fence.run_id] if outcome.status == "failed" else []
+        )
 
     async def yield_job(
         self, fence: Fence, *, step_id: str, name: str, info: YieldInfo

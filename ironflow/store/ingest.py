@@ -153,6 +153,4 @@ class IngestOps(SqlStoreBase):
             self._audit_if_enabled(tx, "run.cancelled", run_id, {"reason": reason})
             return outcome
 
-        outcome = await self._transact(work)
-        self._announce_ended([run_id])
-        return outcome
+        return await self._transact_ending(work, lambda _: [run_id])

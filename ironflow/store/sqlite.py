@@ -71,6 +71,9 @@ class _SqliteTx:
     def notify(self) -> None:
         pass  # one node per SQLite file: local kicks already cover it
 
+    def runs_ended(self, run_ids: list[str]) -> None:
+        pass  # one node per SQLite file: its own listeners hear every run end
+
     def advisory_lock(self, key: str) -> None:
         pass
 
