@@ -439,6 +439,8 @@ class PostgresStore(SqlStore):
     group-commit this node's store calls.
     """
 
+    shared_by_nodes = True
+
     def __init__(self, url: str, *, connections: int = ACTOR_CONNECTIONS) -> None:
         super().__init__()
         self.url = url.replace("postgres://", "postgresql://", 1)
