@@ -272,6 +272,12 @@ class SqlStoreBase(Store):
     async def _transact(self, work: Callable[[Tx], T]) -> T:
         """Run ``work(tx)`` as one transaction and return its result (or raise)."""
 
+    async def _read(self, work: Callable[[Tx], T]) -> T:
+        """Run read-only ``work(tx)`` and return its result. A backend may serve it
+        off the write path (SQLite: a pool of read connections); by default it is
+        a transaction like any other."""
+        return await self._transact(work)
+
     def on_runs_ended(self, listener: Callable[[list[str]], None]) -> None:
         """Call ``listener(run_ids)`` after each commit that ended runs (completed,
         failed, cancelled, timed out, exhausted) through this store object."""

@@ -1,7 +1,8 @@
 """The embedded backend: one SQLite file in WAL mode, one writer thread, group commit.
 
-Every request (read or write) is a closure queued to a single dedicated
-thread that owns the connection. The thread takes everything pending, runs it
+Every write request is a closure queued to a single dedicated thread that
+owns the write connection (reads that change nothing use a small pool of
+read connections beside it: WAL readers never block the writer). The thread takes everything pending, runs it
 in ONE ``BEGIN IMMEDIATE`` transaction with a SAVEPOINT per request (a failing
 request rolls back only its own work), commits once, then hands each result
 back to its Trio task with ``run_sync_soon``. The awaiting side waits shielded:
@@ -36,6 +37,11 @@ AUTO_VACUUM_INCREMENTAL = 2
 # Most requests one group commit takes: bounds the latency of the first
 # request in a burst while still amortising the fsync over many.
 MAX_GROUP = 256
+# Read connections (one thread each at most): reads (the API's, the
+# dashboard's) run beside the writer, never queued behind its groups. WAL lets
+# readers see the last commit without blocking it; more than a few would only
+# contend for the GIL.
+READERS = 4
 
 
 class _SqliteTx:
@@ -151,6 +157,8 @@ class SqliteStore(SqlStore):
         self._thread: threading.Thread | None = None
         self._inline = inline
         self._inline_conn: sqlite3.Connection | None = None
+        self._readers: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
+        self._reader_slots = trio.CapacityLimiter(READERS)
 
     def _db_clock(self) -> float:
         return self._clock() + self._skew
@@ -185,6 +193,11 @@ class SqliteStore(SqlStore):
             raise failure[0]
 
     async def close(self) -> None:
+        while True:
+            try:
+                self._readers.get_nowait().close()
+            except queue.Empty:
+                break
         if self._inline_conn is not None:
             self._inline_conn.close()
             self._inline_conn = None
@@ -329,6 +342,40 @@ class SqliteStore(SqlStore):
             results.append(result)
         conn.execute("COMMIT")
         return results
+
+    # the read connections ---------------------------------------------------------
+
+    def _reader(self) -> sqlite3.Connection:
+        """A read connection: query-only, with the store's clock."""
+        conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        conn.execute("PRAGMA query_only=ON")
+        conn.execute("PRAGMA busy_timeout=5000")
+        conn.create_function("ironflow_now", 0, self._db_clock)
+        return conn
+
+    def _read_in_thread(self, work: Callable[[Tx], T]) -> T:
+        try:
+            conn = self._readers.get_nowait()
+        except queue.Empty:
+            conn = self._reader()
+        try:
+            # One snapshot for every statement of the read (WAL: no writer waits).
+            conn.execute("BEGIN")
+            try:
+                return work(_SqliteTx(conn))
+            finally:
+                conn.execute("COMMIT")
+        finally:
+            self._readers.put(conn)
+
+    async def _read(self, work: Callable[[Tx], T]) -> T:
+        if self._inline_conn is not None:
+            return await self._transact(work)  # virtual-time tests: one connection
+        if self._thread is None:
+            raise RuntimeError("SqliteStore is not open")
+        return await trio.to_thread.run_sync(
+            self._read_in_thread, work, limiter=self._reader_slots
+        )
 
     # the Trio side ----------------------------------------------------------------
 

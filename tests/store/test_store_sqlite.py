@@ -218,3 +218,34 @@ def _page_count(path) -> int:
         return int(conn.execute("PRAGMA page_count").fetchone()[0])
     finally:
         conn.close()
+
+
+async def test_reads_are_served_beside_the_writer_not_queued_behind_it(tmp_path):
+    import time
+
+    store = SqliteStore(str(tmp_path / "db"))
+    await store.open()
+    try:
+        await store.register_worker(
+            node_id="n", worker_id="w", mode="stream", max_concurrent_jobs=1,
+            functions=[FunctionDef(id="f", triggers=[Trigger("e")])], session_expiry_s=60,
+        )
+        await store.ingest_event("e", {}, None, idempotency_window_s=1)
+        read_took: list[float] = []
+
+        async def slow_write() -> None:
+            await store._transact(lambda tx: time.sleep(1.0))  # holds the writer for 1 s
+
+        async def read() -> None:
+            await trio.sleep(0.1)  # the writer is busy by now
+            t0 = time.monotonic()
+            runs = await store.list_runs()
+            read_took.append(time.monotonic() - t0)
+            assert len(runs) == 1  # and it sees the last commit
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slow_write)
+            nursery.start_soon(read)
+        assert read_took[0] < 0.5
+    finally:
+        await store.close()
