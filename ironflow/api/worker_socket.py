@@ -25,9 +25,10 @@ from ironflow.protocol import (
     EngineMessage,
     JsonTooDeep,
     Refused,
+    Register,
     WorkerMessage,
     encoder,
-    worker_message_decoder,
+    worker_frame_decoder,
 )
 
 log = logging.getLogger("ironflow.api")
@@ -45,6 +46,8 @@ WS_CLOSE_TIMEOUT_S = 1.0
 # Frames read ahead of the session actor, and frames queued for the socket.
 INBOUND_BUFFER = 256
 OUTBOX_BUFFER = 1024
+# Most queued messages the writer puts in one batched frame.
+WRITE_BATCH = 256
 
 
 class _CloseSocket(Exception):
@@ -79,8 +82,11 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
     outbox_send, outbox_receive = trio.open_memory_channel[EngineMessage](OUTBOX_BUFFER)
     close_code, close_reason = 1000, ""
     refusal: Refused | None = None
+    # Whether the worker reads batched frames (its Register says so).
+    peer_batches = False
 
     async def reader() -> None:
+        nonlocal peer_batches
         # close() rather than `async with`: aclose() checkpoints, and a cancel
         # arriving there would swallow the _CloseSocket that explains the close.
         try:
@@ -88,15 +94,24 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
                 data = await ws.receive()
                 if isinstance(data, bytes):
                     raise _CloseSocket(WS_UNSUPPORTED_DATA, "binary frames are not supported: send JSON text frames")
-                msg = _decode_worker_frame(data)
-                await inbound_send.send(msg)
+                for msg in _decode_worker_frame(data):
+                    if isinstance(msg, Register):
+                        peer_batches = msg.batch_frames
+                    await inbound_send.send(msg)
         finally:
             inbound_send.close()
 
     async def writer() -> None:
         try:
             async for msg in outbox_receive:
-                await ws.send(encoder.encode(msg).decode())
+                batch = [msg]
+                while peer_batches and len(batch) < WRITE_BATCH:
+                    try:
+                        batch.append(outbox_receive.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                frame = batch[0] if len(batch) == 1 else batch
+                await ws.send(encoder.encode(frame).decode())
         finally:
             # Later sends (dispatcher, session) fail fast instead of queueing
             # into a socket that is gone.
@@ -162,8 +177,9 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
                     pass
 
 
-def _decode_worker_frame(data: str) -> WorkerMessage:
-    """One worker frame, or :class:`_CloseSocket` saying why it cannot be read.
+def _decode_worker_frame(data: str) -> list[WorkerMessage]:
+    """The messages of one worker frame (one, or a batch), or
+    :class:`_CloseSocket` saying why it cannot be read.
 
     Malformed JSON is a protocol error (1002); well-formed JSON that is no
     valid message — an unknown type, a wrong field, a number out of bounds,
@@ -171,8 +187,8 @@ def _decode_worker_frame(data: str) -> WorkerMessage:
     first receives a ``Refused`` naming the problem.
     """
     try:
-        msg: WorkerMessage = decode_frame(data, worker_message_decoder)
-        return msg
+        frame: WorkerMessage | list[WorkerMessage] = decode_frame(data, worker_frame_decoder)
+        return frame if isinstance(frame, list) else [frame]
     except (msgspec.ValidationError, JsonTooDeep) as exc:  # ValidationError is a DecodeError
         code, message = WS_INVALID_PAYLOAD, f"invalid message: {exc}"
     except msgspec.DecodeError as exc:
