@@ -301,7 +301,12 @@ async def run(
     session_id = info.session_id
     try:
         await outbox.send(
-            Registered(session_id, int(t.heartbeat_interval_s * 1000), int(t.lease_expiry_s * 1000))
+            Registered(
+                session_id,
+                int(t.heartbeat_interval_s * 1000),
+                int(t.lease_expiry_s * 1000),
+                batch_frames=True,  # the socket's reader takes batched frames
+            )
         )
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # gone already: the loop below sees the closed inbound and cleans up

@@ -51,7 +51,7 @@ from actors.directory import SessionDirectory
 from actors.messages import Kick
 from actors.supervisor import Supervisor
 from ironflow import hypercorn_patch, logs
-from ironflow.api import ApiDeps, create_app
+from ironflow.api import ApiDeps, HotRoutes, create_app
 from ironflow.config import NodeConfig, redact_url
 from ironflow.ids import new_id
 from ironflow.store import Store, open_store
@@ -145,7 +145,7 @@ class Node:
                     self.shutdown_requested,
                     drained,
                 )
-                app = create_app(
+                app = HotRoutes(create_app(
                     ApiDeps(
                         store=store,
                         config=config,
@@ -155,7 +155,7 @@ class Node:
                         shutdown_requested=self.shutdown_requested,
                         ready=self.ready,
                     )
-                )
+                ))
                 hypercorn_patch.apply()
                 hcfg = HypercornConfig()
                 hcfg.bind = [f"{config.host}:{config.port}"]

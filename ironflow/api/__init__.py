@@ -13,7 +13,8 @@ One module per surface, each handler a named function of a few lines
 - ``pull``: the pull-worker long-poll endpoints;
 - ``worker_socket``: the streaming-worker websocket ``/v1/worker``;
 - ``auth`` (who is calling), ``errors`` (bodies in, error answers out),
-  ``state`` (the node's dependencies), ``app`` (assembly).
+  ``state`` (the node's dependencies), ``app`` (assembly);
+- ``hot``: ``POST /v1/events`` served on ASGI ahead of the framework (why: there).
 
 The bodies and records are the typed contract in ``ironflow.protocol.http``;
 see ``docs/http-api.md``.
@@ -22,6 +23,7 @@ see ``docs/http-api.md``.
 from __future__ import annotations
 
 from ironflow.api.app import create_app
+from ironflow.api.hot import HotRoutes
 from ironflow.api.state import ApiDeps
 
-__all__ = ["ApiDeps", "create_app"]
+__all__ = ["ApiDeps", "HotRoutes", "create_app"]

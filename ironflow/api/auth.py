@@ -10,7 +10,7 @@ from typing import Any
 from quart import request
 
 from ironflow.api.errors import fail
-from ironflow.api.state import state
+from ironflow.api.state import ApiState, state
 from ironflow.store import Principal
 
 # How long a verified API key is trusted without asking the database again.
@@ -19,11 +19,14 @@ AUTH_CACHE_S = 30.0
 PLATFORM_ADMIN_ROLES = frozenset({"admin", "platform_admin"})
 
 
-async def principal(headers: Any = None) -> Principal | None:
+async def principal(headers: Any = None, st: ApiState | None = None) -> Principal | None:
     """The caller's principal from ``Authorization: Bearer <key>``; None without one.
 
-    A malformed header or an unknown key is a 401.
+    ``headers`` and ``st`` default to the current request's and app's (the
+    framework-free hot path passes its own). A malformed header or an unknown
+    key is a 401.
     """
+    st = st or state()
     header = (headers if headers is not None else request.headers).get("Authorization", "")
     if not header:
         return None
@@ -31,22 +34,23 @@ async def principal(headers: Any = None) -> Principal | None:
     key = key.strip()
     if scheme.lower() != "bearer" or not key:
         fail(401, "UNAUTHORIZED", "Authorization header must be 'Bearer <key>'")
-    cache = state().auth_cache
+    cache = st.auth_cache
     digest = hashlib.sha256(key.encode()).hexdigest()
     cached = cache.get(digest)
     if cached is not None and cached[0] > time.monotonic():
         return cached[1]
-    found = await state().store.authenticate(key)
+    found = await st.store.authenticate(key)
     if found is None:
         fail(401, "UNAUTHORIZED", "invalid API key")
     cache[digest] = (time.monotonic() + AUTH_CACHE_S, found)
     return found
 
 
-async def require_org(headers: Any = None) -> Principal | None:
+async def require_org(headers: Any = None, st: ApiState | None = None) -> Principal | None:
     """Any valid key; none at all only on a ``--dev`` node."""
-    found = await principal(headers)
-    if found is None and not state().config.dev:
+    st = st or state()
+    found = await principal(headers, st)
+    if found is None and not st.config.dev:
         fail(401, "UNAUTHORIZED", "an API key is required (Authorization: Bearer ifkey_…)")
     return found
 

@@ -26,7 +26,7 @@ log = logging.getLogger("ironflow.api")
 T = TypeVar("T")
 
 # HTTP status of each store error code; anything else a store raises is a 400.
-_STATUS_FOR_CODE = {
+STATUS_FOR_CODE = {
     "STALE_EXECUTION": 409,
     "CONFLICT": 409,
     "NOT_FOUND": 404,
@@ -134,7 +134,7 @@ async def _on_api_failure(exc: ApiFailure) -> Response:
 
 
 async def _on_store_error(exc: StoreError) -> Response:
-    return error_response(_STATUS_FOR_CODE.get(exc.code, 400), exc.code, str(exc) or exc.code)
+    return error_response(STATUS_FOR_CODE.get(exc.code, 400), exc.code, str(exc) or exc.code)
 
 
 async def _on_websocket_mismatch(_: Any) -> Response:

@@ -10,7 +10,7 @@ from actors.messages import kick
 from ironflow import logs, metrics
 from ironflow.api.auth import require_org
 from ironflow.api.errors import decode, json_response
-from ironflow.api.state import state
+from ironflow.api.state import ApiState, state
 from ironflow.protocol import EmitBatchRequest, EmitBatchResponse, EmitRequest, EmitResponse
 
 log = logging.getLogger("ironflow.api")
@@ -20,8 +20,15 @@ bp = Blueprint("events", __name__)
 @bp.post("/v1/events")
 async def emit() -> Response:
     await require_org()
-    body = decode(await request.get_data(), EmitRequest)
-    st = state()
+    answer, status = await ingest_one(state(), await request.get_data())
+    return json_response(answer, status)
+
+
+async def ingest_one(st: ApiState, raw: bytes | str) -> tuple[EmitResponse, int]:
+    """One emit: decode the body, ingest it, kick the dispatcher; the answer and
+    its status (201 new, 200 a duplicate inside the idempotency window).
+    Shared by the route above and the framework-free hot path (``hot``)."""
+    body = decode(raw, EmitRequest)
     result = await st.store.ingest_event(
         body.name, body.data, body.idempotency_key, idempotency_window_s=st.config.idempotency_window_s
     )
@@ -35,7 +42,7 @@ async def emit() -> Response:
         event_id=result.event_id, runs=len(result.run_ids), duplicate=result.duplicate,
     )
     answer = EmitResponse(result.event_id, result.run_ids, result.duplicate)
-    return json_response(answer, 200 if result.duplicate else 201)
+    return answer, 200 if result.duplicate else 201
 
 
 @bp.post("/v1/events/batch")

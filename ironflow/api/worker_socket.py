@@ -25,9 +25,10 @@ from ironflow.protocol import (
     EngineMessage,
     JsonTooDeep,
     Refused,
+    Register,
     WorkerMessage,
     encoder,
-    worker_message_decoder,
+    worker_frame_decoder,
 )
 
 log = logging.getLogger("ironflow.api")
@@ -47,6 +48,8 @@ INBOUND_BUFFER = 256
 # Bound on handing a closed socket's last frames to its session actor.
 LAST_FRAMES_TIMEOUT_S = 10.0
 OUTBOX_BUFFER = 1024
+# Most queued messages the writer puts in one batched frame.
+WRITE_BATCH = 256
 
 
 class _CloseSocket(Exception):
@@ -81,8 +84,11 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
     outbox_send, outbox_receive = trio.open_memory_channel[EngineMessage](OUTBOX_BUFFER)
     close_code, close_reason = 1000, ""
     refusal: Refused | None = None
+    # Whether the worker reads batched frames (its Register says so).
+    peer_batches = False
 
     async def reader() -> None:
+        nonlocal peer_batches
         # close() rather than `async with`: aclose() checkpoints, and a cancel
         # arriving there would swallow the _CloseSocket that explains the close.
         held: list[WorkerMessage] = []  # read, not yet handed to the session actor
@@ -91,9 +97,12 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
                 data = await ws.receive()
                 if isinstance(data, bytes):
                     raise _CloseSocket(WS_UNSUPPORTED_DATA, "binary frames are not supported: send JSON text frames")
-                held.append(_decode_worker_frame(data))
-                await inbound_send.send(held[0])
-                held.clear()
+                held += _decode_worker_frame(data)
+                while held:
+                    if isinstance(held[0], Register):
+                        peer_batches = held[0].batch_frames
+                    await inbound_send.send(held[0])
+                    del held[0]
         except trio.Cancelled:
             # The peer closed: quart-trio cancels this handler as soon as it
             # sees the disconnect, while frames that arrived before it may
@@ -111,7 +120,14 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
     async def writer() -> None:
         try:
             async for msg in outbox_receive:
-                await ws.send(encoder.encode(msg).decode())
+                batch = [msg]
+                while peer_batches and len(batch) < WRITE_BATCH:
+                    try:
+                        batch.append(outbox_receive.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                frame = batch[0] if len(batch) == 1 else batch
+                await ws.send(encoder.encode(frame).decode())
         finally:
             # Later sends (dispatcher, session) fail fast instead of queueing
             # into a socket that is gone.
@@ -178,7 +194,7 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
 
 
 def _frames_left_in(ws: Any) -> list[WorkerMessage]:
-    """Text frames quart-trio received for ``ws`` that no one has read yet.
+    """Messages of the text frames quart-trio received for ``ws`` that no one has read yet.
 
     quart-trio queues received frames on a memory channel whose ``receive``
     is the websocket's ``_receive`` (quart-trio 0.12); anything else yields
@@ -186,23 +202,24 @@ def _frames_left_in(ws: Any) -> list[WorkerMessage]:
     there is no one left to tell).
     """
     channel = getattr(getattr(ws, "_receive", None), "__self__", None)
-    frames: list[WorkerMessage] = []
+    messages: list[WorkerMessage] = []
     if not isinstance(channel, trio.MemoryReceiveChannel):
-        return frames
+        return messages
     while True:
         try:
             data = channel.receive_nowait()
         except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
-            return frames
+            return messages
         if isinstance(data, str):
             try:
-                frames.append(_decode_worker_frame(data))
+                messages += _decode_worker_frame(data)
             except _CloseSocket:
                 continue
 
 
-def _decode_worker_frame(data: str) -> WorkerMessage:
-    """One worker frame, or :class:`_CloseSocket` saying why it cannot be read.
+def _decode_worker_frame(data: str) -> list[WorkerMessage]:
+    """The messages of one worker frame (one, or a batch), or
+    :class:`_CloseSocket` saying why it cannot be read.
 
     Malformed JSON is a protocol error (1002); well-formed JSON that is no
     valid message — an unknown type, a wrong field, a number out of bounds,
@@ -210,8 +227,8 @@ def _decode_worker_frame(data: str) -> WorkerMessage:
     first receives a ``Refused`` naming the problem.
     """
     try:
-        msg: WorkerMessage = decode_frame(data, worker_message_decoder)
-        return msg
+        frame: WorkerMessage | list[WorkerMessage] = decode_frame(data, worker_frame_decoder)
+        return frame if isinstance(frame, list) else [frame]
     except (msgspec.ValidationError, JsonTooDeep) as exc:  # ValidationError is a DecodeError
         code, message = WS_INVALID_PAYLOAD, f"invalid message: {exc}"
     except msgspec.DecodeError as exc:

@@ -122,9 +122,11 @@ from ironflow.protocol.worker import (
     WorkerMessage,
     YieldInfo,
     encoder,
+    engine_frame_decoder,
     engine_message_decoder,
     job_id_for,
     lookup_path,
+    worker_frame_decoder,
     worker_message_decoder,
 )
 
@@ -232,8 +234,10 @@ __all__ = [
     "YieldInfo",
     "check_json_depth",
     "encoder",
+    "engine_frame_decoder",
     "engine_message_decoder",
     "job_id_for",
     "lookup_path",
+    "worker_frame_decoder",
     "worker_message_decoder",
 ]

@@ -156,6 +156,8 @@ class Register(msgspec.Struct, frozen=True, tag="register", forbid_unknown_field
     max_concurrent_jobs: Annotated[int, Meta(ge=1, le=MAX_SLOTS_HARD)] = 10
     sdk_version: Annotated[str, Meta(max_length=64)] = SDK_VERSION
     hostname: Annotated[str, Meta(max_length=256)] = ""
+    # The worker reads a frame that holds a JSON array of engine messages.
+    batch_frames: bool = False
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -247,6 +249,8 @@ class Registered(msgspec.Struct, frozen=True, tag="registered"):
     heartbeat_interval_ms: int
     lease_expiry_ms: int
     session_secret: str | None = None
+    # The engine reads a frame that holds a JSON array of worker messages.
+    batch_frames: bool = False
 
 
 class JobAssignment(msgspec.Struct, frozen=True, tag="job"):
@@ -319,6 +323,21 @@ def lookup_path(data: Any, path: str) -> Any:
 encoder = msgspec.json.Encoder()
 worker_message_decoder = msgspec.json.Decoder(WorkerMessage)
 engine_message_decoder = msgspec.json.Decoder(EngineMessage)
+
+# Most messages one batched frame may carry (the frame size limit also holds).
+MAX_BATCH_MESSAGES = 4096
+# A websocket frame: one message, or — once the peer said it reads them
+# (``Register.batch_frames`` / ``Registered.batch_frames``) — a JSON array of
+# messages, applied in order. Under load a sender writes everything queued in
+# one frame: one send and one parse instead of one per message.
+WorkerFrame = (
+    WorkerMessage | Annotated[list[WorkerMessage], Meta(min_length=1, max_length=MAX_BATCH_MESSAGES)]
+)
+EngineFrame = (
+    EngineMessage | Annotated[list[EngineMessage], Meta(min_length=1, max_length=MAX_BATCH_MESSAGES)]
+)
+worker_frame_decoder = msgspec.json.Decoder(WorkerFrame)
+engine_frame_decoder = msgspec.json.Decoder(EngineFrame)
 
 
 def job_id_for(run_id: str, execution_seq: int) -> str:

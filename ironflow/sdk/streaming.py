@@ -33,6 +33,7 @@ from ironflow.protocol import (
     Registered,
     Shutdown,
     encoder,
+    engine_frame_decoder,
     engine_message_decoder,
 )
 from ironflow.sdk.context import JobState
@@ -43,6 +44,8 @@ from ironflow.sdk.lifecycle import WorkerLifecycle
 # The reference SDKs hold 256 queued messages per connection; more means the
 # socket is not keeping up and backpressure on the jobs is the right answer.
 OUTBOX_SIZE = 256
+# Most queued messages the writer puts in one batched frame.
+WRITE_BATCH = 256
 # Frames the websocket library buffers before it stops reading the socket.
 RECEIVE_QUEUE_SIZE = 64
 # Bound on the close handshake when a connection ends other than by a drain
@@ -136,6 +139,8 @@ class StreamingWorker(WorkerLifecycle):
         # when a drain's deadline leaves no time to close politely.
         self._connection_scope: trio.CancelScope | None = None
         self._outbox: trio.MemorySendChannel[Any] | None = None
+        # Whether the engine reads batched frames (its Registered says so).
+        self._engine_batches = False
 
     # ── public control ───────────────────────────────────────────────────
 
@@ -226,6 +231,7 @@ class StreamingWorker(WorkerLifecycle):
             functions=[f.definition for f in self.functions.values()],
             max_concurrent_jobs=self.max_concurrent_jobs,
             hostname=socket.gethostname(),
+            batch_frames=True,
         )
         await ws.send_message(encoder.encode(register).decode())
         first = engine_message_decoder.decode(await ws.get_message())
@@ -236,6 +242,7 @@ class StreamingWorker(WorkerLifecycle):
         if not isinstance(first, Registered):
             raise IronflowError(f"expected 'registered', got {type(first).__name__}")
         self.session_id = first.session_id
+        self._engine_batches = first.batch_frames
         interval = self.heartbeat_interval or first.heartbeat_interval_ms / 1000.0
         send, recv = trio.open_memory_channel[Any](OUTBOX_SIZE)
         reporter = _OutboxReporter(send)
@@ -271,17 +278,31 @@ class StreamingWorker(WorkerLifecycle):
     async def _writer(
         self, ws: Any, recv: trio.MemoryReceiveChannel[Any], scope: trio.CancelScope
     ) -> None:
-        """The only task that writes the socket: one frame per queued message."""
+        """The only task that writes the socket. Everything queued goes out in one
+        frame when the engine reads batches (``Registered.batch_frames``), else
+        one frame per message; a close ends the batch before it."""
+        limit = WRITE_BATCH if self._engine_batches else 1
         try:
-            async for msg in recv:
-                if msg is _CLOSE:
+            async for first in recv:
+                batch = [first]
+                while batch[-1] is not _CLOSE and len(batch) < limit:
+                    try:
+                        batch.append(recv.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                closing = batch[-1] is _CLOSE
+                if closing:
+                    batch.pop()
+                if batch:
+                    messages = [m.message if isinstance(m, _Flushed) else m for m in batch]
+                    frame = messages[0] if len(messages) == 1 else messages
+                    await ws.send_message(encoder.encode(frame).decode())
+                    for m in batch:
+                        if isinstance(m, _Flushed):
+                            m.written.set()
+                if closing:
                     await ws.aclose(1000)
                     break
-                if isinstance(msg, _Flushed):
-                    await ws.send_message(encoder.encode(msg.message).decode())
-                    msg.written.set()
-                    continue
-                await ws.send_message(encoder.encode(msg).decode())
         except ConnectionClosed:
             pass
         scope.cancel()
@@ -322,50 +343,61 @@ class StreamingWorker(WorkerLifecycle):
                     _log.warning("Engine closed the connection: %s", exc.reason)
                 return
             try:
-                msg = engine_message_decoder.decode(text)
+                frame = engine_frame_decoder.decode(text)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 _log.warning("Ignoring a bad frame from the engine: %s", exc)
                 continue
-            if isinstance(msg, JobAssignment):
-                await self._on_assignment(msg, send, reporter, nursery)
-            elif isinstance(msg, LeaseStatus):
-                for js in msg.jobs:
-                    if js.state in ("STALE", "UNKNOWN"):
-                        job = self._jobs.get(js.job_id)
-                        if job is not None and job.assignment.execution_seq == js.execution_seq:
-                            _log.warning(
-                                "Lease lost; abandoning job",
-                                extra=_fields(
-                                    run_id=js.run_id,
-                                    execution_seq=js.execution_seq,
-                                    state=js.state,
-                                ),
-                            )
-                            job.abandon()
-            elif isinstance(msg, Cancel):
-                job = self._jobs.get(msg.job_id)
-                if job is not None:
-                    _log.info(
-                        "Run cancelled; cancelling job",
-                        extra=_fields(run_id=msg.run_id, reason=msg.reason),
-                    )
-                    job.abandon()
-            elif isinstance(msg, Refused):
-                job = self._jobs.get(msg.job_id) if msg.job_id else None
-                if job is not None:
-                    _log.warning(
-                        "Engine refused a message; abandoning job",
-                        extra=_fields(run_id=msg.run_id, code=msg.code),
-                    )
-                    job.abandon()
-                else:
-                    _log.warning("Engine refused a message: %s: %s", msg.code, msg.message)
-            elif isinstance(msg, Shutdown):
-                _log.info("Engine asked to shut down: %s", msg.reason)
-                timeout = (
-                    msg.drain_timeout_ms / 1000.0 if msg.drain_timeout_ms > 0 else self.drain_timeout
+            for msg in frame if isinstance(frame, list) else [frame]:
+                await self._on_engine_message(msg, send, reporter, nursery)
+
+    async def _on_engine_message(
+        self,
+        msg: Any,
+        send: trio.MemorySendChannel[Any],
+        reporter: _OutboxReporter,
+        nursery: trio.Nursery,
+    ) -> None:
+        """Apply one engine message (frames are applied in order)."""
+        if isinstance(msg, JobAssignment):
+            await self._on_assignment(msg, send, reporter, nursery)
+        elif isinstance(msg, LeaseStatus):
+            for js in msg.jobs:
+                if js.state in ("STALE", "UNKNOWN"):
+                    job = self._jobs.get(js.job_id)
+                    if job is not None and job.assignment.execution_seq == js.execution_seq:
+                        _log.warning(
+                            "Lease lost; abandoning job",
+                            extra=_fields(
+                                run_id=js.run_id,
+                                execution_seq=js.execution_seq,
+                                state=js.state,
+                            ),
+                        )
+                        job.abandon()
+        elif isinstance(msg, Cancel):
+            job = self._jobs.get(msg.job_id)
+            if job is not None:
+                _log.info(
+                    "Run cancelled; cancelling job",
+                    extra=_fields(run_id=msg.run_id, reason=msg.reason),
                 )
-                self._begin_drain(timeout)
+                job.abandon()
+        elif isinstance(msg, Refused):
+            job = self._jobs.get(msg.job_id) if msg.job_id else None
+            if job is not None:
+                _log.warning(
+                    "Engine refused a message; abandoning job",
+                    extra=_fields(run_id=msg.run_id, code=msg.code),
+                )
+                job.abandon()
+            else:
+                _log.warning("Engine refused a message: %s: %s", msg.code, msg.message)
+        elif isinstance(msg, Shutdown):
+            _log.info("Engine asked to shut down: %s", msg.reason)
+            timeout = (
+                msg.drain_timeout_ms / 1000.0 if msg.drain_timeout_ms > 0 else self.drain_timeout
+            )
+            self._begin_drain(timeout)
 
     async def _on_assignment(
         self,

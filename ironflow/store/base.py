@@ -211,6 +211,11 @@ class Principal(msgspec.Struct, frozen=True):
 class Store(abc.ABC):
     """Engine state. Async methods are safe to call from many Trio tasks at once."""
 
+    # Whether several nodes may share this database (PostgreSQL) or one node
+    # owns it (SQLite): a node-wide record nobody else reads is then not kept
+    # fresh, so an idle node writes nothing.
+    shared_by_nodes: bool = False
+
     # lifecycle ------------------------------------------------------------
 
     @abc.abstractmethod

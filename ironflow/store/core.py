@@ -37,7 +37,7 @@ from ironflow.protocol import (
     job_id_for,
     lookup_path,
 )
-from ironflow.store.base import CancelOutcome, Store
+from ironflow.store.base import CancelOutcome, RecoveredSegment, Store
 
 T = TypeVar("T")
 
@@ -107,6 +107,9 @@ class Tx(Protocol):
     def lock_wait(self) -> str:
         """``FOR UPDATE`` (waits for a concurrent holder) on PostgreSQL, ``""`` on SQLite."""
 
+    def runs_ended(self, run_ids: list[str]) -> None:
+        """These runs end in this transaction: tell the other nodes at commit."""
+
     def notify(self) -> None:
         """Tell every node's dispatcher, at commit, that queue rows became claimable."""
 
@@ -121,6 +124,11 @@ class Tx(Protocol):
 
 
 # ── small helpers ──────────────────────────────────────────────────────────
+
+
+def _exhausted(recovered: list[RecoveredSegment]) -> list[str]:
+    """The runs a recovery ended (failed at the recovery ceiling)."""
+    return [seg.run_id for seg in recovered if seg.exhausted]
 
 
 def _where(filters: dict[str, Any]) -> tuple[str, list[Any]]:
@@ -264,6 +272,12 @@ class SqlStoreBase(Store):
     async def _transact(self, work: Callable[[Tx], T]) -> T:
         """Run ``work(tx)`` as one transaction and return its result (or raise)."""
 
+    async def _read(self, work: Callable[[Tx], T]) -> T:
+        """Run read-only ``work(tx)`` and return its result. A backend may serve it
+        off the write path (SQLite: a pool of read connections); by default it is
+        a transaction like any other."""
+        return await self._transact(work)
+
     def on_runs_ended(self, listener: Callable[[list[str]], None]) -> None:
         """Call ``listener(run_ids)`` after each commit that ended runs (completed,
         failed, cancelled, timed out, exhausted) through this store object."""
@@ -278,6 +292,23 @@ class SqlStoreBase(Store):
         if wake_at is not None:
             for listener in self._wake_listeners:
                 listener(wake_at)
+
+    async def _transact_ending(self, work: Callable[[Tx], T], ended: Callable[[T], list[str]]) -> T:
+        """:meth:`_transact` for work that may end runs (``ended`` picks their ids
+        from its result): the transaction tells the other nodes
+        (:meth:`Tx.runs_ended`, a NOTIFY on PostgreSQL) and, after the commit,
+        this node's listeners hear them."""
+
+        def announcing(tx: Tx) -> T:
+            result = work(tx)
+            run_ids = ended(result)
+            if run_ids:
+                tx.runs_ended(run_ids)
+            return result
+
+        result = await self._transact(announcing)
+        self._announce_ended(ended(result))
+        return result
 
     def _announce_ended(self, run_ids: list[str]) -> None:
         if run_ids:
@@ -446,14 +477,18 @@ class SqlStoreBase(Store):
         kicked = self._resolve_parent(tx, parent_run_id, parent_step_id, run_id, error=error)
         return CancelOutcome(run_id, session_id, node_id, job_id, kicked_run_ids=kicked)
 
-    def _insert_event(self, tx: Tx, name: str, data: Any, key: str | None = None) -> str:
-        event_id = new_id("evt")
+    @staticmethod
+    def _insert_event(
+        tx: Tx, event_id: str, name: str, data: Any, key: str | None, run_ids: list[str]
+    ) -> None:
+        """Record an event with the runs it started. Callers create the runs
+        first under a pre-made ``event_id`` (no foreign key ties them), so the
+        event is written once rather than inserted and then updated."""
         tx.execute(
-            "INSERT INTO events (id, name, data, idempotency_key, received_at)"
-            " VALUES (?, ?, ?, ?, ironflow_now())",
-            (event_id, name, _enc(data), key),
+            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids)"
+            " VALUES (?, ?, ?, ?, ironflow_now(), ?)",
+            (event_id, name, _enc(data), key, _enc(run_ids)),
         )
-        return event_id
 
     def _resume(self, tx: Tx, run_id: str) -> tuple[int, float] | None:
         """Queue a parked run's next segment now (reason 'resume'); None if not resumable."""

@@ -33,7 +33,7 @@ class EventReadOps(SqlStoreBase):
             )
             return [_event_record(r) for r in rows]
 
-        return await self._transact(work)
+        return await self._read(work)
 
     async def get_event(self, event_id: str) -> EventRecord:
         def work(tx: Tx) -> EventRecord:
@@ -42,7 +42,7 @@ class EventReadOps(SqlStoreBase):
                 raise NotFound(f"event {event_id} not found")
             return _event_record(row)
 
-        return await self._transact(work)
+        return await self._read(work)
 
     async def rerun(self, run_id: str) -> tuple[str, str]:
         def work(tx: Tx) -> tuple[str, str]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
+from ironflow.ids import new_id
 from ironflow.protocol import (
     ActiveJob,
     ErrorInfo,
@@ -54,6 +55,16 @@ EARLY_EVENT_LOOKBACK = 100
 # What a finished run reports for ironflow_run_duration_seconds: its function
 # and how long it took from its first segment's start (or creation) to its end.
 _RUN_FUNCTION_AND_DURATION = "function_id, ended_at - COALESCE(started_at, created_at)"
+
+# Whether the run's function records ordinary audit events, read in the same
+# statement that changes the run or its step: a hot-path transition costs no
+# separate audit statement when auditing is off (the common case).
+_AUDIT_FLAG = "(SELECT f.audit FROM functions f WHERE f.id = function_id)"
+# (for a step: its run's function id when that function audits, else NULL)
+_STEP_AUDITED_FUNCTION = (
+    "(SELECT f.id FROM runs r JOIN functions f ON f.id = r.function_id"
+    " WHERE r.id = steps.run_id AND f.audit = 1)"
+)
 
 
 class FenceOps(SqlStoreBase):
@@ -144,14 +155,18 @@ class FenceOps(SqlStoreBase):
                 "UPDATE runs SET status = 'running', started_at = coalesce(started_at,"
                 " ironflow_now()), deadline_at = coalesce(deadline_at, ironflow_now() + timeout_s),"
                 " updated_at = ironflow_now() WHERE id = ? RETURNING"
-                + _RUN_COLS.replace("r.", " "),
+                + _RUN_COLS.replace("r.", " ")
+                + f", {_AUDIT_FLAG}",
                 (fence.run_id,),
             )
             assert run is not None
-            self._audit_if_enabled(
-                tx, "run.started", fence.run_id, {"execution_seq": fence.execution_seq}
-            )
-            return _run_record(run)
+            record = _run_record(run)
+            if run[-1]:
+                self._audit(
+                    tx, "run.started", fence.run_id, record.function_id,
+                    {"execution_seq": fence.execution_seq},
+                )
+            return record
 
         return await self._transact(work)
 
@@ -170,7 +185,7 @@ class FenceOps(SqlStoreBase):
         err_text = None if error is None else _enc(error)
 
         def work(tx: Tx) -> None:
-            written = tx.execute(
+            written = tx.fetchone(
                 "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
                 " duration_ms, execution_seq, created_at, seq)"
                 " SELECT ?, ?, ?, 'run', ?, ?, ?, ?, ?, ironflow_now(), ?"
@@ -178,7 +193,8 @@ class FenceOps(SqlStoreBase):
                 " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
                 " output = excluded.output, error = excluded.error,"
                 " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
-                " WHERE steps.status <> 'completed'",
+                " WHERE steps.status <> 'completed'"
+                f" RETURNING {_STEP_AUDITED_FUNCTION}",
                 (
                     fence.run_id,
                     step_id,
@@ -192,15 +208,16 @@ class FenceOps(SqlStoreBase):
                     *self._fence_params(fence),
                 ),
             )
-            if not written:
+            if written is None:
                 if not self._fence_alive(tx, fence):
                     raise StaleExecution(
                         f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
                     )
                 return  # idempotent replay of a completed step
-            if status == "completed":
-                self._audit_if_enabled(
-                    tx, "step.completed", fence.run_id, {"step_id": step_id, "name": name}
+            if status == "completed" and written[0] is not None:
+                self._audit(
+                    tx, "step.completed", fence.run_id, written[0],
+                    {"step_id": step_id, "name": name},
                 )
 
         await self._transact(work)
@@ -211,31 +228,31 @@ class FenceOps(SqlStoreBase):
             row = tx.fetchone(
                 "UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
                 " updated_at = ironflow_now() WHERE id = ?"
-                f" RETURNING parent_run_id, parent_step_id, {_RUN_FUNCTION_AND_DURATION}",
+                f" RETURNING parent_run_id, parent_step_id, {_RUN_FUNCTION_AND_DURATION},"
+                f" {_AUDIT_FLAG}",
                 (_enc(output), fence.run_id),
             )
             assert row is not None
-            self._audit_if_enabled(tx, "run.completed", fence.run_id, {})
+            if row[4]:
+                self._audit(tx, "run.completed", fence.run_id, row[2], {})
             kicked = self._resolve_parent(tx, row[0], row[1], fence.run_id, output=output)
             return JobOutcome(
                 fence.run_id, "completed", kicked_run_ids=kicked, function_id=row[2], duration_s=row[3]
             )
 
-        outcome = await self._transact(work)
-        self._announce_ended([fence.run_id])
-        return outcome
+        return await self._transact_ending(work, lambda _: [fence.run_id])
 
     async def fail_job(self, fence: Fence, error: ErrorInfo) -> JobOutcome:
         def work(tx: Tx) -> JobOutcome:
             self._take_lease(tx, fence)
             run = tx.fetchone(
                 "SELECT r.attempt, r.max_attempts, r.concurrency_key, r.parent_run_id,"
-                " r.parent_step_id, f.definition FROM runs r"
+                " r.parent_step_id, f.definition, f.audit FROM runs r"
                 " JOIN functions f ON f.id = r.function_id WHERE r.id = ?",
                 (fence.run_id,),
             )
             assert run is not None
-            attempt, max_attempts, ckey, parent_run_id, parent_step_id, definition = run
+            attempt, max_attempts, ckey, parent_run_id, parent_step_id, definition, audit = run
             fd = self._fdef(definition)
             if error.retryable and attempt < max_attempts:
                 row = tx.fetchone(
@@ -256,7 +273,8 @@ class FenceOps(SqlStoreBase):
                 (_enc(error), fence.run_id),
             )
             assert ended is not None
-            self._audit_if_enabled(tx, "run.failed", fence.run_id, {"error": error})
+            if audit:
+                self._audit(tx, "run.failed", fence.run_id, ended[0], {"error": error})
             kicked = self._resolve_parent(
                 tx, parent_run_id, parent_step_id, fence.run_id, error=error
             )
@@ -265,10 +283,9 @@ class FenceOps(SqlStoreBase):
                 function_id=ended[0], duration_s=ended[1],
             )
 
-        outcome = await self._transact(work)
-        if outcome.status == "failed":
-            self._announce_ended([fence.run_id])
-        return outcome
+        return await self._transact_ending(
+            work, lambda outcome: [fence.run_id] if outcome.status == "failed" else []
+        )
 
     async def yield_job(
         self, fence: Fence, *, step_id: str, name: str, info: YieldInfo
@@ -306,7 +323,7 @@ class FenceOps(SqlStoreBase):
                     resumed = self._resume(tx, fence.run_id)
                     assert resumed is not None
                     return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
-                event_id = self._insert_event(tx, INVOKED_EVENT, info.input)
+                event_id = new_id("evt")
                 invoke_run_id = self._create_run(
                     tx,
                     self._fdef(row[0]),
@@ -315,9 +332,7 @@ class FenceOps(SqlStoreBase):
                     parent_run_id=fence.run_id,
                     parent_step_id=step_id,
                 )
-                tx.execute(
-                    "UPDATE events SET run_ids = ? WHERE id = ?", (_enc([invoke_run_id]), event_id)
-                )
+                self._insert_event(tx, event_id, INVOKED_EVENT, info.input, None, [invoke_run_id])
                 kicked.append(invoke_run_id)
             self._park_step(
                 tx,

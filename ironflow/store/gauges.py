@@ -29,4 +29,4 @@ class GaugeOps(SqlStoreBase):
                 int(row[0]), int(row[1]), int(row[2]), int(row[3]), {m: int(n) for m, n in modes}
             )
 
-        return await self._transact(work)
+        return await self._read(work)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ironflow.ids import new_id
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
     ErrorInfo,
@@ -45,7 +46,7 @@ class IngestOps(SqlStoreBase):
             )
             if seen is not None:
                 return IngestResult(seen[0], _dec(seen[1]), True)
-        event_id = self._insert_event(tx, name, data, idempotency_key)
+        event_id = new_id("evt")
         patterns = _trigger_patterns(name)
         candidates = tx.fetchall(
             "SELECT f.definition FROM functions f WHERE f.id IN (SELECT t.function_id"
@@ -58,8 +59,7 @@ class IngestOps(SqlStoreBase):
             for fd in (self._fdef_or_none(text) for (text,) in candidates)
             if fd is not None and _triggered(fd, name)
         ]
-        if run_ids:
-            tx.execute("UPDATE events SET run_ids = ? WHERE id = ?", (_enc(run_ids), event_id))
+        self._insert_event(tx, event_id, name, data, idempotency_key, run_ids)
         resumed = self._resolve_waits(tx, event_id, name, data)
         return IngestResult(event_id, run_ids, False, resumed_run_ids=resumed)
 
@@ -124,7 +124,7 @@ class IngestOps(SqlStoreBase):
             row = tx.fetchone("SELECT definition FROM functions WHERE id = ?", (function_id,))
             if row is None:
                 raise FunctionNotFound(f"function {function_id} is not registered")
-            event_id = self._insert_event(tx, INVOKED_EVENT, data)
+            event_id = new_id("evt")
             fd = self._fdef_or_none(row[0])
             if fd is None:
                 raise FunctionNotFound(
@@ -132,7 +132,7 @@ class IngestOps(SqlStoreBase):
                     " restart its worker to register it again"
                 )
             run_id = self._create_run(tx, fd, event_id, data)
-            tx.execute("UPDATE events SET run_ids = ? WHERE id = ?", (_enc([run_id]), event_id))
+            self._insert_event(tx, event_id, INVOKED_EVENT, data, None, [run_id])
             return run_id
 
         return await self._transact(work)
@@ -153,6 +153,4 @@ class IngestOps(SqlStoreBase):
             self._audit_if_enabled(tx, "run.cancelled", run_id, {"reason": reason})
             return outcome
 
-        outcome = await self._transact(work)
-        self._announce_ended([run_id])
-        return outcome
+        return await self._transact_ending(work, lambda _: [run_id])

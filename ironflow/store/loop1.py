@@ -25,6 +25,7 @@ from ironflow.store.core import (
     SqlStoreBase,
     Tx,
     _enc,
+    _exhausted,
     _marks,
 )
 
@@ -161,9 +162,7 @@ class CapacityLoop(SqlStoreBase):
                 no_grace_first=False,
             )
 
-        recovered = await self._transact(work)
-        self._announce_ended([seg.run_id for seg in recovered if seg.exhausted])
-        return recovered
+        return await self._transact_ending(work, _exhausted)
 
     async def expire_sessions(self) -> int:
         def work(tx: Tx) -> int:
@@ -209,9 +208,7 @@ class CapacityLoop(SqlStoreBase):
                 self._audit(tx, "run.timed_out", run_id, None, {"timeout_s": timeout_s})
             return out
 
-        ended = await self._transact(work)
-        self._announce_ended([outcome.run_id for outcome in ended])
-        return ended
+        return await self._transact_ending(work, lambda ended: [o.run_id for o in ended])
 
     async def seconds_until_next_capacity_expiry(self) -> float | None:
         def work(tx: Tx) -> float | None:

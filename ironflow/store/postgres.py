@@ -97,6 +97,11 @@ ACTOR_CONNECTIONS = 2
 PREPARED_MAX = 512
 # LISTEN/NOTIFY channel that carries dispatcher kicks between nodes.
 KICK_CHANNEL = "ironflow_kick"
+# LISTEN/NOTIFY channel that carries the ids of ended runs (comma-separated),
+# so a result wait on one node wakes when another node ends the run.
+RUN_END_CHANNEL = "ironflow_run_end"
+# Most payload bytes per NOTIFY (PostgreSQL refuses 8,000 and more).
+NOTIFY_PAYLOAD_MAX = 7900
 # How often the listener thread looks up from its socket to see if it must stop.
 LISTEN_POLL_S = 0.5
 # How often start-up checks that the listener thread is listening.
@@ -170,6 +175,8 @@ class _PgTx:
         self._rows: list[tuple[Any, ...]] = []
         # Set by a call that wants the dispatcher kick; read once the call succeeded.
         self.notify_wanted = False
+        # Runs the current call ended; announced to every node at commit.
+        self.ended: list[str] = []
 
     def _run(self, sql: str, params: Sequence[Any]) -> int:
         """Run one statement; keep its rows for fetch*; return its row count."""
@@ -227,6 +234,9 @@ class _PgTx:
         # One pg_notify per group, sent before COMMIT (see _commit).
         self.notify_wanted = True
 
+    def runs_ended(self, run_ids: list[str]) -> None:
+        self.ended.extend(run_ids)
+
     def advisory_lock(self, key: str) -> None:
         self._run("SELECT pg_advisory_xact_lock(hashtext(?))", (key,))
 
@@ -261,6 +271,24 @@ class _Request:
             self.token.run_sync_soon(self.deliver, result)
         except trio.RunFinishedError:
             pass  # the caller's Trio run is over: nobody is waiting
+
+
+def _hand_back_all(done: list[tuple[_Request, outcome.Outcome[Any]]]) -> None:
+    """Deliver a group's outcomes with one wake-up of each caller's Trio thread
+    (one ``run_sync_soon`` per group, not per call)."""
+    by_token: dict[int, tuple[trio.lowlevel.TrioToken, list[tuple[Any, Any]]]] = {}
+    for req, result in done:
+        by_token.setdefault(id(req.token), (req.token, []))[1].append((req.deliver, result))
+    for token, deliveries in by_token.values():
+        try:
+            token.run_sync_soon(_deliver_all, deliveries)
+        except trio.RunFinishedError:
+            pass  # the callers' Trio run is over: nobody is waiting
+
+
+def _deliver_all(deliveries: list[tuple[Callable[[Any], None], Any]]) -> None:
+    for deliver, result in deliveries:
+        deliver(result)
 
 
 class _Actor:
@@ -306,9 +334,8 @@ class _Actor:
             self._discard_connection()
             results = [outcome.Error(exc)] * len(batch)
             retry = []
-        for req, result in zip(batch, results, strict=True):
-            if result is not None:
-                req.hand_back(result)
+        _hand_back_all([(req, result) for req, result in zip(batch, results, strict=True)
+                        if result is not None])
         return retry
 
     def _discard_connection(self) -> None:
@@ -324,16 +351,19 @@ class _Actor:
         """Every call in one transaction, no savepoints; ``None`` (rolled back) if one failed."""
         values: list[outcome.Outcome[Any] | None] = []
         notify = False
+        ended: list[str] = []
         tx.raw("BEGIN")
         for req in batch:
             tx.notify_wanted = False
+            tx.ended = []
             try:
                 values.append(outcome.Value(req.work(tx)))
             except Exception:
                 tx.raw("ROLLBACK")
                 return None
             notify = notify or tx.notify_wanted
-        _commit(tx, notify)
+            ended += tx.ended
+        _commit(tx, notify, ended)
         return values
 
     @staticmethod
@@ -344,9 +374,11 @@ class _Actor:
         results: list[outcome.Outcome[Any] | None] = []
         retry: list[_Request] = []
         notify = False
+        ended: list[str] = []
         tx.raw("BEGIN")
         for req in batch:
             tx.notify_wanted = False
+            tx.ended = []
             req.attempts += 1
             tx.raw("SAVEPOINT call")
             try:
@@ -364,16 +396,35 @@ class _Actor:
             else:
                 results.append(outcome.Value(value))
                 notify = notify or tx.notify_wanted
+                ended += tx.ended
             tx.raw("RELEASE SAVEPOINT call")
-        _commit(tx, notify)
+        _commit(tx, notify, ended)
         return results, retry
 
 
-def _commit(tx: _PgTx, notify: bool) -> None:
+def _commit(tx: _PgTx, notify: bool, ended: list[str]) -> None:
     if notify:
         # Delivered at COMMIT to every node's kick listener: one per group.
         tx.execute("SELECT pg_notify(?, '')", (KICK_CHANNEL,))
+    for payload in _id_payloads(ended):
+        tx.execute("SELECT pg_notify(?, ?)", (RUN_END_CHANNEL, payload))
     tx.raw("COMMIT")
+
+
+def _id_payloads(run_ids: list[str]) -> list[str]:
+    """``run_ids`` comma-joined into as few NOTIFY payloads as the size limit allows."""
+    payloads: list[str] = []
+    current: list[str] = []
+    size = 0
+    for run_id in run_ids:
+        if current and size + len(run_id) + 1 > NOTIFY_PAYLOAD_MAX:
+            payloads.append(",".join(current))
+            current, size = [], 0
+        current.append(run_id)
+        size += len(run_id) + 1
+    if current:
+        payloads.append(",".join(current))
+    return payloads
 
     def try_advisory_lock(self, key: str) -> bool:
         self._cur.execute("SELECT pg_try_advisory_xact_lock(hashtext(%s))", (key,))
@@ -387,6 +438,8 @@ class PostgresStore(SqlStore):
     ``connections``: how many actor threads (each owning one connection)
     group-commit this node's store calls.
     """
+
+    shared_by_nodes = True
 
     def __init__(self, url: str, *, connections: int = ACTOR_CONNECTIONS) -> None:
         super().__init__()
@@ -454,7 +507,9 @@ class PostgresStore(SqlStore):
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """LISTEN on a dedicated connection; call ``on_kick`` (on the Trio thread)
-        for every notification until cancelled. A lost connection raises."""
+        for every kick until cancelled, and tell this store's run-end listeners
+        about runs other nodes ended (a result wait here wakes at once). A lost
+        connection raises."""
         stop = threading.Event()
         listening = threading.Event()
         token = trio.lowlevel.current_trio_token()
@@ -462,10 +517,14 @@ class PostgresStore(SqlStore):
         def listen() -> None:
             with psycopg.connect(self.url, autocommit=True) as conn:
                 conn.execute(f"LISTEN {KICK_CHANNEL}")
+                conn.execute(f"LISTEN {RUN_END_CHANNEL}")
                 listening.set()
                 while not stop.is_set():
-                    for _ in conn.notifies(timeout=LISTEN_POLL_S, stop_after=1):
-                        token.run_sync_soon(on_kick)
+                    for note in conn.notifies(timeout=LISTEN_POLL_S, stop_after=1):
+                        if note.channel == RUN_END_CHANNEL:
+                            token.run_sync_soon(self._announce_ended, note.payload.split(","))
+                        else:
+                            token.run_sync_soon(on_kick)
 
         async with trio.open_nursery() as nursery:
 

@@ -85,7 +85,7 @@ class ReadOps(SqlStoreBase):
                 db_now=now,
             )
 
-        return await self._transact(work)
+        return await self._read(work)
 
     async def list_runs(
         self, *, status: str | None = None, function_id: str | None = None, limit: int = 50
@@ -99,7 +99,7 @@ class ReadOps(SqlStoreBase):
             )
             return [_run_record(r) for r in rows]
 
-        return await self._transact(work)
+        return await self._read(work)
 
     async def get_run_record(self, run_id: str) -> RunRecord:
         def work(tx: Tx) -> RunRecord:
@@ -108,7 +108,7 @@ class ReadOps(SqlStoreBase):
                 raise RunNotFound(f"run {run_id} not found")
             return _run_record(row)
 
-        return await self._transact(work)
+        return await self._read(work)
 
     async def list_leases(self, *, include_expired: bool = False) -> list[LeaseRecord]:
         def work(tx: Tx) -> list[LeaseRecord]:
@@ -122,7 +122,7 @@ class ReadOps(SqlStoreBase):
             )
             return [_lease_record(r, now) for r in rows]
 
-        return await self._transact(work)
+        return await self._read(work)
 
     async def list_sessions(self) -> list[SessionRecord]:
         def work(tx: Tx) -> list[SessionRecord]:
@@ -151,7 +151,7 @@ class ReadOps(SqlStoreBase):
                 for r in rows
             ]
 
-        return await self._transact(work)
+        return await self._read(work)
 
     async def list_queue(self) -> list[QueueRecord]:
         def work(tx: Tx) -> list[QueueRecord]:
@@ -161,7 +161,7 @@ class ReadOps(SqlStoreBase):
             )
             return [_queue_record(r, now) for r in rows]
 
-        return await self._transact(work)
+        return await self._read(work)
 
     async def list_audit(
         self, *, run_id: str | None = None, type: str | None = None, limit: int = 100
@@ -175,4 +175,4 @@ class ReadOps(SqlStoreBase):
             )
             return [AuditRecord(r[0], r[1], r[2], r[3], r[4], _dec(r[5])) for r in rows]
 
-        return await self._transact(work)
+        return await self._read(work)

@@ -22,6 +22,7 @@ from ironflow.store.core import (
     Tx,
     _dec,
     _enc,
+    _exhausted,
     _marks,
     token_hash,
 )
@@ -189,6 +190,4 @@ class SessionOps(CapacityLoop):
             tx.execute("DELETE FROM worker_sessions WHERE id = ?", (session_id,))
             return recovered
 
-        recovered = await self._transact(work)
-        self._announce_ended([seg.run_id for seg in recovered if seg.exhausted])
-        return recovered
+        return await self._transact_ending(work, _exhausted)

@@ -41,4 +41,4 @@ class StatsOps(SqlStoreBase):
                 functions=[FunctionRunCount(f, s, int(n)) for f, s, n in functions],
             )
 
-        return await self._transact(work)
+        return await self._read(work)

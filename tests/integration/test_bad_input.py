@@ -68,6 +68,26 @@ async def test_http_errors_are_json_with_stable_codes(node: Node, http: httpx.As
     await assert_node_still_works(node, http, nursery)
 
 
+async def test_an_oversized_emit_streamed_without_a_length_is_refused_with_413(
+    node: Node, http: httpx.AsyncClient, nursery: trio.Nursery
+) -> None:
+    # The emit route is served ahead of the framework (ironflow/api/hot.py):
+    # it must count a chunked body itself, as quart's MAX_CONTENT_LENGTH would.
+    async def chunks() -> Any:
+        yield b'{"name": "x", "data": "'
+        for _ in range(node.config.max_frame_bytes // 65536 + 2):
+            yield b"a" * 65536
+        yield b'"}'
+
+    async with httpx.AsyncClient(base_url=node.url, timeout=10) as other:
+        resp = await other.post("/v1/events", content=chunks())
+    assert resp.status_code == 413 and resp.json()["code"] == "PAYLOAD_TOO_LARGE"
+    assert resp.headers["content-type"] == "application/json"
+    listed = await http.get("/v1/events")  # the same path's GET is the framework's
+    assert listed.status_code == 200
+    await assert_node_still_works(node, http, nursery)
+
+
 def ws_url(node: Node) -> str:
     return node.url.replace("http://", "ws://") + "/v1/worker"
 

@@ -15,6 +15,7 @@ from ironflow.protocol import (
     MemoStep,
     Registered,
     encoder,
+    worker_frame_decoder,
     worker_message_decoder,
 )
 
@@ -63,9 +64,19 @@ class EngineConn:
     def __init__(self, ws: Any):
         self.ws = ws
         self.register: Any = None
+        self._pending: list[Any] = []
+        self.batched_frames = 0  # frames that carried more than one message
 
     async def recv(self) -> Any:
-        return worker_message_decoder.decode(await self.ws.get_message())
+        """The next worker message, one at a time even when a frame batched several."""
+        while not self._pending:
+            frame = worker_frame_decoder.decode(await self.ws.get_message())
+            if isinstance(frame, list):
+                self.batched_frames += len(frame) > 1
+                self._pending.extend(frame)
+            else:
+                self._pending.append(frame)
+        return self._pending.pop(0)
 
     async def recv_until(self, kind: type, *, skip_heartbeats: bool = True) -> Any:
         while True:
@@ -81,7 +92,13 @@ class EngineConn:
 
 
 class FakeEngine:
-    def __init__(self, heartbeat_interval_ms: int = 60_000, reject_status: int | None = None):
+    def __init__(
+        self,
+        heartbeat_interval_ms: int = 60_000,
+        reject_status: int | None = None,
+        batch_frames: bool = False,
+    ):
+        self.batch_frames = batch_frames
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.reject_status = reject_status
         self.url = ""
@@ -104,6 +121,7 @@ class FakeEngine:
                 session_id="sess-1",
                 heartbeat_interval_ms=self.heartbeat_interval_ms,
                 lease_expiry_ms=90_000,
+                batch_frames=self.batch_frames,
             )
         )
         await self._send.send(conn)

@@ -261,3 +261,35 @@ async def test_auth_rejection_stops_without_reconnect(nursery):
     with pytest.raises(ironflow.WorkerAuthError):
         await worker.run()
     assert len(engine.auth_headers) == 1
+
+
+async def test_with_an_engine_that_reads_batches_the_worker_batches_and_reads_batched_frames(nursery):
+    engine = FakeEngine(batch_frames=True)
+    await engine.start(nursery)
+
+    @ironflow.function(id="fn")
+    async def handler(ctx):
+        a = await ctx.step.run("a", lambda: 1)
+        b = await ctx.step.run("b", lambda: 2)
+        return {"sum": a + b, "run": ctx.run.id}
+
+    worker = _worker(engine, [handler], max_concurrent_jobs=10)
+    await nursery.start(worker.run)
+    conn = await engine.accept()
+    assert conn.register.batch_frames  # the SDK says it reads batches
+    assignments = [make_assignment(run_id=f"rB{i}") for i in range(8)]
+    await conn.send(assignments)  # one frame, eight jobs
+    seen: dict[str, list[str]] = {a.run_id: [] for a in assignments}
+    done = 0
+    with trio.fail_after(10):
+        while done < len(assignments):
+            msg = await conn.recv()
+            if isinstance(msg, JobAck | StepCompleted | JobCompleted):
+                seen[msg.run_id].append(type(msg).__name__)
+            if isinstance(msg, JobCompleted):
+                assert msg.output == {"sum": 3, "run": msg.run_id}
+                done += 1
+    # Every job's messages complete and in order, however they were framed.
+    assert all(v == ["JobAck", "StepCompleted", "StepCompleted", "JobCompleted"] for v in seen.values())
+    assert conn.batched_frames > 0  # eight jobs at once: the worker's writer batched
+    worker.stop()

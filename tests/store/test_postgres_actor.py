@@ -226,3 +226,14 @@ async def test_a_deadlock_victim_is_rolled_back_alone_and_retried(pg_url):
             await node.close()
     assert rows(pg_url) == {"x": 2, "y": 2, "by-0": 1, "by-1": 1}
     assert max(attempts) >= 2  # the victim ran again
+
+
+def test_run_end_notifications_split_ids_under_the_notify_payload_limit() -> None:
+    from ironflow.store.postgres import NOTIFY_PAYLOAD_MAX, _id_payloads
+
+    ids = [f"run_{i:026d}" for i in range(2000)]  # 30 chars each: ~62 KB in all
+    payloads = _id_payloads(ids)
+    assert len(payloads) > 1
+    assert all(len(p.encode()) <= NOTIFY_PAYLOAD_MAX for p in payloads)
+    assert [i for p in payloads for i in p.split(",")] == ids
+    assert _id_payloads([]) == []

@@ -59,6 +59,42 @@ async def test_failing_request_does_not_poison_its_commit_group(tmp_path):
         await store.close()
 
 
+async def test_a_failing_request_loses_its_own_writes_and_its_group_keeps_theirs(tmp_path):
+    # The writer runs a group optimistically without savepoints; a failure
+    # must roll back only the failing request's writes, wherever it falls.
+    store = SqliteStore(str(tmp_path / "db"))
+    await store.open()
+    insert = "INSERT INTO audit_log (id, at, type, data) VALUES (?, 0, 'test', '{}')"
+
+    def good(i: int):
+        return lambda tx: tx.execute(insert, (f"good{i}",))
+
+    def bad(i: int):
+        def work(tx):
+            tx.execute(insert, (f"bad{i}",))
+            raise RuntimeError("boom")
+
+        return work
+
+    failures: list[BaseException] = []
+
+    async def call(work) -> None:
+        try:
+            await store._transact(work)
+        except RuntimeError as exc:
+            failures.append(exc)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(60):
+                nursery.start_soon(call, bad(i) if i % 3 == 1 else good(i))
+        ids = await store._transact(lambda tx: [r[0] for r in tx.fetchall("SELECT id FROM audit_log")])
+        assert len(failures) == 20
+        assert sorted(ids) == sorted(f"good{i}" for i in range(60) if i % 3 != 1)
+    finally:
+        await store.close()
+
+
 async def test_memory_path_uses_a_temporary_file():
     stores = [open_store(":memory:"), open_store("sqlite:///:memory:")]
     paths = [Path(s.path) for s in stores]  # type: ignore[attr-defined]
@@ -182,3 +218,34 @@ def _page_count(path) -> int:
         return int(conn.execute("PRAGMA page_count").fetchone()[0])
     finally:
         conn.close()
+
+
+async def test_reads_are_served_beside_the_writer_not_queued_behind_it(tmp_path):
+    import time
+
+    store = SqliteStore(str(tmp_path / "db"))
+    await store.open()
+    try:
+        await store.register_worker(
+            node_id="n", worker_id="w", mode="stream", max_concurrent_jobs=1,
+            functions=[FunctionDef(id="f", triggers=[Trigger("e")])], session_expiry_s=60,
+        )
+        await store.ingest_event("e", {}, None, idempotency_window_s=1)
+        read_took: list[float] = []
+
+        async def slow_write() -> None:
+            await store._transact(lambda tx: time.sleep(1.0))  # holds the writer for 1 s
+
+        async def read() -> None:
+            await trio.sleep(0.1)  # the writer is busy by now
+            t0 = time.monotonic()
+            runs = await store.list_runs()
+            read_took.append(time.monotonic() - t0)
+            assert len(runs) == 1  # and it sees the last commit
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(slow_write)
+            nursery.start_soon(read)
+        assert read_took[0] < 0.5
+    finally:
+        await store.close()
