@@ -4,7 +4,8 @@ Usage: python scripts/rolling_restart.py [--rate 200] [--workers 4] [--slots 25]
                                          [--work-ms 50] [--before 10] [--gap 2]
                                          [--after 5] [--rounds 1] [--db postgresql://…]
 
-Starts one ``--dev`` node (SQLite in a temp dir unless ``--db``) and
+Starts one ``--dev`` node (SQLite in a temp dir unless ``--db``; loop 1 on
+the seed's timings, lease 90 s and heartbeat 30 s, unless ``--dev-timings``) and
 ``--workers`` streaming worker processes (``--slots`` slots each) serving
 ``rolling`` (event ``roll.go``): one step that takes ``--work-ms``. A load
 thread emits a steady ``--rate`` runs/s (a batch every 20 ms) for the whole
@@ -247,6 +248,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=1, help="restart every worker this many times")
     ap.add_argument("--db", default=None, help="a postgresql:// URL (default: SQLite in a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep the temp dir (node and worker logs)")
+    ap.add_argument("--dev-timings", action="store_true",
+                    help="keep --dev's short loop-1 timings (lease 6 s, grace 1 s) instead of the seed's")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -261,7 +264,13 @@ def main() -> None:
         TEMPS.remove(str(tmp))
         print(f"logs in {tmp}", file=sys.stderr)
     db = args.db or str(tmp / "ironflow.db")
-    node = spawn_node(db, tmp / "state", tmp / "node.log", node_id="node")
+    # --dev for the key-less API, but loop 1 on the seed's (production) timings
+    # unless --dev-timings: a deploy is measured, and on a loaded machine a 6 s
+    # lease can expire under a live worker whose heartbeat the node read late.
+    seed_timings = [] if args.dev_timings else [
+        "--heartbeat-interval", "30", "--session-expiry", "90", "--lease-expiry", "90",
+        "--scanner-interval", "30", "--reservation-expiry", "30", "--recovery-grace", "30"]
+    node = spawn_node(db, tmp / "state", tmp / "node.log", node_id="node", extra=seed_timings)
     workers = [Worker(node, tmp, f"worker{i}", args) for i in range(args.workers)]
     for w in workers:
         w.wait_ready()
@@ -281,7 +290,7 @@ def main() -> None:
     import httpx
 
     with httpx.Client(base_url=node, timeout=30) as http:
-        for _ in range(600):
+        for _ in range(1200):
             if not any(http.get("/v1/runs", params={"status": s, "limit": 1}).json()["runs"]
                        for s in ("waiting", "running")):
                 break
