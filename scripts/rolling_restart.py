@@ -269,7 +269,8 @@ def main() -> None:
     # lease can expire under a live worker whose heartbeat the node read late.
     seed_timings = [] if args.dev_timings else [
         "--heartbeat-interval", "30", "--session-expiry", "90", "--lease-expiry", "90",
-        "--scanner-interval", "30", "--reservation-expiry", "30", "--recovery-grace", "30"]
+        "--scanner-interval", "30", "--reservation-expiry", "30", "--recovery-grace", "30",
+        "--stale-claim-threshold", "120", "--stale-claim-interval", "60"]
     node = spawn_node(db, tmp / "state", tmp / "node.log", node_id="node", extra=seed_timings)
     workers = [Worker(node, tmp, f"worker{i}", args) for i in range(args.workers)]
     for w in workers:
