@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ironflow.store import Store
 
 REGISTRY = CollectorRegistry()
 
@@ -70,7 +78,8 @@ STEP_COMMIT = Histogram(
 )
 RUN_DURATION = Histogram(
     "ironflow_run_duration_seconds",
-    "Runs that completed or failed on this node: first start (or creation) → end",
+    "Runs ended on this node (completed, failed — by the worker, the recovery ceiling or"
+    " the function timeout — or cancelled): first start (or creation) → end",
     ["function", "status"],
     buckets=DURATION_BUCKETS,
     registry=REGISTRY,
@@ -91,6 +100,82 @@ SESSIONS = Gauge(
     ["transport"],  # stream | pull
     registry=REGISTRY,
 )
+
+
+WAKE_LATENESS = Histogram(
+    "ironflow_wake_lateness_seconds",
+    "A sleep's wake time (or a wait's / invoke's timeout) → this node's waker resumed the"
+    " step and queued the run's next segment (database clock)",
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+STORE_CALL = Histogram(
+    "ironflow_store_call_seconds",
+    "A store method called on this node → its committed result back in the caller",
+    ["method"],  # the Store interface's method names only (bounded)
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+
+# Store methods not timed: ``watch_kicks`` lives as long as the node (it is a
+# listener, not a call), and opening/closing are not calls an operator tunes.
+_UNTIMED_STORE_METHODS = frozenset({"watch_kicks", "open", "close"})
+
+
+def run_ended(status: str, function_id: str | None, duration_s: float | None) -> None:
+    """Count a run that ended on this node and observe its duration.
+
+    Every path that ends a run (a worker's final result, cancel, the recovery
+    ceiling, the function timeout) calls this once with what its store call
+    returned; the store's guarded UPDATE ends a run only once, so the run is
+    observed once.
+    """
+    RUNS_FINISHED.labels(status=status).inc()
+    if function_id is not None and duration_s is not None:
+        RUN_DURATION.labels(function=function_id, status=status).observe(max(duration_s, 0.0))
+
+
+def store_methods() -> frozenset[str]:
+    """The ``Store`` interface's timed methods: every label value ``method`` can take."""
+    return frozenset(
+        name
+        for name, fn in inspect.getmembers(Store, inspect.iscoroutinefunction)
+        if not name.startswith("_") and name not in _UNTIMED_STORE_METHODS
+    )
+
+
+def _timed(method: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    histogram = STORE_CALL.labels(method=method)
+
+    @functools.wraps(call)
+    async def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            result = await call(*args, **kwargs)
+        except Exception:
+            # A refused call (stale fence, conflict) still took its transaction;
+            # a cancelled one (BaseException) did not finish and is not observed.
+            histogram.observe(time.perf_counter() - started)
+            raise
+        histogram.observe(time.perf_counter() - started)
+        return result
+
+    return timed
+
+
+def time_store_calls(store: Store) -> Store:
+    """Observe ``ironflow_store_call_seconds`` for every interface call on ``store``.
+
+    Wraps the instance's bound methods (the class is untouched, so a store
+    built by a test without a node is not timed). Calling it twice is harmless.
+    Returns ``store``.
+    """
+    if getattr(store, "_ironflow_timed", False):
+        return store
+    for name in store_methods():
+        setattr(store, name, _timed(name, getattr(store, name)))
+    store._ironflow_timed = True  # type: ignore[attr-defined]
+    return store
 
 
 def render() -> bytes:

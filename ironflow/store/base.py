@@ -114,6 +114,8 @@ class RecoveredSegment(msgspec.Struct, frozen=True):
     recovery_count: int
     eligible_at: float | None
     exhausted: bool
+    # Set when the run failed here (exhausted): for the run-duration metric.
+    duration_s: float | None = None
 
 
 class JobOutcome(msgspec.Struct, frozen=True):
@@ -130,6 +132,9 @@ class JobOutcome(msgspec.Struct, frozen=True):
     # Set when the run ended here (completed or failed): for the run-duration metric.
     function_id: str | None = None
     duration_s: float | None = None
+    # Set by resume_claimed_step: how long after the step's wake_at it resumed
+    # (database clock), for the wake-lateness metric.
+    wake_lateness_s: float | None = None
 
 
 class CapacityGauges(msgspec.Struct, frozen=True):
@@ -150,6 +155,9 @@ class CancelOutcome(msgspec.Struct, frozen=True):
     job_id: str | None
     # A parent run resumed because its invoked child was cancelled (the caller kicks).
     kicked_run_ids: list[str] = []
+    # The ended run's function and duration: for the run-duration metric.
+    function_id: str | None = None
+    duration_s: float | None = None
 
 
 class IngestResult(msgspec.Struct, frozen=True):
@@ -478,7 +486,8 @@ class Store(abc.ABC):
     async def resume_claimed_step(self, node_id: str, run_id: str, step_id: str) -> JobOutcome:
         """Finish a claim: a sleep → 'completed'; a timed-out wait → 'timed_out'
         (output None); a timed-out invoke → 'failed' (InvokeError); then queue
-        the run's next seq (reason 'resume') and clear the claim."""
+        the run's next seq (reason 'resume') and clear the claim. The outcome's
+        ``wake_lateness_s`` is how long after ``wake_at`` this happened."""
 
     @abc.abstractmethod
     async def reset_stale_claims(self, threshold_s: float) -> int:
