@@ -183,27 +183,30 @@ class PurgeCounts(msgspec.Struct, frozen=True):
     """Rows deleted by history retention, by kind.
 
     ``locked_out`` is True when another node held the janitor lock
-    (PostgreSQL), so this node deleted nothing on purpose.
+    (PostgreSQL), so this node deleted nothing on purpose. ``more`` is True
+    when a batch limit was reached, so another batch may find more.
     """
 
     runs: int = 0
     steps: int = 0
-    audit: int = 0
+    audit: int = 0  # the deleted runs' audit rows and audit rows of no run
     events: int = 0
     locked_out: bool = False
+    more: bool = False
 
     @property
     def total(self) -> int:
         return self.runs + self.steps + self.audit + self.events
 
     def plus(self, other: PurgeCounts) -> PurgeCounts:
-        """The sum of two counts (``locked_out`` from ``other``, the later batch)."""
+        """The sum of two counts (``locked_out`` and ``more`` from ``other``, the later batch)."""
         return PurgeCounts(
             self.runs + other.runs,
             self.steps + other.steps,
             self.audit + other.audit,
             self.events + other.events,
             other.locked_out,
+            other.more,
         )
 
 
@@ -587,7 +590,10 @@ class Store(abc.ABC):
         parent, never while the parent is kept), and that hold no lease and no
         queue row — with their steps and audit rows. Then up to ``batch``
         events received more than ``idempotency_window_s`` ago that no
-        remaining run references.
+        remaining run references. Then, when ``statuses`` is every finished
+        status, up to ``batch`` audit rows of no run (node drains, purges…)
+        written more than ``older_than_s`` ago. ``more`` says whether any of
+        the three hit ``batch``.
 
         PostgreSQL: the batch runs under a transaction-level advisory lock, so
         one node purges at a time. With ``wait_for_lock`` False a node that
