@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import bisect
 import functools
 import inspect
+import itertools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from ironflow.store import Store
 
@@ -109,13 +113,47 @@ WAKE_LATENESS = Histogram(
     buckets=LATENCY_BUCKETS,
     registry=REGISTRY,
 )
-STORE_CALL = Histogram(
-    "ironflow_store_call_seconds",
-    "A store method called on this node → its committed result back in the caller",
-    ["method"],  # the Store interface's method names only (bounded)
-    buckets=LATENCY_BUCKETS,
-    registry=REGISTRY,
-)
+
+
+class _StoreCallHistogram:
+    """``ironflow_store_call_seconds{method}``, kept as plain per-method bucket counts.
+
+    Every store call passes through here, so an observation must cost next to
+    nothing: a ``bisect`` and two additions (a ``prometheus_client``
+    ``Histogram.observe`` takes a lock and walks the buckets, several µs).
+    Store calls and scrapes both run on the node's Trio thread, so no lock.
+    The exposition is built at scrape time.
+    """
+
+    name = "ironflow_store_call_seconds"
+    documentation = "A store method called on this node → its committed result back in the caller"
+
+    def __init__(self) -> None:
+        # method → counts per bucket (the last one: above every bound), seconds observed
+        self._counts: dict[str, list[int]] = {}
+        self._sums: dict[str, float] = {}
+
+    def observe(self, method: str, seconds: float) -> None:
+        counts = self._counts.get(method)
+        if counts is None:
+            counts = self._counts[method] = [0] * (len(LATENCY_BUCKETS) + 1)
+            self._sums[method] = 0.0
+        counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1  # le: bound >= seconds
+        self._sums[method] += seconds
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["method"])
+        for method, counts in sorted(self._counts.items()):
+            cumulative = list(itertools.accumulate(counts))
+            bounds = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]
+            family.add_metric(
+                [method], buckets=list(zip(bounds, cumulative, strict=True)), sum_value=self._sums[method]
+            )
+        yield family
+
+
+STORE_CALL = _StoreCallHistogram()
+REGISTRY.register(STORE_CALL)  # type: ignore[arg-type]
 
 # Store methods not timed: ``watch_kicks`` lives as long as the node (it is a
 # listener, not a call), and opening/closing are not calls an operator tunes.
@@ -145,7 +183,7 @@ def store_methods() -> frozenset[str]:
 
 
 def _timed(method: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    histogram = STORE_CALL.labels(method=method)
+    observe = STORE_CALL.observe
 
     @functools.wraps(call)
     async def timed(*args: Any, **kwargs: Any) -> Any:
@@ -155,9 +193,9 @@ def _timed(method: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Aw
         except Exception:
             # A refused call (stale fence, conflict) still took its transaction;
             # a cancelled one (BaseException) did not finish and is not observed.
-            histogram.observe(time.perf_counter() - started)
+            observe(method, time.perf_counter() - started)
             raise
-        histogram.observe(time.perf_counter() - started)
+        observe(method, time.perf_counter() - started)
         return result
 
     return timed
