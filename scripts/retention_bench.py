@@ -4,6 +4,7 @@ the database's size over time, with a retention of a few seconds and without.
 
     python scripts/retention_bench.py [--duration 180] [--retention 5s]
                                       [--janitor-interval 5s] [--order ABBA]
+                                      [--idempotency-window SECONDS]
 
 Each trial starts a FRESH ``--dev`` node on a fresh SQLite file and one
 ``bench.py`` worker process (three trivial steps per run, 50 slots; it writes
@@ -15,7 +16,9 @@ closed loop, so the queue stays bounded and the figure is the throughput the
 node sustains). Trial ``A`` runs with ``--history-retention 0`` (nothing is
 deleted), trial ``B`` with ``--history-retention RETENTION --janitor-interval
 INTERVAL``; ``--order`` says which trials run in which order (ABBA by
-default, so slow drift of a shared machine hits both alike).
+default, so slow drift of a shared machine hits both alike). Events are kept
+for the idempotency window (24 h by default) whatever the retention, so a
+run short of a day sees them grow unless ``--idempotency-window`` shortens it.
 
 The janitor deletes runs a few seconds after they end, so nothing here reads
 runs back late: throughput comes from the worker's own records (runs whose
@@ -207,6 +210,11 @@ async def one_trial(args: argparse.Namespace, label: str) -> dict[str, Any]:
         url = f"http://127.0.0.1:{port}"
         retention = ["--history-retention", "0"] if label == "A" else [
             "--history-retention", args.retention, "--janitor-interval", args.janitor_interval]
+        if args.idempotency_window is not None:
+            # Only a config file sets it; both trials get it (A deletes nothing anyway).
+            config = tmp / "node.yaml"
+            config.write_text(f"idempotency_window_s: {args.idempotency_window}\n")
+            retention += ["-f", str(config)]
         node_log = tmp / "node.log"
         node = bench._spawn([sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port),
                              "--db", str(db), "--state-dir", str(tmp / "state"),
@@ -276,9 +284,11 @@ COLUMNS = [
 
 
 def _print(report: dict[str, Any], args: argparse.Namespace) -> None:
+    window = "24 h" if args.idempotency_window is None else f"{args.idempotency_window:g} s"
     print(f"\n{args.duration:.0f} s measured after {args.warmup:.0f} s warm-up per trial; "
           f"A: retention off, B: --history-retention {args.retention} --janitor-interval "
-          f"{args.janitor_interval}; ≤ {args.outstanding} runs outstanding, {args.inflight} emits in flight")
+          f"{args.janitor_interval}; idempotency window {window}; "
+          f"≤ {args.outstanding} runs outstanding, {args.inflight} emits in flight")
     heads = ["trial"] + [h for h, _, _ in COLUMNS]
     widths = [max(6, len(h)) for h in heads]
     print("  ".join(h.rjust(w) for h, w in zip(heads, widths, strict=True)))
@@ -320,6 +330,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=20.0, help="seconds of load before measuring")
     ap.add_argument("--retention", default="5s", help="trial B's --history-retention")
     ap.add_argument("--janitor-interval", default="5s", help="trial B's --janitor-interval")
+    ap.add_argument("--idempotency-window", type=float, default=None,
+                    help="seconds; events are kept this long (default: the node's, 24 h)")
     ap.add_argument("--order", default="ABBA", help="trials to run, A = retention off, B = on")
     ap.add_argument("--concurrency", type=int, default=50, help="worker max_concurrent_jobs")
     ap.add_argument("--inflight", type=int, default=32, help="emit requests in flight")
