@@ -12,7 +12,7 @@ import logging
 import trio
 
 from actors.messages import Kick, kick
-from ironflow import logs
+from ironflow import logs, metrics
 from ironflow.config import NodeConfig
 from ironflow.store import Conflict, Store
 
@@ -33,12 +33,14 @@ async def _resume(
 ) -> None:
     async with limiter:
         try:
-            await store.resume_claimed_step(node_id, run_id, step_id)
+            outcome = await store.resume_claimed_step(node_id, run_id, step_id)
         except Conflict:
             # The claim was taken away since (the run was cancelled, or loop 2
             # restored the step): nothing is ours to resume; the batch goes on.
             logs.event(log, logging.INFO, "waker: claim lost before resume", run_id=run_id, step_id=step_id)
             return
+    if outcome.wake_lateness_s is not None:
+        metrics.WAKE_LATENESS.observe(max(outcome.wake_lateness_s, 0.0))
     logs.event(log, logging.DEBUG, "waker: step woke, run resumed", run_id=run_id, step_id=step_id)
 
 

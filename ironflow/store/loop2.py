@@ -47,13 +47,14 @@ class WakeLoop(SqlStoreBase):
     async def resume_claimed_step(self, node_id: str, run_id: str, step_id: str) -> JobOutcome:
         def work(tx: Tx) -> JobOutcome:
             step = tx.fetchone(
-                "SELECT kind, invoke_run_id FROM steps WHERE run_id = ? AND step_id = ?"
+                "SELECT kind, invoke_run_id, ironflow_now() - wake_at FROM steps"
+                " WHERE run_id = ? AND step_id = ?"
                 " AND status = 'waking' AND claimed_by = ?",
                 (run_id, step_id, node_id),
             )
             if step is None:
                 raise Conflict(f"step {run_id}/{step_id} is not claimed by node {node_id}")
-            kind, child = step
+            kind, child, late = step
             status, error = "completed", None
             if kind == "wait":
                 status = "timed_out"
@@ -74,8 +75,8 @@ class WakeLoop(SqlStoreBase):
             resumed = self._resume(tx, run_id)
             if resumed is None:
                 row = tx.fetchone("SELECT status FROM runs WHERE id = ?", (run_id,))
-                return JobOutcome(run_id, row[0] if row else "unknown")
-            return JobOutcome(run_id, "waiting", resumed[0], resumed[1])
+                return JobOutcome(run_id, row[0] if row else "unknown", wake_lateness_s=late)
+            return JobOutcome(run_id, "waiting", resumed[0], resumed[1], wake_lateness_s=late)
 
         return await self._transact(work)
 
