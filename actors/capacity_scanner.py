@@ -46,7 +46,7 @@ async def scan_once(store: Store, config: NodeConfig, kicks: trio.MemorySendChan
     sessions = await store.expire_sessions()
     timed_out = await store.expire_run_deadlines()
     for ended in timed_out:
-        metrics.RUNS_FINISHED.labels(status="failed").inc()
+        metrics.run_ended("failed", ended.function_id, ended.duration_s)
         logs.event(
             log, logging.WARNING, "run: function timeout reached, run failed",
             run_id=ended.run_id, session_id=ended.session_id, code="FUNCTION_TIMEOUT",
@@ -56,6 +56,7 @@ async def scan_once(store: Store, config: NodeConfig, kicks: trio.MemorySendChan
     for seg in recovered:
         metrics.RECOVERIES.labels(path="lease_expiry").inc()
         if seg.exhausted:
+            metrics.run_ended("failed", seg.function_id, seg.duration_s)
             logs.event(
                 log,
                 logging.WARNING,

@@ -59,6 +59,8 @@ async def _recover_at_deadline(store: Store, config: NodeConfig, node_id: str) -
         for seg in segments:
             recovered += 1
             metrics.RECOVERIES.labels(path="drain_deadline").inc()
+            if seg.exhausted:
+                metrics.run_ended("failed", seg.function_id, seg.duration_s)
             await store.record_node_drain(
                 "node.drain.recovered",
                 {

@@ -45,7 +45,6 @@ from ironflow.protocol import (
 )
 from ironflow.store import (
     Fence,
-    JobOutcome,
     LimitExceeded,
     SessionInfo,
     SessionNotFound,
@@ -118,13 +117,6 @@ async def register(
         raise RegistrationRefused(str(exc)) from exc
 
 
-def _observe_run_duration(outcome: JobOutcome) -> None:
-    if outcome.function_id is not None and outcome.duration_s is not None:
-        metrics.RUN_DURATION.labels(function=outcome.function_id, status=outcome.status).observe(
-            max(outcome.duration_s, 0.0)
-        )
-
-
 def _fence(session_id: str, msg: FencedMessage) -> Fence:
     return Fence(session_id, msg.run_id, msg.execution_seq, msg.lease_token)
 
@@ -171,15 +163,13 @@ async def handle(
         return None
     if isinstance(msg, JobCompleted):
         outcome = await store.complete_job(_fence(session_id, msg), msg.output)
-        metrics.RUNS_FINISHED.labels(status="completed").inc()
-        _observe_run_duration(outcome)
+        metrics.run_ended("completed", outcome.function_id, outcome.duration_s)
         kick(kicks, "job completed")
         return None
     if isinstance(msg, JobFailed):
         outcome = await store.fail_job(_fence(session_id, msg), msg.error)
         if outcome.status == "failed":
-            metrics.RUNS_FINISHED.labels(status="failed").inc()
-            _observe_run_duration(outcome)
+            metrics.run_ended("failed", outcome.function_id, outcome.duration_s)
             logs.event(log, logging.INFO, "run: failed", run_id=msg.run_id, code=msg.error.code)
         else:
             logs.event(
@@ -355,6 +345,8 @@ async def run(
             )
             for seg in recovered:
                 metrics.RECOVERIES.labels(path="disconnect").inc()
+                if seg.exhausted:
+                    metrics.run_ended("failed", seg.function_id, seg.duration_s)
                 logs.event(
                     log,
                     logging.WARNING,

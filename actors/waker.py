@@ -13,7 +13,7 @@ import os
 import trio
 
 from actors.messages import Kick, kick
-from ironflow import logs
+from ironflow import logs, metrics
 from ironflow.config import NodeConfig
 from ironflow.store import Conflict, Store
 
@@ -45,7 +45,7 @@ async def _resume(
 ) -> None:
     async with limiter:
         try:
-            await store.resume_claimed_step(node_id, run_id, step_id)
+            outcome = await store.resume_claimed_step(node_id, run_id, step_id)
         except Conflict:
             # The claim was taken away since (the run was cancelled, or loop 2
             # restored the step): nothing is ours to resume; the batch goes on.
@@ -54,6 +54,8 @@ async def _resume(
     # Dispatch starts with the first resumed run, not after the whole batch
     # (kicks coalesce: a round already pending absorbs this one).
     kick(kicks, "steps woke")
+    if outcome.wake_lateness_s is not None:
+        metrics.WAKE_LATENESS.observe(max(outcome.wake_lateness_s, 0.0))
     logs.event(log, logging.DEBUG, "waker: step woke, run resumed", run_id=run_id, step_id=step_id)
 
 

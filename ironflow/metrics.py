@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+import bisect
+import functools
+import inspect
+import itertools
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
+
+from ironflow.store import Store
 
 REGISTRY = CollectorRegistry()
 
@@ -70,7 +82,8 @@ STEP_COMMIT = Histogram(
 )
 RUN_DURATION = Histogram(
     "ironflow_run_duration_seconds",
-    "Runs that completed or failed on this node: first start (or creation) → end",
+    "Runs ended on this node (completed, failed — by the worker, the recovery ceiling or"
+    " the function timeout — or cancelled): first start (or creation) → end",
     ["function", "status"],
     buckets=DURATION_BUCKETS,
     registry=REGISTRY,
@@ -91,6 +104,116 @@ SESSIONS = Gauge(
     ["transport"],  # stream | pull
     registry=REGISTRY,
 )
+
+
+WAKE_LATENESS = Histogram(
+    "ironflow_wake_lateness_seconds",
+    "A sleep's wake time (or a wait's / invoke's timeout) → this node's waker resumed the"
+    " step and queued the run's next segment (database clock)",
+    buckets=LATENCY_BUCKETS,
+    registry=REGISTRY,
+)
+
+
+class _StoreCallHistogram:
+    """``ironflow_store_call_seconds{method}``, kept as plain per-method bucket counts.
+
+    Every store call passes through here, so an observation must cost next to
+    nothing: a ``bisect`` and two additions (a ``prometheus_client``
+    ``Histogram.observe`` takes a lock and walks the buckets, several µs).
+    Store calls and scrapes both run on the node's Trio thread, so no lock.
+    The exposition is built at scrape time.
+    """
+
+    name = "ironflow_store_call_seconds"
+    documentation = "A store method called on this node → its committed result back in the caller"
+
+    def __init__(self) -> None:
+        # method → counts per bucket (the last one: above every bound), seconds observed
+        self._counts: dict[str, list[int]] = {}
+        self._sums: dict[str, float] = {}
+
+    def observe(self, method: str, seconds: float) -> None:
+        counts = self._counts.get(method)
+        if counts is None:
+            counts = self._counts[method] = [0] * (len(LATENCY_BUCKETS) + 1)
+            self._sums[method] = 0.0
+        counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1  # le: bound >= seconds
+        self._sums[method] += seconds
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["method"])
+        for method, counts in sorted(self._counts.items()):
+            cumulative = list(itertools.accumulate(counts))
+            bounds = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]
+            family.add_metric(
+                [method], buckets=list(zip(bounds, cumulative, strict=True)), sum_value=self._sums[method]
+            )
+        yield family
+
+
+STORE_CALL = _StoreCallHistogram()
+REGISTRY.register(STORE_CALL)  # type: ignore[arg-type]
+
+# Store methods not timed: ``watch_kicks`` lives as long as the node (it is a
+# listener, not a call), and opening/closing are not calls an operator tunes.
+_UNTIMED_STORE_METHODS = frozenset({"watch_kicks", "open", "close"})
+
+
+def run_ended(status: str, function_id: str | None, duration_s: float | None) -> None:
+    """Count a run that ended on this node and observe its duration.
+
+    Every path that ends a run (a worker's final result, cancel, the recovery
+    ceiling, the function timeout) calls this once with what its store call
+    returned; the store's guarded UPDATE ends a run only once, so the run is
+    observed once.
+    """
+    RUNS_FINISHED.labels(status=status).inc()
+    if function_id is not None and duration_s is not None:
+        RUN_DURATION.labels(function=function_id, status=status).observe(max(duration_s, 0.0))
+
+
+def store_methods() -> frozenset[str]:
+    """The ``Store`` interface's timed methods: every label value ``method`` can take."""
+    return frozenset(
+        name
+        for name, fn in inspect.getmembers(Store, inspect.iscoroutinefunction)
+        if not name.startswith("_") and name not in _UNTIMED_STORE_METHODS
+    )
+
+
+def _timed(method: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+    observe = STORE_CALL.observe
+
+    @functools.wraps(call)
+    async def timed(*args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            result = await call(*args, **kwargs)
+        except Exception:
+            # A refused call (stale fence, conflict) still took its transaction;
+            # a cancelled one (BaseException) did not finish and is not observed.
+            observe(method, time.perf_counter() - started)
+            raise
+        observe(method, time.perf_counter() - started)
+        return result
+
+    return timed
+
+
+def time_store_calls(store: Store) -> Store:
+    """Observe ``ironflow_store_call_seconds`` for every interface call on ``store``.
+
+    Wraps the instance's bound methods (the class is untouched, so a store
+    built by a test without a node is not timed). Calling it twice is harmless.
+    Returns ``store``.
+    """
+    if getattr(store, "_ironflow_timed", False):
+        return store
+    for name in store_methods():
+        setattr(store, name, _timed(name, getattr(store, name)))
+    store._ironflow_timed = True  # type: ignore[attr-defined]
+    return store
 
 
 def render() -> bytes:

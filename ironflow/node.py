@@ -50,7 +50,7 @@ from actors import (
 from actors.directory import SessionDirectory
 from actors.messages import Kick
 from actors.supervisor import Supervisor
-from ironflow import hypercorn_patch, logs
+from ironflow import hypercorn_patch, logs, metrics
 from ironflow.api import ApiDeps, HotRoutes, create_app
 from ironflow.config import NodeConfig, redact_url
 from ironflow.ids import new_id
@@ -72,8 +72,9 @@ class Node:
     def __init__(self, config: NodeConfig, *, store: Store | None = None) -> None:
         self.config = config
         self.node_id = config.node_id or f"{socket.gethostname()}-{new_id('node')[-8:]}"
-        self.store: Store = store if store is not None else open_store(
-            config.database_url, sqlite_auto_vacuum=config.sqlite_auto_vacuum
+        self.store: Store = metrics.time_store_calls(
+            store if store is not None
+            else open_store(config.database_url, sqlite_auto_vacuum=config.sqlite_auto_vacuum)
         )
         self.directory = SessionDirectory()
         self.shutdown_requested = trio.Event()

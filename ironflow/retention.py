@@ -62,7 +62,7 @@ async def purge_pass(
             wait_for_lock=wait_for_lock,
         )
         total = total.plus(counts)
-        if counts.locked_out or (counts.runs < batch and counts.events < batch):
+        if counts.locked_out or not counts.more:
             break
     for kind in ("runs", "steps", "audit", "events"):
         metrics.HISTORY_DELETED.labels(kind=kind).inc(getattr(total, kind))

@@ -209,6 +209,9 @@ async def goodbye(session_id: str) -> Response:
         recovery_grace_s=t.recovery_grace_s,
         recovery_ceiling=int(t.recovery_ceiling),
     )
+    for seg in recovered:
+        if seg.exhausted:
+            metrics.run_ended("failed", seg.function_id, seg.duration_s)
     if recovered:
         kick(st.deps.kicks, "pull session closed")
     return json_response(FencedResponse())

@@ -81,7 +81,7 @@ async def cancel_run(run_id: str) -> Response:
                 local.outbox.send_nowait(Cancel(outcome.job_id, run_id, body.reason))
             except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
                 pass  # the fence refuses anything the segment still sends
-    metrics.RUNS_FINISHED.labels(status="cancelled").inc()
+    metrics.run_ended("cancelled", outcome.function_id, outcome.duration_s)
     logs.event(log, logging.INFO, "run: cancelled", run_id=run_id, session_id=outcome.session_id)
     kick(st.deps.kicks, "run cancelled")  # a parent waiting on this run may resume
     return json_response(CancelResponse(run_id))

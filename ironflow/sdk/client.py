@@ -46,12 +46,18 @@ def raise_for_api_error(resp: httpx.Response) -> None:
     """
     if resp.status_code < 400:
         return
+    body = api_error_of(resp)
+    raise IronflowAPIError(resp.status_code, body.code, body.message)
+
+
+def api_error_of(resp: httpx.Response) -> ApiError:
+    """The ``{code, message}`` of an error answer; any other body (a proxy's
+    page) becomes the reason phrase as code (``BAD_GATEWAY``) and its text."""
     try:
-        body = msgspec.json.decode(resp.content, type=ApiError)
+        return msgspec.json.decode(resp.content, type=ApiError)
     except msgspec.DecodeError:
         code = resp.reason_phrase.upper().replace(" ", "_") or "HTTP_ERROR"
-        body = ApiError(code, resp.text.strip()[:ERROR_TEXT_MAX] or "(empty answer)")
-    raise IronflowAPIError(resp.status_code, body.code, body.message)
+        return ApiError(code, resp.text.strip()[:ERROR_TEXT_MAX] or "(empty answer)")
 
 
 def auth_headers(api_key: str | None) -> dict[str, str]:

@@ -30,7 +30,7 @@ from typing import Any
 import trio
 
 from ironflow.logs import formatter as log_formatter
-from ironflow.protocol import JobAssignment, JobNackReason
+from ironflow.protocol import JobAssignment, JobLeaseStatus, JobNackReason, Register
 from ironflow.sdk.context import JobState, Reporter, execute_job
 from ironflow.sdk.function import Function
 
@@ -254,6 +254,36 @@ class WorkerLifecycle:
         for job in list(self._jobs.values()):
             job.abandon()
         return False
+
+    def _register_message(self, *, batch_frames: bool = False) -> Register:
+        """This worker's ``Register``: every function's full definition, its slots."""
+        return Register(
+            worker_id=self.worker_id,
+            functions=[f.definition for f in self.functions.values()],
+            max_concurrent_jobs=self.max_concurrent_jobs,
+            hostname=socket.gethostname(),
+            batch_frames=batch_frames,
+        )
+
+    def _on_lease_statuses(self, statuses: Iterable[JobLeaseStatus]) -> None:
+        """A heartbeat's answer: abandon each job whose lease is gone (STALE: a
+        later segment holds the run; UNKNOWN: no lease at all). Only the segment
+        named is abandoned: a newer assignment of the same run keeps running."""
+        for js in statuses:
+            if js.state in ("STALE", "UNKNOWN"):
+                job = self._jobs.get(js.job_id)
+                if job is not None and job.assignment.execution_seq == js.execution_seq:
+                    self._abandon(job, f"lease {js.state}")
+
+    def _abandon(self, job: JobState, why: str) -> None:
+        """Cancel a job's handler and drop whatever it still reports (logged once)."""
+        if not job.abandoned:
+            a = job.assignment
+            _log.warning(
+                "Abandoning job: %s", why,
+                extra={"fields": {"run_id": a.run_id, "execution_seq": a.execution_seq}},
+            )
+            job.abandon()
 
     def _refusal(self, a: JobAssignment) -> JobNackReason | None:
         """Why this worker refuses assignment ``a`` (logged), or None to take it.

@@ -11,7 +11,6 @@ re-registers; 401/403 stops the worker.
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Iterable
 from typing import Any
 
@@ -28,12 +27,11 @@ from ironflow.protocol import (
     LeaseStatus,
     PullPollRequest,
     PullPollResponse,
-    Register,
     Registered,
     Shutdown,
     encoder,
 )
-from ironflow.sdk.client import auth_headers
+from ironflow.sdk.client import api_error_of, auth_headers
 from ironflow.sdk.context import JobState
 from ironflow.sdk.errors import IronflowError, RegistrationRefusedError, WorkerAuthError
 from ironflow.sdk.function import Function
@@ -59,21 +57,13 @@ def _fields(**fields: Any) -> dict[str, Any]:
     return {"fields": {k: v for k, v in fields.items() if v is not None}}
 
 
-def _error_body(resp: httpx.Response) -> dict[str, Any]:
-    try:
-        body = msgspec.json.decode(resp.content)
-    except msgspec.DecodeError:
-        return {}
-    return body if isinstance(body, dict) else {}
-
-
 def _error_code(resp: httpx.Response) -> str:
-    return str(_error_body(resp).get("code", ""))
+    return api_error_of(resp).code
 
 
 def _error_message(resp: httpx.Response) -> str:
-    body = _error_body(resp)
-    return f"{body.get('code', '')}: {body.get('message', resp.text[:200])}"
+    error = api_error_of(resp)
+    return f"{error.code}: {error.message}"
 
 
 class _HttpReporter:
@@ -234,15 +224,6 @@ class PullWorker(WorkerLifecycle):
         timeout = msg.drain_timeout_ms / 1000.0 if msg.drain_timeout_ms > 0 else self.drain_timeout
         self._begin_drain(timeout)
 
-    def _abandon(self, job: JobState, why: str) -> None:
-        if not job.abandoned:
-            a = job.assignment
-            _log.warning(
-                "Abandoning job: %s", why,
-                extra=_fields(run_id=a.run_id, execution_seq=a.execution_seq),
-            )
-            job.abandon()
-
     async def _post(self, path: str, body: Any) -> httpx.Response:
         assert self._http is not None
         return await self._http.post(
@@ -253,12 +234,7 @@ class PullWorker(WorkerLifecycle):
 
     async def _register(self) -> None:
         assert self._http is not None
-        body = Register(
-            worker_id=self.worker_id,
-            functions=[f.definition for f in self.functions.values()],
-            max_concurrent_jobs=self.max_concurrent_jobs,
-            hostname=socket.gethostname(),
-        )
+        body = self._register_message()
         delay = POLL_BACKOFF_S[0]
         while True:
             try:
@@ -391,9 +367,4 @@ class PullWorker(WorkerLifecycle):
             if resp.status_code >= 400:
                 _log.warning("Heartbeat refused: %s %s", resp.status_code, _error_code(resp))
                 continue
-            status = msgspec.json.decode(resp.content, type=LeaseStatus)
-            for js in status.jobs:
-                if js.state in ("STALE", "UNKNOWN"):
-                    job = self._jobs.get(js.job_id)
-                    if job is not None and job.assignment.execution_seq == js.execution_seq:
-                        self._abandon(job, f"lease {js.state}")
+            self._on_lease_statuses(msgspec.json.decode(resp.content, type=LeaseStatus).jobs)

@@ -12,7 +12,6 @@ deadline, flushes the outbox and closes the socket with 1000.
 from __future__ import annotations
 
 import logging
-import socket
 from collections.abc import Iterable
 from typing import Any
 
@@ -29,7 +28,6 @@ from ironflow.protocol import (
     JobNack,
     LeaseStatus,
     Refused,
-    Register,
     Registered,
     Shutdown,
     encoder,
@@ -226,13 +224,7 @@ class StreamingWorker(WorkerLifecycle):
             raise
 
     async def _serve(self, ws: Any, on_registered: Any) -> None:
-        register = Register(
-            worker_id=self.worker_id,
-            functions=[f.definition for f in self.functions.values()],
-            max_concurrent_jobs=self.max_concurrent_jobs,
-            hostname=socket.gethostname(),
-            batch_frames=True,
-        )
+        register = self._register_message(batch_frames=True)
         await ws.send_message(encoder.encode(register).decode())
         first = engine_message_decoder.decode(await ws.get_message())
         if isinstance(first, Refused):
@@ -361,19 +353,7 @@ class StreamingWorker(WorkerLifecycle):
         if isinstance(msg, JobAssignment):
             await self._on_assignment(msg, send, reporter, nursery)
         elif isinstance(msg, LeaseStatus):
-            for js in msg.jobs:
-                if js.state in ("STALE", "UNKNOWN"):
-                    job = self._jobs.get(js.job_id)
-                    if job is not None and job.assignment.execution_seq == js.execution_seq:
-                        _log.warning(
-                            "Lease lost; abandoning job",
-                            extra=_fields(
-                                run_id=js.run_id,
-                                execution_seq=js.execution_seq,
-                                state=js.state,
-                            ),
-                        )
-                        job.abandon()
+            self._on_lease_statuses(msg.jobs)
         elif isinstance(msg, Cancel):
             job = self._jobs.get(msg.job_id)
             if job is not None:

@@ -114,6 +114,8 @@ class RecoveredSegment(msgspec.Struct, frozen=True):
     recovery_count: int
     eligible_at: float | None
     exhausted: bool
+    # Set when the run failed here (exhausted): for the run-duration metric.
+    duration_s: float | None = None
 
 
 class JobOutcome(msgspec.Struct, frozen=True):
@@ -130,6 +132,9 @@ class JobOutcome(msgspec.Struct, frozen=True):
     # Set when the run ended here (completed or failed): for the run-duration metric.
     function_id: str | None = None
     duration_s: float | None = None
+    # Set by resume_claimed_step: how long after the step's wake_at it resumed
+    # (database clock), for the wake-lateness metric.
+    wake_lateness_s: float | None = None
 
 
 class CapacityGauges(msgspec.Struct, frozen=True):
@@ -150,6 +155,9 @@ class CancelOutcome(msgspec.Struct, frozen=True):
     job_id: str | None
     # A parent run resumed because its invoked child was cancelled (the caller kicks).
     kicked_run_ids: list[str] = []
+    # The ended run's function and duration: for the run-duration metric.
+    function_id: str | None = None
+    duration_s: float | None = None
 
 
 class IngestResult(msgspec.Struct, frozen=True):
@@ -175,27 +183,30 @@ class PurgeCounts(msgspec.Struct, frozen=True):
     """Rows deleted by history retention, by kind.
 
     ``locked_out`` is True when another node held the janitor lock
-    (PostgreSQL), so this node deleted nothing on purpose.
+    (PostgreSQL), so this node deleted nothing on purpose. ``more`` is True
+    when a batch limit was reached, so another batch may find more.
     """
 
     runs: int = 0
     steps: int = 0
-    audit: int = 0
+    audit: int = 0  # the deleted runs' audit rows and audit rows of no run
     events: int = 0
     locked_out: bool = False
+    more: bool = False
 
     @property
     def total(self) -> int:
         return self.runs + self.steps + self.audit + self.events
 
     def plus(self, other: PurgeCounts) -> PurgeCounts:
-        """The sum of two counts (``locked_out`` from ``other``, the later batch)."""
+        """The sum of two counts (``locked_out`` and ``more`` from ``other``, the later batch)."""
         return PurgeCounts(
             self.runs + other.runs,
             self.steps + other.steps,
             self.audit + other.audit,
             self.events + other.events,
             other.locked_out,
+            other.more,
         )
 
 
@@ -478,7 +489,8 @@ class Store(abc.ABC):
     async def resume_claimed_step(self, node_id: str, run_id: str, step_id: str) -> JobOutcome:
         """Finish a claim: a sleep → 'completed'; a timed-out wait → 'timed_out'
         (output None); a timed-out invoke → 'failed' (InvokeError); then queue
-        the run's next seq (reason 'resume') and clear the claim."""
+        the run's next seq (reason 'resume') and clear the claim. The outcome's
+        ``wake_lateness_s`` is how long after ``wake_at`` this happened."""
 
     @abc.abstractmethod
     async def reset_stale_claims(self, threshold_s: float) -> int:
@@ -578,7 +590,10 @@ class Store(abc.ABC):
         parent, never while the parent is kept), and that hold no lease and no
         queue row — with their steps and audit rows. Then up to ``batch``
         events received more than ``idempotency_window_s`` ago that no
-        remaining run references.
+        remaining run references. Then, when ``statuses`` is every finished
+        status, up to ``batch`` audit rows of no run (node drains, purges…)
+        written more than ``older_than_s`` ago. ``more`` says whether any of
+        the three hit ``batch``.
 
         PostgreSQL: the batch runs under a transaction-level advisory lock, so
         one node purges at a time. With ``wait_for_lock`` False a node that

@@ -63,6 +63,9 @@ JANITOR_LOCK = "ironflow:janitor"
 PURGE_AUDIT = "history.purged"
 
 _TERMINAL_SQL = "('completed', 'failed', 'cancelled')"
+# What an UPDATE that ends a run returns for ironflow_run_duration_seconds: its
+# function and its duration from first start (or creation) to end.
+RUN_END_FIGURES = "function_id, ended_at - COALESCE(started_at, created_at)"
 _RUN_COLS = (
     "r.id, r.function_id, r.event_id, r.parent_run_id, r.status, r.attempt, r.max_attempts,"
     " r.recovery_count, r.current_execution_seq, r.output, r.error, r.created_at,"
@@ -463,9 +466,9 @@ class SqlStoreBase(Store):
                 job_id = job_id_for(run_id, queued[1])
                 owner = tx.fetchone("SELECT node_id FROM worker_sessions WHERE id = ?", (session_id,))
                 node_id = owner[0] if owner else None
-        tx.execute(
+        ended = tx.fetchone(
             "UPDATE runs SET status = ?, error = ?, current_execution_seq = current_execution_seq + 1,"
-            " ended_at = ironflow_now(), updated_at = ironflow_now() WHERE id = ?",
+            f" ended_at = ironflow_now(), updated_at = ironflow_now() WHERE id = ? RETURNING {RUN_END_FIGURES}",
             (status, _enc(error), run_id),
         )
         tx.execute(
@@ -475,7 +478,10 @@ class SqlStoreBase(Store):
             (run_id,),
         )
         kicked = self._resolve_parent(tx, parent_run_id, parent_step_id, run_id, error=error)
-        return CancelOutcome(run_id, session_id, node_id, job_id, kicked_run_ids=kicked)
+        return CancelOutcome(
+            run_id, session_id, node_id, job_id, kicked_run_ids=kicked,
+            function_id=ended[0] if ended else None, duration_s=ended[1] if ended else None,
+        )
 
     @staticmethod
     def _insert_event(

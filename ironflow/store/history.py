@@ -1,5 +1,6 @@
 """History retention: purge finished runs (with their steps and audit
-rows) and events past the idempotency window, in short batches.
+rows), audit rows of no run, and events past the idempotency window, in
+short batches.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from ironflow.store.core import (
 
 
 class RetentionOps(SqlStoreBase):
-    """History retention: finished runs and old events, in short batches."""
+    """History retention: finished runs, run-less audit rows and old events, in short batches."""
 
     async def purge_history(
         self,
@@ -73,7 +74,22 @@ class RetentionOps(SqlStoreBase):
                 f" ORDER BY e.received_at LIMIT ? {tx.lock()})",
                 (float(idempotency_window_s), batch),
             )
-            return PurgeCounts(runs=runs, steps=steps, audit=audit, events=events)
+            loose = 0
+            if len(wanted) == len(TERMINAL_RUN_STATUSES):
+                # Audit rows of no run (node drains, janitor passes…) go by age
+                # alone, and only in a purge of every finished status: one
+                # limited to some statuses is about those runs. `run_id IS
+                # NULL` is the guard and the audit_run index's prefix.
+                loose = tx.execute(
+                    "DELETE FROM audit_log WHERE id IN (SELECT a.id FROM audit_log a"
+                    " WHERE a.run_id IS NULL AND a.at < ironflow_now() - ?"
+                    f" ORDER BY a.at LIMIT ? {tx.lock()})",
+                    (float(older_than_s), batch),
+                )
+            return PurgeCounts(
+                runs=runs, steps=steps, audit=audit + loose, events=events,
+                more=batch in (len(run_ids), events, loose),
+            )
 
         return await self._transact(work)
 

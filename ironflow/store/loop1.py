@@ -88,15 +88,19 @@ class CapacityLoop(SqlStoreBase):
                     code=RECOVERY_EXHAUSTED,
                     retryable=False,
                 )
-                tx.execute(
+                ended = tx.fetchone(
                     "UPDATE runs SET status = 'failed', error = ?, recovery_count = ?,"
-                    " ended_at = ironflow_now(), updated_at = ironflow_now() WHERE id = ?",
+                    " ended_at = ironflow_now(), updated_at = ironflow_now() WHERE id = ?"
+                    " RETURNING ended_at - COALESCE(started_at, created_at)",
                     (_enc(error), count, run_id),
                 )
                 self._audit_if_enabled(tx, "run.failed", run_id, {"error": error})
                 self._resolve_parent(tx, parent_run_id, parent_step_id, run_id, error=error)
                 out.append(
-                    RecoveredSegment(run_id, function_id, seq, None, session_id, count, None, True)
+                    RecoveredSegment(
+                        run_id, function_id, seq, None, session_id, count, None, True,
+                        duration_s=ended[0] if ended else None,
+                    )
                 )
                 continue
             grace = 0.0 if (no_grace_first and count == 1) else recovery_grace_s

@@ -47,7 +47,8 @@ class WakeLoop(SqlStoreBase):
     async def resume_claimed_step(self, node_id: str, run_id: str, step_id: str) -> JobOutcome:
         def work(tx: Tx) -> JobOutcome:
             step = tx.fetchone(
-                "SELECT s.kind, s.invoke_run_id, s.claimed_at, s.pre_claim_status, f.audit"
+                "SELECT s.kind, s.invoke_run_id, s.claimed_at, s.pre_claim_status, f.audit,"
+                " ironflow_now() - s.wake_at"
                 " FROM steps s JOIN runs r ON r.id = s.run_id"
                 " LEFT JOIN functions f ON f.id = r.function_id"
                 " WHERE s.run_id = ? AND s.step_id = ? AND s.status = 'waking' AND s.claimed_by = ?",
@@ -55,7 +56,7 @@ class WakeLoop(SqlStoreBase):
             )
             if step is None:
                 raise Conflict(f"step {run_id}/{step_id} is not claimed by node {node_id}")
-            kind, child, claimed_at, pre_claim_status, audit = step
+            kind, child, claimed_at, pre_claim_status, audit, late = step
             if audit:
                 # One record per wake, in the resume's transaction: with
                 # ``step.claim.restored`` it counts each step's claims in the
@@ -84,8 +85,8 @@ class WakeLoop(SqlStoreBase):
             resumed = self._resume(tx, run_id)
             if resumed is None:
                 row = tx.fetchone("SELECT status FROM runs WHERE id = ?", (run_id,))
-                return JobOutcome(run_id, row[0] if row else "unknown")
-            return JobOutcome(run_id, "waiting", resumed[0], resumed[1])
+                return JobOutcome(run_id, row[0] if row else "unknown", wake_lateness_s=late)
+            return JobOutcome(run_id, "waiting", resumed[0], resumed[1], wake_lateness_s=late)
 
         return await self._transact(work)
 

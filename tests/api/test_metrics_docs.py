@@ -37,5 +37,6 @@ def test_every_metric_the_readme_names_is_exported_and_every_new_one_is_document
     assert named - _exported() == set()
     for family in ("ironflow_emit_to_dispatch_seconds", "ironflow_step_commit_seconds",
                    "ironflow_run_duration_seconds", "ironflow_queue_depth",
-                   "ironflow_active_leases", "ironflow_sessions"):
+                   "ironflow_active_leases", "ironflow_sessions", "ironflow_wake_lateness_seconds",
+                   "ironflow_store_call_seconds"):
         assert family in named, family

@@ -2,16 +2,20 @@
 against a real node process with a real worker process.
 
 One walk through the page, in the order a user would go: a run appears live
-after an emit, its steps and output show, a waiting run shows why and a
+after an emit, its steps and output show, a re-run from its page starts a new
+run of the same event that completes, a waiting run shows why and a
 countdown and is cancelled from the page, a run whose worker was killed with
-SIGKILL shows its two segments, the capacity view works with a platform key,
-and an XSS payload in a step output stays text. Screenshots of the main
-pages go to ``docs/screenshots/`` (so the README's pictures stay current).
+SIGKILL shows its two segments, a function invoked from its form with JSON
+data runs with that data, the capacity view works with a platform key, and an
+XSS payload in a step output stays text. With ``IRONFLOW_SCREENSHOTS=1`` the
+walk also rewrites the screenshots of the main pages in ``docs/screenshots/``
+(the README's pictures); otherwise it leaves them alone.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import socket
@@ -39,6 +43,8 @@ from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 DASHBOARD_WORKER = ROOT / "tests" / "procs" / "dashboard_worker.py"
 SCREENSHOTS = ROOT / "docs" / "screenshots"
+# Screenshots are rewritten only when asked, so a test run leaves the tree clean.
+TAKE_SCREENSHOTS = os.environ.get("IRONFLOW_SCREENSHOTS") == "1"
 # Long enough for a 2 s poll plus a slow shared machine.
 WAIT_S = 20.0
 # Sets a global if the payload ever runs as markup: the test checks it never does.
@@ -120,6 +126,8 @@ def _click(driver: Any, css: str) -> None:
 
 
 def _shot(driver: Any, name: str) -> None:
+    if not TAKE_SCREENSHOTS:
+        return
     SCREENSHOTS.mkdir(parents=True, exist_ok=True)
     height = driver.execute_script(
         "return Math.max(document.documentElement.scrollHeight, document.body.scrollHeight)")
@@ -179,6 +187,16 @@ async def test_dashboard_shows_live_runs_steps_waits_recoveries_and_capacity_and
             _no_script_ran(browser)
             _shot(browser, "run")
 
+            # 2b. Re-run it from its page: a new run of the same event, shown and completed.
+            _click(browser, "#rerun-run")
+            _wait(browser, "the re-run's page", lambda d: echo_run not in _text(d, "h1") and "run_" in _text(d, "h1"))
+            rerun = _text(browser, "h1 .mono")
+            _wait(browser, "the re-run completed", lambda d: _text(d, "#run-status") == "completed")
+            again = (await http.get(f"/v1/runs/{rerun}")).json()["run"]
+            assert again["event_id"] == emitted["event_id"] and again["function_id"] == "echo"
+            assert again["output"] == {"rendered": {"html": XSS}, "count": 1}
+            _no_script_ran(browser)
+
             # 3. The events page sends an event; the waiting run says why and counts down.
             browser.get(base + "/#/events")
             browser.find_element(By.ID, "event-name").send_keys("dash.nap")
@@ -214,15 +232,25 @@ async def test_dashboard_shows_live_runs_steps_waits_recoveries_and_capacity_and
             _shot(browser, "run-recovered")
 
             browser.get(base + "/#/runs")
-            _wait(browser, "three runs", lambda d: _count(d, "tr.run-row") == 3)
-            _wait(browser, "the runs-per-minute chart", lambda d: "3 runs" in _text(d, "#runs-chart"))
+            _wait(browser, "four runs", lambda d: _count(d, "tr.run-row") == 4)
+            _wait(browser, "the runs-per-minute chart", lambda d: "4 runs" in _text(d, "#runs-chart"))
             assert _count(browser, "#runs-chart .chart .col") >= 60  # one column per minute of the hour
             _shot(browser, "runs")
             browser.get(base + "/#/functions")
             _wait(browser, "the functions", lambda d: "napper" in _text(d, "#functions-table"))
-            _wait(browser, "the hour's counts", lambda d: _text(d, 'tr[data-function-id="echo"] .runs-1h') == "1")
+            _wait(browser, "the hour's counts", lambda d: _text(d, 'tr[data-function-id="echo"] .runs-1h') == "2")
             assert _text(browser, 'tr[data-function-id="echo"] .failed-1h') == "0 (0 %)"
             _shot(browser, "functions")
+
+            # 5b. Invoke a function from its form with JSON data: a run with that data completes.
+            echo_row = 'tr[data-function-id="echo"]'
+            browser.find_element(By.CSS_SELECTOR, f"{echo_row} .invoke-data").send_keys('{"via": "the form"}')
+            _click(browser, f"{echo_row} button.primary")
+            _wait(browser, "the invoked run's link", lambda d: _count(d, f"{echo_row} .result a") == 1)
+            invoked = _text(browser, f"{echo_row} .result a")
+            await _run_status(http, invoked, "completed")
+            assert (await http.get(f"/v1/runs/{invoked}")).json()["run"]["output"] == {
+                "rendered": {"via": "the form"}, "count": 1}
 
             # 6. Capacity needs a platform key: refused without, shown with one.
             browser.get(base + "/#/workers")

@@ -6,11 +6,14 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import ironflow
+from ironflow import metrics
 from ironflow.node import Node
+from ironflow.protocol import SESSION_SECRET_HEADER
 from tests.integration.helpers import emit, wait_for_run
 
 
@@ -87,3 +90,64 @@ async def test_capacity_gauges_follow_sessions_and_the_queue(
     # No worker left: a new run waits in the queue, runnable now.
     await emit(http, "metered.go")
     await wait_gauges(stream=0, runnable=1, leases=0)
+
+
+PULLED = {"id": "pulled-metered", "triggers": [{"event": "pulled.go"}],
+          "retries": {"max_attempts": 1}}
+
+
+async def _pull_session(http: httpx.AsyncClient) -> tuple[str, dict[str, str]]:
+    """A pull worker for ``PULLED`` with one slot: its session id and secret header."""
+    resp = await http.post(
+        "/v1/worker/register",
+        json={"type": "register", "worker_id": "p1", "functions": [PULLED], "max_concurrent_jobs": 1},
+    )
+    assert resp.status_code == 201, resp.text
+    return resp.json()["session_id"], {SESSION_SECRET_HEADER: resp.json()["session_secret"]}
+
+
+async def _take(http: httpx.AsyncClient, sid: str, secret: dict[str, str]) -> str:
+    """Poll one job on the pull session and ack it; returns its run id."""
+    resp = await http.post(f"/v1/worker/sessions/{sid}/poll", json={"wait_s": 5, "max_jobs": 1}, headers=secret)
+    (job,) = resp.json()["jobs"]
+    ack = {k: job[k] for k in ("job_id", "run_id", "execution_seq", "lease_token")}
+    resp = await http.post(f"/v1/worker/sessions/{sid}/ack", json={"type": "job_ack", **ack}, headers=secret)
+    assert resp.status_code == 200, resp.text
+    return str(job["run_id"])
+
+
+@pytest.mark.parametrize("node_timings", [{"recovery_ceiling": 1}])
+async def test_a_cancelled_run_and_a_run_failed_at_a_pull_goodbye_are_each_observed_once(
+    node: Node, http: httpx.AsyncClient
+) -> None:
+    before = await _samples(http)
+    sid, secret = await _pull_session(http)
+    held = (await emit(http, "pulled.go"))["run_ids"][0]
+    assert await _take(http, sid, secret) == held
+    # The worker leaves holding `held`: recovered (the first recovery has no grace).
+    assert (await http.delete(f"/v1/worker/sessions/{sid}", headers=secret)).status_code == 200
+    sid, secret = await _pull_session(http)
+    assert await _take(http, sid, secret) == held
+    queued = (await emit(http, "pulled.go"))["run_ids"][0]  # no free slot: it waits
+    assert (await http.post(f"/v1/runs/{queued}/cancel", json={})).status_code == 200
+    # It leaves again: past the recovery ceiling (1), the run fails.
+    assert (await http.delete(f"/v1/worker/sessions/{sid}", headers=secret)).status_code == 200
+    assert (await wait_for_run(http, held))["run"]["error"]["code"] == "EXECUTION_RECOVERY_EXHAUSTED"
+    assert (await wait_for_run(http, queued))["run"]["status"] == "cancelled"
+    after = await _samples(http)
+
+    def grew(name: str, **labels: str) -> float:
+        return _value(after, name, **labels) - _value(before, name, **labels)
+
+    fn = "pulled-metered"
+    assert grew("ironflow_run_duration_seconds_count", function=fn, status="cancelled") == 1
+    assert grew("ironflow_run_duration_seconds_count", function=fn, status="failed") == 1
+    assert grew("ironflow_runs_total", status="cancelled") == 1
+    assert grew("ironflow_runs_total", status="failed") == 1
+    # Every store call went through the timing wrapper, labelled by its method only.
+    assert grew("ironflow_store_call_seconds_count", method="cancel_run") == 1
+    assert grew("ironflow_store_call_seconds_count", method="close_session") == 2
+    methods = {
+        dict(labels)["method"] for name, labels in after if name == "ironflow_store_call_seconds_count"
+    }
+    assert methods and methods <= metrics.store_methods()

@@ -199,3 +199,29 @@ async def test_oldest_finished_run_age_is_measured_on_the_database_clock(store):
     await store.complete_job(await start_next(store, s), None)
     await store.advance_clock(100)
     assert 100 <= await store.oldest_finished_run_age() < 110
+
+
+async def test_audit_rows_of_no_run_go_by_age_alone_in_bounded_batches(store):
+    for n in range(3):
+        await store.record_node_drain("node.drain.started", {"n": n})
+    s = await worker(store, fn(audit=True))
+    await emit(store)
+    kept = await start_next(store, s)  # a run that has not ended keeps its (old) audit rows
+    await store.advance_clock(100)
+    await store.record_node_drain("node.drain.completed", {"n": 3})  # younger than 50 s
+    first = await purge(store, 50, batch=2)
+    assert (first.runs, first.audit, first.more) == (0, 2, True)
+    second = await purge(store, 50, batch=2)
+    assert (second.audit, second.more) == (1, False)
+    assert [a.data for a in await store.list_audit(type="node.drain.completed")] == [{"n": 3}]
+    assert await store.list_audit(type="node.drain.started") == []
+    assert await store.list_audit(run_id=kept.run_id)
+    assert (await purge(store, 50)).total == 0
+
+
+async def test_a_purge_of_some_statuses_leaves_audit_rows_of_no_run(store):
+    await store.record_node_drain("node.drain.started", {})
+    await store.advance_clock(100)
+    assert (await purge(store, 10, statuses=frozenset({"completed"}))).audit == 0
+    assert (await purge(store, 10)).audit == 1
+    assert await store.list_audit(type="node.drain.started") == []

@@ -15,6 +15,7 @@ import trio.testing
 
 from actors import waker
 from actors.messages import Kick
+from ironflow import metrics
 from ironflow.config import NodeConfig, Timings
 from ironflow.protocol import FunctionDef, InvokeYield, SleepYield, Trigger, WaitYield, YieldInfo
 from ironflow.store import Fence, Store
@@ -194,3 +195,27 @@ async def test_a_run_cancelled_between_claim_and_resume_does_not_stop_the_rest_o
     await next_kick(kicks)
     assert 9.0 <= trio.current_time() <= 9.0 + LATE
     assert await resumed(store, later)
+
+
+def _lateness() -> tuple[float, float]:
+    """(observations, seconds) of ironflow_wake_lateness_seconds so far."""
+    get = metrics.REGISTRY.get_sample_value
+    return (get("ironflow_wake_lateness_seconds_count") or 0.0,
+            get("ironflow_wake_lateness_seconds_sum") or 0.0)
+
+
+async def test_each_resumed_step_observes_how_late_after_its_wake_time_it_was_resumed(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # One sleep is already 3 s overdue when the waker starts; the other is due later.
+    overdue, on_time = await park(store, SleepYield(until=BASE + 1.0), SleepYield(until=BASE + 9.0))
+    await trio.sleep(4.0)
+    count0, sum0 = _lateness()
+    kicks = await start_waker(nursery, store)
+    await next_kick(kicks)
+    count1, sum1 = _lateness()
+    assert count1 - count0 == 1 and sum1 - sum0 == pytest.approx(3.0, abs=1e-6)
+    await next_kick(kicks)
+    count2, sum2 = _lateness()
+    assert count2 - count1 == 1 and 0.0 <= sum2 - sum1 <= LATE
+    assert await resumed(store, overdue) and await resumed(store, on_time)
