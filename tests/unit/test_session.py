@@ -145,7 +145,10 @@ async def test_a_stale_fence_is_refused_for_that_job_only_and_the_connection_car
     registered = await sock.answer()
     t = CFG.timings
     assert registered == Registered(
-        session_id, int(t.heartbeat_interval_s * 1000), int(t.lease_expiry_s * 1000)
+        session_id,
+        int(t.heartbeat_interval_s * 1000),
+        int(t.lease_expiry_s * 1000),
+        batch_frames=True,  # the socket's reader takes batched frames
     )
     assert sock.directory.get(session_id) is not None
     a = await sock.assign(session_id)
