@@ -194,3 +194,26 @@ async def test_a_run_cancelled_between_claim_and_resume_does_not_stop_the_rest_o
     await next_kick(kicks)
     assert 9.0 <= trio.current_time() <= 9.0 + LATE
     assert await resumed(store, later)
+
+
+async def test_a_restarted_waker_leaves_no_wake_listener_behind(
+    store: Store, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Found by the simulator (tests/sim): every start of the waker registered a
+    wake listener on the store and none was ever removed, so each supervisor
+    restart (and each node restart on the same store object) added one more,
+    all called on every parked sleep."""
+    from actors.supervisor import Supervisor
+
+    listeners: list[Any] = store._wake_listeners  # type: ignore[attr-defined]
+    kick_send, _ = trio.open_memory_channel[Kick](100)
+    async with trio.open_nursery() as nursery:
+        sup = Supervisor(nursery, Timings(restart_backoff_s=0.01))
+        await sup.start("waker", waker.run, store, config(), "n1", kick_send)
+        for _ in range(3):
+            sup.crash("waker")
+            await trio.sleep(1)
+        assert sup.restarts("waker") == 3
+        assert len(listeners) == 1  # the running waker's only
+        nursery.cancel_scope.cancel()
+    assert listeners == []
