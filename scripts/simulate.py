@@ -50,9 +50,14 @@ def main() -> int:
     started = time.perf_counter()
     done = 0
 
+    cpu_s: list[float] = []
+    virtual = 0.0
+
     def on_result(r: Result) -> None:
-        nonlocal done
+        nonlocal done, virtual
         done += 1
+        cpu_s.append(r.cpu_s)
+        virtual += r.virtual_s
         totals.update(r.counts)
         if not r.ok:
             bad.append(r)
@@ -67,6 +72,14 @@ def main() -> int:
         f"{done} seeds in {elapsed:.1f} s ({done / elapsed:.1f} seeds/s, {args.processes} processes);"
         f" violating seeds: {len(bad)}"
     )
+    cpu = sorted(cpu_s)
+    if cpu:
+        mean = sum(cpu) / len(cpu)
+        print(
+            f"CPU per seed: mean {mean * 1000:.0f} ms, median {cpu[len(cpu) // 2] * 1000:.0f} ms,"
+            f" max {cpu[-1] * 1000:.0f} ms (so about {args.processes / mean:.1f} seeds/s on"
+            f" {args.processes} idle cores); virtual time simulated: {virtual:.0f} s"
+        )
     print("faults injected:")
     for kind in FAULT_KINDS:
         print(f"  {kind:<22} {totals[kind]}")

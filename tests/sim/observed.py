@@ -53,11 +53,15 @@ class OutcomesByTask(SqliteStore):
         self.outcomes: dict[Any, outcome.Outcome[Any]] = {}
         # A read to run inside the task's next transaction, after its work.
         self.probes: dict[Any, Callable[[Tx], None]] = {}
+        self.transactions = 0  # a clock that orders every transaction
+        self.numbers: dict[Any, int] = {}  # task → the number of its last transaction
 
     async def _transact(self, work: Callable[[Tx], Any]) -> Any:
         task = trio.lowlevel.current_task()
 
         def observed(tx: Tx) -> Any:
+            self.transactions += 1
+            self.numbers[task] = self.transactions
             result = outcome.capture(work, tx)
             self.outcomes[task] = result
             probe = self.probes.pop(task, None)
@@ -66,6 +70,9 @@ class OutcomesByTask(SqliteStore):
             return result.unwrap()
 
         return await super()._transact(observed)
+
+    def last_transaction(self) -> int:
+        return self.numbers.get(trio.lowlevel.current_task(), self.transactions)
 
     def take_outcome(self) -> outcome.Outcome[Any] | None:
         return self.outcomes.pop(trio.lowlevel.current_task(), None)
@@ -87,6 +94,8 @@ class RunCounters:
     cancelled: bool = False
     ended_by: str | None = None  # "completed", a failure code, "cancelled"
     steps: dict[str, Any] = field(default_factory=dict)  # step_id → first accepted output
+    step_recorded_at: dict[str, int] = field(default_factory=dict)  # step_id → transaction no.
+    reserved_at: dict[int, int] = field(default_factory=dict)  # execution_seq → transaction no.
 
 
 class Oracle:
@@ -107,6 +116,20 @@ class Oracle:
         if c is None:
             c = self.runs[run_id] = RunCounters()
         return c
+
+    def check_memo(self, run_id: str, seq: int, sid: str) -> None:
+        """A worker is about to run step ``sid``'s body in segment ``seq``: if the
+        step was recorded before that segment was reserved, the assignment's
+        memo should have carried it."""
+        c = self.run(run_id)
+        recorded, reserved = c.step_recorded_at.get(sid), c.reserved_at.get(seq)
+        if recorded is not None and reserved is not None and recorded < reserved:
+            self.violation(
+                f"step {sid} of run {run_id} runs again in segment {seq}, though it was"
+                " recorded before that segment was reserved (missing from its memo)"
+            )
+        if recorded is not None:
+            self.counts["step_bodies_rerun"] += 1
 
     def violation(self, text: str) -> None:
         self.violations.append(f"t={trio.current_time():.3f} {text}")
@@ -320,6 +343,7 @@ class ObservedStore:
             sid = kwargs["step_id"]
             if step_before is None or step_before[0] != "completed":
                 c.steps.setdefault(sid, kwargs.get("output"))
+                c.step_recorded_at.setdefault(sid, self._store.last_transaction())  # type: ignore[attr-defined]
         self._after(method, result)
 
     async def activate_lease(self, fence: Fence, **kwargs: Any) -> Any:
@@ -339,6 +363,15 @@ class ObservedStore:
 
     async def nack_job(self, fence: Fence, reason: Any) -> Any:
         return await self._fenced("nack_job", fence, reason)
+
+    async def reserve_segments(self, *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        result = await self._store.reserve_segments(*args, **kwargs)
+        at = self._store.last_transaction()  # type: ignore[attr-defined]
+        for r in result:
+            self._oracle.run(r.assignment.run_id).reserved_at[r.assignment.execution_seq] = at
+        self._after("reserve_segments", result)
+        return result
 
     # ── loop 1: the recoveries ─────────────────────────────────────────────
 

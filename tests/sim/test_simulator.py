@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from collections import Counter
 from pathlib import Path
 
@@ -19,13 +20,19 @@ from tests.sim.simulator import FAULT_KINDS, campaign, run_seed
 
 REPO = Path(__file__).resolve().parents[2]
 SEEDS = int(os.environ.get("IRONFLOW_SIM_SEEDS", "1000"))
+# Wall-clock cap on the campaign, under the suite's 300 s per-test watchdog: on
+# a machine busy with other work the campaign stops early (and says so) rather
+# than be killed. 1,000 seeds take about a minute on an idle 2-core machine.
+CAMPAIGN_CAP_S = float(os.environ.get("IRONFLOW_SIM_CAP_S", "200"))
+# Fewer seeds than this within the cap is a failure, however busy the machine.
+MIN_SEEDS = min(SEEDS, 200)
 # How many seeds the bug-finding tests may spend before they must have found one.
 BUG_BUDGET = 200
 
 
 def test_a_campaign_of_seeds_violates_no_invariant() -> None:
     started = time.perf_counter()
-    results = campaign(range(SEEDS), processes=os.cpu_count() or 1)
+    results = campaign(range(SEEDS), processes=os.cpu_count() or 1, deadline_s=CAMPAIGN_CAP_S)
     elapsed = time.perf_counter() - started
     faults: Counter[str] = Counter()
     for r in results:
@@ -36,10 +43,12 @@ def test_a_campaign_of_seeds_violates_no_invariant() -> None:
         + ", ".join(f"{k}={faults[k]}" for k in FAULT_KINDS)
     )
     print(summary)
-    assert len(results) == SEEDS
+    if len(results) < SEEDS:
+        warnings.warn(f"the campaign stopped at its {CAMPAIGN_CAP_S:g} s cap: {summary}", stacklevel=1)
+    assert len(results) >= MIN_SEEDS, summary
     assert not bad, "\n\n".join([summary] + [r.report() for r in bad[:3]])
     # Every kind of fault was injected somewhere in the campaign.
-    if SEEDS >= 1000:
+    if len(results) >= 1000:
         assert all(faults[k] > 0 for k in FAULT_KINDS), summary
         assert faults["recoveries_exhausted"] > 0 and faults["loop2_restores"] > 0, summary
 

@@ -320,6 +320,7 @@ class SimWorker:
                         )
                         self._report(job, JobFailed(*fence, error=error))
                         return
+                    self.sim.oracle.check_memo(a.run_id, a.execution_seq, sid)
                     await trio.sleep(float(arg))  # the step's body, in virtual time
                     self.counts["step_bodies_run"] += 1
                     await self.gate.wait()
