@@ -64,7 +64,12 @@ def main() -> int:
             print(f"seed {r.seed}: {len(r.violations)} violations: {r.violations[0]}", flush=True)
         if done % 500 == 0:
             rate = done / (time.perf_counter() - started)
-            print(f"  {done} seeds, {rate:.1f} seeds/s", flush=True)
+            mean_cpu = sum(cpu_s) / len(cpu_s)
+            print(
+                f"  {done} seeds, {rate:.1f} seeds/s, CPU {mean_cpu * 1000:.0f} ms/seed, violating {len(bad)};"
+                + " ".join(f" {k}={totals[k]}" for k in sorted(totals)),
+                flush=True,
+            )
 
     campaign(seeds, bug=args.bug, processes=args.processes, on_result=on_result)
     elapsed = time.perf_counter() - started
