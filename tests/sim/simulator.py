@@ -37,6 +37,7 @@ import os
 import shutil
 import tempfile
 import time
+import traceback
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -274,6 +275,7 @@ class Simulation:
         self.oracle: Oracle
         self.root: trio.Nursery
         self.t0 = 0.0
+        self.crashed = ""
 
     # ── clocks and trace ───────────────────────────────────────────────────
 
@@ -551,12 +553,19 @@ def run_seed(seed: int, *, bug: str | None = None, keep_trace: bool = False) -> 
         )
         deterministic_trio(seed)
         with _quiet_logs(), ids_from(seeded_ids(seed)):
-            trio.run(sim.main, clock=clock)
+            try:
+                trio.run(sim.main, clock=clock)
+            except Exception as exc:  # anything escaping the node is a finding too
+                crash = "".join(traceback.format_exception(exc)[-6:])
+                sim.crashed = f"the simulation raised {exc!r}:\n{crash}"
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    violations = list(sim.oracle.violations) if hasattr(sim, "oracle") else []
+    if sim.crashed:
+        violations.append(sim.crashed)
     return Result(
         seed=seed,
-        violations=sim.oracle.violations,
+        violations=violations,
         counts=sim.counts,
         digest=sim._digest.hexdigest(),
         schedule=sim.schedule.describe(),

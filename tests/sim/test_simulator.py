@@ -54,6 +54,10 @@ def test_a_campaign_of_seeds_violates_no_invariant() -> None:
 
 
 def test_a_seed_replays_exactly() -> None:
+    # The private hook of Trio the simulator relies on (see deterministic_trio).
+    import trio._core._run as trio_run
+
+    assert hasattr(trio_run, "_ALLOW_DETERMINISTIC_SCHEDULING") and hasattr(trio_run, "_r")
     first = run_seed(7, keep_trace=True)
     again = run_seed(7, keep_trace=True)
     assert first.trace == again.trace and first.digest == again.digest
