@@ -77,23 +77,28 @@ async def run(
     def on_wake_scheduled(wake_at: float) -> None:
         earlier.set()
 
-    store.on_wake_scheduled(on_wake_scheduled)
+    # Unregistered on the way out: the supervisor restarts a crashed waker on
+    # the same store, and each restart would otherwise leave one more listener.
+    unregister = store.on_wake_scheduled(on_wake_scheduled)
     crash_after_claim = os.environ.get(FAULT_EXIT_AFTER_CLAIM_ENV) == "1"
-    task_status.started()
-    while True:
-        claimed = await store.claim_elapsed_steps(node_id, BATCH)
-        if claimed and crash_after_claim:
-            logs.event(log, logging.CRITICAL, "waker: test fault: exiting between claim and resume",
-                       claimed=len(claimed))
-            os._exit(FAULT_EXIT_CODE)
-        async with trio.open_nursery() as nursery:
-            for run_id, step_id in claimed:
-                nursery.start_soon(_resume, store, node_id, run_id, step_id, limiter, kicks)
-        if len(claimed) == BATCH:
-            continue
-        next_wake = await store.seconds_until_next_wake()
-        delay = interval if next_wake is None else min(interval, max(next_wake, 0.0) + WAKE_SLACK_S)
-        with trio.move_on_after(delay):
-            await earlier.wait()
-        if earlier.is_set():
-            earlier = trio.Event()
+    try:
+        task_status.started()
+        while True:
+            claimed = await store.claim_elapsed_steps(node_id, BATCH)
+            if claimed and crash_after_claim:
+                logs.event(log, logging.CRITICAL, "waker: test fault: exiting between claim and resume",
+                           claimed=len(claimed))
+                os._exit(FAULT_EXIT_CODE)
+            async with trio.open_nursery() as nursery:
+                for run_id, step_id in claimed:
+                    nursery.start_soon(_resume, store, node_id, run_id, step_id, limiter, kicks)
+            if len(claimed) == BATCH:
+                continue
+            next_wake = await store.seconds_until_next_wake()
+            delay = interval if next_wake is None else min(interval, max(next_wake, 0.0) + WAKE_SLACK_S)
+            with trio.move_on_after(delay):
+                await earlier.wait()
+            if earlier.is_set():
+                earlier = trio.Event()
+    finally:
+        unregister()

@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-__all__ = ["new_id"]
+__all__ = ["ids_from", "new_id"]
+
+# Set by ``ids_from`` (the deterministic simulator): where new ids come from.
+_source: Callable[[str], str] | None = None
 
 
 def new_id(prefix: str) -> str:
@@ -17,4 +22,22 @@ def new_id(prefix: str) -> str:
 
     ``prefix`` names the kind of object (``run``, ``evt``, ``ses``, ``key``…).
     """
+    if _source is not None:
+        return _source(prefix)
     return f"{prefix}_{time.time_ns():016x}{os.urandom(8).hex()}"
+
+
+@contextmanager
+def ids_from(source: Callable[[str], str]) -> Iterator[None]:
+    """Within the block, every :func:`new_id` is ``source(prefix)``.
+
+    For the deterministic simulator (``tests/sim``): ids drawn from a seeded
+    source make a replayed seed produce the very same ids. ``source`` must keep
+    ids time-sortable, i.e. increasing in creation order.
+    """
+    global _source
+    previous, _source = _source, source
+    try:
+        yield
+    finally:
+        _source = previous

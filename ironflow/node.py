@@ -123,26 +123,14 @@ class Node:
                 supervisor = Supervisor(nursery, config.timings)
                 self.supervisor = supervisor
                 store = self.store
-                await supervisor.start("node-heartbeat", node_heartbeat.run, store, config, self.node_id)
-                await supervisor.start(
-                    "dispatcher", dispatcher.run, store, config, self.node_id, self.directory, kick_receive
-                )
-                await supervisor.start("kick-listener", kick_listener.run, store, kick_send)
-                await supervisor.start("capacity-scanner", capacity_scanner.run, store, config, kick_send)
-                await supervisor.start("waker", waker.run, store, config, self.node_id, kick_send)
-                await supervisor.start("stale-claim-sweeper", stale_claim_sweeper.run, store, config)
-                await supervisor.start("janitor", janitor.run, store, config, self.node_id)
-                await supervisor.start(
-                    "metrics-sampler",
-                    partial(metrics_sampler.run, store, period_s=config.timings.metrics_sample_s),
-                )
-                await supervisor.start(
-                    "drain-coordinator",
-                    drain_coordinator.run,
+                await start_actors(
+                    supervisor,
                     store,
                     config,
                     self.node_id,
                     self.directory,
+                    kick_send,
+                    kick_receive,
                     self.shutdown_requested,
                     drained,
                 )
@@ -205,6 +193,46 @@ class Node:
             with trio.CancelScope(shield=True):
                 await self.store.close()
             logs.event(log, logging.INFO, "node: stopped", node_id=self.node_id)
+
+
+async def start_actors(
+    supervisor: Supervisor,
+    store: Store,
+    config: NodeConfig,
+    node_id: str,
+    directory: SessionDirectory,
+    kick_send: trio.MemorySendChannel[Kick],
+    kick_receive: trio.MemoryReceiveChannel[Kick],
+    shutdown_requested: trio.Event,
+    drained: trio.Event,
+) -> None:
+    """Start every supervised actor of a node (the tree in the module docstring).
+
+    Shared by :meth:`Node.run` and the deterministic simulator (``tests/sim``),
+    so the simulated node runs exactly the actors a real one does. Returns once
+    each has reported ready.
+    """
+    await supervisor.start("node-heartbeat", node_heartbeat.run, store, config, node_id)
+    await supervisor.start("dispatcher", dispatcher.run, store, config, node_id, directory, kick_receive)
+    await supervisor.start("kick-listener", kick_listener.run, store, kick_send)
+    await supervisor.start("capacity-scanner", capacity_scanner.run, store, config, kick_send)
+    await supervisor.start("waker", waker.run, store, config, node_id, kick_send)
+    await supervisor.start("stale-claim-sweeper", stale_claim_sweeper.run, store, config)
+    await supervisor.start("janitor", janitor.run, store, config, node_id)
+    await supervisor.start(
+        "metrics-sampler",
+        partial(metrics_sampler.run, store, period_s=config.timings.metrics_sample_s),
+    )
+    await supervisor.start(
+        "drain-coordinator",
+        drain_coordinator.run,
+        store,
+        config,
+        node_id,
+        directory,
+        shutdown_requested,
+        drained,
+    )
 
 
 def _port_of(urls: Any) -> int:

@@ -512,10 +512,11 @@ class Store(abc.ABC):
     ) -> list[RunRecord]: ...
 
     @abc.abstractmethod
-    def on_wake_scheduled(self, listener: Callable[[float], None]) -> None:
+    def on_wake_scheduled(self, listener: Callable[[float], None]) -> Callable[[], None]:
         """Call ``listener(wake_at)`` (in Trio, after commit) whenever a call on this
         store object parked a step with a wake time, so the waker can wake for
-        it rather than at its next interval tick."""
+        it rather than at its next interval tick. Returns the call that
+        unregisters it (a restarted waker registers again)."""
 
     @abc.abstractmethod
     def on_runs_ended(self, listener: Callable[[list[str]], None]) -> None:

@@ -286,10 +286,17 @@ class SqlStoreBase(Store):
         failed, cancelled, timed out, exhausted) through this store object."""
         self._run_end_listeners.append(listener)
 
-    def on_wake_scheduled(self, listener: Callable[[float], None]) -> None:
+    def on_wake_scheduled(self, listener: Callable[[float], None]) -> Callable[[], None]:
         """Call ``listener(wake_at)`` after each commit that parked a step with a
-        wake time (a sleep, a wait's or an invoke's timeout) through this store."""
+        wake time (a sleep, a wait's or an invoke's timeout) through this store.
+        Returns the call that unregisters it."""
         self._wake_listeners.append(listener)
+
+        def unregister() -> None:
+            if listener in self._wake_listeners:
+                self._wake_listeners.remove(listener)
+
+        return unregister
 
     def _announce_wake(self, wake_at: float | None) -> None:
         if wake_at is not None:

@@ -266,6 +266,12 @@ class FenceOps(SqlStoreBase):
                 eligible_at = self._enqueue(
                     tx, fence.run_id, row[0], fd.id, ckey, fd.retries.delay_after(attempt), "retry"
                 )
+                self._audit_if_enabled(
+                    tx,
+                    "run.attempt.failed",
+                    fence.run_id,
+                    {"attempt": attempt, "next_attempt": row[1], "error": error.code},
+                )
                 return JobOutcome(fence.run_id, "waiting", row[0], eligible_at, row[1])
             ended = tx.fetchone(
                 "UPDATE runs SET status = 'failed', error = ?, ended_at = ironflow_now(),"

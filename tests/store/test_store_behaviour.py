@@ -799,6 +799,17 @@ async def test_audit_toggle_records_ordinary_events(store):
     assert types == ["run.started", "step.completed", "run.completed"]
 
 
+async def test_a_retried_failure_is_audited_with_its_attempt(store):
+    """Without it a run's attempt could not be told from its audit trail (the
+    simulator checks that the two agree)."""
+    s = await worker(store, fn(audit=True))
+    f = await running(store, s)
+    out = await store.fail_job(f, ErrorInfo("boom", code="E1"))
+    assert out.status == "waiting" and out.attempt == 2
+    retried = [a for a in await store.list_audit(run_id=f.run_id) if a.type == "run.attempt.failed"]
+    assert [a.data for a in retried] == [{"attempt": 1, "next_attempt": 2, "error": "E1"}]
+
+
 async def test_api_keys_hashed_and_authenticated(store):
     key_id, key = await store.create_api_key("org")
     assert key.startswith("ifkey_") and len(key) == len("ifkey_") + 32

@@ -219,3 +219,26 @@ async def test_each_resumed_step_observes_how_late_after_its_wake_time_it_was_re
     count2, sum2 = _lateness()
     assert count2 - count1 == 1 and 0.0 <= sum2 - sum1 <= LATE
     assert await resumed(store, overdue) and await resumed(store, on_time)
+
+
+async def test_a_restarted_waker_leaves_no_wake_listener_behind(
+    store: Store, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Found by the simulator (tests/sim): every start of the waker registered a
+    wake listener on the store and none was ever removed, so each supervisor
+    restart (and each node restart on the same store object) added one more,
+    all called on every parked sleep."""
+    from actors.supervisor import Supervisor
+
+    listeners: list[Any] = store._wake_listeners  # type: ignore[attr-defined]
+    kick_send, _ = trio.open_memory_channel[Kick](100)
+    async with trio.open_nursery() as nursery:
+        sup = Supervisor(nursery, Timings(restart_backoff_s=0.01))
+        await sup.start("waker", waker.run, store, config(), "n1", kick_send)
+        for _ in range(3):
+            sup.crash("waker")
+            await trio.sleep(1)
+        assert sup.restarts("waker") == 3
+        assert len(listeners) == 1  # the running waker's only
+        nursery.cancel_scope.cancel()
+    assert listeners == []

@@ -1,0 +1,6 @@
+"""The deterministic simulator of a whole node (issue 13, part 2).
+
+``simulator.run_seed(seed)`` runs one seeded fault schedule and checks its
+invariants; ``scripts/simulate.py`` is the command line; the tests are in
+``test_simulator.py``.
+"""

@@ -1,0 +1,86 @@
+"""Known bugs the simulator must find (``run_seed(seed, bug=NAME)``): test-only
+store subclasses, so the engine carries no switch for them.
+
+- ``record_step_unfenced``: ``record_step`` without the fence check — a
+  worker whose lease was recovered can still write its step results.
+- ``nack_spends_attempt``: a JobNack also bumps the run's attempt, as if the
+  refused assignment had been tried.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Literal
+
+from ironflow.protocol import ErrorInfo, JobNackReason
+from ironflow.store import Fence, JobOutcome
+from ironflow.store.core import Tx, _enc
+from ironflow.store.sqlite import SqliteStore
+
+
+class UnfencedRecordStep(SqliteStore):
+    async def record_step(
+        self,
+        fence: Fence,
+        *,
+        step_id: str,
+        name: str,
+        status: Literal["completed", "failed"],
+        output: Any = None,
+        error: ErrorInfo | None = None,
+        duration_ms: float = 0.0,
+    ) -> None:
+        out_text = _enc(output) if status == "completed" else None
+        err_text = None if error is None else _enc(error)
+
+        def work(tx: Tx) -> None:
+            # The real statement, minus its `WHERE EXISTS (… the fence …)`.
+            written = tx.execute(
+                "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
+                " duration_ms, execution_seq, created_at, seq)"
+                " VALUES (?, ?, ?, 'run', ?, ?, ?, ?, ?, ironflow_now(), ?)"
+                " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
+                " output = excluded.output, error = excluded.error,"
+                " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
+                " WHERE steps.status <> 'completed'",
+                (
+                    fence.run_id,
+                    step_id,
+                    name,
+                    status,
+                    out_text,
+                    err_text,
+                    float(duration_ms),
+                    fence.execution_seq,
+                    time.time_ns(),
+                ),
+            )
+            if written and status == "completed":
+                self._audit_if_enabled(
+                    tx, "step.completed", fence.run_id, {"step_id": step_id, "name": name}
+                )
+
+        await self._transact(work)
+
+
+class NackSpendsAttempt(SqliteStore):
+    async def nack_job(self, fence: Fence, reason: JobNackReason) -> JobOutcome:
+        outcome = await super().nack_job(fence, reason)
+
+        def work(tx: Tx) -> None:
+            tx.execute("UPDATE runs SET attempt = attempt + 1 WHERE id = ?", (fence.run_id,))
+
+        await self._transact(work)
+        return outcome
+
+
+BUGS: dict[str, type[SqliteStore]] = {
+    "record_step_unfenced": UnfencedRecordStep,
+    "nack_spends_attempt": NackSpendsAttempt,
+}
+
+
+def store_class(bug: str | None) -> type[SqliteStore]:
+    if bug is None:
+        return SqliteStore
+    return BUGS[bug]

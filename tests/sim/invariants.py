@@ -1,0 +1,180 @@
+"""What must hold once a schedule has run and the node has gone quiet.
+
+Checked against the database (read-only), the oracle's counter table
+(:mod:`tests.sim.observed`) and the schedule itself:
+
+1. every emitted event has its runs (one per function its name triggers),
+   and a repeat with the same idempotency key is the same event;
+2. every run ended: completed, cancelled by the schedule, or failed for a
+   reason the schedule explains (its plan's failure, its retries spent, the
+   recovery ceiling it reached);
+3. every step is recorded exactly once: a completed run has every step of
+   its handler, each with the output first accepted for it (never
+   overwritten), and one ``step.completed`` audit record per step;
+4. no write was accepted from a fenced execution (judged during the run);
+5. attempt and recovery_count agree with the counter table (a nack spends
+   no attempt; a lost worker spends no attempt and counts toward the
+   ceiling; a yield starts the count again) and with the audit trail;
+6. the ceiling holds;
+7. the two recovery loops never recovered the same run (judged during the run);
+8. nothing is left behind: no lease, queue row or parked step of an ended
+   run, and no wake listener of a stopped waker on the store.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import TYPE_CHECKING, Any
+
+from tests.sim.worker import program, step_id
+
+if TYPE_CHECKING:
+    from tests.sim.simulator import Simulation
+
+MAX_ATTEMPTS = {"sim-a": 3, "sim-b": 2}
+
+
+def check(sim: Simulation) -> None:
+    from tests.sim.simulator import TRIGGERED
+
+    o = sim.oracle
+    bad = o.violation
+    ceiling = int(sim.schedule.timings.recovery_ceiling)
+
+    # 1. events → runs
+    runs_of_event: dict[str, list[str]] = {}
+    for run_id, event_id in o.all("SELECT id, event_id FROM runs ORDER BY id"):
+        runs_of_event.setdefault(event_id, []).append(run_id)
+    emitted = {k for a in sim.schedule.actions if a.kind in ("emit", "emit_again") for k in [a.target]}
+    known_events = set()
+    for k in sorted(emitted):
+        event_id = sim.event_ids.get(k)
+        if event_id is None:
+            bad(f"event {k} was never accepted")
+            continue
+        known_events.add(event_id)
+        name = sim.schedule.events[k][0]
+        row = o.one("SELECT run_ids FROM events WHERE id = ?", (event_id,))
+        stored = json.loads(row[0]) if row and row[0] else []
+        functions = sorted(
+            f for (f,) in o.all(
+                f"SELECT function_id FROM runs WHERE id IN ({', '.join('?' * len(stored))})", tuple(stored)
+            )
+        ) if stored else []
+        if functions != sorted(TRIGGERED[name]) or sorted(stored) != sorted(runs_of_event.get(event_id, [])):
+            bad(f"event {k} ({name}) has runs {stored} of {functions}; expected one of each of {TRIGGERED[name]}")
+    for event_id in sorted(runs_of_event):
+        if event_id not in known_events:
+            bad(f"runs {runs_of_event[event_id]} belong to no emitted event ({event_id})")
+
+    # 2–6, run by run
+    event_plan = {sim.event_ids[k]: sim.schedule.events[k][1] for k in sim.event_ids}
+    for run_id, function_id, event_id, status, attempt, recovery_count, error_text, output_text in o.all(
+        "SELECT id, function_id, event_id, status, attempt, recovery_count, error, output FROM runs ORDER BY id"
+    ):
+        c = o.run(run_id)
+        plan = event_plan.get(event_id)
+        if plan is None:
+            continue
+        error = json.loads(error_text) if error_text else None
+        code = error["code"] if error else None
+        where = f"run {run_id} ({function_id}, event k={plan['k']})"
+        if status not in ("completed", "failed", "cancelled"):
+            bad(f"{where} did not end: {status} after the node went quiet")
+            continue
+        steps = {
+            sid: (kind, st, out)
+            for sid, kind, st, out in o.all(
+                "SELECT step_id, kind, status, output FROM steps WHERE run_id = ?", (run_id,)
+            )
+        }
+        fail = plan.get("fail")
+        max_attempts = MAX_ATTEMPTS[function_id]
+        if status == "completed":
+            if c.ended_by != "completed":
+                bad(f"{where} completed, but no accepted JobCompleted was seen (oracle: {c.ended_by})")
+            if fail is not None and attempt in fail["attempts"]:
+                bad(f"{where} completed at attempt {attempt}, where its plan fails")
+            if json.loads(output_text) != {"k": plan["k"], "steps": len(plan["durations"])}:
+                bad(f"{where} completed with output {output_text}")
+            for kind, name, _ in program(plan):
+                sid = step_id(run_id, name)
+                got = steps.get(sid)
+                ok = {"run": ("completed",), "sleep": ("completed",), "wait": ("completed", "timed_out")}[kind]
+                if got is None or got[1] not in ok:
+                    bad(f"{where} completed without its step {name} recorded ({got})")
+        elif status == "cancelled":
+            if not c.cancelled:
+                bad(f"{where} cancelled, but the schedule never cancelled it")
+        else:
+            explained = set()
+            if c.exhausted:
+                explained.add("EXECUTION_RECOVERY_EXHAUSTED")
+            if fail is not None and not fail["retryable"] and 1 in fail["attempts"]:
+                explained.add("SIM_FATAL")
+            if fail is not None and fail["retryable"] and max_attempts in fail["attempts"] and attempt == max_attempts:
+                explained.add("SIM_RETRYABLE")
+            if code not in explained or c.ended_by != code:
+                bad(f"{where} failed with {code}; the schedule explains {sorted(explained)} (oracle: {c.ended_by})")
+        # 3. steps: the first accepted output, never overwritten
+        for sid, (kind, st, out) in sorted(steps.items()):
+            if kind != "run" or st != "completed":
+                continue
+            if sid not in c.steps:
+                bad(f"{where}: step {sid} recorded, but no accepted write of it was seen")
+            elif json.loads(out) != c.steps[sid]:
+                bad(f"{where}: step {sid} holds {out}, but its first accepted output was {c.steps[sid]}")
+        # 5. counters vs the runs table
+        if attempt != 1 + c.retries:
+            bad(f"{where}: attempt {attempt}, but the counter table has {c.retries} retries")
+        if recovery_count != c.consecutive:
+            bad(f"{where}: recovery_count {recovery_count}, the counter table says {c.consecutive}")
+        # 6. the ceiling
+        if recovery_count > ceiling:
+            bad(f"{where}: recovery_count {recovery_count} beyond the ceiling {ceiling}")
+        if (code == "EXECUTION_RECOVERY_EXHAUSTED") != c.exhausted:
+            bad(f"{where}: exhausted={c.exhausted} in the counter table, error {code}")
+        # 5. counters vs the audit trail
+        audit = o.all("SELECT type, data FROM audit_log WHERE run_id = ? ORDER BY at, id", (run_id,))
+        kinds = Counter(t for t, _ in audit)
+        expired = [json.loads(d) for t, d in audit if t == "capacity.lease.expired"]
+        trail = [(e["recovery_count"], e["ceiling_reached"]) for e in expired]
+        want = {
+            "capacity.lease.expired": len(c.recoveries),
+            "capacity.segment.recovered": sum(1 for _, x in c.recoveries if not x),
+            "capacity.job.nacked": c.nacks,
+            "run.started": c.activations,
+            "run.attempt.failed": c.retries,
+            "run.completed": int(status == "completed"),
+            "run.failed": int(status == "failed"),
+            "run.cancelled": int(status == "cancelled"),
+        }
+        for kind, n in want.items():
+            if kinds[kind] != n:
+                bad(f"{where}: {kinds[kind]} '{kind}' audit records, the counter table says {n}")
+        if trail != c.recoveries:
+            bad(f"{where}: audit recovery trail {trail}, the counter table says {c.recoveries}")
+        step_audits = Counter(json.loads(d)["step_id"] for t, d in audit if t == "step.completed")
+        recorded = {sid for sid, (kind, st, _) in steps.items() if kind == "run" and st == "completed"}
+        if set(step_audits) != recorded or any(n != 1 for n in step_audits.values()):
+            bad(f"{where}: step.completed audit {dict(step_audits)} vs steps recorded {sorted(recorded)}")
+
+    # 8. nothing left behind
+    for table in ("concurrency_leases", "dispatch_queue"):
+        row = o.one(
+            f"SELECT count(*) FROM {table} t JOIN runs r ON r.id = t.run_id"
+            " WHERE r.status IN ('completed', 'failed', 'cancelled')"
+        )
+        if row and row[0]:
+            bad(f"{row[0]} rows of {table} belong to ended runs")
+    row = o.one(
+        "SELECT count(*) FROM steps s JOIN runs r ON r.id = s.run_id"
+        " WHERE r.status IN ('completed', 'failed', 'cancelled')"
+        " AND s.status IN ('sleeping', 'waiting', 'waking')"
+    )
+    if row and row[0]:
+        bad(f"{row[0]} parked steps belong to ended runs")
+    listeners: Any = getattr(sim.real_store, "_wake_listeners", [])
+    if listeners:
+        bad(f"{len(listeners)} wake listeners of stopped wakers are still registered on the store")

@@ -1,0 +1,450 @@
+"""The store as the simulated node sees it, watched by an oracle.
+
+:class:`ObservedStore` stands between the node's actors and the one real
+:class:`~ironflow.store.sqlite.SqliteStore` (inline mode: every transaction
+runs on the Trio thread, synchronously, when the method is called). Before a
+watched call it reads, on a separate read-only SQLite connection and with no
+checkpoint in between, what the oracle needs to judge the call on its own
+terms — is this fence live? which leases are due? which claims are stale? —
+then lets the real call run and compares. Nothing interleaves between the
+read and the call's transaction, so the judgement is exact.
+
+The oracle's **counter table** (per run): activations, nacks, retries,
+recoveries (with the consecutive count the ceiling applies to), yields,
+cancels, the first accepted output of every step. The final invariants
+compare it with the runs table and the audit trail.
+
+Each node incarnation gets its own ObservedStore; a node that crashes hard
+has its store *severed*: every later call raises :class:`NodeDown` before
+touching the database (a dead process writes nothing — not even the
+``finally`` blocks a Trio cancellation would still run).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import outcome
+import trio
+
+from ironflow.protocol import TERMINAL_RUN_STATUSES
+from ironflow.store import Fence, StaleExecution, Store
+from ironflow.store.core import Tx, token_hash
+from ironflow.store.sqlite import SqliteStore
+
+if TYPE_CHECKING:
+    from tests.sim.simulator import Simulation
+
+
+class OutcomesByTask(SqliteStore):
+    """Keeps the outcome of each task's last transaction, taken inside it.
+
+    A cancel delivered at the inline store's checkpoint after the commit masks
+    what the call returned or raised; this is how the oracle still knows
+    whether a write was accepted (mixed into the store class of a run).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.outcomes: dict[Any, outcome.Outcome[Any]] = {}
+        # A read to run inside the task's next transaction, after its work.
+        self.probes: dict[Any, Callable[[Tx], None]] = {}
+        self.transactions = 0  # a clock that orders every transaction
+        self.numbers: dict[Any, int] = {}  # task → the number of its last transaction
+
+    async def _transact(self, work: Callable[[Tx], Any]) -> Any:
+        task = trio.lowlevel.current_task()
+
+        def observed(tx: Tx) -> Any:
+            self.transactions += 1
+            self.numbers[task] = self.transactions
+            result = outcome.capture(work, tx)
+            self.outcomes[task] = result
+            probe = self.probes.pop(task, None)
+            if probe is not None:
+                probe(tx)
+            return result.unwrap()
+
+        return await super()._transact(observed)
+
+    def last_transaction(self) -> int:
+        return self.numbers.get(trio.lowlevel.current_task(), self.transactions)
+
+    def take_outcome(self) -> outcome.Outcome[Any] | None:
+        return self.outcomes.pop(trio.lowlevel.current_task(), None)
+
+
+class NodeDown(Exception):
+    """A call into the store from a node incarnation that has crashed."""
+
+
+@dataclass
+class RunCounters:
+    activations: int = 0
+    nacks: int = 0
+    retries: int = 0
+    recoveries: list[tuple[int, bool]] = field(default_factory=list)  # (count, exhausted)
+    consecutive: int = 0
+    exhausted: bool = False
+    yields: int = 0
+    cancelled: bool = False
+    ended_by: str | None = None  # "completed", a failure code, "cancelled"
+    steps: dict[str, Any] = field(default_factory=dict)  # step_id → first accepted output
+    step_recorded_at: dict[str, int] = field(default_factory=dict)  # step_id → transaction no.
+    reserved_at: dict[int, int] = field(default_factory=dict)  # execution_seq → transaction no.
+
+
+class Oracle:
+    """Judges watched store calls; keeps the counter table and the violations."""
+
+    def __init__(self, sim: Simulation, path: str) -> None:
+        self.sim = sim
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.runs: dict[str, RunCounters] = {}
+        self.violations: list[str] = []
+        self.counts: Counter[str] = sim.counts
+
+    def close(self) -> None:
+        self.db.close()
+
+    def run(self, run_id: str) -> RunCounters:
+        c = self.runs.get(run_id)
+        if c is None:
+            c = self.runs[run_id] = RunCounters()
+        return c
+
+    def check_memo(self, run_id: str, seq: int, sid: str) -> None:
+        """A worker is about to run step ``sid``'s body in segment ``seq``: if the
+        step was recorded before that segment was reserved, the assignment's
+        memo should have carried it."""
+        c = self.run(run_id)
+        recorded, reserved = c.step_recorded_at.get(sid), c.reserved_at.get(seq)
+        if recorded is not None and reserved is not None and recorded < reserved:
+            self.violation(
+                f"step {sid} of run {run_id} runs again in segment {seq}, though it was"
+                " recorded before that segment was reserved (missing from its memo)"
+            )
+        if recorded is not None:
+            self.counts["step_bodies_rerun"] += 1
+
+    def violation(self, text: str) -> None:
+        self.violations.append(f"t={trio.current_time():.3f} {text}")
+        self.sim.trace(f"VIOLATION {text}")
+
+    def one(self, sql: str, params: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
+        row: tuple[Any, ...] | None = self.db.execute(sql, params).fetchone()
+        return row
+
+    def all(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        return self.db.execute(sql, params).fetchall()
+
+    # ── the fence ──────────────────────────────────────────────────────────
+
+    def fence_state(self, fence: Fence) -> dict[str, Any]:
+        digest = token_hash(fence.lease_token)
+        key = (fence.run_id, fence.execution_seq, fence.session_id, digest)
+        row = self.one(
+            "SELECT r.current_execution_seq, r.status, r.attempt, r.max_attempts,"
+            " EXISTS (SELECT 1 FROM concurrency_leases WHERE run_id = ? AND execution_seq = ?"
+            "  AND session_id = ? AND lease_token_hash = ?),"
+            " EXISTS (SELECT 1 FROM dispatch_queue WHERE run_id = ? AND execution_seq = ?"
+            "  AND reservation_owner = ? AND lease_token_hash = ?),"
+            " EXISTS (SELECT 1 FROM worker_sessions WHERE id = ?)"
+            " FROM runs r WHERE r.id = ?",
+            (*key, *key, fence.session_id, fence.run_id),
+        )
+        run = row[:4] if row is not None else None
+        lease, queued, session = (bool(x) for x in row[4:]) if row is not None else (False, False, False)
+        current = run is not None and run[0] == fence.execution_seq
+        return {
+            "run": run,
+            "live_lease": lease and current,
+            "live_reservation": queued
+            and current
+            and run is not None
+            and run[1] not in TERMINAL_RUN_STATUSES
+            and session,
+            "reserved": queued and current,
+        }
+
+    def live_for(self, method: str, state: dict[str, Any]) -> bool:
+        """The rule, stated once more independently of the store's SQL: a write
+        is accepted only from the live fence (a JobAck or JobNack may also
+        prove it by the live reservation it answers)."""
+        if method == "activate_lease":
+            return bool(state["live_lease"] or state["live_reservation"])
+        if method == "nack_job":
+            return bool(state["live_lease"] or state["reserved"])
+        return bool(state["live_lease"])
+
+    # ── recoveries ─────────────────────────────────────────────────────────
+
+    def due_leases(self, where: str, params: tuple[Any, ...]) -> list[str]:
+        """Runs whose lease the coming recovery call must fence (their seq is current)."""
+        rows = self.all(
+            "SELECT l.run_id FROM concurrency_leases l JOIN runs r ON r.id = l.run_id"
+            f" WHERE {where} AND r.current_execution_seq = l.execution_seq"
+            " AND r.status NOT IN ('completed', 'failed', 'cancelled')",
+            params,
+        )
+        return sorted(r[0] for r in rows)
+
+    def apply_recoveries(self, method: str, expected: list[str], segments: list[Any]) -> None:
+        got = {seg.run_id: seg for seg in segments}
+        if sorted(got) != expected:
+            self.violation(
+                f"{method}: recovered {sorted(got)} but the leases due were {expected}"
+            )
+        ceiling = int(self.sim.schedule.timings.recovery_ceiling)
+        for run_id in expected:
+            c = self.run(run_id)
+            c.consecutive += 1
+            exhausted = c.consecutive > ceiling
+            if exhausted:
+                c.consecutive = ceiling
+                c.exhausted = True
+                c.ended_by = "EXECUTION_RECOVERY_EXHAUSTED"
+            c.recoveries.append((c.consecutive, exhausted))
+            self.counts["recoveries"] += 1
+            if exhausted:
+                self.counts["recoveries_exhausted"] += 1
+            seg = got.get(run_id)
+            if seg is not None and (seg.recovery_count, seg.exhausted) != (c.consecutive, exhausted):
+                self.violation(
+                    f"{method}: run {run_id} recovered with count {seg.recovery_count}"
+                    f" exhausted={seg.exhausted}; the counter table says {c.consecutive}"
+                    f" exhausted={exhausted}"
+                )
+            self.sim.trace(f"recovered {run_id} by {method} count={c.consecutive} exhausted={exhausted}")
+
+
+_FENCED = ("activate_lease", "record_step", "complete_job", "fail_job", "yield_job", "nack_job")
+
+
+class ObservedStore:
+    """The store one node incarnation uses: the real one, watched (see module doc)."""
+
+    def __init__(self, sim: Simulation, store: Store, oracle: Oracle, node_no: int) -> None:
+        self._sim = sim
+        self._store = store
+        self._oracle = oracle
+        self._node_no = node_no
+        self.severed = False
+        self._calls: Counter[str] = Counter()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._store, name)
+        if name.startswith("_") or not callable(attr) or not _is_async(attr):
+            return attr
+
+        async def passthrough(*args: Any, **kwargs: Any) -> Any:
+            self._check()
+            result = await attr(*args, **kwargs)
+            self._after(name, result)
+            return result
+
+        return passthrough
+
+    def _check(self) -> None:
+        if self.severed:
+            raise NodeDown(f"node {self._node_no} is down")
+
+    def _after(self, method: str, result: Any) -> None:
+        if result or method in ("yield_job",):
+            self._calls[method] += 1
+            self._sim.after_store_call(self._node_no, method, self._calls[method])
+
+    # ── fenced writes ──────────────────────────────────────────────────────
+
+    async def _fenced(self, method: str, fence: Fence, *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        o = self._oracle
+        state = o.fence_state(fence)
+        live = o.live_for(method, state)
+        step_before = None
+        if method == "record_step":
+            step_before = o.one(
+                "SELECT status, output FROM steps WHERE run_id = ? AND step_id = ?",
+                (fence.run_id, kwargs["step_id"]),
+            )
+        store: Any = self._store
+        try:
+            result = await getattr(store, method)(fence, *args, **kwargs)
+        except trio.Cancelled:
+            # Cancelled at the store's checkpoint after its transaction: judge
+            # by the transaction's own outcome.
+            done = store.take_outcome()
+            if isinstance(done, outcome.Value):
+                self._accepted(method, fence, state, live, step_before, done.value, args, kwargs)
+            elif done is not None and isinstance(done.error, StaleExecution):
+                self._refused(method, fence, live)
+            raise
+        except StaleExecution:
+            store.take_outcome()
+            self._refused(method, fence, live)
+            raise
+        store.take_outcome()
+        self._accepted(method, fence, state, live, step_before, result, args, kwargs)
+        return result
+
+    def _refused(self, method: str, fence: Fence, live: bool) -> None:
+        self._sim.counts["stale_refused"] += 1
+        self._sim.trace(f"{method} {fence.run_id}/{fence.execution_seq} refused")
+        if live:
+            self._oracle.violation(
+                f"{method} from the live fence {fence.run_id}/{fence.execution_seq} refused"
+            )
+
+    def _accepted(
+        self,
+        method: str,
+        fence: Fence,
+        state: dict[str, Any],
+        live: bool,
+        step_before: Any,
+        result: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        o = self._oracle
+        detail = f" {kwargs['step_id'].rsplit(':', 2)[1]}" if method == "record_step" else ""
+        self._sim.trace(f"{method} {fence.run_id}/{fence.execution_seq}{detail} accepted")
+        if not live:
+            self._sim.counts["fence_violations"] += 1
+            o.violation(
+                f"{method} accepted from a fenced execution: run {fence.run_id}"
+                f" seq {fence.execution_seq} (current {state['run'][0] if state['run'] else None})"
+            )
+        c = o.run(fence.run_id)
+        if method == "activate_lease" and not state["live_lease"]:
+            c.activations += 1
+        elif method == "nack_job":
+            c.nacks += 1
+        elif method == "yield_job":
+            c.yields += 1
+            c.consecutive = 0
+        elif method == "complete_job":
+            c.ended_by = "completed"
+        elif method == "fail_job":
+            error = args[0] if args else kwargs["error"]
+            run = state["run"]
+            retry = bool(error.retryable and run is not None and run[2] < run[3])
+            if retry:
+                c.retries += 1
+            else:
+                c.ended_by = error.code
+            if (result.status == "waiting") != retry:
+                o.violation(f"fail_job of {fence.run_id}: outcome {result.status}, expected retry={retry}")
+        elif method == "record_step" and kwargs["status"] == "completed":
+            sid = kwargs["step_id"]
+            if step_before is None or step_before[0] != "completed":
+                c.steps.setdefault(sid, kwargs.get("output"))
+                c.step_recorded_at.setdefault(sid, self._store.last_transaction())  # type: ignore[attr-defined]
+        self._after(method, result)
+
+    async def activate_lease(self, fence: Fence, **kwargs: Any) -> Any:
+        return await self._fenced("activate_lease", fence, **kwargs)
+
+    async def record_step(self, fence: Fence, **kwargs: Any) -> Any:
+        return await self._fenced("record_step", fence, **kwargs)
+
+    async def complete_job(self, fence: Fence, output: Any) -> Any:
+        return await self._fenced("complete_job", fence, output)
+
+    async def fail_job(self, fence: Fence, error: Any) -> Any:
+        return await self._fenced("fail_job", fence, error)
+
+    async def yield_job(self, fence: Fence, **kwargs: Any) -> Any:
+        return await self._fenced("yield_job", fence, **kwargs)
+
+    async def nack_job(self, fence: Fence, reason: Any) -> Any:
+        return await self._fenced("nack_job", fence, reason)
+
+    async def reserve_segments(self, *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        result = await self._store.reserve_segments(*args, **kwargs)
+        at = self._store.last_transaction()  # type: ignore[attr-defined]
+        for r in result:
+            self._oracle.run(r.assignment.run_id).reserved_at[r.assignment.execution_seq] = at
+        self._after("reserve_segments", result)
+        return result
+
+    # ── loop 1: the recoveries ─────────────────────────────────────────────
+
+    async def expire_leases(self, **kwargs: Any) -> Any:
+        self._check()
+        now = self._sim.epoch_now()
+        expected = self._oracle.due_leases("l.expires_at <= ?", (now,))
+        try:
+            result = await self._store.expire_leases(**kwargs)
+        except trio.Cancelled:  # after its transaction (see _fenced)
+            done = self._store.take_outcome()  # type: ignore[attr-defined]
+            self._oracle.apply_recoveries("expire_leases", expected, done.value if isinstance(done, outcome.Value) else [])
+            raise
+        self._store.take_outcome()  # type: ignore[attr-defined]
+        self._oracle.apply_recoveries("expire_leases", expected, result)
+        self._after("expire_leases", result)
+        return result
+
+    async def close_session(self, session_id: str, **kwargs: Any) -> Any:
+        self._check()
+        expected = (
+            self._oracle.due_leases("l.session_id = ?", (session_id,))
+            if kwargs.get("recover_leases")
+            else []
+        )
+        try:
+            result = await self._store.close_session(session_id, **kwargs)
+        except trio.Cancelled:  # after its transaction (see _fenced)
+            done = self._store.take_outcome()  # type: ignore[attr-defined]
+            self._oracle.apply_recoveries("close_session", expected, done.value if isinstance(done, outcome.Value) else [])
+            raise
+        self._store.take_outcome()  # type: ignore[attr-defined]
+        self._oracle.apply_recoveries("close_session", expected, result)
+        self._after("close_session", result)
+        return result
+
+    # ── loop 2: stale claims ───────────────────────────────────────────────
+
+    async def reset_stale_claims(self, threshold_s: float) -> Any:
+        self._check()
+        o = self._oracle
+        now = self._sim.epoch_now()
+        candidates = o.all(
+            "SELECT s.run_id, s.step_id,"
+            " EXISTS (SELECT 1 FROM concurrency_leases l WHERE l.run_id = s.run_id),"
+            " EXISTS (SELECT 1 FROM dispatch_queue q WHERE q.run_id = s.run_id)"
+            " FROM steps s WHERE s.status = 'waking' AND s.claimed_at <= ?",
+            (now - threshold_s,),
+        )
+
+        def judge(tx: Tx) -> None:
+            """Inside the sweeper's own transaction: which candidates it restored."""
+            for run_id, sid, leased, queued in candidates:
+                row = tx.fetchone("SELECT status FROM steps WHERE run_id = ? AND step_id = ?", (run_id, sid))
+                if row is None or row[0] == "waking":
+                    continue
+                self._sim.counts["loop2_restores"] += 1
+                self._sim.trace(f"loop 2 restored {run_id}/{sid}")
+                if leased or queued:
+                    o.violation(
+                        f"loop 2 restored step {sid} of run {run_id}, which loop 1 owns"
+                        f" (lease={bool(leased)}, queued={bool(queued)})"
+                    )
+
+        store: Any = self._store
+        store.probes[trio.lowlevel.current_task()] = judge
+        result = await store.reset_stale_claims(threshold_s)
+        store.take_outcome()
+        self._after("reset_stale_claims", result)
+        return result
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(fn)

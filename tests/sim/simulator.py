@@ -1,0 +1,618 @@
+"""The deterministic simulator: a whole node, its workers and a seeded fault
+schedule in one Trio run on ``MockClock``.
+
+What is real: every supervised actor of a node, started by the node's own
+:func:`ironflow.node.start_actors` under the real
+:class:`~actors.supervisor.Supervisor`; the websocket bridge and the session
+actor (``ironflow.api.worker_socket._serve_socket``); the protocol messages
+and their codecs; the SQLite store (inline mode: every transaction runs on
+the Trio thread, so the virtual clock never jumps while the database works
+and ``ironflow_now()`` is ``BASE + trio.current_time()``). What is simulated:
+the wire (:mod:`tests.sim.net`), the workers (:mod:`tests.sim.worker`), the
+API's emit and cancel (the same store calls and kicks as the HTTP handlers),
+and the node process around the actors (a restart cancels its tree and
+starts a new one on the same database; a hard crash also severs its store).
+
+Determinism: the schedule and every per-component RNG derive from the seed
+(:mod:`tests.sim.schedule`); ids come from a seeded source
+(:func:`ironflow.ids.ids_from`); and Trio's scheduling order is made a
+function of the seed through the hook its Hypothesis plugin uses —
+``trio._core._run._ALLOW_DETERMINISTIC_SCHEDULING`` (each batch of runnable
+tasks is sorted by task creation order, then shuffled) and the module RNG
+``trio._core._run._r``, reseeded here for every run (see
+:func:`deterministic_trio`). No thread, socket or wall clock takes part.
+A run's trace digest is therefore a function of its seed, which
+``tests/sim/test_simulator.py`` checks across processes with different
+``PYTHONHASHSEED`` values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import math
+import os
+import shutil
+import tempfile
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+import trio.testing
+
+from actors.directory import SessionDirectory
+from actors.messages import Kick, kick
+from actors.supervisor import Supervisor
+from ironflow.api.state import ApiDeps
+from ironflow.api.worker_socket import _serve_socket
+from ironflow.config import NodeConfig
+from ironflow.ids import ids_from
+from ironflow.node import KICK_BUFFER, start_actors
+from ironflow.protocol import Cancel, Concurrency, FunctionDef, RetryPolicy, Trigger
+from ironflow.store import Conflict, RunNotFound
+from ironflow.store.sqlite import SqliteStore
+from tests.sim import invariants
+from tests.sim.net import Connection, Link
+from tests.sim.observed import NodeDown, ObservedStore, Oracle, OutcomesByTask
+from tests.sim.schedule import (
+    CRASH_AFTER,
+    QUIESCE_LIMIT_S,
+    Action,
+    FrameFaults,
+    Schedule,
+    build,
+    rng_for,
+)
+from tests.sim.worker import SIGNAL_EVENT, SimWorker
+
+# ``ironflow_now()`` at virtual time 0.
+BASE = 1_800_000_000.0
+IDEMPOTENCY_WINDOW_S = 24 * 3600.0
+
+FUNCTIONS = [
+    FunctionDef(
+        id="sim-a",
+        triggers=[Trigger("a.go"), Trigger("both.go")],
+        retries=RetryPolicy(max_attempts=3, initial_delay_s=0.5),
+        audit=True,
+    ),
+    FunctionDef(
+        id="sim-b",
+        triggers=[Trigger("b.go"), Trigger("both.go")],
+        retries=RetryPolicy(max_attempts=2, initial_delay_s=0.5),
+        concurrency=Concurrency(limit=2),
+        audit=True,
+    ),
+]
+# What a campaign reports as "faults injected", in this order.
+FAULT_KINDS = (
+    "worker_crash",
+    "worker_freeze",
+    "conn_cut",
+    "late_heartbeat",
+    "worker_drain",
+    "actor_crash",
+    "node_restart",
+    "node_crash",
+    "node_drain",
+    "cancel",
+    "frame_drop",
+    "frame_delay",
+    "frame_duplicate",
+    "frame_reorder",
+)
+TRIGGERED = {"a.go": ["sim-a"], "b.go": ["sim-b"], "both.go": ["sim-a", "sim-b"]}
+
+
+def deterministic_trio(seed: int) -> None:
+    """Make Trio's scheduler a function of ``seed`` for the next ``trio.run``.
+
+    Trio randomises the order in which it runs each batch of runnable tasks.
+    Its Hypothesis plugin (``trio._core._run._hypothesis_plugin_setup``) turns
+    that into a deterministic order: with ``_ALLOW_DETERMINISTIC_SCHEDULING``
+    set, each batch is sorted by task creation counter, then shuffled with the
+    module RNG ``_r``. We set the same flag (Hypothesis sets it too, whenever
+    it is imported) and seed ``_r``. Private to Trio: pinned by the tests.
+    """
+    import trio._core._run as trio_run
+
+    trio_run._ALLOW_DETERMINISTIC_SCHEDULING = True  # type: ignore[misc]
+    trio_run._r.seed(f"trio:{seed}")
+
+
+def seeded_ids(seed: int) -> Callable[[str], str]:
+    rng = rng_for(seed, "ids")
+    counter = iter(range(1, 1 << 62))
+
+    def source(prefix: str) -> str:
+        return f"{prefix}_{next(counter):016x}{rng.getrandbits(64):016x}"
+
+    return source
+
+
+@dataclass
+class Result:
+    seed: int
+    violations: list[str]
+    counts: Counter[str]
+    digest: str
+    schedule: str
+    virtual_s: float
+    wall_s: float
+    cpu_s: float = 0.0
+    trace: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def report(self) -> str:
+        lines = [self.schedule]
+        lines.append(
+            f"  -> {'OK' if self.ok else 'VIOLATED'}: virtual {self.virtual_s:.1f}s,"
+            f" wall {self.wall_s * 1000:.0f} ms, trace {self.digest[:16]}"
+        )
+        lines += [f"  !! {v}" for v in self.violations]
+        return "\n".join(lines)
+
+
+class SimNode:
+    """One incarnation of the node process."""
+
+    def __init__(self, sim: Simulation, no: int) -> None:
+        self.sim = sim
+        self.no = no
+        self.node_id = f"node-{no}"
+        self.store = ObservedStore(sim, sim.real_store, sim.oracle, no)
+        self.directory = SessionDirectory()
+        self.shutdown_requested = trio.Event()
+        self.drained = trio.Event()
+        self.scope = trio.CancelScope()
+        self.up = False
+        self.supervisor: Supervisor | None = None
+        self.nursery: trio.Nursery | None = None
+        self.kick_send: trio.MemorySendChannel[Kick] | None = None
+        self.deps: ApiDeps | None = None
+
+    async def run(self) -> None:
+        cfg = self.sim.config
+        try:
+            with self.scope:
+                kick_send, kick_receive = trio.open_memory_channel[Kick](KICK_BUFFER)
+                self.kick_send = kick_send
+                async with trio.open_nursery() as nursery:
+                    self.nursery = nursery
+                    supervisor = Supervisor(nursery, cfg.timings)
+                    self.supervisor = supervisor
+                    store: Any = self.store
+                    await start_actors(
+                        supervisor,
+                        store,
+                        cfg,
+                        self.node_id,
+                        self.directory,
+                        kick_send,
+                        kick_receive,
+                        self.shutdown_requested,
+                        self.drained,
+                    )
+                    self.deps = ApiDeps(
+                        store=store,
+                        config=cfg,
+                        node_id=self.node_id,
+                        directory=self.directory,
+                        kicks=kick_send,
+                        shutdown_requested=self.shutdown_requested,
+                        ready=trio.Event(),
+                    )
+                    self.up = True
+                    self.sim.trace(f"node {self.no} up")
+                    await self.drained.wait()
+                    self.sim.trace(f"node {self.no} drained, stopping")
+                    nursery.cancel_scope.cancel()
+        except* NodeDown:
+            pass  # calls made after a hard crash: a dead process writes nothing
+        finally:
+            self.up = False
+
+    def accept(self, conn: Connection) -> bool:
+        """A worker connects (refused while draining, like the API's 503)."""
+        if not self.up or self.shutdown_requested.is_set() or self.nursery is None:
+            return False
+        self.nursery.start_soon(self._serve_connection, conn)
+        return True
+
+    async def _serve_connection(self, conn: Connection) -> None:
+        assert self.deps is not None
+        try:
+            with conn.scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(conn.up.pump)
+                    nursery.start_soon(conn.down.pump)
+                    with conn.bridge_scope:
+                        await _serve_socket(conn.ws, self.deps)
+                    conn.down.close()
+                    # The worker reads what the bridge sent, then the close, and
+                    # drops the connection (a frozen one is dropped after a while).
+                    with trio.move_on_after(30.0):
+                        await trio.sleep_forever()
+                    nursery.cancel_scope.cancel()
+        finally:
+            conn.up.shut()
+            conn.down.shut()
+            conn.ended.set()
+
+
+class Simulation:
+    def __init__(self, seed: int, *, bug: str | None = None, keep_trace: bool = False) -> None:
+        self.seed = seed
+        self.bug = bug
+        self.schedule: Schedule = build(seed)
+        self.config = NodeConfig(timings=self.schedule.timings, idempotency_window_s=IDEMPOTENCY_WINDOW_S)
+        self.counts: Counter[str] = Counter()
+        self.keep_trace = keep_trace
+        self._trace: list[str] = []
+        self._digest = hashlib.sha256()
+        self.node: SimNode | None = None
+        self.node_no = 0
+        self.workers: list[SimWorker | None] = [None] * len(self.schedule.workers)
+        self.conn_no = 0
+        self.links: list[Link] = []
+        self.frame_faults = self.schedule.frame_faults
+        self.faults_on = True
+        self.stopping = False
+        self.event_ids: dict[int, str] = {}
+        self.event_runs: dict[int, list[str]] = {}
+        self.pending_emits = 0
+        self.rng = rng_for(seed, "sim")
+        self.real_store: SqliteStore
+        self.oracle: Oracle
+        self.root: trio.Nursery
+        self.t0 = 0.0
+        self.crashed = ""
+
+    # ── clocks and trace ───────────────────────────────────────────────────
+
+    def epoch_now(self) -> float:
+        return BASE + trio.current_time()
+
+    def trace(self, line: str) -> None:
+        text = f"{trio.current_time():.3f} {line}"
+        self._digest.update(text.encode() + b"\n")
+        if self.keep_trace:
+            self._trace.append(text)
+
+    # ── hooks from the observed store ──────────────────────────────────────
+
+    def after_store_call(self, node_no: int, method: str, n: int) -> None:
+        if not self.faults_on or self.node is None or self.node.no != node_no:
+            return
+        if (method, n) in self.schedule.crash_after:
+            actor = CRASH_AFTER[method]
+            if self.node.supervisor is not None:
+                self.counts["actor_crash"] += 1
+                self.trace(f"crash {actor} after {method}#{n}")
+                self.node.supervisor.crash(actor)
+        if (method, n) in self.schedule.node_crash_after:
+            self.trace(f"node crash after {method}#{n}")
+            self.crash_node(hard=True)
+
+    # ── the node process ───────────────────────────────────────────────────
+
+    def crash_node(self, *, hard: bool) -> None:
+        node = self.node
+        if node is None:
+            return
+        self.counts["node_crash" if hard else "node_restart"] += 1
+        if hard:
+            node.store.severed = True
+        node.scope.cancel()
+
+    async def _node_keeper(self) -> None:
+        rng = rng_for(self.seed, "node-keeper")
+        while not self.stopping:
+            self.node_no += 1
+            node = SimNode(self, self.node_no)
+            self.node = node
+            await node.run()
+            self.node = None
+            self.trace(f"node {node.no} stopped")
+            if self.stopping:
+                break
+            down = round(rng.uniform(0.2, 3.0), 3) if self.faults_on else 0.2
+            await trio.sleep(down)
+
+    def connect(self, worker: SimWorker) -> Connection | None:
+        node = self.node
+        if node is None or not node.up or node.shutdown_requested.is_set():
+            return None
+        self.conn_no += 1
+        no = self.conn_no
+        up = Link(f"c{no}>", rng_for(self.seed, "link", no, "up"), self.frame_faults, self.counts, upstream=True)
+        down = Link(f"c{no}<", rng_for(self.seed, "link", no, "down"), self.frame_faults, self.counts, upstream=False)
+        self.links += [up, down]
+        conn = Connection(no, worker.name, up, down)
+        if not node.accept(conn):
+            return None
+        self.trace(f"{worker.name} connects to node {node.no} (c{no})")
+        return conn
+
+    async def _worker_keeper(self, slot: int) -> None:
+        rng = rng_for(self.seed, "worker-keeper", slot)
+        incarnation = 0
+        while not self.stopping:
+            worker = SimWorker(self, slot, incarnation, self.schedule.workers[slot], FUNCTIONS)
+            self.workers[slot] = worker
+            await worker.run()
+            self.workers[slot] = None
+            self.trace(f"{worker.name} exited")
+            incarnation += 1
+            await trio.sleep(round(rng.uniform(0.5, 4.0), 3) if self.faults_on else 0.5)
+
+    # ── the API's emit and cancel ──────────────────────────────────────────
+
+    async def _emit(self, k: int, *, signal: bool = False) -> None:
+        """Emit until a node takes it (a client retrying while the node is down)."""
+        self.pending_emits += 1
+        try:
+            name, plan = self.schedule.events[k]
+            while True:
+                node = self.node
+                if node is not None and node.up and node.kick_send is not None:
+                    try:
+                        if signal:
+                            result = await node.store.ingest_event(
+                                SIGNAL_EVENT, {"k": k}, None, idempotency_window_s=IDEMPOTENCY_WINDOW_S
+                            )
+                        else:
+                            result = await node.store.ingest_event(
+                                name, plan, f"ev-{k}", idempotency_window_s=IDEMPOTENCY_WINDOW_S
+                            )
+                    except NodeDown:
+                        result = None
+                    if result is not None:
+                        if not result.duplicate and (result.run_ids or result.resumed_run_ids):
+                            kick(node.kick_send, "event ingested")
+                        if not signal:
+                            self._note_event(k, result)
+                        self.trace(
+                            f"{'signal' if signal else 'emit'} {k} -> {result.event_id}"
+                            f" runs={result.run_ids} resumed={result.resumed_run_ids} dup={result.duplicate}"
+                        )
+                        return
+                await trio.sleep(1.0)
+        finally:
+            self.pending_emits -= 1
+
+    def _note_event(self, k: int, result: Any) -> None:
+        first = self.event_ids.get(k)
+        if first is None:
+            self.event_ids[k] = result.event_id
+            self.event_runs[k] = list(result.run_ids)
+        elif result.event_id != first or not result.duplicate:
+            self.oracle.violation(
+                f"event {k} emitted again with its idempotency key: got {result.event_id}"
+                f" (duplicate={result.duplicate}), first was {first}"
+            )
+
+    async def _cancel(self, k: int) -> None:
+        node = self.node
+        runs = self.event_runs.get(k)
+        if node is None or not node.up or not runs or node.kick_send is None:
+            return
+        run_id = runs[0]
+        try:
+            outcome = await node.store.cancel_run(run_id, "cancelled by the schedule")
+        except (Conflict, RunNotFound, NodeDown):
+            return
+        self.oracle.run(run_id).cancelled = True
+        self.oracle.run(run_id).ended_by = "cancelled"
+        self.counts["cancel"] += 1
+        self.trace(f"cancelled {run_id}")
+        if outcome.session_id is not None and outcome.job_id is not None:
+            local = node.directory.get(outcome.session_id)
+            if local is not None:
+                with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                    local.outbox.send_nowait(Cancel(outcome.job_id, run_id, "cancelled by the schedule"))
+        kick(node.kick_send, "run cancelled")
+
+    # ── the schedule ───────────────────────────────────────────────────────
+
+    async def _apply(self, a: Action) -> None:
+        node = self.node
+        w = self.workers[a.target] if isinstance(a.target, int) and a.kind not in ("emit", "emit_again", "signal", "cancel") else None
+        self.trace(f"action {a}")
+        if a.kind in ("emit", "emit_again"):
+            self.root.start_soon(self._emit, a.target)
+        elif a.kind == "signal":
+            self.root.start_soon(functools.partial(self._emit, a.target, signal=True))
+        elif a.kind == "cancel":
+            await self._cancel(a.target)
+        elif a.kind == "worker_crash" and w is not None:
+            self.counts["worker_crash"] += 1
+            w.crash()
+        elif a.kind == "conn_cut" and w is not None and w.conn is not None:
+            self.counts["conn_cut"] += 1
+            w.cut()
+        elif a.kind == "worker_freeze" and w is not None:
+            self.counts["worker_freeze"] += 1
+            self.root.start_soon(w.freeze, a.arg)
+        elif a.kind == "late_heartbeat" and w is not None:
+            self.counts["late_heartbeat"] += 1
+            w.heartbeat_late_s = a.arg
+        elif a.kind == "worker_drain" and w is not None:
+            self.counts["worker_drain"] += 1
+            w.begin_drain(5.0)
+        elif a.kind == "actor_crash" and node is not None and node.supervisor is not None and node.up:
+            self.counts["actor_crash"] += 1
+            node.supervisor.crash(a.target)
+        elif a.kind == "node_restart":
+            self.crash_node(hard=False)
+        elif a.kind == "node_crash":
+            self.crash_node(hard=True)
+        elif a.kind == "node_drain" and node is not None and node.up:
+            self.counts["node_drain"] += 1
+            node.shutdown_requested.set()
+
+    async def _run_schedule(self) -> None:
+        for a in self.schedule.actions:
+            delay = self.t0 + a.at - trio.current_time()
+            if delay > 0:
+                await trio.sleep(delay)
+            await self._apply(a)
+        delay = self.t0 + self.schedule.fault_phase_s - trio.current_time()
+        if delay > 0:
+            await trio.sleep(delay)
+
+    def _heal(self) -> None:
+        self.faults_on = False
+        self.frame_faults = FrameFaults()
+        for link in self.links:
+            link.faults = self.frame_faults
+        for w in self.workers:
+            if w is not None:
+                w.gate.open()
+                w.heartbeat_late_s = 0.0
+        self.trace("healed")
+
+    async def _quiesce(self) -> None:
+        deadline = trio.current_time() + QUIESCE_LIMIT_S
+        while trio.current_time() < deadline:
+            await trio.sleep(5.0)
+            if self.pending_emits:
+                continue
+            row = self.oracle.one(
+                "SELECT count(*) FROM runs WHERE status NOT IN ('completed', 'failed', 'cancelled')"
+            )
+            if row is not None and row[0] == 0:
+                return
+
+    async def main(self) -> None:
+        self.oracle = Oracle(self, self.real_store.path)
+        await self.real_store.open()
+        try:
+            async with trio.open_nursery() as root:
+                self.root = root
+                root.start_soon(self._node_keeper)
+                while self.node is None or not self.node.up:
+                    await trio.sleep(0.001)
+                for slot in range(len(self.workers)):
+                    root.start_soon(self._worker_keeper, slot)
+                # The schedule's clock starts once the functions are registered
+                # (an event emitted before that starts no run, by design).
+                while self.oracle.one("SELECT count(*) FROM functions") != (len(FUNCTIONS),):
+                    await trio.sleep(0.001)
+                self.t0 = trio.current_time()
+                await self._run_schedule()
+                self._heal()
+                await self._quiesce()
+                self.stopping = True
+                self.trace("stopping")
+                root.cancel_scope.cancel()
+            invariants.check(self)
+        finally:
+            self.oracle.close()
+            await self.real_store.close()
+
+
+
+@contextlib.contextmanager
+def _quiet_logs() -> Iterator[None]:
+    previous = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logging.disable(previous)
+
+
+def _scratch_dir() -> str:
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.mkdtemp(prefix="ironflow-sim-", dir=base)
+
+
+def run_seed(seed: int, *, bug: str | None = None, keep_trace: bool = False) -> Result:
+    """Run one seed to the end and check its invariants."""
+    from tests.sim.bugs import store_class
+
+    started = time.perf_counter()
+    cpu_started = time.process_time()
+    sim = Simulation(seed, bug=bug, keep_trace=keep_trace)
+    scratch = _scratch_dir()
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    try:
+        cls = type("SimStore", (OutcomesByTask, store_class(bug)), {})
+        sim.real_store = cls(
+            os.path.join(scratch, "sim.db"), now=lambda: BASE + clock.current_time(), inline=True
+        )
+        deterministic_trio(seed)
+        with _quiet_logs(), ids_from(seeded_ids(seed)):
+            try:
+                trio.run(sim.main, clock=clock)
+            except Exception as exc:  # anything escaping the node is a finding too
+                crash = "".join(traceback.format_exception(exc)[-6:])
+                sim.crashed = f"the simulation raised {exc!r}:\n{crash}"
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    violations = list(sim.oracle.violations) if hasattr(sim, "oracle") else []
+    if sim.crashed:
+        violations.append(sim.crashed)
+    return Result(
+        seed=seed,
+        violations=violations,
+        counts=sim.counts,
+        digest=sim._digest.hexdigest(),
+        schedule=sim.schedule.describe(),
+        virtual_s=clock.current_time(),
+        wall_s=time.perf_counter() - started,
+        cpu_s=time.process_time() - cpu_started,
+        trace=sim._trace,
+    )
+
+
+def _seed_in_child(args: tuple[int, str | None]) -> Result:
+    seed, bug = args
+    r = run_seed(seed, bug=bug)
+    r.schedule = r.schedule if r.violations else ""  # keep what crosses the pipe small
+    return r
+
+
+def campaign(
+    seeds: range | list[int],
+    *,
+    bug: str | None = None,
+    processes: int = 1,
+    stop_at_first: bool = False,
+    deadline_s: float = math.inf,
+    on_result: Callable[[Result], None] | None = None,
+) -> list[Result]:
+    """Run many seeds (in ``processes`` worker processes); results in seed order."""
+    results: list[Result] = []
+    started = time.perf_counter()
+    if processes <= 1:
+        for seed in seeds:
+            r = run_seed(seed, bug=bug)
+            results.append(r)
+            if on_result:
+                on_result(r)
+            if (stop_at_first and not r.ok) or time.perf_counter() - started > deadline_s:
+                break
+        return results
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(processes) as pool:
+        for r in pool.imap(_seed_in_child, [(s, bug) for s in seeds], chunksize=4):
+            results.append(r)
+            if on_result:
+                on_result(r)
+            if (stop_at_first and not r.ok) or time.perf_counter() - started > deadline_s:
+                pool.terminate()
+                break
+    return results

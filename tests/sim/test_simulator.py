@@ -1,0 +1,104 @@
+"""The deterministic simulator's campaign, its determinism, and proof that it can fail.
+
+``IRONFLOW_SIM_SEEDS`` changes the campaign's size (default 1,000 seeds, over
+as many processes as there are cores); ``scripts/simulate.py --seed N``
+replays any seed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+from tests.sim.schedule import build
+from tests.sim.simulator import FAULT_KINDS, campaign, run_seed
+
+REPO = Path(__file__).resolve().parents[2]
+SEEDS = int(os.environ.get("IRONFLOW_SIM_SEEDS", "1000"))
+# Wall-clock cap on the campaign, under the suite's 300 s per-test watchdog: on
+# a machine busy with other work the campaign stops early (and says so) rather
+# than be killed. 1,000 seeds take about a minute on an idle 2-core machine.
+CAMPAIGN_CAP_S = float(os.environ.get("IRONFLOW_SIM_CAP_S", "200"))
+# Fewer seeds than this within the cap is a failure, however busy the machine.
+MIN_SEEDS = min(SEEDS, 200)
+# How many seeds the bug-finding tests may spend before they must have found one.
+BUG_BUDGET = 200
+
+
+def test_a_campaign_of_seeds_violates_no_invariant() -> None:
+    started = time.perf_counter()
+    results = campaign(range(SEEDS), processes=os.cpu_count() or 1, deadline_s=CAMPAIGN_CAP_S)
+    elapsed = time.perf_counter() - started
+    faults: Counter[str] = Counter()
+    for r in results:
+        faults.update(r.counts)
+    bad = [r for r in results if not r.ok]
+    summary = (
+        f"{len(results)} seeds in {elapsed:.1f} s ({len(results) / elapsed:.1f} seeds/s); "
+        + ", ".join(f"{k}={faults[k]}" for k in FAULT_KINDS)
+    )
+    print(summary)
+    if len(results) < SEEDS:
+        warnings.warn(f"the campaign stopped at its {CAMPAIGN_CAP_S:g} s cap: {summary}", stacklevel=1)
+    assert len(results) >= MIN_SEEDS, summary
+    assert not bad, "\n\n".join([summary] + [r.report() for r in bad[:3]])
+    # Every kind of fault was injected somewhere in the campaign.
+    if len(results) >= 1000:
+        assert all(faults[k] > 0 for k in FAULT_KINDS), summary
+        assert faults["recoveries_exhausted"] > 0 and faults["loop2_restores"] > 0, summary
+
+
+def test_a_seed_replays_exactly() -> None:
+    # The private hook of Trio the simulator relies on (see deterministic_trio).
+    import trio._core._run as trio_run
+
+    assert hasattr(trio_run, "_ALLOW_DETERMINISTIC_SCHEDULING") and hasattr(trio_run, "_r")
+    first = run_seed(7, keep_trace=True)
+    again = run_seed(7, keep_trace=True)
+    assert first.trace == again.trace and first.digest == again.digest
+    assert first.counts == again.counts
+    assert build(7).describe() == first.schedule
+    assert run_seed(8).digest != first.digest
+
+
+def test_a_seed_replays_exactly_in_another_process_with_another_hash_seed() -> None:
+    """Nothing depends on str hashing, thread timing or the wall clock."""
+    seed = 11
+    here = run_seed(seed).digest
+    code = f"from tests.sim.simulator import run_seed; print(run_seed({seed}).digest)"
+    for hash_seed in ("1", "2"):
+        env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=str(REPO))
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True
+        )
+        assert out.stdout.strip() == here
+
+
+def _first_violation(bug: str) -> tuple[int, list[str]]:
+    results = campaign(
+        range(BUG_BUDGET), bug=bug, processes=os.cpu_count() or 1, stop_at_first=True
+    )
+    for r in results:
+        if not r.ok:
+            return r.seed, r.violations
+    raise AssertionError(f"{bug}: no violating seed among the first {BUG_BUDGET}")
+
+
+def test_the_simulator_finds_a_write_accepted_from_a_fenced_execution() -> None:
+    """Injected: ``record_step`` without its fence check (tests/sim/bugs.py)."""
+    seed, violations = _first_violation("record_step_unfenced")
+    assert any("accepted from a fenced execution" in v for v in violations), violations
+    # The failing seed replays exactly, violations and all.
+    again = run_seed(seed, bug="record_step_unfenced")
+    assert again.violations == violations
+
+
+def test_the_simulator_finds_a_nack_that_spends_an_attempt() -> None:
+    """Injected: a JobNack also bumps the run's attempt (tests/sim/bugs.py)."""
+    _, violations = _first_violation("nack_spends_attempt")
+    assert any("retries" in v for v in violations), violations
