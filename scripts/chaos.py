@@ -551,8 +551,8 @@ class Chaos:
 
         async def thaw() -> None:
             await trio.sleep(held)
+            fault.ended = time.time()  # before SIGCONT: whatever the worker marks comes after
             os.kill(victim.pid, signal.SIGCONT)
-            fault.ended = time.time()
             victim.state = "running"
 
         nursery.start_soon(thaw)
@@ -950,6 +950,11 @@ def report(chaos: Chaos, checks: list[Check], schedule: list[Fault], seconds: fl
         "faults_injected": dict(injected),
         "faults_not_delivered": dict(skipped),
         "events": len(chaos.emitted),
+        "faults": [
+            {"at": f.at, "kind": f.kind, "injected": f.injected, "wall": f.wall, "ended": f.ended,
+             "pid": f.pid, "node": f.node, "target": f.target, "note": f.note}
+            for f in chaos.faults
+        ],
         "checks": {c.name: {"violations": c.violations, "detail": c.detail} for c in checks},
         "violations": violations,
     }

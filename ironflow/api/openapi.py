@@ -191,7 +191,9 @@ def _operation(route: Route, schema_of: dict[Any, dict[str, Any]]) -> dict[str, 
         if route.websocket:
             answer["description"] = "Switching Protocols: " + _WORKER_FRAMES
         elif kind is None:
-            answer["content"] = {route.media: {"schema": {"type": "string"}}}
+            # Untyped: a JSON answer is still an object (this document), anything else text.
+            untyped = {"type": "object"} if route.media == "application/json" else {"type": "string"}
+            answer["content"] = {route.media: {"schema": untyped}}
         else:
             answer["content"] = {"application/json": {"schema": schema_of[kind]}}
         responses[str(status)] = answer
