@@ -371,26 +371,19 @@ class Chaos:
         else:
             self.db_url = str(self.tmp / "chaos.db")
             count = 1
-        self.platform_key = await self._mint_platform_key()
         for i in range(count):
             state = str(self.tmp / f"node{i}")
             node = NodeProc(f"chaos-node-{i}", free_port(), self.db_url, state,
                             (self.tmp / f"node{i}.log").open("ab"))
             self.nodes.append(node)
             await self._spawn_node(node)
+        # Straight in the database (the nodes created it): how a first platform key is made.
+        from ironflow.cli.keys import mint_in_database
+
+        minted = await trio.to_thread.run_sync(mint_in_database, self.db_url, "platform", "platform_admin")
+        self.platform_key = minted.key
         for i in range(args.workers):
             await self._start_worker(self.nodes[i % len(self.nodes)])
-
-    async def _mint_platform_key(self) -> str:
-        from ironflow.store import open_store
-
-        store = open_store(self.db_url)
-        await store.open()
-        try:
-            _, key = await store.create_api_key("platform", "platform_admin")
-        finally:
-            await store.close()
-        return str(key)
 
     async def _restart_node(self, node: NodeProc) -> None:
         """Start ``node`` again; a node that cannot start is a violation."""
