@@ -8,12 +8,11 @@ from typing import Any
 import httpx
 import trio
 
-import ironflow
 from ironflow.config import load_config
 from ironflow.metrics import ACTOR_RESTARTS
 from ironflow.node import Node
 from tests.integration.conftest import TEST_TIMINGS
-from tests.integration.helpers import emit, wait_for_run
+from tests.integration.test_bad_input import assert_node_still_works
 
 
 async def start_node(
@@ -87,15 +86,7 @@ async def test_chaos_crash_restarts_the_actor_and_the_node_keeps_serving(
         assert bad.status_code == 400 and bad.json()["code"] == "VALIDATION_ERROR"
 
         # The restarted dispatcher still hands work out.
-        @ironflow.function(id="echo", triggers=[ironflow.event("echo.go")])
-        async def echo(ctx: Any) -> Any:
-            return await ctx.step.run("echo", lambda: ctx.event.data)
-
-        worker = ironflow.StreamingWorker(node.url, [echo], handle_signals=False)
-        await nursery.start(worker.run)
-        run_id = (await emit(http, "echo.go", {"ok": 1}))["run_ids"][0]
-        assert (await wait_for_run(http, run_id))["run"]["output"] == {"ok": 1}
-        worker.stop()
+        await assert_node_still_works(node, http, nursery)
     node.stop()
 
 
