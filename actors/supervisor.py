@@ -62,12 +62,20 @@ class Supervisor:
         self._children[name] = child
         await self._nursery.start(self._supervise, child, actor, args)
 
-    def crash(self, name: str) -> None:
-        """Make actor ``name`` fail now, as if it raised (tests and chaos scripts)."""
+    def crash(self, name: str) -> bool:
+        """Make actor ``name`` fail now, as if it raised (tests and chaos scripts).
+
+        Returns False, and changes nothing, while the actor is not running
+        (waiting out its restart backoff): a request then would otherwise stay
+        pending and turn the restarted actor's next clean exit into a crash.
+        Raises KeyError for a name the supervisor does not own.
+        """
         child = self._children[name]
+        if child.scope is None:
+            return False
         child.crash_requested = True
-        if child.scope is not None:
-            child.scope.cancel()
+        child.scope.cancel()
+        return True
 
     async def _supervise(
         self,

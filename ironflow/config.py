@@ -125,6 +125,9 @@ class NodeConfig(msgspec.Struct, forbid_unknown_fields=True):
     # at ~10 % of write throughput; off, purged pages are reused instead.
     sqlite_auto_vacuum: bool = False
     log_level: str = "INFO"
+    # Testing only: a platform key may crash this node's actors through
+    # POST /v1/chaos/crash (scripts/chaos.py). Off, the chaos routes are 404.
+    chaos: bool = False
     timings: Timings = msgspec.field(default_factory=Timings)
     limits: Limits = msgspec.field(default_factory=Limits)
 

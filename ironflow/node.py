@@ -143,6 +143,7 @@ class Node:
                         kicks=kick_send,
                         shutdown_requested=self.shutdown_requested,
                         ready=self.ready,
+                        actors=supervisor if config.chaos else None,
                     )
                 ))
                 hypercorn_patch.apply()

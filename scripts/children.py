@@ -12,8 +12,11 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
+from typing import IO
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -74,37 +77,55 @@ def cleanup_all() -> None:
         TEMPS.remove(d)
 
 
-def start_dev_node(db: str | None, prefix: str, extra: list[str] | None = None) -> str:
-    """A ``--dev`` node subprocess (SQLite in a tracked temp dir unless ``db``, ``extra``
-    serve flags); its URL once ready."""
-    import sys
-    import time
+def spawn_dev_node(db: str, state: str, port: int, extra: list[str] | None = None,
+                   log: IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+    """A tracked ``--dev`` node subprocess on ``port`` (``extra`` serve flags, its
+    output to ``log`` or ours); not waited for: see :func:`wait_ready`."""
+    argv = [sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port),
+            "--state-dir", state, "--log-level", "WARNING", "--db", db, *(extra or [])]
+    node = subprocess.Popen(argv, env=child_env(), stderr=log)
+    LIVE.append(node)
+    return node
 
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout: float = 30.0) -> None:
+    """Return once ``url``/readyz answers 200; SystemExit if it does not in time
+    (or ``proc`` exits first)."""
     import httpx
 
-    port = free_port()
-    state = mkdtemp(prefix)
-    argv = [sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port),
-            "--state-dir", state, "--log-level", "WARNING", "--db", db or f"{state}/ironflow.db", *(extra or [])]
-    LIVE.append(subprocess.Popen(argv, env=child_env()))
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"node for {url} exited with {proc.returncode} before it was ready")
         try:
             if httpx.get(url + "/readyz").status_code == 200:
-                return url
+                return
         except httpx.TransportError:
             pass
         time.sleep(0.1)
     raise SystemExit(f"node on {url} did not become ready")
 
 
-def start_script_worker(script: str, url: str) -> None:
-    """``script --worker URL`` as a tracked subprocess; returns once it printed READY."""
-    import sys
+def start_dev_node(db: str | None, prefix: str, extra: list[str] | None = None) -> str:
+    """A ``--dev`` node subprocess (SQLite in a tracked temp dir unless ``db``, ``extra``
+    serve flags); its URL once ready."""
+    port = free_port()
+    state = mkdtemp(prefix)
+    node = spawn_dev_node(db or f"{state}/ironflow.db", state, port, extra)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, node)
+    return url
 
-    worker = subprocess.Popen([sys.executable, script, "--worker", url], env=child_env(), stdout=subprocess.PIPE)
+
+def start_script_worker(script: str, url: str, args: list[str] | None = None,
+                        log: IO[bytes] | None = None) -> subprocess.Popen[bytes]:
+    """``script --worker URL [args]`` as a tracked subprocess (its stderr to ``log``
+    or ours); returns it once it printed READY."""
+    worker = subprocess.Popen([sys.executable, script, "--worker", url, *(args or [])],
+                              env=child_env(), stdout=subprocess.PIPE, stderr=log)
     LIVE.append(worker)
     assert worker.stdout is not None and worker.stdout.readline().strip() == b"READY"
+    return worker
 
 
 def serve_worker_until_stopped(worker: object) -> None:

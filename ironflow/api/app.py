@@ -7,6 +7,7 @@ from quart_trio import QuartTrio
 from ironflow.api import (
     audit,
     capacity,
+    chaos,
     dashboard,
     errors,
     event_reads,
@@ -25,7 +26,7 @@ from ironflow.api.state import EXTENSION, ApiDeps, ApiState
 # Every surface, one module each (see the package docstring).
 SURFACES = (
     health, openapi, dashboard, events, event_reads, runs, stats, functions, audit, keys, capacity,
-    pull, worker_socket,
+    pull, worker_socket, chaos,
 )
 
 

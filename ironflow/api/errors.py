@@ -153,9 +153,14 @@ async def _on_not_found(_: Any) -> Response:
     return error_response(404, "NOT_FOUND", f"no route for {method} {path}")
 
 
-async def _on_bad_method(_: Any) -> Response:
+async def _on_bad_method(exc: Any) -> Response:
     method, path = _where()
-    return error_response(405, "METHOD_NOT_ALLOWED", f"{method} is not allowed on {path}")
+    response = error_response(405, "METHOD_NOT_ALLOWED", f"{method} is not allowed on {path}")
+    # RFC 9110: a 405 names the methods the resource does support.
+    allowed = sorted(getattr(exc, "valid_methods", None) or [])
+    if allowed:
+        response.headers["Allow"] = ", ".join(allowed)
+    return response
 
 
 async def _on_http_exception(exc: HTTPException) -> Response:

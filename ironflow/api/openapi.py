@@ -127,6 +127,12 @@ ROUTES: tuple[Route, ...] = (
           {200: p.SessionList}, tags=("capacity",)),
     Route("get", "/v1/capacity/queue", "The dispatch queue (platform only)", "platform",
           {200: p.QueueList}, tags=("capacity",)),
+    Route("get", "/v1/chaos/actors",
+          "Supervised actors and their restarts (platform only; a --chaos node, else 404)",
+          "platform", {200: p.ActorList}, tags=("chaos",)),
+    Route("post", "/v1/chaos/crash",
+          "Crash one actor now (platform only; a --chaos node, else 404)", "platform",
+          {202: p.ActorList}, body=p.ChaosCrashRequest, tags=("chaos",)),
     Route("post", "/v1/worker/register", "Register a pull worker session", "org",
           {201: p.Registered}, body=p.Register, tags=("pull workers",)),
     Route("post", "/v1/worker/sessions/{session_id}/poll", "Long-poll for job assignments",
@@ -185,7 +191,9 @@ def _operation(route: Route, schema_of: dict[Any, dict[str, Any]]) -> dict[str, 
         if route.websocket:
             answer["description"] = "Switching Protocols: " + _WORKER_FRAMES
         elif kind is None:
-            answer["content"] = {route.media: {"schema": {"type": "string"}}}
+            # Untyped: a JSON answer is still an object (this document), anything else text.
+            untyped = {"type": "object"} if route.media == "application/json" else {"type": "string"}
+            answer["content"] = {route.media: {"schema": untyped}}
         else:
             answer["content"] = {"application/json": {"schema": schema_of[kind]}}
         responses[str(status)] = answer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import trio
 from quart import current_app
@@ -13,6 +13,9 @@ from actors.directory import SessionDirectory
 from actors.messages import Kick
 from ironflow.config import NodeConfig
 from ironflow.store import Principal, SessionInfo, Store
+
+if TYPE_CHECKING:
+    from ironflow.api.chaos import CrashableActors
 
 # Key of the ApiState in ``app.extensions``.
 EXTENSION = "ironflow"
@@ -31,6 +34,7 @@ class ApiDeps:
         kicks: trio.MemorySendChannel[Kick],
         shutdown_requested: trio.Event,
         ready: trio.Event,
+        actors: CrashableActors | None = None,
     ) -> None:
         self.store = store
         self.config = config
@@ -39,6 +43,8 @@ class ApiDeps:
         self.kicks = kicks
         self.shutdown_requested = shutdown_requested
         self.ready = ready
+        # The node's supervisor, for the chaos routes (None: they answer 404).
+        self.actors = actors
 
 
 class RunWaiters:

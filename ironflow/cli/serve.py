@@ -74,6 +74,10 @@ def _banner(config: NodeConfig) -> list[str]:
             f"(heartbeat {t.heartbeat_interval_s:g} s, lease {t.lease_expiry_s:g} s, "
             f"scanner {t.scanner_interval_s:g} s, grace {t.recovery_grace_s:g} s)"
         )
+    if config.chaos:
+        lines.append(
+            "ironflow: --chaos: platform keys may crash this node's actors (testing only)"
+        )
     lines.append("ironflow: Ctrl-C drains workers; a second Ctrl-C stops at once")
     return lines
 
@@ -117,10 +121,17 @@ def _serve_node(config: NodeConfig) -> None:
     default=None,
     help="Log level (default INFO).",
 )
+@click.option(
+    "--chaos",
+    is_flag=True,
+    default=None,
+    help="Testing only: let platform keys crash this node's actors (POST /v1/chaos/crash).",
+)
 @_struct_options(Timings, "timings", DEV_TIMINGS)
 @_struct_options(Limits, "limits", {})
 def serve(
     dev: bool,
+    chaos: bool | None,
     db: str | None,
     host: str | None,
     port: int | None,
@@ -147,6 +158,7 @@ def serve(
                 "node_id": node_id,
                 "state_dir": state_dir,
                 "log_level": log_level.upper() if log_level else None,
+                "chaos": chaos,
             },
             timing_overrides={k: v for k, v in flags.items() if k in Timings.__struct_fields__},
             limit_overrides={k: v for k, v in flags.items() if k in Limits.__struct_fields__},

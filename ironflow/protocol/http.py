@@ -123,6 +123,24 @@ class KeyCreateResponse(msgspec.Struct, frozen=True):
     role: str
 
 
+class ChaosCrashRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """``POST /v1/chaos/crash`` (a node started with ``--chaos`` only): the
+    supervised actor to crash, as ``GET /v1/chaos/actors`` names it."""
+
+    actor: Annotated[str, Meta(min_length=1, max_length=64)]
+
+
+class ActorRecord(msgspec.Struct, frozen=True):
+    """A supervised actor and how often its supervisor restarted it."""
+
+    name: str
+    restarts: int
+
+
+class ActorList(msgspec.Struct, frozen=True):
+    actors: list[ActorRecord]
+
+
 # ── records the API returns (built by the store) ─────────────────────────────
 
 # A step's life: run steps end completed/failed; durable steps park as

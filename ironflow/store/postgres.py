@@ -50,6 +50,7 @@ from __future__ import annotations
 import math
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
@@ -64,6 +65,7 @@ from ironflow.store.schema import (
     SCHEMA_LOCK_KEY,
     added_columns,
     backfill_statements,
+    fingerprint,
     statements,
 )
 from ironflow.store.sql import SqlStore
@@ -86,6 +88,11 @@ def _pg_sql(sql: str) -> str:
 # A call PostgreSQL aborted as a deadlock victim (or serialization failure) is
 # run this many times in all, each retry in a later group than the last.
 TX_ATTEMPTS = 5
+# A schema upgrade PostgreSQL picked as a deadlock's victim (beside running
+# nodes of the old version) is tried this many times in all, SCHEMA_RETRY_S
+# longer apart each time.
+SCHEMA_ATTEMPTS = 5
+SCHEMA_RETRY_S = 0.2
 # Most calls one group commit takes: bounds the latency of the first call in
 # a burst while still amortising the commit (one WAL flush) over many.
 MAX_GROUP = 128
@@ -463,16 +470,51 @@ class PostgresStore(SqlStore):
             actor.thread.start()
 
     def _create_schema(self) -> None:
-        with psycopg.connect(self.url, autocommit=True) as conn:
-            with conn.transaction(), conn.cursor() as cur:
-                # Two nodes starting together must not race on CREATE … IF NOT EXISTS.
-                cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
-                for stmt in statements("postgres"):
-                    cur.execute(stmt)
-                for table, column, kind in added_columns("postgres"):
-                    cur.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {kind}")
-                for stmt in backfill_statements("postgres"):
-                    cur.execute(stmt)
+        """Apply the schema unless ``schema_state`` shows it current.
+
+        Applying it takes table locks one statement after another (CREATE
+        INDEX, ALTER TABLE) in one transaction; beside running nodes, whose
+        transactions hold some of those tables and wait for others, that can
+        deadlock. A restart of the same version therefore reads one row and
+        locks nothing; an upgrade applies it, retried if PostgreSQL picks it as
+        a deadlock's victim.
+        """
+        want = fingerprint("postgres")
+        for attempt in range(1, SCHEMA_ATTEMPTS + 1):
+            try:
+                with psycopg.connect(self.url, autocommit=True) as conn:
+                    with conn.transaction(), conn.cursor() as cur:
+                        # Two nodes starting together must not race on CREATE … IF NOT EXISTS.
+                        cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
+                        if self._schema_fingerprint(cur) == want:
+                            return
+                        for stmt in statements("postgres"):
+                            cur.execute(stmt)
+                        for table, column, kind in added_columns("postgres"):
+                            cur.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {kind}")
+                        for stmt in backfill_statements("postgres"):
+                            cur.execute(stmt)
+                        cur.execute(
+                            "INSERT INTO schema_state (id, fingerprint) VALUES (1, %s)"
+                            " ON CONFLICT (id) DO UPDATE SET fingerprint = excluded.fingerprint",
+                            (want,),
+                        )
+                return
+            except psycopg.errors.DeadlockDetected:
+                if attempt == SCHEMA_ATTEMPTS:
+                    raise
+                time.sleep(SCHEMA_RETRY_S * attempt)
+
+    @staticmethod
+    def _schema_fingerprint(cur: psycopg.Cursor[Any]) -> str | None:
+        """The fingerprint recorded by the last schema applied, None before any."""
+        cur.execute("SELECT to_regclass('schema_state') IS NOT NULL")
+        row = cur.fetchone()
+        if row is None or not row[0]:
+            return None
+        cur.execute("SELECT fingerprint FROM schema_state WHERE id = 1")
+        found = cur.fetchone()
+        return None if found is None else str(found[0])
 
     async def close(self) -> None:
         if not self._actors:

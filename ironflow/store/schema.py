@@ -9,7 +9,11 @@ both backends.
 
 from __future__ import annotations
 
-__all__ = ["statements", "added_columns", "PG_NOW_FUNCTION", "SCHEMA_LOCK_KEY"]
+import hashlib
+
+__all__ = [
+    "statements", "added_columns", "fingerprint", "PG_NOW_FUNCTION", "SCHEMA_LOCK_KEY",
+]
 
 # Arbitrary constant: the advisory lock that serialises schema creation when
 # several nodes start against one PostgreSQL at once.
@@ -195,6 +199,13 @@ CREATE TABLE IF NOT EXISTS clock_skew (
     skew  DOUBLE PRECISION NOT NULL DEFAULT 0
 );
 INSERT INTO clock_skew (id, skew) VALUES (1, 0) ON CONFLICT (id) DO NOTHING;
+
+-- The fingerprint of the schema last applied: a node (re)starting beside
+-- running ones finds it current and takes no table lock at all.
+CREATE TABLE IF NOT EXISTS schema_state (
+    id           INTEGER PRIMARY KEY CHECK (id = 1),
+    fingerprint  TEXT NOT NULL
+);
 """
 
 # The database clock on PostgreSQL: transaction time plus a test-only skew
@@ -261,3 +272,14 @@ def statements(dialect: str) -> list[str]:
     if dialect == "postgres":
         out.append(PG_NOW_FUNCTION.strip())
     return out
+
+
+def fingerprint(dialect: str) -> str:
+    """A digest of everything a start applies for ``dialect``: equal digests,
+    nothing to apply (what the PostgreSQL store records in ``schema_state``)."""
+    parts = [
+        *statements(dialect),
+        *(f"{t}.{c} {k}" for t, c, k in added_columns(dialect)),
+        *backfill_statements(dialect),
+    ]
+    return hashlib.sha256("\n;\n".join(parts).encode()).hexdigest()

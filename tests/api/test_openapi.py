@@ -107,3 +107,12 @@ def test_the_emit_body_schema_carries_the_protocol_bounds() -> None:
     assert validator.is_valid(msgspec.to_builtins(EmitRequest("order/created", {"id": 1})))
     assert not validator.is_valid({"name": ""})  # a Name is 1..256 characters
     assert not validator.is_valid({"name": "a", "surprise": 1})  # unknown fields are refused
+
+
+def test_the_document_declares_its_own_answer_a_json_object() -> None:
+    # Found by Schemathesis (tests/integration/test_fuzz_openapi.py): GET
+    # /openapi.json was declared to answer a JSON string.
+    answer = build_document()["paths"]["/openapi.json"]["get"]["responses"]["200"]
+    assert answer["content"]["application/json"]["schema"] == {"type": "object"}
+    metrics = build_document()["paths"]["/metrics"]["get"]["responses"]["200"]
+    assert metrics["content"]["text/plain"]["schema"] == {"type": "string"}

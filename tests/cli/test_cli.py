@@ -752,3 +752,17 @@ def test_runs_purge_without_platform_key_prints_the_403_and_exits_1() -> None:
     result = run(["runs", "purge", "--older-than", "3d"], handler)
     assert result.exit_code == 1
     assert "error: FORBIDDEN: platform credentials required here (HTTP 403)" in result.stderr
+
+
+def test_serve_chaos_flag_turns_on_the_chaos_routes_and_says_so(served: list[NodeConfig]) -> None:
+    result = run(["serve", "--dev", "--chaos"])
+    assert result.exit_code == 0, result.output
+    (config,) = served
+    assert config.chaos is True
+    assert "--chaos: platform keys may crash this node's actors" in result.output
+
+
+def test_serve_without_chaos_flag_keeps_chaos_off(served: list[NodeConfig]) -> None:
+    result = run(["serve", "--dev"])
+    assert result.exit_code == 0 and served[0].chaos is False
+    assert "--chaos" not in result.output

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +12,8 @@ import trio
 
 from ironflow.config import NodeConfig, load_config
 from ironflow.node import Node
-from tests.integration.procs import Proc, free_port, start_node
+from tests.integration.fuzz_target import Target
+from tests.integration.procs import Proc, free_port, start_node, start_worker
 
 # Timings for in-process tests: --dev values, plus a long idle re-check so a
 # test proves the dispatcher is kicked rather than polling.
@@ -87,3 +88,29 @@ async def serve_node(
     )
     procs.append(proc)
     return ServedNode(proc, db, port)
+
+
+@pytest.fixture(scope="module")
+def fuzz_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Target]:
+    """A node process (SQLite) and an honest worker process, one per test module."""
+    tmp = tmp_path_factory.mktemp("fuzz")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    async def start() -> tuple[Any, Any]:
+        # A poll in a fuzzed body may ask to wait: hold none open for long.
+        node = await start_node(
+            str(tmp / "db.sqlite"), tmp / "state", tmp, node_id="fuzz", port=port,
+            extra=["--poll-max-wait", "0.2"],
+        )
+        worker = await start_worker(url, tmp / "effects", tmp, slow=0.0)
+        return node, worker
+
+    node, worker = trio.run(start)
+    t = Target(node, worker, url, tmp / "effects", tmp / "db.sqlite")
+    try:
+        yield t
+    finally:
+        t.http.close()
+        worker.stop()
+        node.stop()

@@ -142,3 +142,16 @@ async def test_stale_fence_is_refused_for_that_job_only(node: Node, http: httpx.
         await worker.send(Heartbeat(jobs=None))
         detail = await wait_for_run(http, b.run_id, "running")
         assert detail["lease"]["execution_seq"] == b.execution_seq
+
+
+async def test_a_method_a_route_does_not_serve_gets_a_405_naming_the_ones_it_does(
+    node: Node, http: httpx.AsyncClient
+) -> None:
+    # Found by Schemathesis (tests/integration/test_fuzz_openapi.py): the 405
+    # carried no Allow header, which RFC 9110 requires.
+    resp = await http.request("TRACE", "/v1/runs")
+    assert resp.status_code == 405 and resp.json()["code"] == "METHOD_NOT_ALLOWED"
+    assert "GET" in [m.strip() for m in resp.headers["Allow"].split(",")]
+    resp = await http.delete("/v1/events")
+    assert resp.status_code == 405
+    assert {"GET", "POST"} <= {m.strip() for m in resp.headers["Allow"].split(",")}

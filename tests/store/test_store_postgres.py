@@ -230,3 +230,37 @@ async def test_a_claim_left_by_a_dead_node_is_restored_and_resumed_once_by_anoth
     finally:
         for s in (dead, survivor):
             await s.close()
+
+
+def test_a_node_restarting_beside_running_ones_takes_no_table_lock(pg_url):
+    """Found by scripts/chaos.py: a node restarted while another one wrote to
+    the database died at start with ``deadlock detected``: its schema
+    transaction took table locks (CREATE INDEX, ALTER TABLE) one after another
+    while the running node's transactions held some and waited for others. A
+    schema that is already current is now left alone, so a running node's open
+    transaction cannot block a restart, let alone deadlock with it."""
+    import threading
+
+    import psycopg
+
+    first = open_store(pg_url)
+    trio.run(first.open)
+    trio.run(first.close)
+    # A running node's write transaction, left open: it holds ROW EXCLUSIVE on runs.
+    with psycopg.connect(pg_url) as busy:
+        busy.execute("UPDATE runs SET updated_at = updated_at WHERE id = 'none'")
+        restarted = open_store(pg_url)
+        opened = threading.Event()
+
+        def restart() -> None:
+            trio.run(restarted.open)
+            opened.set()
+
+        thread = threading.Thread(target=restart, daemon=True)
+        thread.start()
+        try:
+            assert opened.wait(5.0), "the restarting node waited on a running node's lock"
+        finally:
+            busy.rollback()
+            thread.join(10.0)
+    trio.run(restarted.close)

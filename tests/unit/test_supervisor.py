@@ -66,3 +66,29 @@ async def test_actor_that_returns_is_not_restarted(autojump_clock: trio.testing.
         await trio.sleep(10)
         nursery.cancel_scope.cancel()
     assert count == 1
+
+
+async def test_crash_during_restart_backoff_is_refused_and_not_kept_for_later(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    starts = 0
+
+    async def fails_once_then_returns(
+        *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        nonlocal starts
+        starts += 1
+        task_status.started()
+        if starts == 1:
+            raise RuntimeError("boom")
+
+    async with trio.open_nursery() as nursery:
+        sup = Supervisor(nursery, Timings(restart_backoff_s=1.0))
+        await sup.start("a", fails_once_then_returns)
+        await trio.sleep(0.5)  # inside the 1 s backoff: nothing runs to crash
+        assert sup.crash("a") is False
+        await trio.sleep(10)
+        nursery.cancel_scope.cancel()
+    # The second start returned cleanly: a request kept from the backoff would
+    # have turned that exit into a crash and a third start.
+    assert starts == 2 and sup.restarts("a") == 1
