@@ -7,7 +7,6 @@ Side effects are counted in a file the worker processes append to, so
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -20,14 +19,6 @@ from tests.integration.helpers import emit, wait_for_run, wait_for_step
 from tests.integration.procs import Proc, count, read_effects, start_worker, wait_effect
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def procs() -> AsyncIterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in started:
-        proc.stop()
 
 
 async def audit_types(http: httpx.AsyncClient, run_id: str) -> list[str]:

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import signal
-import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -12,23 +10,17 @@ import pytest
 import trio
 
 from tests.integration.helpers import emit, wait_for_run, wait_for_step
-from tests.integration.procs import Proc, count, read_effects, start_node, start_worker, wait_effect
+from tests.integration.procs import (
+    Proc,
+    count,
+    free_port,
+    read_effects,
+    start_node,
+    start_worker,
+    wait_effect,
+)
 
 pytestmark = pytest.mark.slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-async def procs() -> AsyncIterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in reversed(started):
-        proc.stop()
 
 
 async def test_killed_node_sessions_and_leases_are_reaped_by_the_survivor(

@@ -4,8 +4,6 @@ on the survivor, and no step is recorded twice (checked in the database)."""
 from __future__ import annotations
 
 import signal
-import socket
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +13,7 @@ import pytest
 import trio
 
 from ironflow.config import DEV_TIMINGS
-from tests.integration.procs import Proc, start_load_worker, start_node
+from tests.integration.procs import Proc, free_port, start_load_worker, start_node
 
 pytestmark = pytest.mark.slow
 
@@ -29,20 +27,6 @@ KILL_AFTER = RUNS // 4
 RECOVERY_SLACK_S = 1.0 + DEV_TIMINGS["scanner_interval_s"]
 # Generous bound for the whole load on a busy 2-core machine.
 COMPLETE_TIMEOUT_S = 240.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@pytest.fixture
-async def procs() -> AsyncIterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in reversed(started):
-        proc.stop()
 
 
 def query(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:

@@ -11,7 +11,6 @@ so their stderr shows what a user running ``python worker.py`` sees.
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,6 @@ from tests.integration.helpers import emit, wait_for_run
 from tests.integration.procs import Proc, read_effects, start_drain_worker, wait_effect, wait_log
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-async def procs() -> AsyncIterator[list[Proc]]:
-    started: list[Proc] = []
-    yield started
-    for proc in started:
-        proc.stop()
 
 
 def log_lines(proc: Proc) -> list[str]:
