@@ -39,6 +39,7 @@ from ironflow.store.core import (
     _RUN_COLS,
     _TERMINAL_SQL,
     INVOKED_EVENT,
+    RUN_END_FIGURES,
     SqlStoreBase,
     Tx,
     _dec,
@@ -51,10 +52,6 @@ from ironflow.store.core import (
 # while its segment ran; more than this many in one segment is not a wait race.
 EARLY_EVENT_LOOKBACK = 100
 
-
-# What a finished run reports for ironflow_run_duration_seconds: its function
-# and how long it took from its first segment's start (or creation) to its end.
-_RUN_FUNCTION_AND_DURATION = "function_id, ended_at - COALESCE(started_at, created_at)"
 
 # Whether the run's function records ordinary audit events, read in the same
 # statement that changes the run or its step: a hot-path transition costs no
@@ -228,7 +225,7 @@ class FenceOps(SqlStoreBase):
             row = tx.fetchone(
                 "UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
                 " updated_at = ironflow_now() WHERE id = ?"
-                f" RETURNING parent_run_id, parent_step_id, {_RUN_FUNCTION_AND_DURATION},"
+                f" RETURNING parent_run_id, parent_step_id, {RUN_END_FIGURES},"
                 f" {_AUDIT_FLAG}",
                 (_enc(output), fence.run_id),
             )
@@ -275,7 +272,7 @@ class FenceOps(SqlStoreBase):
                 return JobOutcome(fence.run_id, "waiting", row[0], eligible_at, row[1])
             ended = tx.fetchone(
                 "UPDATE runs SET status = 'failed', error = ?, ended_at = ironflow_now(),"
-                f" updated_at = ironflow_now() WHERE id = ? RETURNING {_RUN_FUNCTION_AND_DURATION}",
+                f" updated_at = ironflow_now() WHERE id = ? RETURNING {RUN_END_FIGURES}",
                 (_enc(error), fence.run_id),
             )
             assert ended is not None

@@ -61,6 +61,7 @@ from psycopg import pq
 from psycopg.adapt import Transformer
 
 from ironflow.store.core import Tx
+from ironflow.store.handback import hand_back
 from ironflow.store.schema import (
     SCHEMA_LOCK_KEY,
     added_columns,
@@ -280,24 +281,6 @@ class _Request:
             pass  # the caller's Trio run is over: nobody is waiting
 
 
-def _hand_back_all(done: list[tuple[_Request, outcome.Outcome[Any]]]) -> None:
-    """Deliver a group's outcomes with one wake-up of each caller's Trio thread
-    (one ``run_sync_soon`` per group, not per call)."""
-    by_token: dict[int, tuple[trio.lowlevel.TrioToken, list[tuple[Any, Any]]]] = {}
-    for req, result in done:
-        by_token.setdefault(id(req.token), (req.token, []))[1].append((req.deliver, result))
-    for token, deliveries in by_token.values():
-        try:
-            token.run_sync_soon(_deliver_all, deliveries)
-        except trio.RunFinishedError:
-            pass  # the callers' Trio run is over: nobody is waiting
-
-
-def _deliver_all(deliveries: list[tuple[Callable[[Any], None], Any]]) -> None:
-    for deliver, result in deliveries:
-        deliver(result)
-
-
 class _Actor:
     """One thread owning one connection: takes groups of requests, commits each once."""
 
@@ -341,8 +324,8 @@ class _Actor:
             self._discard_connection()
             results = [outcome.Error(exc)] * len(batch)
             retry = []
-        _hand_back_all([(req, result) for req, result in zip(batch, results, strict=True)
-                        if result is not None])
+        hand_back((req.token, req.deliver, result) for req, result in zip(batch, results, strict=True)
+                  if result is not None)
         return retry
 
     def _discard_connection(self) -> None:

@@ -25,6 +25,7 @@ import outcome
 import trio
 
 from ironflow.store.core import Tx
+from ironflow.store.handback import hand_back
 from ironflow.store.schema import added_columns, backfill_statements, statements
 from ironflow.store.sql import SqlStore
 
@@ -103,11 +104,6 @@ def _sqlite_path(url: str) -> str:
         _TEMPORARY_FILES.add(path)
         return path
     return url
-
-
-def _deliver_all(deliveries: list[tuple[Callable[[Any], None], Any]]) -> None:
-    for deliver, result in deliveries:
-        deliver(result)
 
 
 class _Inline:
@@ -309,15 +305,10 @@ class SqliteStore(SqlStore):
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             results = [outcome.Error(exc)] * len(batch)
-        # One wake-up of the Trio thread per group, not one per request.
-        by_token: dict[int, tuple[Any, list[tuple[Any, Any]]]] = {}
-        for (_, token, deliver), result in zip(batch, results, strict=True):
-            by_token.setdefault(id(token), (token, []))[1].append((deliver, result))
-        for token, deliveries in by_token.values():
-            try:
-                token.run_sync_soon(_deliver_all, deliveries)
-            except trio.RunFinishedError:
-                pass
+        hand_back(
+            (token, deliver, result)
+            for (_, token, deliver), result in zip(batch, results, strict=True)
+        )
 
     @staticmethod
     def _run_group(
