@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import httpx
+import pytest
 import trio
 import trio_websocket
 
@@ -109,7 +110,6 @@ async def test_an_empty_or_partly_invalid_batch_is_refused_and_the_socket_closed
             with trio.fail_after(5):
                 refused = json.loads(await ws.get_message())
                 assert refused["type"] == "refused" and refused["code"] == "INVALID_MESSAGE"
-                try:
+                with pytest.raises(trio_websocket.ConnectionClosed) as closed:
                     await ws.get_message()
-                except trio_websocket.ConnectionClosed as exc:
-                    assert exc.reason is not None and exc.reason.code == 1007
+            assert closed.value.reason is not None and closed.value.reason.code == 1007
