@@ -284,12 +284,13 @@ def _pg_counters(db_url: str, reset: bool) -> dict[str, Any]:
         xacts = conn.execute("SELECT xact_commit + xact_rollback FROM pg_stat_database"
                              " WHERE datname = current_database()").fetchone()
         rows = conn.execute(
-            "SELECT calls, left(regexp_replace(query, '\\s+', ' ', 'g'), 90) FROM pg_stat_statements"
+            "SELECT calls, round((total_exec_time + total_plan_time)::numeric, 1),"
+            " left(regexp_replace(query, '\\s+', ' ', 'g'), 90) FROM pg_stat_statements"
             " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
-            " ORDER BY calls DESC").fetchall()
+            " ORDER BY total_exec_time + total_plan_time DESC").fetchall()
     return {"xacts": int(xacts[0]) if xacts else 0,
-            "statements": sum(int(c) for c, _ in rows),
-            "top": [[int(c), q] for c, q in rows[:12]]}
+            "statements": sum(int(c) for c, _, _ in rows),
+            "top": [[int(c), float(ms), q] for c, ms, q in rows[:16]]}
 
 
 def pct(values: list[float], p: float) -> float:
@@ -807,7 +808,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             # the test fixture's fsync=off for a figure.
             # pg_stat_statements counts the statements (round trips) per run.
             pg = ThrowawayPostgres(
-                durable=True, server_options="-c shared_preload_libraries=pg_stat_statements")
+                durable=True, server_options="-c shared_preload_libraries=pg_stat_statements"
+                " -c pg_stat_statements.track_planning=on")
             pg.start()
             _TEMPS.append(pg.base_dir)  # also removed by _cleanup_all() on a signal
         for backend in backends:
@@ -821,9 +823,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             if not args.json:
                 print_table(backend, rows, med, args)
                 if rows[-1].get("pg_top_statements"):
-                    print("statements executed in the last repeat's loaded phase, most frequent first:")
-                    for calls, query in rows[-1]["pg_top_statements"]:
-                        print(f"  {calls:7d}  {query}")
+                    print("statements in the last repeat's loaded phase, most server time"
+                          " (plan + execute) first: calls, total ms, query")
+                    for calls, ms, query in rows[-1]["pg_top_statements"]:
+                        print(f"  {calls:7d} {ms:9.1f}  {query}")
         if args.profile:
             backend = backends[0]
             if not args.json:
