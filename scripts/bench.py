@@ -290,7 +290,7 @@ def _pg_counters(db_url: str, reset: bool) -> dict[str, Any]:
             " ORDER BY total_exec_time + total_plan_time DESC").fetchall()
     return {"xacts": int(xacts[0]) if xacts else 0,
             "statements": sum(int(c) for c, _, _ in rows),
-            "top": [[int(c), float(ms), q] for c, ms, q in rows[:16]]}
+            "top": [[int(c), float(ms), q] for c, ms, q in rows[:40]]}
 
 
 def pct(values: list[float], p: float) -> float:

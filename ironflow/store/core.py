@@ -9,7 +9,11 @@ connection in a worker thread). The SQL is written once with ``?``
 placeholders; :class:`Tx` implementations translate for their driver. The
 only dialect differences are fragments from :meth:`Tx.lock` (``FOR UPDATE
 SKIP LOCKED`` on PostgreSQL, nothing on SQLite — its single writer already
-serialises) and :meth:`Tx.advisory_lock` (PostgreSQL only).
+serialises), :meth:`Tx.advisory_lock` (PostgreSQL only), and, where
+:attr:`Tx.ctes` is set (PostgreSQL), the hottest transitions (create a run,
+activate a segment, complete it) written as one statement with data-modifying
+``WITH`` clauses instead of one statement per table — same rows, same checks,
+one round trip.
 
 Fencing lives in the SQL: a worker message may only change a segment when a
 lease row with that ``(run_id, execution_seq, session_id, lease_token_hash)``
@@ -94,6 +98,11 @@ _function_decode = msgspec.json.Decoder(FunctionDef).decode
 
 class Tx(Protocol):
     """The tiny transaction surface the shared SQL is written against."""
+
+    # True where one statement may change several tables (PostgreSQL's
+    # data-modifying WITH): a state transition is then one round trip to the
+    # server instead of one per table. SQLite has no round trips to save.
+    ctes: bool
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         """Run one statement; return the affected row count."""
@@ -438,6 +447,39 @@ class SqlStoreBase(Store):
         )
         self._enqueue(tx, run_id, 1, fd.id, ckey, 0.0, "new")
         return run_id
+
+    def _create_runs_with_event(
+        self, tx: Tx, fds: list[FunctionDef], event_id: str, name: str, data: Any, key: str | None
+    ) -> list[str]:
+        """Create a run of each of ``fds`` for event ``event_id`` and record the
+        event with their ids (:meth:`_create_run` + :meth:`_insert_event`); with
+        :attr:`Tx.ctes`, the event, the runs and their queue rows in one statement."""
+        if not tx.ctes or not fds:
+            run_ids = [self._create_run(tx, fd, event_id, data) for fd in fds]
+            self._insert_event(tx, event_id, name, data, key, run_ids)
+            return run_ids
+        runs = [(new_id("run"), fd, _concurrency_key(fd, data)) for fd in fds]
+        run_ids = [run_id for run_id, _, _ in runs]
+        run_rows: list[Any] = []
+        queue_rows: list[Any] = []
+        for run_id, fd, ckey in runs:
+            run_rows += [run_id, fd.id, event_id, max(1, fd.retries.max_attempts), ckey, fd.timeout_s]
+            queue_rows += [run_id, fd.id, ckey]
+        tx.notify()
+        tx.execute(
+            "WITH e AS (INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids)"
+            " VALUES (?, ?, ?, ?, ironflow_now(), ?)),"
+            " r AS (INSERT INTO runs (id, function_id, event_id, status, attempt, max_attempts,"
+            " recovery_count, current_execution_seq, concurrency_key, timeout_s, created_at,"
+            " updated_at) VALUES "
+            + ", ".join(["(?, ?, ?, 'waiting_for_capacity', 1, ?, 0, 1, ?, ?, ironflow_now(),"
+                         " ironflow_now())"] * len(runs))
+            + ") INSERT INTO dispatch_queue (run_id, execution_seq, function_id, concurrency_key,"
+            " eligible_at, reason, enqueued_at) VALUES "
+            + ", ".join(["(?, 1, ?, ?, ironflow_now(), 'new', ironflow_now())"] * len(runs)),
+            (event_id, name, _enc(data), key, _enc(run_ids), *run_rows, *queue_rows),
+        )
+        return run_ids
 
     def _end_run(
         self,

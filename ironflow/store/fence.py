@@ -104,7 +104,56 @@ class FenceOps(SqlStoreBase):
     async def activate_lease(self, fence: Fence, *, lease_expiry_s: float) -> RunRecord:
         digest = token_hash(fence.lease_token)
 
+        def one_statement(tx: Tx) -> RunRecord:
+            """The queue row out, the lease in, the run running: one statement
+            (the same three changes and checks as below)."""
+            run = tx.fetchone(
+                "WITH q AS (DELETE FROM dispatch_queue WHERE run_id = ? AND execution_seq = ?"
+                " AND reservation_owner = ? AND lease_token_hash = ? AND EXISTS ("
+                " SELECT 1 FROM runs WHERE id = ? AND current_execution_seq = ?"
+                f" AND status NOT IN {_TERMINAL_SQL}) RETURNING function_id, concurrency_key),"
+                " l AS (INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
+                " concurrency_key, session_id, node_id, lease_token_hash, expires_at,"
+                " activated_at) SELECT ?, ?, q.function_id, q.concurrency_key, s.id, s.node_id,"
+                " ?, ironflow_now() + ?, ironflow_now() FROM q, worker_sessions s WHERE s.id = ?"
+                " RETURNING run_id)"
+                " UPDATE runs r SET status = 'running', started_at = coalesce(r.started_at,"
+                " ironflow_now()), deadline_at = coalesce(r.deadline_at, ironflow_now() + r.timeout_s),"
+                f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {_RUN_COLS},"
+                f" {_AUDIT_FLAG}",
+                (
+                    fence.run_id, fence.execution_seq, fence.session_id, digest,
+                    fence.run_id, fence.execution_seq,
+                    fence.run_id, fence.execution_seq, digest, float(lease_expiry_s),
+                    fence.session_id,
+                ),
+            )
+            if run is None:
+                # Nothing reserved under this token (a repeated JobAck finds its
+                # lease live), or the session is gone: raising undoes the queue
+                # row's removal with the rest of the call.
+                if self._fence_alive(tx, fence):
+                    again = tx.fetchone(f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,))
+                    assert again is not None
+                    return _run_record(again)
+                raise StaleExecution(
+                    f"segment {fence.run_id}/{fence.execution_seq} is not reserved for this"
+                    " session with this lease token, or the session is gone"
+                )
+            return started(tx, run)
+
+        def started(tx: Tx, run: tuple[Any, ...]) -> RunRecord:
+            record = _run_record(run)
+            if run[-1]:
+                self._audit(
+                    tx, "run.started", fence.run_id, record.function_id,
+                    {"execution_seq": fence.execution_seq},
+                )
+            return record
+
         def work(tx: Tx) -> RunRecord:
+            if tx.ctes:
+                return one_statement(tx)
             row = tx.fetchone(
                 "DELETE FROM dispatch_queue WHERE run_id = ? AND execution_seq = ?"
                 " AND reservation_owner = ? AND lease_token_hash = ? AND EXISTS ("
@@ -157,13 +206,7 @@ class FenceOps(SqlStoreBase):
                 (fence.run_id,),
             )
             assert run is not None
-            record = _run_record(run)
-            if run[-1]:
-                self._audit(
-                    tx, "run.started", fence.run_id, record.function_id,
-                    {"execution_seq": fence.execution_seq},
-                )
-            return record
+            return started(tx, run)
 
         return await self._transact(work)
 
@@ -221,15 +264,38 @@ class FenceOps(SqlStoreBase):
 
     async def complete_job(self, fence: Fence, output: Any) -> JobOutcome:
         def work(tx: Tx) -> JobOutcome:
-            self._take_lease(tx, fence)
-            row = tx.fetchone(
-                "UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
-                " updated_at = ironflow_now() WHERE id = ?"
-                f" RETURNING parent_run_id, parent_step_id, {RUN_END_FIGURES},"
-                f" {_AUDIT_FLAG}",
-                (_enc(output), fence.run_id),
-            )
-            assert row is not None
+            if tx.ctes:
+                # The lease out, its credit freed, the run completed: one statement.
+                row = tx.fetchone(
+                    f"WITH l AS (DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING run_id),"
+                    " c AS (UPDATE worker_credits SET claimed_run_id = NULL,"
+                    " claimed_execution_seq = NULL, held = 0 WHERE session_id = ?"
+                    " AND claimed_run_id = ? AND claimed_execution_seq = ?"
+                    " AND EXISTS (SELECT 1 FROM l))"
+                    " UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
+                    " updated_at = ironflow_now() FROM l WHERE runs.id = l.run_id"
+                    f" RETURNING parent_run_id, parent_step_id, {RUN_END_FIGURES},"
+                    f" {_AUDIT_FLAG}",
+                    (
+                        *self._fence_params(fence),
+                        fence.session_id, fence.run_id, fence.execution_seq,
+                        _enc(output),
+                    ),
+                )
+                if row is None:
+                    raise StaleExecution(
+                        f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
+                    )
+            else:
+                self._take_lease(tx, fence)
+                row = tx.fetchone(
+                    "UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
+                    " updated_at = ironflow_now() WHERE id = ?"
+                    f" RETURNING parent_run_id, parent_step_id, {RUN_END_FIGURES},"
+                    f" {_AUDIT_FLAG}",
+                    (_enc(output), fence.run_id),
+                )
+                assert row is not None
             if row[4]:
                 self._audit(tx, "run.completed", fence.run_id, row[2], {})
             kicked = self._resolve_parent(tx, row[0], row[1], fence.run_id, output=output)

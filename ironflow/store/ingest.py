@@ -54,12 +54,12 @@ class IngestOps(SqlStoreBase):
             " ORDER BY f.id",
             patterns,
         )
-        run_ids = [
-            self._create_run(tx, fd, event_id, data)
+        fds = [
+            fd
             for fd in (self._fdef_or_none(text) for (text,) in candidates)
             if fd is not None and _triggered(fd, name)
         ]
-        self._insert_event(tx, event_id, name, data, idempotency_key, run_ids)
+        run_ids = self._create_runs_with_event(tx, fds, event_id, name, data, idempotency_key)
         resumed = self._resolve_waits(tx, event_id, name, data)
         return IngestResult(event_id, run_ids, False, resumed_run_ids=resumed)
 

@@ -175,6 +175,8 @@ class _PgTx:
     sends its statement through a cursor instead.
     """
 
+    ctes = True
+
     def __init__(self, conn: psycopg.Connection[Any], prepared: dict[Any, bytes]) -> None:
         self._conn = conn
         self._pgconn = conn.pgconn
@@ -529,6 +531,7 @@ class PostgresStore(SqlStore):
         def work(tx: Tx) -> None:
             row = tx.fetchone("UPDATE clock_skew SET skew = skew + ? WHERE id = 1 RETURNING skew",
                               (float(seconds),))
+            assert row is not None
             tx.execute(pg_now_function(float(row[0])))
 
         await self._transact(work)

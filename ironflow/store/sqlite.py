@@ -48,6 +48,8 @@ READERS = 4
 class _SqliteTx:
     """:class:`~ironflow.store.core.Tx` over the writer thread's connection."""
 
+    ctes = False
+
     def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn
 
