@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import defaultdict
+from collections import deque
 from typing import Literal
 
 import trio
@@ -212,47 +212,94 @@ def _run_key(msg: WorkerMessage) -> str:
     return run_id if run_id is not None else f"~{type(msg).__name__}"
 
 
-async def _handle_batch(
-    store: Store,
-    config: NodeConfig,
-    session_id: str,
-    batch: list[WorkerMessage],
-    outbox: trio.MemorySendChannel[EngineMessage],
-    kicks: trio.MemorySendChannel[Kick],
-) -> None:
-    by_run: dict[str, list[WorkerMessage]] = defaultdict(list)
-    for msg in batch:
-        by_run[_run_key(msg)].append(msg)
+# Most worker messages one session handles at once; beyond it the session
+# stops reading its socket (backpressure) until some are done.
+IN_FLIGHT_MAX = 512
 
-    async def handle_in_order(messages: list[WorkerMessage]) -> None:
-        for msg in messages:
-            try:
-                answer = await handle(store, config, session_id, msg, kicks)
-            except StaleExecution as exc:
-                metrics.STALE_REFUSED.inc()
-                run_id = getattr(msg, "run_id", None)
-                logs.event(
-                    log,
-                    logging.INFO,
-                    "fence: stale message refused",
-                    run_id=run_id,
-                    execution_seq=getattr(msg, "execution_seq", None),
-                    session_id=session_id,
-                    msg_type=type(msg).__name__,
-                )
-                answer = Refused(exc.code, str(exc) or "stale execution", getattr(msg, "job_id", None), run_id)
-            if answer is not None:
+
+class _Lanes:
+    """One lane per run: a run's messages are handled in the order they arrived,
+    different runs' at once, and without waiting for each other. The reader
+    goes on reading while earlier messages wait for their commits, so every
+    group commit finds the session's next messages already queued (a session
+    that handled a batch and only then read the next one had at most one
+    group commit in flight).
+
+    The first :class:`SessionNotFound` or :class:`ProtocolViolation` a lane
+    meets is kept in :attr:`fatal` and cancels ``nursery``: the session ends."""
+
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        store: Store,
+        config: NodeConfig,
+        session_id: str,
+        outbox: trio.MemorySendChannel[EngineMessage],
+        kicks: trio.MemorySendChannel[Kick],
+    ) -> None:
+        self._nursery = nursery
+        self._store = store
+        self._config = config
+        self._session_id = session_id
+        self._outbox = outbox
+        self._kicks = kicks
+        self._queues: dict[str, deque[WorkerMessage]] = {}
+        self._room = trio.Semaphore(IN_FLIGHT_MAX)
+        self.fatal: Exception | None = None
+
+    async def put(self, msg: WorkerMessage) -> None:
+        await self._room.acquire()
+        key = _run_key(msg)
+        queue = self._queues.get(key)
+        if queue is not None:
+            queue.append(msg)  # its lane is running and takes it in turn
+            return
+        self._queues[key] = deque([msg])
+        self._nursery.start_soon(self._lane, key)
+
+    async def _lane(self, key: str) -> None:
+        queue = self._queues[key]
+        try:
+            while queue:
+                msg = queue.popleft()
                 try:
-                    await outbox.send(answer)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass  # the socket is gone; the store already has the outcome
+                    await self._handle_one(msg)
+                finally:
+                    self._room.release()
+        except (SessionNotFound, ProtocolViolation) as exc:
+            if self.fatal is None:
+                self.fatal = exc
+            self._nursery.cancel_scope.cancel()
+        finally:
+            del self._queues[key]
 
-    if len(by_run) == 1:
-        await handle_in_order(batch)
-        return
-    async with trio.open_nursery() as nursery:
-        for messages in by_run.values():
-            nursery.start_soon(handle_in_order, messages)
+    async def _handle_one(self, msg: WorkerMessage) -> None:
+        try:
+            answer = await handle(self._store, self._config, self._session_id, msg, self._kicks)
+        except StaleExecution as exc:
+            metrics.STALE_REFUSED.inc()
+            run_id = getattr(msg, "run_id", None)
+            logs.event(
+                log,
+                logging.INFO,
+                "fence: stale message refused",
+                run_id=run_id,
+                execution_seq=getattr(msg, "execution_seq", None),
+                session_id=self._session_id,
+                msg_type=type(msg).__name__,
+            )
+            answer = Refused(exc.code, str(exc) or "stale execution", getattr(msg, "job_id", None), run_id)
+        if answer is not None:
+            try:
+                await self._outbox.send(answer)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass  # the socket is gone; the store already has the outcome
+
+
+async def _handle_batch(batch: list[WorkerMessage], lanes: _Lanes) -> None:
+    """Hand frames read together to their runs' lanes (waits only for room)."""
+    for msg in batch:
+        await lanes.put(msg)
 
 
 async def run(
@@ -315,23 +362,30 @@ async def run(
     kick(kicks, "session opened")
     task_status.started(session_id)
     try:
-        while True:
-            try:
-                msg = await inbound.receive()
-            except trio.EndOfChannel:
-                break
-            batch = [msg]
+        violation: ProtocolViolation | None = None
+        async with trio.open_nursery() as nursery:
+            lanes = _Lanes(nursery, store, config, session_id, outbox, kicks)
             while True:
                 try:
-                    batch.append(inbound.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
+                    msg = await inbound.receive()
+                except trio.EndOfChannel:
+                    break  # the nursery waits for the messages already read
+                batch = [msg]
+                while True:
+                    try:
+                        batch.append(inbound.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                if any(isinstance(m, Register) for m in batch):
+                    violation = ProtocolViolation("register sent twice on one connection")
                     break
-            if any(isinstance(m, Register) for m in batch):
-                raise ProtocolViolation("register sent twice on one connection")
-            try:
-                await _handle_batch(store, config, session_id, batch, outbox, kicks)
-            except SessionNotFound as exc:
-                raise SessionExpired(str(exc)) from exc
+                await _handle_batch(batch, lanes)
+        if violation is not None:
+            raise violation
+        if isinstance(lanes.fatal, SessionNotFound):
+            raise SessionExpired(str(lanes.fatal)) from lanes.fatal
+        if lanes.fatal is not None:
+            raise lanes.fatal
     finally:
         directory.remove(session_id, outbox)
         metrics.WORKERS_CONNECTED.dec()

@@ -6,6 +6,8 @@ frames (closed when the socket closes), ``outbox`` the engine's answers.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import trio
 import trio.testing
@@ -206,3 +208,59 @@ async def test_a_closed_inbound_closes_the_session_and_recovers_its_leases_at_on
         except trio.WouldBlock:
             break
     assert whys[-1] == "session closed"
+
+
+
+class _HeldSteps:
+    """The store, except that ``record_step`` of one run (once named) waits until released."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.held_run: str | None = None
+        self.entered = trio.Event()
+        self.release = trio.Event()
+        self.completed: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    async def record_step(self, fence: Any, **kwargs: Any) -> None:
+        if fence.run_id == self.held_run:
+            self.entered.set()
+            await self.release.wait()
+        await self._store.record_step(fence, **kwargs)
+
+    async def complete_job(self, fence: Any, output: Any) -> Any:
+        self.completed.append(fence.run_id)
+        return await self._store.complete_job(fence, output)
+
+
+async def test_a_message_waiting_for_its_commit_holds_back_only_its_own_run(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    held = _HeldSteps(store)
+    sock = Socket(held)  # type: ignore[arg-type]
+    await sock.send.send(register())
+    session_id = await nursery.start(sock.serve)
+    await sock.answer()  # Registered
+    a = await sock.assign(session_id)
+    b = await sock.assign(session_id)
+    await sock.until_status(a.run_id, "running")
+    await sock.until_status(b.run_id, "running")
+    held.held_run = a.run_id
+    fence_a = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
+    await sock.send.send(StepCompleted(*fence_a, "s1", "s1", 1))
+    with trio.fail_after(10):
+        await held.entered.wait()  # a's step is waiting for its commit
+    # Sent after it, in later reads of the socket: a's own result, then b's.
+    await sock.send.send(JobCompleted(*fence_a, "a-done"))
+    await trio.sleep(1)
+    await sock.send.send(JobCompleted(b.job_id, b.run_id, b.execution_seq, b.lease_token, "b-done"))
+    await sock.until_status(b.run_id, "completed")  # not held back behind a's commit
+    assert held.completed == [b.run_id]  # a's result waits behind a's step
+    assert (await store.get_run(a.run_id)).run.status == "running"
+    held.release.set()
+    await sock.until_status(a.run_id, "completed")
+    assert held.completed == [b.run_id, a.run_id]
+    detail = await store.get_run(a.run_id)
+    assert [s.step_id for s in detail.steps] == ["s1"] and detail.run.output == "a-done"
