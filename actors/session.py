@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from functools import partial
 from typing import Literal
 
 import trio
@@ -215,6 +216,8 @@ def _run_key(msg: WorkerMessage) -> str:
 # Most worker messages one session handles at once; beyond it the session
 # stops reading its socket (backpressure) until some are done.
 IN_FLIGHT_MAX = 512
+# Most messages of one run applied as one chain (one group commit, in order).
+CHAIN_MAX = 64
 
 
 class _Lanes:
@@ -224,6 +227,11 @@ class _Lanes:
     group commit finds the session's next messages already queued (a session
     that handled a batch and only then read the next one had at most one
     group commit in flight).
+
+    Messages of a run that queued up while its lane waited are applied as one
+    chain (:meth:`Store.in_order`): in order, each its own unit of work, in
+    one group commit instead of one commit each (a worker sends a run's job
+    ack, step results and job result in a burst).
 
     The first :class:`SessionNotFound` or :class:`ProtocolViolation` a lane
     meets is kept in :attr:`fatal` and cancels ``nursery``: the session ends."""
@@ -261,11 +269,19 @@ class _Lanes:
         queue = self._queues[key]
         try:
             while queue:
-                msg = queue.popleft()
+                msgs = [queue.popleft() for _ in range(min(len(queue), CHAIN_MAX))]
                 try:
-                    await self._handle_one(msg)
+                    if len(msgs) == 1:
+                        await self._handle_one(msgs[0])
+                    else:
+                        outcomes = await self._store.in_order(
+                            [partial(self._handle_one, msg) for msg in msgs]
+                        )
+                        for result in outcomes:
+                            result.unwrap()  # the first fatal error ends the session
                 finally:
-                    self._room.release()
+                    for _ in msgs:
+                        self._room.release()
         except (SessionNotFound, ProtocolViolation) as exc:
             if self.fatal is None:
                 self.fatal = exc

@@ -12,10 +12,11 @@ Nothing outside ``ironflow/store`` writes SQL.
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
+import outcome
 import trio
 
 from ironflow.protocol import (
@@ -226,6 +227,21 @@ class Store(abc.ABC):
     # owns it (SQLite): a node-wide record nobody else reads is then not kept
     # fresh, so an idle node writes nothing.
     shared_by_nodes: bool = False
+
+    async def in_order(
+        self, calls: Sequence[Callable[[], Awaitable[Any]]]
+    ) -> list[outcome.Outcome[Any]]:
+        """Run store calls (zero-argument callables calling this store's methods)
+        in this order and return each one's outcome. A backend may commit them
+        together (see ``ironflow/store/chain.py``): each is still its own unit
+        of work, and a later call sees what the earlier ones wrote."""
+        results: list[outcome.Outcome[Any]] = []
+        for call in calls:
+            try:
+                results.append(outcome.Value(await call()))
+            except Exception as exc:
+                results.append(outcome.Error(exc))
+        return results
 
     # lifecycle ------------------------------------------------------------
 

@@ -60,6 +60,7 @@ import trio
 from psycopg import pq
 from psycopg.adapt import Transformer
 
+from ironflow.store.chain import chained
 from ironflow.store.core import Tx
 from ironflow.store.handback import hand_back
 from ironflow.store.schema import (
@@ -263,19 +264,23 @@ class _PgTx:
 class _Request:
     """One queued store call: its closure and how to hand back its outcome."""
 
-    __slots__ = ("attempts", "deliver", "state", "token", "work")
+    __slots__ = ("attempts", "chain", "deliver", "state", "token", "work")
 
     def __init__(
         self,
         work: Callable[[Tx], Any],
         token: trio.lowlevel.TrioToken,
         deliver: Callable[[outcome.Outcome[Any]], None],
+        chain: object | None = None,
     ) -> None:
         self.work = work
         self.token = token
         self.deliver = deliver
         self.state = _PENDING
         self.attempts = 0
+        # Requests of one chain (``_transact_many``) share this: taken together,
+        # run in order, and a retried one takes the rest of its chain with it.
+        self.chain = chain
 
     def hand_back(self, result: outcome.Outcome[Any]) -> None:
         try:
@@ -369,7 +374,12 @@ class _Actor:
         notify = False
         ended: list[str] = []
         tx.raw("BEGIN")
+        deferred: set[int] = set()  # chains with a request put off to a later group
         for req in batch:
+            if req.chain is not None and id(req.chain) in deferred:
+                retry.append(req)  # after its chain's earlier request, never before
+                results.append(None)
+                continue
             tx.notify_wanted = False
             tx.ended = []
             req.attempts += 1
@@ -381,6 +391,8 @@ class _Actor:
                 if req.attempts < TX_ATTEMPTS:
                     retry.append(req)
                     results.append(None)
+                    if req.chain is not None:
+                        deferred.add(id(req.chain))
                 else:
                     results.append(outcome.Error(exc))
             except Exception as exc:
@@ -438,7 +450,7 @@ class PostgresStore(SqlStore):
         super().__init__()
         self.url = url.replace("postgres://", "postgresql://", 1)
         self._connections = connections
-        self._requests: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._requests: queue.SimpleQueue[_Request | list[_Request] | None] = queue.SimpleQueue()
         # Taking a request (actor) and withdrawing it (cancelled caller) are decided under it.
         self._state_lock = threading.Lock()
         self._actors: list[_Actor] = []
@@ -593,6 +605,11 @@ class PostgresStore(SqlStore):
                 break
             if req is None:
                 return batch, True
+            if isinstance(req, list):  # a chain: all of it, in order (never withdrawn)
+                for member in req:
+                    member.state = _TAKEN
+                batch += req
+                continue
             with self._state_lock:
                 if req.state != _PENDING:
                     continue  # withdrawn by its cancelled caller
@@ -600,7 +617,32 @@ class PostgresStore(SqlStore):
             batch.append(req)
         return batch, False
 
+    async def _transact_many(self, works: list[Callable[[Tx], Any]]) -> list[outcome.Outcome[Any]]:
+        if not self._actors:
+            raise RuntimeError("PostgresStore is not open")
+        done = trio.Event()
+        box: dict[int, outcome.Outcome[Any]] = {}
+
+        def deliver_at(place: int) -> Callable[[outcome.Outcome[Any]], None]:
+            def deliver(result: outcome.Outcome[Any]) -> None:
+                box[place] = result
+                if len(box) == len(works):
+                    done.set()
+
+            return deliver
+
+        token = trio.lowlevel.current_trio_token()
+        chain = object()
+        # One queue item: one actor takes the whole chain into one group, in order.
+        self._requests.put([_Request(work, token, deliver_at(i), chain) for i, work in enumerate(works)])
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        return [box[i] for i in range(len(works))]
+
     async def _transact(self, work: Callable[[Tx], T]) -> T:
+        pending = chained(work)
+        if pending is not None:
+            return await pending
         if not self._actors:
             raise RuntimeError("PostgresStore is not open")
         done = trio.Event()

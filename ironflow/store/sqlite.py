@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
+from ironflow.store.chain import chained
 from ironflow.store.core import Tx
 from ironflow.store.handback import hand_back
 from ironflow.store.schema import added_columns, backfill_statements, statements
@@ -106,6 +107,12 @@ def _sqlite_path(url: str) -> str:
         _TEMPORARY_FILES.add(path)
         return path
     return url
+
+
+def _expand(items: list[Any]) -> list[Any]:
+    """Queue items → requests: a chain (a list, from ``_transact_many``) is
+    its requests in order, all in this group."""
+    return items[0] if isinstance(items[0], list) else items
 
 
 class _Inline:
@@ -275,10 +282,10 @@ class SqliteStore(SqlStore):
         try:
             stop = False
             while not stop:
-                batch = [self._requests.get()]
+                batch = _expand([self._requests.get()])
                 while len(batch) < MAX_GROUP:
                     try:
-                        batch.append(self._requests.get_nowait())
+                        batch += _expand([self._requests.get_nowait()])
                     except queue.Empty:
                         break
                 if None in batch:
@@ -373,6 +380,9 @@ class SqliteStore(SqlStore):
     # the Trio side ----------------------------------------------------------------
 
     async def _transact(self, work: Callable[[Tx], T]) -> T:
+        pending = chained(work)
+        if pending is not None:
+            return await pending
         if self._inline_conn is not None:
             inline_box: list[outcome.Outcome[T]] = []
             self._commit_group(
@@ -397,3 +407,24 @@ class SqliteStore(SqlStore):
         with trio.CancelScope(shield=True):
             await done.wait()
         return box[0].unwrap()
+
+    async def _transact_many(self, works: list[Callable[[Tx], Any]]) -> list[outcome.Outcome[Any]]:
+        if self._inline_conn is not None or self._thread is None:
+            return await super()._transact_many(works)
+        done = trio.Event()
+        box: dict[int, outcome.Outcome[Any]] = {}
+
+        def deliver_at(place: int) -> Callable[[outcome.Outcome[Any]], None]:
+            def deliver(result: outcome.Outcome[Any]) -> None:
+                box[place] = result
+                if len(box) == len(works):
+                    done.set()
+
+            return deliver
+
+        token = trio.lowlevel.current_trio_token()
+        # One queue item: the writer takes the whole list into one group, in order.
+        self._requests.put([(work, token, deliver_at(i)) for i, work in enumerate(works)])
+        with trio.CancelScope(shield=True):
+            await done.wait()
+        return [box[i] for i in range(len(works))]

@@ -237,3 +237,54 @@ def test_run_end_notifications_split_ids_under_the_notify_payload_limit() -> Non
     assert all(len(p.encode()) <= NOTIFY_PAYLOAD_MAX for p in payloads)
     assert [i for p in payloads for i in p.split(",")] == ids
     assert _id_payloads([]) == []
+
+
+async def test_a_chain_runs_in_one_transaction_in_order_on_one_of_several_connections(pg_url):
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE scratch (k TEXT PRIMARY KEY, n INT NOT NULL DEFAULT 0)")
+    store = PostgresStore(pg_url, connections=2)
+    await store.open()
+    chains: dict[int, list[Any]] = {}
+
+    def sees(key: str, earlier: str) -> Callable[[Tx], tuple[int, bool]]:
+        def work(tx: Tx) -> tuple[int, bool]:
+            txid = insert(key)(tx)
+            return txid, tx.fetchone("SELECT 1 FROM scratch WHERE k = ?", (earlier,)) is not None
+
+        return work
+
+    async def chain(i: int) -> None:
+        works = [insert(f"{i}-0"), sees(f"{i}-1", f"{i}-0"), sees(f"{i}-2", f"{i}-1")]
+        chains[i] = [r.unwrap() for r in await store._transact_many(works)]
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(20):
+                nursery.start_soon(chain, i)
+    finally:
+        await store.close()
+    for first, (txid1, saw0), (txid2, saw1) in chains.values():
+        assert first == txid1 == txid2 and saw0 and saw1
+    assert len(rows(pg_url)) == 60
+
+
+async def test_a_retried_call_of_a_chain_takes_the_rest_of_its_chain_with_it(store, pg_url):
+    attempts = {"n": 0}
+
+    def serialization_failure_once(tx: Tx) -> None:
+        # Run optimistically (fails: the group goes careful), then under its
+        # savepoint (fails: put off to the next group), then it succeeds.
+        attempts["n"] += 1
+        if attempts["n"] <= 2:
+            raise psycopg.errors.SerializationFailure("could not serialize (test)")
+        tx.execute("INSERT INTO scratch (k) VALUES (?)", ("first",))
+
+    def after_first(tx: Tx) -> bool:
+        tx.execute("INSERT INTO scratch (k) VALUES (?)", ("second",))
+        return tx.fetchone("SELECT 1 FROM scratch WHERE k = ?", ("first",)) is not None
+
+    results = await store._transact_many([insert("other"), serialization_failure_once, after_first])
+    other, first, second = (r.unwrap() for r in results)
+    assert isinstance(other, int) and first is None
+    assert second is True  # ran after the retried call, not before it
+    assert attempts["n"] == 3 and set(rows(pg_url)) == {"other", "first", "second"}

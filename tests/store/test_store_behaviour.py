@@ -997,3 +997,57 @@ async def test_an_event_from_before_the_segment_started_does_not_complete_a_wait
     )
     (step,) = [st for st in (await store.get_run(f.run_id)).steps if st.step_id == "w"]
     assert step.status == "waiting"
+
+
+# ── in_order: a run's messages chained into one group commit ────────────────
+
+
+async def test_calls_in_order_see_each_others_writes_and_fail_only_alone(store):
+    s = await worker(store, slots=1)
+    await emit(store)
+    (res,) = await reserve(store, s)
+    f = fence_of(res)
+    stale = Fence(f.session_id, f.run_id, f.execution_seq, "f" * 32)
+    outcomes = await store.in_order([
+        # Activation, then a step under the lease it creates (same group).
+        lambda: store.activate_lease(f, lease_expiry_s=LEASE),
+        lambda: store.record_step(f, step_id="s1", name="one", status="completed", output=1),
+        # A forged token: refused on its own, nothing else undone.
+        lambda: store.record_step(stale, step_id="s2", name="two", status="completed"),
+        lambda: store.record_step(f, step_id="s3", name="three", status="completed", output=3),
+        lambda: store.complete_job(f, {"done": True}),
+        # After the completion the fence is spent.
+        lambda: store.record_step(f, step_id="s4", name="four", status="completed"),
+    ])
+    assert outcomes[0].unwrap().status == "running"
+    assert outcomes[1].unwrap() is None and outcomes[3].unwrap() is None
+    for refused in (outcomes[2], outcomes[5]):
+        with pytest.raises(StaleExecution):
+            refused.unwrap()
+    assert outcomes[4].unwrap().status == "completed"
+    detail = await store.get_run(f.run_id)
+    assert detail.run.status == "completed" and detail.run.output == {"done": True}
+    assert [(st.step_id, st.output) for st in detail.steps] == [("s1", 1), ("s3", 3)]
+    assert await store.list_leases() == [] and (await store.list_sessions())[0].credits_claimed == 0
+
+
+async def test_calls_in_order_that_need_no_transaction_or_fail_early_do_not_hold_the_rest(store):
+    f = await running(store)
+
+    async def no_store_call() -> str:
+        await trio.sleep(0)
+        return "nothing"
+
+    async def fails_before_its_transaction() -> None:
+        raise ValueError("bad input")
+
+    outcomes = await store.in_order([
+        no_store_call,
+        fails_before_its_transaction,
+        lambda: store.record_step(f, step_id="s1", name="one", status="completed", output=1),
+    ])
+    assert outcomes[0].unwrap() == "nothing"
+    with pytest.raises(ValueError, match="bad input"):
+        outcomes[1].unwrap()
+    assert outcomes[2].unwrap() is None
+    assert [st.step_id for st in (await store.get_run(f.run_id)).steps] == ["s1"]
