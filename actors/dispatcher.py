@@ -99,6 +99,8 @@ async def run(
             except trio.WouldBlock:
                 break
         await _dispatch_round(store, config, node_id, directory)
+        if kicks.statistics().current_buffer_used:
+            continue  # kicked during the round: go again, no need to ask when to wake
         wait_s = config.timings.dispatch_idle_poll_s
         if directory.offers():
             next_eligible = await store.seconds_until_next_eligible()

@@ -68,3 +68,45 @@ async def test_recovered_segment_is_dispatched_when_its_grace_ends(
     now = BASE + trio.current_time()
     assert recovered_at + t.recovery_grace_s <= now < recovered_at + t.recovery_grace_s + 0.02
     assert detail.run.recovery_count == 1
+
+
+class _CountingStore:
+    """The store, counting how often the dispatcher asks when to wake; a kick
+    is sent from inside every reservation round (a producer racing the round)."""
+
+    def __init__(self, store: Store, kicks: trio.MemorySendChannel[Kick]) -> None:
+        self._store = store
+        self._kicks = kicks
+        self.wake_queries = 0
+        self.rounds = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    async def reserve_segments(self, *args: object, **kwargs: object) -> object:
+        self.rounds += 1
+        if self.rounds <= 3:
+            kick(self._kicks, "racing the round")
+        return await self._store.reserve_segments(*args, **kwargs)  # type: ignore[arg-type]
+
+    async def seconds_until_next_eligible(self) -> float | None:
+        self.wake_queries += 1
+        return await self._store.seconds_until_next_eligible()
+
+
+async def test_a_kick_during_a_round_starts_the_next_round_without_asking_when_to_wake(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    cfg = NodeConfig(timings=Timings(dispatch_idle_poll_s=1000.0))
+    info = await store.register_worker(
+        node_id="n1", worker_id="w", mode="stream", max_concurrent_jobs=4, functions=[FN], session_expiry_s=90
+    )
+    directory = SessionDirectory()
+    outbox_send, outbox = trio.open_memory_channel[EngineMessage](10)
+    directory.add(LocalSession(info.session_id, frozenset({"fn"}), outbox_send))
+    kick_send, kick_receive = trio.open_memory_channel[Kick](10)
+    counting = _CountingStore(store, kick_send)
+    await nursery.start(dispatcher.run, counting, cfg, "n1", directory, kick_receive)
+    await trio.sleep(5)
+    # Rounds 1-3 each saw a kick arrive while they ran; round 4 saw none.
+    assert counting.rounds == 4 and counting.wake_queries == 1
