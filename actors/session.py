@@ -50,6 +50,7 @@ from ironflow.store import (
     SessionInfo,
     SessionNotFound,
     StaleExecution,
+    StepResult,
     Store,
 )
 
@@ -148,19 +149,7 @@ async def handle(
         await store.activate_lease(_fence(session_id, msg), lease_expiry_s=t.lease_expiry_s)
         return None
     if isinstance(msg, StepCompleted | StepFailed):
-        completed = isinstance(msg, StepCompleted)
-        received = time.perf_counter()
-        await store.record_step(
-            _fence(session_id, msg),
-            step_id=msg.step_id,
-            name=msg.name,
-            status="completed" if completed else "failed",
-            output=msg.output if isinstance(msg, StepCompleted) else None,
-            error=msg.error if isinstance(msg, StepFailed) else None,
-            duration_ms=msg.duration_ms,
-        )
-        metrics.STEP_COMMIT.observe(time.perf_counter() - received)
-        metrics.STEPS_RECORDED.labels(status="completed" if completed else "failed").inc()
+        await handle_steps(store, session_id, [msg])
         return None
     if isinstance(msg, JobCompleted):
         outcome = await store.complete_job(_fence(session_id, msg), msg.output)
@@ -205,6 +194,48 @@ async def handle(
         kick(kicks, "job nacked")
         return None
     raise ProtocolViolation(f"unexpected message {type(msg).__name__} after Register")
+
+
+async def handle_steps(
+    store: Store, session_id: str, msgs: list[StepCompleted | StepFailed]
+) -> None:
+    """Several step results of one segment (one fence), recorded together
+    (:meth:`Store.record_steps`). Raises StaleExecution for all of them."""
+    received = time.perf_counter()
+    await store.record_steps(
+        _fence(session_id, msgs[0]),
+        [
+            StepResult(
+                m.step_id,
+                m.name,
+                "completed" if isinstance(m, StepCompleted) else "failed",
+                m.output if isinstance(m, StepCompleted) else None,
+                m.error if isinstance(m, StepFailed) else None,
+                m.duration_ms,
+            )
+            for m in msgs
+        ],
+    )
+    elapsed = time.perf_counter() - received
+    for m in msgs:
+        metrics.STEP_COMMIT.observe(elapsed)
+        metrics.STEPS_RECORDED.labels(status="completed" if isinstance(m, StepCompleted) else "failed").inc()
+
+
+def _units(msgs: list[WorkerMessage]) -> list[list[WorkerMessage]]:
+    """A run's messages in order, with consecutive step results under one fence
+    made one unit (recorded together); every other message is a unit alone."""
+    units: list[list[WorkerMessage]] = []
+    for msg in msgs:
+        if isinstance(msg, StepCompleted | StepFailed) and units:
+            last = units[-1][-1]
+            if isinstance(last, StepCompleted | StepFailed) and (
+                last.execution_seq, last.lease_token
+            ) == (msg.execution_seq, msg.lease_token):
+                units[-1].append(msg)
+                continue
+        units.append([msg])
+    return units
 
 
 def _run_key(msg: WorkerMessage) -> str:
@@ -271,11 +302,12 @@ class _Lanes:
             while queue:
                 msgs = [queue.popleft() for _ in range(min(len(queue), CHAIN_MAX))]
                 try:
-                    if len(msgs) == 1:
-                        await self._handle_one(msgs[0])
+                    units = _units(msgs)
+                    if len(units) == 1:
+                        await self._handle_unit(units[0])
                     else:
                         outcomes = await self._store.in_order(
-                            [partial(self._handle_one, msg) for msg in msgs]
+                            [partial(self._handle_unit, unit) for unit in units]
                         )
                         for result in outcomes:
                             result.unwrap()  # the first fatal error ends the session
@@ -289,23 +321,33 @@ class _Lanes:
         finally:
             del self._queues[key]
 
-    async def _handle_one(self, msg: WorkerMessage) -> None:
+    async def _handle_unit(self, unit: list[WorkerMessage]) -> None:
+        answers: list[EngineMessage] = []
         try:
-            answer = await handle(self._store, self._config, self._session_id, msg, self._kicks)
+            if len(unit) > 1:
+                steps = [m for m in unit if isinstance(m, StepCompleted | StepFailed)]
+                await handle_steps(self._store, self._session_id, steps)
+            else:
+                answer = await handle(self._store, self._config, self._session_id, unit[0], self._kicks)
+                if answer is not None:
+                    answers.append(answer)
         except StaleExecution as exc:
-            metrics.STALE_REFUSED.inc()
-            run_id = getattr(msg, "run_id", None)
-            logs.event(
-                log,
-                logging.INFO,
-                "fence: stale message refused",
-                run_id=run_id,
-                execution_seq=getattr(msg, "execution_seq", None),
-                session_id=self._session_id,
-                msg_type=type(msg).__name__,
-            )
-            answer = Refused(exc.code, str(exc) or "stale execution", getattr(msg, "job_id", None), run_id)
-        if answer is not None:
+            for msg in unit:
+                metrics.STALE_REFUSED.inc()
+                run_id = getattr(msg, "run_id", None)
+                logs.event(
+                    log,
+                    logging.INFO,
+                    "fence: stale message refused",
+                    run_id=run_id,
+                    execution_seq=getattr(msg, "execution_seq", None),
+                    session_id=self._session_id,
+                    msg_type=type(msg).__name__,
+                )
+                answers.append(
+                    Refused(exc.code, str(exc) or "stale execution", getattr(msg, "job_id", None), run_id)
+                )
+        for answer in answers:
             try:
                 await self._outbox.send(answer)
             except (trio.BrokenResourceError, trio.ClosedResourceError):

@@ -97,6 +97,17 @@ class Fence(msgspec.Struct, frozen=True):
     lease_token: str
 
 
+class StepResult(msgspec.Struct, frozen=True):
+    """One ``step.run`` result to record (see :meth:`Store.record_steps`)."""
+
+    step_id: str
+    name: str
+    status: Literal["completed", "failed"]
+    output: Any = None
+    error: ErrorInfo | None = None
+    duration_ms: float = 0.0
+
+
 class Reservation(msgspec.Struct, frozen=True):
     """A queued segment admitted to one session's free credit (not yet executing)."""
 
@@ -442,6 +453,16 @@ class Store(abc.ABC):
     ) -> None:
         """Persist a step result under the live lease (idempotent per step_id;
         a completed row is never overwritten). Raises StaleExecution."""
+
+    async def record_steps(self, fence: Fence, steps: list[StepResult]) -> None:
+        """:meth:`record_step` for several results under one fence, in order:
+        all recorded, or StaleExecution and none (a backend may write them in
+        one statement)."""
+        for s in steps:
+            await self.record_step(
+                fence, step_id=s.step_id, name=s.name, status=s.status, output=s.output,
+                error=s.error, duration_ms=s.duration_ms,
+            )
 
     @abc.abstractmethod
     async def complete_job(self, fence: Fence, output: Any) -> JobOutcome:

@@ -10,7 +10,7 @@ placeholders; :class:`Tx` implementations translate for their driver. The
 only dialect differences are fragments from :meth:`Tx.lock` (``FOR UPDATE
 SKIP LOCKED`` on PostgreSQL, nothing on SQLite — its single writer already
 serialises), :meth:`Tx.advisory_lock` (PostgreSQL only), and, where
-:attr:`Tx.ctes` is set (PostgreSQL), the hottest transitions (create a run,
+:attr:`Tx.combined` is set (PostgreSQL), the hottest transitions (create a run,
 activate a segment, complete it) written as one statement with data-modifying
 ``WITH`` clauses instead of one statement per table — same rows, same checks,
 one round trip.
@@ -101,10 +101,11 @@ _function_decode = msgspec.json.Decoder(FunctionDef).decode
 class Tx(Protocol):
     """The tiny transaction surface the shared SQL is written against."""
 
-    # True where one statement may change several tables (PostgreSQL's
-    # data-modifying WITH): a state transition is then one round trip to the
-    # server instead of one per table. SQLite has no round trips to save.
-    ctes: bool
+    # True where every statement is a round trip to a server (PostgreSQL): the
+    # hottest transitions then use its combined forms (data-modifying WITH,
+    # multi-row VALUES), one statement instead of one per table or row. SQLite
+    # runs in-process and has no round trips to save.
+    combined: bool
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         """Run one statement; return the affected row count."""
@@ -475,8 +476,8 @@ class SqlStoreBase(Store):
     ) -> list[str]:
         """Create a run of each of ``fds`` for event ``event_id`` and record the
         event with their ids (:meth:`_create_run` + :meth:`_insert_event`); with
-        :attr:`Tx.ctes`, the event, the runs and their queue rows in one statement."""
-        if not tx.ctes or not fds:
+        :attr:`Tx.combined`, the event, the runs and their queue rows in one statement."""
+        if not tx.combined or not fds:
             run_ids = [self._create_run(tx, fd, event_id, data) for fd in fds]
             self._insert_event(tx, event_id, name, data, key, run_ids)
             return run_ids

@@ -33,6 +33,7 @@ from ironflow.store.base import (
     JobOutcome,
     SessionNotFound,
     StaleExecution,
+    StepResult,
 )
 from ironflow.store.core import (
     _FENCE_SQL,
@@ -152,7 +153,7 @@ class FenceOps(SqlStoreBase):
             return record
 
         def work(tx: Tx) -> RunRecord:
-            if tx.ctes:
+            if tx.combined:
                 return one_statement(tx)
             row = tx.fetchone(
                 "DELETE FROM dispatch_queue WHERE run_id = ? AND execution_seq = ?"
@@ -221,50 +222,88 @@ class FenceOps(SqlStoreBase):
         error: ErrorInfo | None = None,
         duration_ms: float = 0.0,
     ) -> None:
-        out_text = _enc(output) if status == "completed" else None
-        err_text = None if error is None else _enc(error)
+        await self.record_steps(
+            fence, [StepResult(step_id, name, status, output, error, duration_ms)]
+        )
+
+    async def record_steps(self, fence: Fence, steps: list[StepResult]) -> None:
+        if not steps:
+            return
+        fields = [
+            (
+                s.step_id,
+                s.name,
+                s.status,
+                _enc(s.output) if s.status == "completed" else None,
+                None if s.error is None else _enc(s.error),
+                float(s.duration_ms),
+            )
+            for s in steps
+        ]
 
         def work(tx: Tx) -> None:
-            written = tx.fetchone(
-                "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
-                " duration_ms, execution_seq, created_at, seq)"
-                " SELECT ?, ?, ?, 'run', ?, ?, ?, ?, ?, ironflow_now(), ?"
-                f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL})"
-                " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
-                " output = excluded.output, error = excluded.error,"
-                " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
-                " WHERE steps.status <> 'completed'"
-                f" RETURNING {_STEP_AUDITED_FUNCTION}",
-                (
-                    fence.run_id,
-                    step_id,
-                    name,
-                    status,
-                    out_text,
-                    err_text,
-                    float(duration_ms),
-                    fence.execution_seq,
-                    time.time_ns(),
-                    *self._fence_params(fence),
-                ),
-            )
-            if written is None:
-                if not self._fence_alive(tx, fence):
-                    raise StaleExecution(
-                        f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
-                    )
-                return  # idempotent replay of a completed step
-            if status == "completed" and written[0] is not None:
-                self._audit(
-                    tx, "step.completed", fence.run_id, written[0],
-                    {"step_id": step_id, "name": name},
+            # Step order: when their transaction ran (a chain runs in arrival
+            # order), then their order in this call.
+            first = time.time_ns()
+            rows = [(*row, first + i) for i, row in enumerate(fields)]
+            # One statement can write a step id once: a repeated id goes row by row.
+            if tx.combined and len(rows) > 1 and len({row[0] for row in rows}) == len(rows):
+                written = tx.fetchall(
+                    "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
+                    " duration_ms, execution_seq, created_at, seq)"
+                    " SELECT ?, v.step_id, v.name, 'run', v.status, v.output, v.error,"
+                    " v.duration_ms, ?, ironflow_now(), v.seq FROM (VALUES "
+                    + ", ".join(["(?, ?, ?, ?, ?, ?::double precision, ?::bigint)"] * len(rows))
+                    + ") AS v (step_id, name, status, output, error, duration_ms, seq)"
+                    f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL})"
+                    " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
+                    " output = excluded.output, error = excluded.error,"
+                    " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
+                    " WHERE steps.status <> 'completed'"
+                    f" RETURNING step_id, status, {_STEP_AUDITED_FUNCTION}",
+                    (
+                        fence.run_id,
+                        fence.execution_seq,
+                        *(value for row in rows for value in row),
+                        *self._fence_params(fence),
+                    ),
                 )
+            else:
+                written = []
+                for row in rows:
+                    one = tx.fetchone(
+                        "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
+                        " duration_ms, execution_seq, created_at, seq)"
+                        " SELECT ?, ?, ?, 'run', ?, ?, ?, ?, ?, ironflow_now(), ?"
+                        f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL})"
+                        " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
+                        " output = excluded.output, error = excluded.error,"
+                        " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
+                        " WHERE steps.status <> 'completed'"
+                        f" RETURNING step_id, status, {_STEP_AUDITED_FUNCTION}",
+                        (fence.run_id, *row[:6], fence.execution_seq, row[6], *self._fence_params(fence)),
+                    )
+                    if one is not None:
+                        written.append(one)
+            if len(written) < len(rows) and not self._fence_alive(tx, fence):
+                # Nothing was written (the fence guards every row): all refused.
+                raise StaleExecution(
+                    f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
+                )
+            # Rows not written are idempotent replays of completed steps.
+            names = {row[0]: row[1] for row in rows}
+            for step_id, status, audited in written:
+                if status == "completed" and audited is not None:
+                    self._audit(
+                        tx, "step.completed", fence.run_id, audited,
+                        {"step_id": step_id, "name": names[step_id]},
+                    )
 
         await self._transact(work)
 
     async def complete_job(self, fence: Fence, output: Any) -> JobOutcome:
         def work(tx: Tx) -> JobOutcome:
-            if tx.ctes:
+            if tx.combined:
                 # The lease out, its credit freed, the run completed: one statement.
                 row = tx.fetchone(
                     f"WITH l AS (DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING run_id),"

@@ -176,7 +176,7 @@ class _PgTx:
     sends its statement through a cursor instead.
     """
 
-    ctes = True
+    combined = True
 
     def __init__(self, conn: psycopg.Connection[Any], prepared: dict[Any, bytes]) -> None:
         self._conn = conn

@@ -49,7 +49,7 @@ READERS = 4
 class _SqliteTx:
     """:class:`~ironflow.store.core.Tx` over the writer thread's connection."""
 
-    ctes = False
+    combined = False
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn

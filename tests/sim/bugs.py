@@ -13,7 +13,7 @@ import time
 from typing import Any, Literal
 
 from ironflow.protocol import ErrorInfo, JobNackReason
-from ironflow.store import Fence, JobOutcome
+from ironflow.store import Fence, JobOutcome, StepResult
 from ironflow.store.core import Tx, _enc
 from ironflow.store.sqlite import SqliteStore
 
@@ -61,6 +61,14 @@ class UnfencedRecordStep(SqliteStore):
                 )
 
         await self._transact(work)
+
+
+    async def record_steps(self, fence: Fence, steps: list[StepResult]) -> None:
+        for s in steps:
+            await self.record_step(
+                fence, step_id=s.step_id, name=s.name, status=s.status, output=s.output,
+                error=s.error, duration_ms=s.duration_ms,
+            )
 
 
 class NackSpendsAttempt(SqliteStore):

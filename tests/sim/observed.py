@@ -222,7 +222,7 @@ class Oracle:
             self.sim.trace(f"recovered {run_id} by {method} count={c.consecutive} exhausted={exhausted}")
 
 
-_FENCED = ("activate_lease", "record_step", "complete_job", "fail_job", "yield_job", "nack_job")
+_FENCED = ("activate_lease", "record_step", "record_steps", "complete_job", "fail_job", "yield_job", "nack_job")
 
 
 class ObservedStore:
@@ -265,12 +265,20 @@ class ObservedStore:
         o = self._oracle
         state = o.fence_state(fence)
         live = o.live_for(method, state)
-        step_before = None
+        step_before: Any = None
         if method == "record_step":
             step_before = o.one(
                 "SELECT status, output FROM steps WHERE run_id = ? AND step_id = ?",
                 (fence.run_id, kwargs["step_id"]),
             )
+        elif method == "record_steps":
+            step_before = {
+                s.step_id: o.one(
+                    "SELECT status, output FROM steps WHERE run_id = ? AND step_id = ?",
+                    (fence.run_id, s.step_id),
+                )
+                for s in args[0]
+            }
         store: Any = self._store
         try:
             result = await getattr(store, method)(fence, *args, **kwargs)
@@ -311,7 +319,11 @@ class ObservedStore:
         kwargs: dict[str, Any],
     ) -> None:
         o = self._oracle
-        detail = f" {kwargs['step_id'].rsplit(':', 2)[1]}" if method == "record_step" else ""
+        detail = ""
+        if method == "record_step":
+            detail = f" {kwargs['step_id'].rsplit(':', 2)[1]}"
+        elif method == "record_steps":
+            detail = " " + ",".join(s.step_id.rsplit(":", 2)[1] for s in args[0])
         self._sim.trace(f"{method} {fence.run_id}/{fence.execution_seq}{detail} accepted")
         if not live:
             self._sim.counts["fence_violations"] += 1
@@ -344,6 +356,12 @@ class ObservedStore:
             if step_before is None or step_before[0] != "completed":
                 c.steps.setdefault(sid, kwargs.get("output"))
                 c.step_recorded_at.setdefault(sid, self._store.last_transaction())  # type: ignore[attr-defined]
+        elif method == "record_steps":
+            for s in args[0]:
+                before = step_before[s.step_id]
+                if s.status == "completed" and (before is None or before[0] != "completed"):
+                    c.steps.setdefault(s.step_id, s.output)
+                    c.step_recorded_at.setdefault(s.step_id, self._store.last_transaction())  # type: ignore[attr-defined]
         self._after(method, result)
 
     async def activate_lease(self, fence: Fence, **kwargs: Any) -> Any:
@@ -351,6 +369,9 @@ class ObservedStore:
 
     async def record_step(self, fence: Fence, **kwargs: Any) -> Any:
         return await self._fenced("record_step", fence, **kwargs)
+
+    async def record_steps(self, fence: Fence, steps: Any) -> Any:
+        return await self._fenced("record_steps", fence, steps)
 
     async def complete_job(self, fence: Fence, output: Any) -> Any:
         return await self._fenced("complete_job", fence, output)

@@ -27,6 +27,7 @@ from ironflow.store import (
     RunNotFound,
     SessionNotFound,
     StaleExecution,
+    StepResult,
     Store,
 )
 
@@ -1051,3 +1052,28 @@ async def test_calls_in_order_that_need_no_transaction_or_fail_early_do_not_hold
         outcomes[1].unwrap()
     assert outcomes[2].unwrap() is None
     assert [st.step_id for st in (await store.get_run(f.run_id)).steps] == ["s1"]
+
+
+async def test_record_steps_writes_several_results_in_order_or_none_when_stale(store):
+    f = await running(store)
+    await store.record_step(f, step_id="s1", name="one", status="completed", output={"v": 1})
+    await store.record_steps(f, [
+        StepResult("s1", "one", "completed", {"v": "replayed"}),  # completed: kept as it was
+        StepResult("s2", "two", "failed", error=ErrorInfo("boom", code="E")),
+        StepResult("s3", "three", "completed", [3], duration_ms=1.5),
+        StepResult("s2", "two", "completed", "second try"),  # the same id twice in one call
+    ])
+    detail = await store.get_run(f.run_id)
+    assert [(s.step_id, s.status, s.output) for s in detail.steps] == [
+        ("s1", "completed", {"v": 1}),
+        ("s2", "completed", "second try"),
+        ("s3", "completed", [3]),
+    ]
+    stale = Fence(f.session_id, f.run_id, f.execution_seq, "f" * 32)
+    with pytest.raises(StaleExecution):
+        await store.record_steps(stale, [StepResult("s4", "four", "completed"), StepResult("s5", "five", "completed")])
+    await store.record_steps(f, [StepResult("s6", "six", "completed", 6), StepResult("s7", "seven", "completed", 7)])
+    await store.complete_job(f, None)
+    with pytest.raises(StaleExecution):
+        await store.record_steps(f, [StepResult("s8", "eight", "completed"), StepResult("s9", "nine", "completed")])
+    assert [s.step_id for s in (await store.get_run(f.run_id)).steps] == ["s1", "s2", "s3", "s6", "s7"]

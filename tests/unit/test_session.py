@@ -212,7 +212,7 @@ async def test_a_closed_inbound_closes_the_session_and_recovers_its_leases_at_on
 
 
 class _HeldSteps:
-    """The store, except that ``record_step`` of one run (once named) waits until released."""
+    """The store, except that recording steps of one run (once named) waits until released."""
 
     def __init__(self, store: Store) -> None:
         self._store = store
@@ -224,11 +224,11 @@ class _HeldSteps:
     def __getattr__(self, name: str) -> object:
         return getattr(self._store, name)
 
-    async def record_step(self, fence: Any, **kwargs: Any) -> None:
+    async def record_steps(self, fence: Any, steps: Any) -> None:
         if fence.run_id == self.held_run:
             self.entered.set()
             await self.release.wait()
-        await self._store.record_step(fence, **kwargs)
+        await self._store.record_steps(fence, steps)
 
     async def complete_job(self, fence: Any, output: Any) -> Any:
         self.completed.append(fence.run_id)
