@@ -48,19 +48,36 @@ class IngestOps(SqlStoreBase):
                 return IngestResult(seen[0], _dec(seen[1]), True)
         event_id = new_id("evt")
         patterns = _trigger_patterns(name)
-        candidates = tx.fetchall(
-            "SELECT f.definition FROM functions f WHERE f.id IN (SELECT t.function_id"
-            f" FROM function_triggers t WHERE t.pattern IN ({_marks(len(patterns))}))"
-            " ORDER BY f.id",
-            patterns,
-        )
+        waiting: list[tuple[Any, ...]] | None = None
+        if tx.combined:
+            # The triggered functions and the parked waits on this event in one
+            # round trip (the waits locked as _resolve_waits would lock them).
+            rows = tx.fetchall(
+                "WITH w AS (SELECT run_id, step_id, wait_match, wait_match_value FROM steps"
+                f" WHERE status = 'waiting' AND kind = 'wait' AND wait_event = ? {tx.lock()})"
+                " SELECT 0, f.id, f.definition, NULL, NULL, NULL FROM functions f WHERE f.id IN"
+                " (SELECT t.function_id FROM function_triggers t WHERE t.pattern IN"
+                f" ({_marks(len(patterns))})) UNION ALL"
+                " SELECT 1, run_id, run_id, step_id, wait_match, wait_match_value FROM w"
+                " ORDER BY 1, 2",
+                (name, *patterns),
+            )
+            candidates = [(row[2],) for row in rows if row[0] == 0]
+            waiting = [row[2:] for row in rows if row[0] == 1]
+        else:
+            candidates = tx.fetchall(
+                "SELECT f.definition FROM functions f WHERE f.id IN (SELECT t.function_id"
+                f" FROM function_triggers t WHERE t.pattern IN ({_marks(len(patterns))}))"
+                " ORDER BY f.id",
+                patterns,
+            )
         fds = [
             fd
             for fd in (self._fdef_or_none(text) for (text,) in candidates)
             if fd is not None and _triggered(fd, name)
         ]
         run_ids = self._create_runs_with_event(tx, fds, event_id, name, data, idempotency_key)
-        resumed = self._resolve_waits(tx, event_id, name, data)
+        resumed = self._resolve_waits(tx, event_id, name, data, waiting)
         return IngestResult(event_id, run_ids, False, resumed_run_ids=resumed)
 
     async def ingest_event(
@@ -88,13 +105,18 @@ class IngestOps(SqlStoreBase):
             ]
         )
 
-    def _resolve_waits(self, tx: Tx, event_id: str, name: str, data: Any) -> list[str]:
-        """Complete every parked ``wait_for_event`` step this event satisfies."""
-        waiting = tx.fetchall(
-            "SELECT run_id, step_id, wait_match, wait_match_value FROM steps"
-            f" WHERE status = 'waiting' AND kind = 'wait' AND wait_event = ? {tx.lock()}",
-            (name,),
-        )
+    def _resolve_waits(
+        self, tx: Tx, event_id: str, name: str, data: Any,
+        waiting: list[tuple[Any, ...]] | None = None,
+    ) -> list[str]:
+        """Complete every parked ``wait_for_event`` step this event satisfies
+        (``waiting``: those steps' rows, locked, if the caller read them)."""
+        if waiting is None:
+            waiting = tx.fetchall(
+                "SELECT run_id, step_id, wait_match, wait_match_value FROM steps"
+                f" WHERE status = 'waiting' AND kind = 'wait' AND wait_event = ? {tx.lock()}",
+                (name,),
+            )
         if not waiting:
             return []
         event = None
