@@ -246,15 +246,18 @@ class FenceOps(SqlStoreBase):
             # order), then their order in this call.
             first = time.time_ns()
             rows = [(*row, first + i) for i, row in enumerate(fields)]
-            # One statement can write a step id once: a repeated id goes row by row.
-            if tx.combined and len(rows) > 1 and len({row[0] for row in rows}) == len(rows):
-                written = tx.fetchall(
-                    "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
+            # One statement writes them all (it can write a step id only once:
+            # a call that repeats one goes a row at a time).
+            groups = [rows] if len({row[0] for row in rows}) == len(rows) else [[row] for row in rows]
+            written: list[tuple[Any, ...]] = []
+            for group in groups:
+                written += tx.fetchall(
+                    "WITH v (step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
+                    + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(group))
+                    + ") INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
                     " duration_ms, execution_seq, created_at, seq)"
                     " SELECT ?, v.step_id, v.name, 'run', v.status, v.output, v.error,"
-                    " v.duration_ms, ?, ironflow_now(), v.seq FROM (VALUES "
-                    + ", ".join(["(?, ?, ?, ?, ?, ?::double precision, ?::bigint)"] * len(rows))
-                    + ") AS v (step_id, name, status, output, error, duration_ms, seq)"
+                    " v.duration_ms, ?, ironflow_now(), v.seq FROM v"
                     f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL})"
                     " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
                     " output = excluded.output, error = excluded.error,"
@@ -262,29 +265,12 @@ class FenceOps(SqlStoreBase):
                     " WHERE steps.status <> 'completed'"
                     f" RETURNING step_id, status, {_STEP_AUDITED_FUNCTION}",
                     (
+                        *(value for row in group for value in row),
                         fence.run_id,
                         fence.execution_seq,
-                        *(value for row in rows for value in row),
                         *self._fence_params(fence),
                     ),
                 )
-            else:
-                written = []
-                for row in rows:
-                    one = tx.fetchone(
-                        "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
-                        " duration_ms, execution_seq, created_at, seq)"
-                        " SELECT ?, ?, ?, 'run', ?, ?, ?, ?, ?, ironflow_now(), ?"
-                        f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL})"
-                        " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
-                        " output = excluded.output, error = excluded.error,"
-                        " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
-                        " WHERE steps.status <> 'completed'"
-                        f" RETURNING step_id, status, {_STEP_AUDITED_FUNCTION}",
-                        (fence.run_id, *row[:6], fence.execution_seq, row[6], *self._fence_params(fence)),
-                    )
-                    if one is not None:
-                        written.append(one)
             if len(written) < len(rows) and not self._fence_alive(tx, fence):
                 # Nothing was written (the fence guards every row): all refused.
                 raise StaleExecution(
