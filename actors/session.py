@@ -259,10 +259,11 @@ class _Lanes:
     that handled a batch and only then read the next one had at most one
     group commit in flight).
 
-    Messages of a run that queued up while its lane waited are applied as one
-    chain (:meth:`Store.in_order`): in order, each its own unit of work, in
-    one group commit instead of one commit each (a worker sends a run's job
-    ack, step results and job result in a burst).
+    Messages of a run that queued up while its lane waited are applied with
+    :meth:`Store.in_order`: in order, each its own unit of work; on PostgreSQL
+    in one group commit instead of one commit each (a worker sends a run's job
+    ack, step results and job result in a burst). Consecutive step results
+    of one segment are recorded together (:meth:`Store.record_steps`).
 
     The first :class:`SessionNotFound` or :class:`ProtocolViolation` a lane
     meets is kept in :attr:`fatal` and cancels ``nursery``: the session ends."""
@@ -287,7 +288,10 @@ class _Lanes:
         self.fatal: Exception | None = None
 
     async def put(self, msg: WorkerMessage) -> None:
-        await self._room.acquire()
+        try:
+            self._room.acquire_nowait()  # no checkpoint per message while there is room
+        except trio.WouldBlock:
+            await self._room.acquire()
         key = _run_key(msg)
         queue = self._queues.get(key)
         if queue is not None:

@@ -275,6 +275,10 @@ class SqlStoreBase(Store):
     decoding, audit, credits, the queue, run creation and resumption.
     Backends supply ``_transact`` and lifecycle."""
 
+    # Whether in_order chains its calls into one group commit (see chain.py):
+    # worth it where each commit costs a round trip and a WAL flush.
+    chain_calls = True
+
     def __init__(self) -> None:
         # Decoded FunctionDefs keyed by their stored JSON text (decode once per version).
         self._defs: dict[str, FunctionDef] = {}
@@ -303,7 +307,7 @@ class SqlStoreBase(Store):
     async def in_order(
         self, calls: Sequence[Callable[[], Awaitable[Any]]]
     ) -> list[outcome.Outcome[Any]]:
-        if len(calls) == 1:
+        if len(calls) == 1 or not self.chain_calls:
             return await super().in_order(calls)
         return await chain.in_order(calls, self._transact_many)
 
