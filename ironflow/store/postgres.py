@@ -431,11 +431,6 @@ def _id_payloads(run_ids: list[str]) -> list[str]:
         payloads.append(",".join(current))
     return payloads
 
-    def try_advisory_lock(self, key: str) -> bool:
-        self._cur.execute("SELECT pg_try_advisory_xact_lock(hashtext(%s))", (key,))
-        row = self._cur.fetchone()
-        return bool(row and row[0])
-
 
 class PostgresStore(SqlStore):
     """Engine state in PostgreSQL at ``url`` (``postgresql://…``).
