@@ -16,11 +16,11 @@ from tests.unit.virtual_time import BASE
 FN = FunctionDef(id="fn", triggers=[Trigger("go")])
 
 
-
-
-async def test_new_work_is_dispatched_on_a_kick_not_a_timer(
-    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
-) -> None:
+async def start_dispatcher(
+    store: Store, nursery: trio.Nursery, kicks: trio.MemoryReceiveChannel[Kick]
+) -> trio.MemoryReceiveChannel[EngineMessage]:
+    """A 4-slot session for ``fn`` and a dispatcher (1000 s idle re-check) serving
+    it; the session's outbox."""
     cfg = NodeConfig(timings=Timings(dispatch_idle_poll_s=1000.0))
     info = await store.register_worker(
         node_id="n1", worker_id="w", mode="stream", max_concurrent_jobs=4, functions=[FN], session_expiry_s=90
@@ -28,8 +28,17 @@ async def test_new_work_is_dispatched_on_a_kick_not_a_timer(
     directory = SessionDirectory()
     outbox_send, outbox = trio.open_memory_channel[EngineMessage](10)
     directory.add(LocalSession(info.session_id, frozenset({"fn"}), outbox_send))
+    await nursery.start(dispatcher.run, store, cfg, "n1", directory, kicks)
+    return outbox
+
+
+
+
+async def test_new_work_is_dispatched_on_a_kick_not_a_timer(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
     kick_send, kick_receive = trio.open_memory_channel[Kick](10)
-    await nursery.start(dispatcher.run, store, cfg, "n1", directory, kick_receive)
+    outbox = await start_dispatcher(store, nursery, kick_receive)
     await trio.sleep(5)  # the dispatcher is asleep on its 1000 s idle re-check
     t0 = trio.current_time()
     run_id = (await store.ingest_event("go", {}, None, idempotency_window_s=60)).run_ids[0]
@@ -97,16 +106,9 @@ class _CountingStore:
 async def test_a_kick_during_a_round_starts_the_next_round_without_asking_when_to_wake(
     store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    cfg = NodeConfig(timings=Timings(dispatch_idle_poll_s=1000.0))
-    info = await store.register_worker(
-        node_id="n1", worker_id="w", mode="stream", max_concurrent_jobs=4, functions=[FN], session_expiry_s=90
-    )
-    directory = SessionDirectory()
-    outbox_send, outbox = trio.open_memory_channel[EngineMessage](10)
-    directory.add(LocalSession(info.session_id, frozenset({"fn"}), outbox_send))
     kick_send, kick_receive = trio.open_memory_channel[Kick](10)
     counting = _CountingStore(store, kick_send)
-    await nursery.start(dispatcher.run, counting, cfg, "n1", directory, kick_receive)
+    await start_dispatcher(counting, nursery, kick_receive)  # type: ignore[arg-type]
     await trio.sleep(5)
     # Rounds 1-3 each saw a kick arrive while they ran; round 4 saw none.
     assert counting.rounds == 4 and counting.wake_queries == 1
