@@ -23,11 +23,15 @@ class LocalSession:
         outbox: trio.MemorySendChannel[EngineMessage],
         *,
         mode: str = "stream",
+        delayed_start: bool = False,
     ) -> None:
         self.session_id = session_id
         self.function_ids = function_ids
         self.outbox = outbox
         self.mode = mode
+        # The worker holds a job until its ``start_delay_ms`` has passed; one
+        # that does not is sent a job only at its start time.
+        self.delayed_start = delayed_start
         self.draining = False
 
 

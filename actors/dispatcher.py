@@ -14,11 +14,12 @@ import time
 
 import trio
 
-from actors.directory import SessionDirectory
+from actors.directory import LocalSession, SessionDirectory
 from actors.messages import Kick
 from ironflow import logs, metrics
 from ironflow.config import NodeConfig
-from ironflow.store import Store
+from ironflow.protocol import TERMINAL_RUN_STATUSES, JobAssignment
+from ironflow.store import Reservation, RunNotFound, Store
 
 log = logging.getLogger("ironflow.dispatcher")
 
@@ -27,10 +28,59 @@ log = logging.getLogger("ironflow.dispatcher")
 BATCH = 64
 
 
+async def _release(store: Store, reservation: Reservation) -> None:
+    """Give a reservation no session took back at once (not at its expiry)."""
+    a = reservation.assignment
+    await store.release_reservation(reservation.session_id, a.run_id, a.execution_seq)
+
+
+def _deliver(session: LocalSession | None, assignment: JobAssignment) -> bool:
+    """Put ``assignment`` in the session's outbox; False if the session is gone or full."""
+    if session is None:
+        return False
+    try:
+        session.outbox.send_nowait(assignment)
+    except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+        return False
+    return True
+
+
+async def _deliver_at_start(
+    store: Store, directory: SessionDirectory, reservation: Reservation
+) -> None:
+    """Hold a job for a worker that cannot hold it itself (it did not register
+    ``delayed_start``) until its start time, then deliver it. The reservation
+    outlasts the wait (config: the look-ahead is at most half its expiry).
+
+    A run that moved on meanwhile (cancelled, or its segment fenced) is not
+    delivered: such a worker would start its handler before the engine could
+    refuse its ack, and whoever moved the run on already dropped the reservation."""
+    a = reservation.assignment
+    await trio.sleep(a.start_delay_ms / 1000)
+    try:
+        run = await store.get_run_record(a.run_id)
+    except RunNotFound:
+        return
+    if run.status in TERMINAL_RUN_STATUSES or run.current_execution_seq != a.execution_seq:
+        logs.event(log, logging.INFO, "dispatch: held job not delivered, its run moved on",
+                   run_id=a.run_id, execution_seq=a.execution_seq, session_id=reservation.session_id)
+        return
+    if not _deliver(directory.get(reservation.session_id), a):
+        await _release(store, reservation)
+
+
 async def _dispatch_round(
-    store: Store, config: NodeConfig, node_id: str, directory: SessionDirectory
+    store: Store,
+    config: NodeConfig,
+    node_id: str,
+    directory: SessionDirectory,
+    holds: trio.Nursery,
 ) -> int:
-    """Reserve and hand out segments until the queue or the credits run dry."""
+    """Reserve and hand out segments until the queue or the credits run dry.
+
+    A job that may not start yet goes out at once to a worker that holds it
+    (``delayed_start``); for any other worker it is held in ``holds`` until
+    its start time."""
     handed = 0
     while True:
         offers = directory.offers()
@@ -45,21 +95,21 @@ async def _dispatch_round(
         for reservation in reservations:
             assignment = reservation.assignment
             session = directory.get(reservation.session_id)
-            try:
-                if session is None:
-                    raise trio.BrokenResourceError
-                session.outbox.send_nowait(assignment)
-            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            if assignment.start_delay_ms and session is not None and not session.delayed_start:
+                holds.start_soon(_deliver_at_start, store, directory, reservation)
+            elif not _deliver(session, assignment):
                 # The session went away between offer and delivery: give the
                 # segment back at once instead of waiting for reservation expiry.
-                await store.release_reservation(
-                    reservation.session_id, assignment.run_id, assignment.execution_seq
-                )
+                await _release(store, reservation)
                 continue
             handed += 1
             metrics.ASSIGNMENTS.inc()
             if assignment.execution_seq == 1:  # a new run's first segment: emit → dispatch
                 metrics.EMIT_TO_DISPATCH.observe(max(time.time() - assignment.event.received_at, 0.0))
+            if reservation.wake_lateness_s is not None:
+                # Handed over ahead of its wake time, it starts at that time
+                # (the worker, or the hold above, waits): on time, 0.
+                metrics.WAKE_LATENESS.observe(max(reservation.wake_lateness_s, 0.0))
             logs.event(
                 log,
                 logging.DEBUG,
@@ -67,6 +117,7 @@ async def _dispatch_round(
                 run_id=assignment.run_id,
                 execution_seq=assignment.execution_seq,
                 session_id=reservation.session_id,
+                start_delay_ms=assignment.start_delay_ms or None,
             )
         if len(reservations) < BATCH:
             return handed
@@ -90,23 +141,24 @@ async def run(
       directory: local sessions and their outboxes (owned by the node).
       kicks: wake-ups from producers; several pending kicks make one round.
     """
-    task_status.started()
-    while True:
-        # Swallow every pending kick: one round serves them all.
+    async with trio.open_nursery() as holds:
+        task_status.started()
         while True:
-            try:
-                kicks.receive_nowait()
-            except trio.WouldBlock:
-                break
-        await _dispatch_round(store, config, node_id, directory)
-        if kicks.statistics().current_buffer_used:
-            continue  # kicked during the round: go again, no need to ask when to wake
-        wait_s = config.timings.dispatch_idle_poll_s
-        if directory.offers():
-            next_eligible = await store.seconds_until_next_eligible()
-            # 0 means "eligible now but nobody had a free credit": only a kick
-            # (a freed slot, a new session) can change that.
-            if next_eligible is not None and next_eligible > 0:
-                wait_s = min(wait_s, next_eligible)
-        with trio.move_on_after(wait_s):
-            await kicks.receive()
+            # Swallow every pending kick: one round serves them all.
+            while True:
+                try:
+                    kicks.receive_nowait()
+                except trio.WouldBlock:
+                    break
+            await _dispatch_round(store, config, node_id, directory, holds)
+            if kicks.statistics().current_buffer_used:
+                continue  # kicked during the round: go again, no need to ask when to wake
+            wait_s = config.timings.dispatch_idle_poll_s
+            if directory.offers():
+                next_eligible = await store.seconds_until_next_eligible()
+                # 0 means "eligible now but nobody had a free credit": only a kick
+                # (a freed slot, a new session) can change that.
+                if next_eligible is not None and next_eligible > 0:
+                    wait_s = min(wait_s, next_eligible)
+            with trio.move_on_after(wait_s):
+                await kicks.receive()

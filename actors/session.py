@@ -409,7 +409,9 @@ async def run(
         )
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         pass  # gone already: the loop below sees the closed inbound and cleans up
-    local = LocalSession(session_id, frozenset(info.function_ids), outbox)
+    local = LocalSession(
+        session_id, frozenset(info.function_ids), outbox, delayed_start=first.delayed_start
+    )
     directory.add(local)
     metrics.WORKERS_CONNECTED.inc()
     logs.event(

@@ -1,8 +1,17 @@
 """The waker: claims elapsed sleeps and timed-out waits/invokes and resumes their runs.
 
 A claim moves the step to ``waking`` (claimed_by = this node, SKIP LOCKED so
-exactly one node claims it); resuming queues the run's next segment. If the
-node dies between the two, loop 2 (the stale-claim sweeper) restores the step.
+exactly one node claims it); resuming queues the run's next segment. Both are
+one transaction per batch. If the node dies between the two, loop 2 (the
+stale-claim sweeper) restores the step.
+
+Look-ahead (``waker_lookahead``): a sleep is claimed and resumed that long
+before its wake time, and its run's next segment carries the wake time as its
+start (``runs.start_at``): it is dispatched at once and held — by the worker,
+or by the dispatcher for a worker that cannot hold — until then. A burst of
+sleeps due at one instant is therefore claimed, queued and delivered before
+the instant rather than worked through after it. Waits' and invokes' timeouts
+are never resolved ahead: an event or the child may still come.
 """
 
 from __future__ import annotations
@@ -13,19 +22,16 @@ import os
 import trio
 
 from actors.messages import Kick, kick
-from ironflow import logs, metrics
+from ironflow import logs
 from ironflow.config import NodeConfig
-from ironflow.store import Conflict, Store
+from ironflow.store import Store
 
 log = logging.getLogger("ironflow.waker")
 
-# Steps claimed per transaction.
+# Steps claimed per transaction (and resumed in the next one).
 BATCH = 100
-# Resumes of one batch in flight at once: they share group commits (SQLite) or
-# pooled connections (PostgreSQL) instead of queueing one transaction each.
-RESUME_CONCURRENCY = 32
-# Wake this long after the earliest wake time: it is `wake_at <= now` in SQL,
-# and the database clock must have reached it.
+# Wake this long after a claimable time: the claim is `wake_at <= now (+
+# look-ahead)` in SQL, and the database clock must have reached it.
 WAKE_SLACK_S = 0.005
 # Test-only fault switch: a node started with this set to 1 exits the process
 # (``os._exit``, no cleanup, like a crash) right after the waker's first claim
@@ -33,30 +39,6 @@ WAKE_SLACK_S = 0.005
 # ``waking``: what loop 2 exists to repair (tests/integration/test_wake_claims.py).
 FAULT_EXIT_AFTER_CLAIM_ENV = "IRONFLOW_TEST_FAULT_EXIT_AFTER_WAKE_CLAIM"
 FAULT_EXIT_CODE = 86
-
-
-async def _resume(
-    store: Store,
-    node_id: str,
-    run_id: str,
-    step_id: str,
-    limiter: trio.CapacityLimiter,
-    kicks: trio.MemorySendChannel[Kick],
-) -> None:
-    async with limiter:
-        try:
-            outcome = await store.resume_claimed_step(node_id, run_id, step_id)
-        except Conflict:
-            # The claim was taken away since (the run was cancelled, or loop 2
-            # restored the step): nothing is ours to resume; the batch goes on.
-            logs.event(log, logging.INFO, "waker: claim lost before resume", run_id=run_id, step_id=step_id)
-            return
-    # Dispatch starts with the first resumed run, not after the whole batch
-    # (kicks coalesce: a round already pending absorbs this one).
-    kick(kicks, "steps woke")
-    if outcome.wake_lateness_s is not None:
-        metrics.WAKE_LATENESS.observe(max(outcome.wake_lateness_s, 0.0))
-    logs.event(log, logging.DEBUG, "waker: step woke, run resumed", run_id=run_id, step_id=step_id)
 
 
 async def run(
@@ -67,9 +49,21 @@ async def run(
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run until cancelled; sleeps until the earliest wake time (at most ``waker_interval``)."""
+    """Run until cancelled: claim a batch, resume it, kick the dispatcher; then
+    sleep until the next claimable time (at most ``waker_interval``).
+
+    Args:
+      store: claims and resumes are one transaction per batch each.
+      config: ``waker_interval`` (the longest sleep) and ``waker_lookahead``
+        (how far ahead a sleep is claimed; 0 = at its wake time).
+      node_id: recorded as the claimer (loop 2 restores a dead claimer's steps).
+      kicks: one kick per batch that queued runs.
+
+    A run cancelled (or a step restored by loop 2) between claim and resume
+    is an expected race: it is skipped and logged, the rest of the batch goes on.
+    """
     interval = config.timings.waker_interval_s
-    limiter = trio.CapacityLimiter(RESUME_CONCURRENCY)
+    lookahead = config.timings.waker_lookahead_s
     # Set when this node parks a step with a wake time: it may be due before the
     # loop's planned wake-up, so the loop re-reads the earliest wake at once.
     earlier = trio.Event()
@@ -84,18 +78,26 @@ async def run(
     try:
         task_status.started()
         while True:
-            claimed = await store.claim_elapsed_steps(node_id, BATCH)
+            claimed = await store.claim_elapsed_steps(node_id, BATCH, lookahead_s=lookahead)
             if claimed and crash_after_claim:
                 logs.event(log, logging.CRITICAL, "waker: test fault: exiting between claim and resume",
                            claimed=len(claimed))
                 os._exit(FAULT_EXIT_CODE)
-            async with trio.open_nursery() as nursery:
-                for run_id, step_id in claimed:
-                    nursery.start_soon(_resume, store, node_id, run_id, step_id, limiter, kicks)
+            if claimed:
+                outcome = await store.resume_claimed_steps(node_id, claimed)
+                if outcome.resumed:
+                    kick(kicks, "steps woke")
+                for run_id, step_id in outcome.lost:
+                    # The claim was taken away since (the run was cancelled, or
+                    # loop 2 restored the step): nothing is ours to resume.
+                    logs.event(log, logging.INFO, "waker: claim lost before resume",
+                               run_id=run_id, step_id=step_id)
+                logs.event(log, logging.DEBUG, "waker: steps woke, runs resumed",
+                           claimed=len(claimed), resumed=len(outcome.resumed))
             if len(claimed) == BATCH:
                 continue
-            next_wake = await store.seconds_until_next_wake()
-            delay = interval if next_wake is None else min(interval, max(next_wake, 0.0) + WAKE_SLACK_S)
+            next_wake = await store.seconds_until_next_wake(lookahead)
+            delay = interval if next_wake is None else min(interval, next_wake + WAKE_SLACK_S)
             with trio.move_on_after(delay):
                 await earlier.wait()
             if earlier.is_set():

@@ -49,6 +49,14 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True):
     stale_claim_interval_s: float = 60.0
     stale_claim_threshold_s: float = 120.0
     waker_interval_s: float = 1.0
+    # The waker claims and resumes a sleep this long before its wake time; the
+    # worker is sent the job at once and holds it (slot taken, handler not
+    # started) until the wake time, so a burst of sleeps due at one instant is
+    # claimed, queued and delivered ahead of it, not after. The cost: each such
+    # job holds a worker slot for up to this long. 0 = off (claim at the wake
+    # time). Waits' and invokes' timeouts are never resolved early (an event
+    # or the child may still come).
+    waker_lookahead_s: float = 1.0
     drain_timeout_s: float = 25.0
     node_heartbeat_s: float = 10.0
     # The dispatcher is kicked when work appears (locally, or from another node
@@ -76,7 +84,7 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True):
 
 
 # Timings where 0 means "off" rather than "unsafe".
-ZERO_MEANS_OFF = frozenset({"history_retention_s"})
+ZERO_MEANS_OFF = frozenset({"history_retention_s", "waker_lookahead_s"})
 
 # `--dev` shortens loop 1 as well as loop 2 (deliberately beyond the seed).
 DEV_TIMINGS: dict[str, float] = {
@@ -348,6 +356,13 @@ def validate(config: NodeConfig) -> None:
         raise ConfigError(
             f"timings.reservation_expiry_s={t.reservation_expiry_s:g}s is shorter than half "
             f"the heartbeat interval ({hb:g}s)"
+        )
+    if t.waker_lookahead_s > t.reservation_expiry_s / 2:
+        # A worker that cannot hold a job is sent it at its start time: the
+        # reservation must outlast that wait with room for the ack.
+        raise ConfigError(
+            f"timings.waker_lookahead_s={t.waker_lookahead_s:g}s must be at most half the "
+            f"reservation expiry ({t.reservation_expiry_s:g}s)"
         )
     if t.restart_backoff_max_s < t.restart_backoff_s:
         raise ConfigError("timings.restart_backoff_max_s must be ≥ restart_backoff_s")

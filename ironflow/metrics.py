@@ -108,8 +108,9 @@ SESSIONS = Gauge(
 
 WAKE_LATENESS = Histogram(
     "ironflow_wake_lateness_seconds",
-    "A sleep's wake time (or a wait's / invoke's timeout) → this node's waker resumed the"
-    " step and queued the run's next segment (database clock)",
+    "A sleep's wake time (or a wait's / invoke's timeout) → the run's resumed segment handed"
+    " to a worker by this node (database clock); one handed over ahead of its wake time is"
+    " held until then and counts 0",
     buckets=LATENCY_BUCKETS,
     registry=REGISTRY,
 )

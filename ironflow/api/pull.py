@@ -117,7 +117,12 @@ async def poll(session_id: str) -> Response:
     wait_s = min(body.wait_s, st.config.timings.poll_max_wait_s)
     send, receive = trio.open_memory_channel[EngineMessage](body.max_jobs)
     jobs: list[Any] = []
-    st.deps.directory.add(LocalSession(session_id, frozenset(session.function_ids), send, mode="pull"))
+    st.deps.directory.add(
+        LocalSession(
+            session_id, frozenset(session.function_ids), send, mode="pull",
+            delayed_start=body.delayed_start,
+        )
+    )
     try:
         kick(st.deps.kicks, "pull poll")
         with trio.move_on_after(wait_s):

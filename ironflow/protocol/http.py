@@ -90,6 +90,9 @@ class PullPollRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     wait_s: Annotated[float, Meta(ge=0, le=3600)] = 20.0
     max_jobs: Annotated[int, Meta(ge=1, le=1000)] = 1
+    # The pull form of ``Register.delayed_start``: this worker honours
+    # ``JobAssignment.start_delay_ms`` (without it, no job comes before its start).
+    delayed_start: bool = False
 
 
 class PullPollResponse(msgspec.Struct, frozen=True):

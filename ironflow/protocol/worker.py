@@ -158,6 +158,10 @@ class Register(msgspec.Struct, frozen=True, tag="register", forbid_unknown_field
     hostname: Annotated[str, Meta(max_length=256)] = ""
     # The worker reads a frame that holds a JSON array of engine messages.
     batch_frames: bool = False
+    # The worker honours ``JobAssignment.start_delay_ms`` (acks, holds the
+    # slot, starts the handler after the delay). A worker that does not say so
+    # is never sent a job before its start time (the node holds it instead).
+    delayed_start: bool = False
 
 
 class Heartbeat(msgspec.Struct, frozen=True, tag="heartbeat"):
@@ -263,6 +267,13 @@ class JobAssignment(msgspec.Struct, frozen=True, tag="job"):
     completed_steps: list[MemoStep]
     execution_seq: int
     lease_token: str
+    # Start the handler this many ms after receiving the job, not before: a
+    # sleep the waker resumed ahead of its wake time (``waker_lookahead``).
+    # Relative, computed from the database clock when the job was reserved, so
+    # the worker's own clock does not matter; the time in transit only makes
+    # the start later, never earlier. Sent only to a worker that registered
+    # with ``delayed_start``; 0 = start at once.
+    start_delay_ms: int = 0
 
 
 class LeaseStatus(msgspec.Struct, frozen=True, tag="lease_status"):

@@ -37,6 +37,7 @@ from ironflow.protocol import (
     JobAssignment,
     JobCompleted,
     JobFailed,
+    JobNack,
     JobYielded,
     MemoStep,
     SleepYield,
@@ -112,7 +113,7 @@ def escape_step_name(name: str) -> str:
 class JobState:
     """One accepted assignment: its fence (captured once), cancel scope and status."""
 
-    __slots__ = ("assignment", "scope", "abandoned", "started_at", "done")
+    __slots__ = ("assignment", "scope", "abandoned", "started_at", "start_at", "done")
 
     def __init__(self, assignment: JobAssignment):
         self.assignment = assignment
@@ -120,6 +121,9 @@ class JobState:
         # Set when the job must never report again (stale fence, cancel, lost session).
         self.abandoned = False
         self.started_at = time.time()
+        # When the handler may start (Trio clock): the assignment's delay runs
+        # from its receipt, here, so time in transit only ever makes it later.
+        self.start_at = trio.current_time() + assignment.start_delay_ms / 1000
         self.done = False
 
     def abandon(self) -> None:
@@ -143,6 +147,9 @@ class Reporter(Protocol):
     async def step(self, job: JobState, msg: StepCompleted | StepFailed) -> None: ...
 
     async def result(self, job: JobState, msg: JobCompleted | JobFailed | JobYielded) -> None: ...
+
+    async def nack(self, job: JobState, msg: JobNack) -> None:
+        """Hand back a job whose handler never started (a drain during its hold)."""
 
 
 class _Yield(BaseException):

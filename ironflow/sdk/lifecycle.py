@@ -30,7 +30,7 @@ from typing import Any
 import trio
 
 from ironflow.logs import formatter as log_formatter
-from ironflow.protocol import JobAssignment, JobLeaseStatus, JobNackReason, Register
+from ironflow.protocol import JobAssignment, JobLeaseStatus, JobNack, JobNackReason, Register
 from ironflow.sdk.context import JobState, Reporter, execute_job
 from ironflow.sdk.function import Function
 
@@ -185,6 +185,8 @@ class WorkerLifecycle:
         self._jobs: dict[str, JobState] = {}
         self._jobs_changed = trio.Event()
         self._draining = False
+        # Set when a drain begins: wakes jobs held for their start time.
+        self._drain_begun = trio.Event()
         self._drain_started_at = 0.0
         self._drain_deadline = 0.0
         self._stopped = False
@@ -216,6 +218,7 @@ class WorkerLifecycle:
         if self._draining:
             return  # a drain in progress keeps its original deadline
         self._draining = True
+        self._drain_begun.set()
         self.state = "draining"
         self._drain_started_at = trio.current_time()
         self._drain_deadline = self._drain_started_at + max(timeout, 0.0)
@@ -263,6 +266,7 @@ class WorkerLifecycle:
             max_concurrent_jobs=self.max_concurrent_jobs,
             hostname=socket.gethostname(),
             batch_frames=batch_frames,
+            delayed_start=True,  # _execute holds a job until its start time
         )
 
     def _on_lease_statuses(self, statuses: Iterable[JobLeaseStatus]) -> None:
@@ -305,17 +309,40 @@ class WorkerLifecycle:
 
         ``acked``: user code starts only once the JobAck is on the wire, so a
         handler that dies at once still leaves the engine a lease to recover.
+        A job with a start delay (a sleep woken ahead of its time) keeps its
+        slot and its lease (heartbeats list it) and starts the handler at
+        ``job.start_at``, never before; a drain during that hold hands it back
+        with ``JobNack(DRAINING)`` (its handler never started), a cancel or a
+        stale lease abandons it.
         """
         try:
             with job.scope:
                 if acked is not None:
                     await acked.wait()
+                if not await self._hold(job):
+                    a = job.assignment
+                    _log.info(
+                        "Draining, handing back a job held for its start time",
+                        extra={"fields": {"run_id": a.run_id, "execution_seq": a.execution_seq}},
+                    )
+                    await reporter.nack(
+                        job, JobNack(a.job_id, a.run_id, a.execution_seq, a.lease_token, reason="DRAINING")
+                    )
+                    return
                 await execute_job(self.functions.get(job.assignment.function_id), job, reporter)
         finally:
             job.done = True
             if self._jobs.get(job.assignment.job_id) is job:
                 del self._jobs[job.assignment.job_id]
             self._jobs_changed.set()
+
+    async def _hold(self, job: JobState) -> bool:
+        """Wait until the job may start; False if a drain began first."""
+        if job.start_at <= trio.current_time():
+            return True
+        with trio.move_on_at(job.start_at):
+            await self._drain_begun.wait()
+        return not self._draining
 
     @contextmanager
     def _signals_handled(self) -> Iterator[None]:

@@ -87,6 +87,16 @@ class _HttpReporter:
             self._worker._abandon(job, "step refused as stale")
             await trio.lowlevel.checkpoint()  # let the cancellation land now
 
+    async def nack(self, job: JobState, msg: JobNack) -> None:
+        if job.abandoned:
+            return
+        with trio.move_on_at(self._worker._call_deadline(CALL_TIMEOUT_S)):
+            try:
+                await self._worker._post("/nack", msg)
+            except httpx.HTTPError as exc:
+                # The engine recovers the segment when its lease expires.
+                _log.warning("Could not nack a job: %r", exc, extra=_fields(run_id=msg.run_id))
+
     async def result(self, job: JobState, msg: Any) -> None:
         for delay in (*RESULT_RETRY_DELAYS_S, None):
             if job.abandoned:
@@ -286,7 +296,8 @@ class PullWorker(WorkerLifecycle):
                     continue
                 try:
                     resp = await self._post(
-                        "/poll", PullPollRequest(wait_s=self.poll_wait, max_jobs=free)
+                        "/poll",
+                        PullPollRequest(wait_s=self.poll_wait, max_jobs=free, delayed_start=True),
                     )
                     if resp.status_code in (401, 403):
                         raise WorkerAuthError(f"poll refused (HTTP {resp.status_code})")

@@ -85,6 +85,7 @@ class _OutboxReporter:
             await self._send.send(msg)
 
     result = step
+    nack = step
 
 
 class _Flushed:

@@ -113,6 +113,10 @@ class Reservation(msgspec.Struct, frozen=True):
 
     session_id: str
     assignment: JobAssignment
+    # Set for the segment the waker queued when a step woke: the database
+    # clock now minus the step's wake time (negative when it is reserved ahead
+    # of it, to be held until then), for the wake-lateness metric.
+    wake_lateness_s: float | None = None
 
 
 class RecoveredSegment(msgspec.Struct, frozen=True):
@@ -144,9 +148,16 @@ class JobOutcome(msgspec.Struct, frozen=True):
     # Set when the run ended here (completed or failed): for the run-duration metric.
     function_id: str | None = None
     duration_s: float | None = None
-    # Set by resume_claimed_step: how long after the step's wake_at it resumed
-    # (database clock), for the wake-lateness metric.
-    wake_lateness_s: float | None = None
+
+
+class WakeOutcome(msgspec.Struct, frozen=True):
+    """What :meth:`Store.resume_claimed_steps` did with one batch of claims."""
+
+    # Runs whose next segment was queued.
+    resumed: list[str]
+    # Claims taken away since they were made (the run was cancelled, or loop 2
+    # restored the step): nothing of ours to resume; skipped, not an error.
+    lost: list[tuple[str, str]]
 
 
 class CapacityGauges(msgspec.Struct, frozen=True):
@@ -517,17 +528,26 @@ class Store(abc.ABC):
     # loop 2 and the waker -------------------------------------------------------
 
     @abc.abstractmethod
-    async def claim_elapsed_steps(self, node_id: str, limit: int) -> list[tuple[str, str]]:
-        """Claim sleeps whose wake_at passed and waits/invokes whose timeout
-        passed: status → 'waking', claimed_by/claimed_at set, pre_claim_status
-        kept (SKIP LOCKED). Returns (run_id, step_id) pairs."""
+    async def claim_elapsed_steps(
+        self, node_id: str, limit: int, *, lookahead_s: float = 0.0
+    ) -> list[tuple[str, str]]:
+        """Claim up to ``limit`` steps, earliest wake time first: sleeps whose
+        wake_at is at most ``lookahead_s`` ahead of now, and waits/invokes whose
+        timeout passed (never ahead: an event or the child may still come).
+        Status → 'waking', claimed_by/claimed_at set, pre_claim_status kept
+        (SKIP LOCKED). Returns (run_id, step_id) pairs."""
 
     @abc.abstractmethod
-    async def resume_claimed_step(self, node_id: str, run_id: str, step_id: str) -> JobOutcome:
-        """Finish a claim: a sleep → 'completed'; a timed-out wait → 'timed_out'
-        (output None); a timed-out invoke → 'failed' (InvokeError); then queue
-        the run's next seq (reason 'resume') and clear the claim. The outcome's
-        ``wake_lateness_s`` is how long after ``wake_at`` this happened."""
+    async def resume_claimed_steps(
+        self, node_id: str, steps: list[tuple[str, str]]
+    ) -> WakeOutcome:
+        """Finish a batch of claims in one transaction: a sleep → 'completed'; a
+        timed-out wait → 'timed_out' (output None); a timed-out invoke →
+        'failed' (InvokeError); the claim cleared. Each resumable run's next
+        seq is queued at once (reason 'resume') with ``runs.start_at`` = the
+        step's wake_at, which every dispatch of that segment honours (a sleep
+        claimed ahead is held until then). A step no longer claimed by
+        ``node_id`` is skipped and reported in ``lost``."""
 
     @abc.abstractmethod
     async def reset_stale_claims(self, threshold_s: float) -> int:
@@ -535,7 +555,10 @@ class Store(abc.ABC):
         run holds NEITHER a lease NOR a queue row to pre_claim_status."""
 
     @abc.abstractmethod
-    async def seconds_until_next_wake(self) -> float | None: ...
+    async def seconds_until_next_wake(self, lookahead_s: float = 0.0) -> float | None:
+        """Seconds (DB clock) until :meth:`claim_elapsed_steps` with this
+        ``lookahead_s`` would find a step; 0 if one is claimable now; None if
+        no step is parked with a wake time."""
 
     # reads ----------------------------------------------------------------------
 

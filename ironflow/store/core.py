@@ -573,10 +573,11 @@ class SqlStoreBase(Store):
         )
 
     def _resume(self, tx: Tx, run_id: str) -> tuple[int, float] | None:
-        """Queue a parked run's next segment now (reason 'resume'); None if not resumable."""
+        """Queue a parked run's next segment now (reason 'resume'); None if not resumable.
+        The segment may start at once: an earlier sleep's ``start_at`` is cleared."""
         row = tx.fetchone(
             "UPDATE runs SET current_execution_seq = current_execution_seq + 1,"
-            " status = 'waiting', updated_at = ironflow_now()"
+            " status = 'waiting', start_at = NULL, updated_at = ironflow_now()"
             f" WHERE id = ? AND status NOT IN {_TERMINAL_SQL}"
             " AND NOT EXISTS (SELECT 1 FROM concurrency_leases l WHERE l.run_id = runs.id)"
             " AND NOT EXISTS (SELECT 1 FROM dispatch_queue q WHERE q.run_id = runs.id)"

@@ -5,6 +5,7 @@ release a reservation a session could not take.
 
 from __future__ import annotations
 
+import math
 import secrets
 from typing import Any
 
@@ -160,8 +161,9 @@ class DispatchOps(CapacityLoop):
             row[0]: row
             for row in tx.fetchall(
                 "SELECT r.id, r.function_id, r.attempt, r.max_attempts, e.id, e.name, e.data,"
-                " e.received_at, e.idempotency_key FROM runs r LEFT JOIN events e"
-                f" ON e.id = r.event_id WHERE r.id IN ({marks})",
+                " e.received_at, e.idempotency_key, r.start_at - ironflow_now(), q.reason"
+                " FROM runs r LEFT JOIN events e ON e.id = r.event_id"
+                f" LEFT JOIN dispatch_queue q ON q.run_id = r.id WHERE r.id IN ({marks})",
                 run_ids,
             )
         }
@@ -185,6 +187,9 @@ class DispatchOps(CapacityLoop):
                 received_at=r[7] or 0.0,
                 idempotency_key=r[8],
             )
+            # A segment whose run may not start yet (a sleep woken ahead of
+            # its time) carries the wait, from the database clock.
+            ahead = r[9]
             out.append(
                 Reservation(
                     session_id,
@@ -198,7 +203,9 @@ class DispatchOps(CapacityLoop):
                         completed_steps=memo[run_id],
                         execution_seq=seq,
                         lease_token=token,
+                        start_delay_ms=math.ceil(ahead * 1000) if ahead is not None and ahead > 0 else 0,
                     ),
+                    wake_lateness_s=-ahead if ahead is not None and r[10] == "resume" else None,
                 )
             )
         return out

@@ -8,30 +8,54 @@ row): the two loops are disjoint by construction, not by timing.
 
 from __future__ import annotations
 
+from ironflow.ids import new_id
 from ironflow.protocol import (
     ErrorInfo,
 )
 from ironflow.store.base import (
-    Conflict,
-    JobOutcome,
+    WakeOutcome,
 )
 from ironflow.store.core import (
+    _TERMINAL_SQL,
     SqlStoreBase,
     Tx,
     _enc,
+    _marks,
 )
+
+
+def _pairs(n: int) -> str:
+    """``(?, ?), …`` n times: the rows of a ``(run_id, step_id) IN (VALUES …)``."""
+    return ", ".join(["(?, ?)"] * n)
+
+
+def _invoke_timeout(child_run_id: str | None) -> str:
+    """The stored error of an invoke step whose child did not finish in time."""
+    return _enc(
+        ErrorInfo(
+            message=f"invoked run {child_run_id} did not finish before the timeout",
+            code="INVOKE_TIMEOUT",
+            retryable=False,
+        )
+    )
 
 
 class WakeLoop(SqlStoreBase):
     """The waker's claims and loop 2, the stale-claim sweeper."""
 
-    async def claim_elapsed_steps(self, node_id: str, limit: int) -> list[tuple[str, str]]:
+    async def claim_elapsed_steps(
+        self, node_id: str, limit: int, *, lookahead_s: float = 0.0
+    ) -> list[tuple[str, str]]:
         def work(tx: Tx) -> list[tuple[str, str]]:
+            # A sleep is claimable ``lookahead_s`` ahead of its wake time (its
+            # run is held until then); a wait or invoke only once its timeout
+            # passed. One range of the steps_wake index, filtered.
             due = tx.fetchall(
                 "SELECT run_id, step_id FROM steps WHERE status IN ('sleeping', 'waiting')"
-                " AND wake_at IS NOT NULL AND wake_at <= ironflow_now()"
+                " AND wake_at IS NOT NULL AND wake_at <= ironflow_now() + ?"
+                " AND (kind = 'sleep' OR wake_at <= ironflow_now())"
                 f" ORDER BY wake_at LIMIT ? {tx.lock()}",
-                (limit,),
+                (float(max(lookahead_s, 0.0)), limit),
             )
             if due:
                 tx.executemany(
@@ -44,49 +68,94 @@ class WakeLoop(SqlStoreBase):
 
         return await self._transact(work)
 
-    async def resume_claimed_step(self, node_id: str, run_id: str, step_id: str) -> JobOutcome:
-        def work(tx: Tx) -> JobOutcome:
-            step = tx.fetchone(
-                "SELECT s.kind, s.invoke_run_id, s.claimed_at, s.pre_claim_status, f.audit,"
-                " ironflow_now() - s.wake_at"
+    async def resume_claimed_steps(
+        self, node_id: str, steps: list[tuple[str, str]]
+    ) -> WakeOutcome:
+        pairs = _pairs(len(steps))
+        flat = [value for pair in steps for value in pair]
+
+        def work(tx: Tx) -> WakeOutcome:
+            if not steps:
+                return WakeOutcome([], [])
+            # Still ours: a cancel (or loop 2) since the claim took it away.
+            mine = tx.fetchall(
+                "SELECT s.run_id, s.step_id, s.kind, s.invoke_run_id, s.claimed_at,"
+                " s.pre_claim_status, f.audit"
                 " FROM steps s JOIN runs r ON r.id = s.run_id"
                 " LEFT JOIN functions f ON f.id = r.function_id"
-                " WHERE s.run_id = ? AND s.step_id = ? AND s.status = 'waking' AND s.claimed_by = ?",
-                (run_id, step_id, node_id),
+                f" WHERE (s.run_id, s.step_id) IN (VALUES {pairs})"
+                " AND s.status = 'waking' AND s.claimed_by = ?",
+                [*flat, node_id],
             )
-            if step is None:
-                raise Conflict(f"step {run_id}/{step_id} is not claimed by node {node_id}")
-            kind, child, claimed_at, pre_claim_status, audit, late = step
-            if audit:
+            kept = {(row[0], row[1]) for row in mine}
+            lost = [pair for pair in steps if pair not in kept]
+            if not mine:
+                return WakeOutcome([], lost)
+            run_marks = _marks(len(mine))
+            run_ids = [row[0] for row in mine]
+            # Runs first, while their steps are still claimed: the next segment
+            # may start at the step's wake time, not before (runs.start_at).
+            resumed = tx.fetchall(
+                "UPDATE runs SET current_execution_seq = current_execution_seq + 1,"
+                " status = 'waiting', updated_at = ironflow_now(),"
+                " start_at = (SELECT max(s.wake_at) FROM steps s WHERE s.run_id = runs.id"
+                " AND s.status = 'waking' AND s.claimed_by = ?)"
+                f" WHERE id IN ({run_marks}) AND status NOT IN {_TERMINAL_SQL}"
+                " AND NOT EXISTS (SELECT 1 FROM concurrency_leases l WHERE l.run_id = runs.id)"
+                " AND NOT EXISTS (SELECT 1 FROM dispatch_queue q WHERE q.run_id = runs.id)"
+                " RETURNING id",
+                [node_id, *run_ids],
+            )
+            # Every claimed step ends, resumable run or not: a sleep completes,
+            # a wait times out, an invoke fails (its error named below).
+            tx.execute(
+                "UPDATE steps SET status = CASE kind WHEN 'sleep' THEN 'completed'"
+                " WHEN 'wait' THEN 'timed_out' ELSE 'failed' END,"
+                " error = NULL, output = NULL, claimed_by = NULL, claimed_at = NULL,"
+                " pre_claim_status = NULL"
+                f" WHERE (run_id, step_id) IN (VALUES {_pairs(len(mine))})"
+                " AND status = 'waking' AND claimed_by = ?",
+                [*(v for row in mine for v in row[:2]), node_id],
+            )
+            invokes = [row for row in mine if row[2] == "invoke"]
+            if invokes:
+                tx.executemany(
+                    "UPDATE steps SET error = ? WHERE run_id = ? AND step_id = ?",
+                    [(_invoke_timeout(row[3]), row[0], row[1]) for row in invokes],
+                )
+            audited = [row for row in mine if row[6]]
+            if audited:
                 # One record per wake, in the resume's transaction: with
                 # ``step.claim.restored`` it counts each step's claims in the
                 # database (a function's ordinary audit events, opt-in).
-                self._audit(tx, "step.woke", run_id, None, {
-                    "step_id": step_id, "node_id": node_id, "from": pre_claim_status,
-                    "claimed_at": float(claimed_at),
-                })
-            status, error = "completed", None
-            if kind == "wait":
-                status = "timed_out"
-            elif kind == "invoke":
-                status = "failed"
-                error = _enc(
-                    ErrorInfo(
-                        message=f"invoked run {child} did not finish before the timeout",
-                        code="INVOKE_TIMEOUT",
-                        retryable=False,
-                    )
+                tx.executemany(
+                    "INSERT INTO audit_log (id, at, type, run_id, function_id, data)"
+                    " VALUES (?, ironflow_now(), 'step.woke', ?, NULL, ?)",
+                    [
+                        (new_id("aud"), row[0], _enc({
+                            "step_id": row[1], "node_id": node_id, "from": row[5],
+                            "claimed_at": float(row[4]),
+                        }))
+                        for row in audited
+                    ],
                 )
-            tx.execute(
-                "UPDATE steps SET status = ?, error = ?, output = NULL, claimed_by = NULL,"
-                " claimed_at = NULL, pre_claim_status = NULL WHERE run_id = ? AND step_id = ?",
-                (status, error, run_id, step_id),
-            )
-            resumed = self._resume(tx, run_id)
-            if resumed is None:
-                row = tx.fetchone("SELECT status FROM runs WHERE id = ?", (run_id,))
-                return JobOutcome(run_id, row[0] if row else "unknown", wake_lateness_s=late)
-            return JobOutcome(run_id, "waiting", resumed[0], resumed[1], wake_lateness_s=late)
+            resumed_ids = [row[0] for row in resumed]
+            if resumed_ids:
+                tx.notify()
+                tx.execute(
+                    "INSERT INTO dispatch_queue (run_id, execution_seq, function_id,"
+                    " concurrency_key, eligible_at, reason, enqueued_at)"
+                    " SELECT id, current_execution_seq, function_id, concurrency_key,"
+                    " ironflow_now(), 'resume', ironflow_now() FROM runs"
+                    f" WHERE id IN ({_marks(len(resumed_ids))})"
+                    " ON CONFLICT (run_id) DO UPDATE SET"
+                    " execution_seq = excluded.execution_seq, eligible_at = excluded.eligible_at,"
+                    " reason = excluded.reason, enqueued_at = excluded.enqueued_at,"
+                    " reservation_owner = NULL, reservation_expires_at = NULL,"
+                    " lease_token_hash = NULL",
+                    resumed_ids,
+                )
+            return WakeOutcome(resumed_ids, lost)
 
         return await self._transact(work)
 
@@ -118,12 +187,20 @@ class WakeLoop(SqlStoreBase):
 
         return await self._transact(work)
 
-    async def seconds_until_next_wake(self) -> float | None:
+    async def seconds_until_next_wake(self, lookahead_s: float = 0.0) -> float | None:
         def work(tx: Tx) -> float | None:
+            # Each kind's earliest from an index: a sleep is claimable
+            # ``lookahead_s`` early (steps_sleep_wake), a wait or invoke at its
+            # timeout (steps_wake, whose predicate is spelled out so SQLite
+            # uses it: the scan stops at the first waiting row).
             row = tx.fetchone(
-                "SELECT min(wake_at) - ironflow_now() FROM steps"
-                " WHERE status IN ('sleeping', 'waiting') AND wake_at IS NOT NULL"
+                "SELECT (SELECT min(wake_at) FROM steps WHERE status = 'sleeping') - ?,"
+                " (SELECT min(wake_at) FROM steps WHERE status IN ('sleeping', 'waiting')"
+                " AND wake_at IS NOT NULL AND status = 'waiting'), ironflow_now()",
+                (float(max(lookahead_s, 0.0)),),
             )
-            return None if row is None or row[0] is None else max(0.0, float(row[0]))
+            assert row is not None
+            times = [float(t) for t in row[:2] if t is not None]
+            return None if not times else max(0.0, min(times) - float(row[2]))
 
         return await self._transact(work)

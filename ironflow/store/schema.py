@@ -65,6 +65,9 @@ CREATE TABLE IF NOT EXISTS runs (
     concurrency_key       TEXT,
     timeout_s             {REAL},
     deadline_at           {REAL},
+    -- When the run's next segment may start its handler (the wake time of a
+    -- sleep resumed ahead of it): every dispatch of the run honours it.
+    start_at              {REAL},
     output                TEXT,
     error                 TEXT,
     created_at            {REAL} NOT NULL,
@@ -105,6 +108,9 @@ CREATE TABLE IF NOT EXISTS steps (
 );
 CREATE INDEX IF NOT EXISTS steps_wake ON steps (wake_at)
     WHERE status IN ('sleeping', 'waiting') AND wake_at IS NOT NULL;
+-- The earliest sleep alone: the waker claims sleeps ahead of their wake time
+-- (waits only at it), so it needs each kind's earliest without a scan.
+CREATE INDEX IF NOT EXISTS steps_sleep_wake ON steps (wake_at) WHERE status = 'sleeping';
 CREATE INDEX IF NOT EXISTS steps_wait_event ON steps (wait_event)
     WHERE status = 'waiting' AND kind = 'wait';
 CREATE INDEX IF NOT EXISTS steps_waking ON steps (claimed_at) WHERE status = 'waking';
@@ -236,6 +242,7 @@ _ADDED_COLUMNS = [
     ("worker_sessions", "secret_hash", "TEXT"),
     ("runs", "timeout_s", "{REAL}"),
     ("runs", "deadline_at", "{REAL}"),
+    ("runs", "start_at", "{REAL}"),
 ]
 
 # Fills the trigger index from stored definitions, for a database whose

@@ -30,6 +30,7 @@ def make_assignment(
     completed_steps: list[MemoStep] | None = None,
     data: Any = None,
     attempt: int = 1,
+    start_delay_ms: int = 0,
 ) -> JobAssignment:
     run_id = run_id or f"run{next(_seq)}"
     return JobAssignment(
@@ -42,6 +43,7 @@ def make_assignment(
         completed_steps=completed_steps or [],
         execution_seq=execution_seq,
         lease_token=f"tok-{run_id}-{execution_seq}",
+        start_delay_ms=start_delay_ms,
     )
 
 
@@ -55,6 +57,9 @@ class ListReporter:
         self.messages.append(msg)
 
     async def result(self, job: Any, msg: Any) -> None:
+        self.messages.append(msg)
+
+    async def nack(self, job: Any, msg: Any) -> None:
         self.messages.append(msg)
 
 

@@ -162,3 +162,20 @@ async def test_a_job_cut_at_the_deadline_still_gets_its_goodbye_within_it():
     assert engine.calls[-1][0] == "DELETE"
     assert "result" not in engine.kinds()
     assert 0.7 < took <= 1.0
+
+
+async def test_pull_worker_says_in_each_poll_that_it_holds_a_job_until_its_start_delay():
+    engine = FakeHttpEngine([make_assignment(run_id="p9", start_delay_ms=200)])
+    worker = _worker(engine, [two_steps])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(worker.run)
+        with trio.fail_after(5):
+            while "result" not in engine.kinds():
+                await trio.sleep(0.01)
+        await worker.drain()
+    polls = [body for _, k, body in engine.calls if k == "poll"]
+    assert polls and all(p["delayed_start"] for p in polls)
+    acked, stepped = (next(i for i, (_, k, _) in enumerate(engine.calls) if k == kind) for kind in ("ack", "steps"))
+    # Acked on receipt, and the handler's first step only after the 200 ms hold
+    # (heartbeats every 20 ms and polls come between).
+    assert stepped - acked > 2

@@ -29,6 +29,7 @@ from ironflow.store import (
     StaleExecution,
     StepResult,
     Store,
+    WakeOutcome,
 )
 
 LEASE = 90.0
@@ -645,12 +646,101 @@ async def test_sleep_is_claimed_and_resumed(store):
     await store.advance_clock(11)
     assert await store.claim_elapsed_steps("n1", 10) == [(f.run_id, "z")]
     assert await store.claim_elapsed_steps("n1", 10) == []
-    out = await store.resume_claimed_step("n1", f.run_id, "z")
-    assert out.next_execution_seq == 2
+    out = await store.resume_claimed_steps("n1", [(f.run_id, "z")])
+    assert out.resumed == [f.run_id] and out.lost == []
+    assert (await store.get_run(f.run_id)).run.current_execution_seq == 2
     await store.heartbeat(s.session_id, None, session_expiry_s=SESSION, lease_expiry_s=LEASE)
     (res,) = await reserve(store, s)
     memo = res.assignment.completed_steps
     assert [(m.step_id, m.kind, m.status) for m in memo] == [("z", "sleep", "completed")]
+    # Claimed after its wake time: it may start at once, ~1 s late.
+    assert res.assignment.start_delay_ms == 0
+    assert res.wake_lateness_s is not None and 0.9 < res.wake_lateness_s < 2.5
+
+
+async def test_a_sleep_is_claimed_ahead_within_the_lookahead_and_its_run_carries_the_wake_time(store):
+    s = await worker(store, slots=2)
+    f = await running(store, s)
+    now = await store.db_now()
+    await store.yield_job(f, step_id="z", name="nap", info=SleepYield(until=now + 10))
+    assert await store.claim_elapsed_steps("n1", 10, lookahead_s=5) == []
+    assert 3 < await store.seconds_until_next_wake(5) <= 5
+    await store.advance_clock(6)  # 4 s before the wake time
+    assert await store.seconds_until_next_wake(5) == 0
+    assert await store.claim_elapsed_steps("n1", 10, lookahead_s=5) == [(f.run_id, "z")]
+    assert (await store.resume_claimed_steps("n1", [(f.run_id, "z")])).resumed == [f.run_id]
+    (res,) = await reserve(store, s)
+    # Queued and reserved now, to start at the wake time (database clock).
+    assert 3000 < res.assignment.start_delay_ms <= 4000
+    assert res.wake_lateness_s is not None and -4 <= res.wake_lateness_s < -3
+    # Every later dispatch of that segment honours it: a nack re-queues it ...
+    nacked = await store.nack_job(fence_of(res), "DRAINING")
+    (again,) = await reserve(store, await worker(store, slots=1))
+    assert again.assignment.execution_seq == nacked.next_execution_seq
+    assert 3000 < again.assignment.start_delay_ms <= 4000
+    assert again.wake_lateness_s is None  # a re-delivery is not a wake
+    # ... and the run resumed by anything else later may start at once.
+    await store.activate_lease(fence_of(again), lease_expiry_s=LEASE)
+    await store.advance_clock(5)
+    await store.yield_job(fence_of(again), step_id="i", name="i", info=InvokeYield("missing"))
+    (after,) = await reserve(store, await worker(store, slots=1))
+    assert after.assignment.start_delay_ms == 0 and after.wake_lateness_s is None
+
+
+async def test_lookahead_claims_sleeps_early_but_waits_and_invokes_only_at_their_timeout(store):
+    s = await worker(store, fn("f", "order.created"), fn("child", "never"), slots=3)
+    sleeper, waiter, invoker = [await running(store, s) for _ in range(3)]
+    now = await store.db_now()
+    await store.yield_job(sleeper, step_id="z", name="z", info=SleepYield(until=now + 3))
+    await store.yield_job(waiter, step_id="w", name="w", info=WaitYield(event="e", timeout_at=now + 3))
+    await store.yield_job(
+        invoker, step_id="i", name="i", info=InvokeYield("child", None, timeout_at=now + 3)
+    )
+    assert await store.claim_elapsed_steps("n1", 10, lookahead_s=10) == [(sleeper.run_id, "z")]
+    # The wait and the invoke are claimable at their timeout, not before.
+    assert 1 < await store.seconds_until_next_wake(10) <= 3
+    assert await store.claim_elapsed_steps("n1", 10, lookahead_s=10) == []
+    await store.advance_clock(3.5)
+    assert sorted(await store.claim_elapsed_steps("n1", 10, lookahead_s=10)) == sorted(
+        [(waiter.run_id, "w"), (invoker.run_id, "i")]
+    )
+
+
+async def test_one_resume_settles_a_whole_batch_and_skips_a_claim_taken_away(store):
+    s = await worker(store, fn("f", "order.created"), fn("child", "never"), slots=4)
+    fences = [await running(store, s) for _ in range(4)]
+    sleeper, waiter, invoker, cancelled = fences
+    now = await store.db_now()
+    await store.yield_job(sleeper, step_id="z", name="z", info=SleepYield(until=now + 1))
+    await store.yield_job(waiter, step_id="w", name="w", info=WaitYield(event="e", timeout_at=now + 1))
+    out = await store.yield_job(
+        invoker, step_id="i", name="i", info=InvokeYield("child", None, timeout_at=now + 1)
+    )
+    (child,) = out.kicked_run_ids
+    await store.yield_job(cancelled, step_id="z", name="z", info=SleepYield(until=now + 1))
+    await store.advance_clock(2)
+    claimed = await store.claim_elapsed_steps("n1", 10)
+    assert len(claimed) == 4
+    await store.cancel_run(cancelled.run_id, "user")  # between claim and resume
+    outcome = await store.resume_claimed_steps("n1", claimed)
+    assert sorted(outcome.resumed) == sorted([sleeper.run_id, waiter.run_id, invoker.run_id])
+    assert outcome.lost == [(cancelled.run_id, "z")]
+    steps = {f.run_id: (await store.get_run(f.run_id)).steps[0] for f in fences}
+    assert steps[sleeper.run_id].status == "completed"
+    assert steps[waiter.run_id].status == "timed_out" and steps[waiter.run_id].output is None
+    assert steps[invoker.run_id].status == "failed"
+    assert steps[invoker.run_id].error.code == "INVOKE_TIMEOUT" and child in steps[invoker.run_id].error.message
+    assert steps[cancelled.run_id].status == "failed"
+    for f in (sleeper, waiter, invoker):
+        detail = await store.get_run(f.run_id)
+        assert detail.queue.reason == "resume" and detail.queue.execution_seq == 2
+        assert await step_claim(store, f.run_id, steps[f.run_id].step_id) == (
+            steps[f.run_id].status, None, None, None
+        )
+    # Resuming the same claims again finds none of them: nothing happens twice.
+    again = await store.resume_claimed_steps("n1", claimed)
+    assert again.resumed == [] and sorted(again.lost) == sorted(claimed)
+    assert await store.resume_claimed_steps("n1", []) == WakeOutcome([], [])
 
 
 async def test_wait_for_event_resolved_by_matching_event(store):
@@ -676,7 +766,7 @@ async def test_wait_times_out_via_waker(store):
     await store.yield_job(f, step_id="w", name="w", info=WaitYield(event="e", timeout_at=now + 5))
     await store.advance_clock(6)
     assert await store.claim_elapsed_steps("n1", 10) == [(f.run_id, "w")]
-    await store.resume_claimed_step("n1", f.run_id, "w")
+    await store.resume_claimed_steps("n1", [(f.run_id, "w")])
     assert (await store.get_run(f.run_id)).steps[0].status == "timed_out"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 
 from ironflow.protocol import Concurrency, FunctionDef, Trigger
@@ -174,29 +175,34 @@ async def _park_sleeps(store, n: int, until: float) -> list[str]:
     return run_ids
 
 
-async def test_two_nodes_wakers_racing_claim_and_resume_each_sleep_exactly_once(pg_url):
+@pytest.mark.parametrize("lookahead_s", [0.0, 60.0])
+async def test_two_nodes_wakers_racing_claim_and_resume_each_sleep_exactly_once(pg_url, lookahead_s):
     nodes = [open_store(pg_url), open_store(pg_url)]
     for s in nodes:
         await s.open()
     try:
         now = await nodes[0].db_now()
-        run_ids = await _park_sleeps(nodes[0], 300, now - 1)  # all due at once
+        # All due at once: already, or (look-ahead) within the next 30 s.
+        run_ids = await _park_sleeps(nodes[0], 300, now - 1 if not lookahead_s else now + 30)
         claimed: list[list[tuple[str, str]]] = [[], []]
+        resumed: list[str] = []
 
         async def waker(i: int) -> None:
             while True:
-                batch = await nodes[i].claim_elapsed_steps(f"n{i}", 25)
+                batch = await nodes[i].claim_elapsed_steps(f"n{i}", 25, lookahead_s=lookahead_s)
                 if not batch:
                     return
                 claimed[i].extend(batch)
-                for run_id, step_id in batch:
-                    await nodes[i].resume_claimed_step(f"n{i}", run_id, step_id)
+                outcome = await nodes[i].resume_claimed_steps(f"n{i}", batch)
+                assert outcome.lost == []
+                resumed.extend(outcome.resumed)
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(waker, 0)
             nursery.start_soon(waker, 1)
         both = claimed[0] + claimed[1]
         assert len(both) == len(set(both)) == 300  # each claimed by exactly one node
+        assert sorted(resumed) == sorted(run_ids)  # and resumed once
         assert claimed[0] and claimed[1]  # and both really raced
         for run_id in run_ids:
             detail = await nodes[0].get_run(run_id)
@@ -223,7 +229,7 @@ async def test_a_claim_left_by_a_dead_node_is_restored_and_resumed_once_by_anoth
         # ...after it, loop 2 restores the step and the survivor's waker takes it.
         assert await survivor.reset_stale_claims(threshold_s=60) == 1
         assert await survivor.claim_elapsed_steps("survivor", 10) == [(run_id, "nap")]
-        await survivor.resume_claimed_step("survivor", run_id, "nap")
+        assert (await survivor.resume_claimed_steps("survivor", [(run_id, "nap")])).resumed == [run_id]
         detail = await survivor.get_run(run_id)
         assert detail.queue is not None and detail.queue.reason == "resume"
         assert await survivor.claim_elapsed_steps("survivor", 10) == []  # resumed once

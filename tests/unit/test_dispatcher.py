@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
 import trio
 import trio.testing
 
-from actors import capacity_scanner, dispatcher
+from actors import capacity_scanner, dispatcher, waker
 from actors.directory import LocalSession, SessionDirectory
 from actors.messages import Kick, kick
+from ironflow import metrics
 from ironflow.config import NodeConfig, Timings
-from ironflow.protocol import EngineMessage, FunctionDef, JobAssignment, Trigger
+from ironflow.protocol import EngineMessage, FunctionDef, JobAssignment, SleepYield, Trigger
 from ironflow.store import Fence, Store
 from tests.unit.virtual_time import BASE
 
@@ -112,3 +114,175 @@ async def test_a_kick_during_a_round_starts_the_next_round_without_asking_when_t
     await trio.sleep(5)
     # Rounds 1-3 each saw a kick arrive while they ran; round 4 saw none.
     assert counting.rounds == 4 and counting.wake_queries == 1
+
+
+# ── sleeps woken ahead of their time (waker_lookahead): held until the wake time ──
+
+WAKE = 10.0  # the sleep's wake time, virtual seconds
+LOOKAHEAD = 1.0
+# A start computed from a whole-ms delay: up to 1 ms past the wake time, never before.
+MS = 0.001 + 1e-9
+
+
+class Harness:
+    """A store with one run parked on a sleep due at ``WAKE``, the waker (with
+    look-ahead), the scanner and the dispatcher running, and worker sessions
+    added on demand, each with its own outbox."""
+
+    def __init__(self, store: Store, nursery: trio.Nursery) -> None:
+        self.store, self.nursery = store, nursery
+        self.directory = SessionDirectory()
+        self.kick_send, self.kick_receive = trio.open_memory_channel[Kick](100)
+        self.cfg = NodeConfig(timings=Timings(
+            dispatch_idle_poll_s=1000.0, waker_interval_s=1000.0, waker_lookahead_s=LOOKAHEAD,
+        ))
+        self.run_id = ""
+
+    async def start(self, *, park_until: float = WAKE) -> None:
+        parker = await self.store.register_worker(
+            node_id="n1", worker_id="parker", mode="stream", max_concurrent_jobs=1, functions=[FN],
+            session_expiry_s=10**6,
+        )
+        self.run_id = (await self.store.ingest_event("go", {}, None, idempotency_window_s=60)).run_ids[0]
+        (res,) = await self.store.reserve_segments(
+            "n1", {parker.session_id: frozenset({"fn"})}, 1, reservation_expiry_s=10**6
+        )
+        a = res.assignment
+        fence = Fence(parker.session_id, a.run_id, a.execution_seq, a.lease_token)
+        await self.store.activate_lease(fence, lease_expiry_s=10**6)
+        await self.store.yield_job(fence, step_id="nap", name="nap", info=SleepYield(until=BASE + park_until))
+        await self.store.close_session(parker.session_id, recover_leases=False, recovery_grace_s=0,
+                                       recovery_ceiling=10)
+        await self.nursery.start(waker.run, self.store, self.cfg, "n1", self.kick_send)
+        await self.nursery.start(dispatcher.run, self.store, self.cfg, "n1", self.directory, self.kick_receive)
+
+    async def session(self, *, delayed_start: bool) -> tuple[str, trio.MemoryReceiveChannel[EngineMessage]]:
+        info = await self.store.register_worker(
+            node_id="n1", worker_id="w", mode="stream", max_concurrent_jobs=1, functions=[FN],
+            session_expiry_s=10**6,
+        )
+        send, receive = trio.open_memory_channel[EngineMessage](10)
+        self.directory.add(LocalSession(info.session_id, frozenset({"fn"}), send, delayed_start=delayed_start))
+        kick(self.kick_send, "session opened")
+        return info.session_id, receive
+
+
+async def next_job(outbox: trio.MemoryReceiveChannel[EngineMessage]) -> JobAssignment:
+    with trio.fail_after(100):
+        msg = await outbox.receive()
+    assert isinstance(msg, JobAssignment)
+    return msg
+
+
+def starts_at(job: JobAssignment) -> float:
+    """When a worker that received ``job`` now may start its handler (virtual time)."""
+    return trio.current_time() + job.start_delay_ms / 1000
+
+
+def fence(session_id: str, job: JobAssignment) -> Fence:
+    return Fence(session_id, job.run_id, job.execution_seq, job.lease_token)
+
+
+async def test_a_sleep_woken_ahead_goes_at_once_to_a_worker_that_holds_it_with_the_delay_to_its_wake_time(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    h = Harness(store, nursery)
+    _, outbox = await h.session(delayed_start=True)
+    await h.start()
+    job = await next_job(outbox)
+    assert WAKE - LOOKAHEAD <= trio.current_time() < WAKE - LOOKAHEAD + 0.01  # delivered ahead
+    assert WAKE <= starts_at(job) <= WAKE + MS  # to start at the wake time, never before
+    assert [m.step_id for m in job.completed_steps] == ["nap"]
+
+
+async def test_a_worker_that_cannot_hold_a_job_is_sent_it_only_at_its_start_time(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    h = Harness(store, nursery)
+    _, outbox = await h.session(delayed_start=False)
+    await h.start()
+    await next_job(outbox)
+    assert WAKE <= trio.current_time() <= WAKE + MS
+
+
+async def test_a_worker_killed_during_the_hold_leaves_a_redelivery_that_still_starts_at_the_wake_time(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    h = Harness(store, nursery)
+    first, outbox = await h.session(delayed_start=True)
+    await h.start()
+    job = await next_job(outbox)
+    await store.activate_lease(fence(first, job), lease_expiry_s=90)  # its JobAck
+    await trio.sleep(0.4)  # held; then the worker dies (kill -9: its socket closes)
+    h.directory.remove(first)
+    recovered = await store.close_session(first, recover_leases=True, recovery_grace_s=30,
+                                          recovery_ceiling=10)
+    assert [r.run_id for r in recovered] == [h.run_id]
+    _, outbox2 = await h.session(delayed_start=True)
+    again = await next_job(outbox2)
+    assert again.execution_seq == job.execution_seq + 1
+    assert trio.current_time() < WAKE  # re-delivered at once, still ahead ...
+    assert WAKE <= starts_at(again) <= WAKE + MS  # ... and held to the same wake time
+    # A worker that cannot hold is sent the next re-delivery only at the wake time.
+    await store.nack_job(fence(h.directory.all()[0].session_id, again), "DRAINING")
+    h.directory.remove(h.directory.all()[0].session_id)
+    _, outbox3 = await h.session(delayed_start=False)
+    await next_job(outbox3)
+    assert WAKE <= trio.current_time() <= WAKE + MS
+
+
+async def test_a_run_cancelled_during_the_hold_is_never_sent_to_a_worker_that_cannot_hold(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    h = Harness(store, nursery)
+    _, outbox = await h.session(delayed_start=False)
+    await h.start()
+    await trio.sleep(WAKE - LOOKAHEAD + 0.5)  # reserved and held by the node
+    assert (await store.get_run(h.run_id)).queue is not None
+    out = await store.cancel_run(h.run_id, "user")
+    assert out.session_id is not None  # the reservation's owner is told (the API sends Cancel)
+    await trio.sleep(LOOKAHEAD)
+    with pytest.raises(trio.WouldBlock):
+        outbox.receive_nowait()
+    assert (await store.get_run(h.run_id)).run.status == "cancelled"
+    assert (await store.list_sessions())[-1].credits_claimed == 0
+
+
+def _lateness() -> tuple[float, float]:
+    """(observations, seconds) of ironflow_wake_lateness_seconds so far."""
+    get = metrics.REGISTRY.get_sample_value
+    return (get("ironflow_wake_lateness_seconds_count") or 0.0,
+            get("ironflow_wake_lateness_seconds_sum") or 0.0)
+
+
+async def test_wake_lateness_is_observed_when_the_woken_segment_is_handed_over_ahead_it_counts_0(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    h = Harness(store, nursery)
+    first, outbox = await h.session(delayed_start=True)
+    await h.start()
+    count0, sum0 = _lateness()
+    job = await next_job(outbox)
+    count1, sum1 = _lateness()
+    assert (count1 - count0, sum1 - sum0) == (1, 0.0)  # handed ahead: held, on time
+    # A re-delivery (the worker died) is not another wake.
+    await store.activate_lease(fence(first, job), lease_expiry_s=90)
+    h.directory.remove(first)
+    await store.close_session(first, recover_leases=True, recovery_grace_s=30, recovery_ceiling=10)
+    _, outbox2 = await h.session(delayed_start=True)
+    await next_job(outbox2)
+    assert _lateness() == (count1, sum1)
+
+
+async def test_wake_lateness_of_a_segment_no_worker_could_take_is_how_late_it_was_handed_over(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    h = Harness(store, nursery)
+    await h.start()
+    await trio.sleep(WAKE + 3.0)  # resumed ahead, but no worker until 3 s after the wake time
+    count0, sum0 = _lateness()
+    _, outbox = await h.session(delayed_start=True)
+    job = await next_job(outbox)
+    assert job.start_delay_ms == 0
+    count1, sum1 = _lateness()
+    assert count1 - count0 == 1 and sum1 - sum0 == pytest.approx(3.0, abs=0.01)

@@ -44,7 +44,7 @@ async def test_a_refused_call_is_observed_and_a_cancelled_one_is_not(
 
 def test_the_method_label_can_only_take_the_store_interfaces_method_names() -> None:
     methods = metrics.store_methods()
-    assert {"record_step", "complete_job", "reserve_segments", "resume_claimed_step"} <= methods
+    assert {"record_step", "complete_job", "reserve_segments", "resume_claimed_steps"} <= methods
     # Not a call: the node-long kick listener; nor anything private.
     assert "watch_kicks" not in methods and not any(m.startswith("_") for m in methods)
     assert all(callable(getattr(Store, m)) for m in methods)

@@ -15,7 +15,6 @@ import trio.testing
 
 from actors import waker
 from actors.messages import Kick
-from ironflow import metrics
 from ironflow.config import NodeConfig, Timings
 from ironflow.protocol import FunctionDef, InvokeYield, SleepYield, Trigger, WaitYield, YieldInfo
 from ironflow.store import Fence, Store
@@ -30,8 +29,9 @@ LATE = waker.WAKE_SLACK_S + 0.001
 # test on the clock when the test asks for it.
 
 
-def config(waker_interval_s: float = 1000.0) -> NodeConfig:
-    return NodeConfig(timings=Timings(waker_interval_s=waker_interval_s))
+def config(waker_interval_s: float = 1000.0, lookahead_s: float = 0.0) -> NodeConfig:
+    """The waker's settings; no look-ahead unless asked (claims at the wake time)."""
+    return NodeConfig(timings=Timings(waker_interval_s=waker_interval_s, waker_lookahead_s=lookahead_s))
 
 
 async def park(store: Store, *yields: YieldInfo) -> list[str]:
@@ -163,8 +163,8 @@ class CancelAfterClaim:
         self._store = store
         self._victim = victim
 
-    async def claim_elapsed_steps(self, node_id: str, limit: int) -> list[tuple[str, str]]:
-        claimed = await self._store.claim_elapsed_steps(node_id, limit)
+    async def claim_elapsed_steps(self, node_id: str, limit: int, **kw: Any) -> list[tuple[str, str]]:
+        claimed = await self._store.claim_elapsed_steps(node_id, limit, **kw)
         if any(run_id == self._victim for run_id, _ in claimed):
             await self._store.cancel_run(self._victim, "cancelled by user")
         return claimed
@@ -197,28 +197,86 @@ async def test_a_run_cancelled_between_claim_and_resume_does_not_stop_the_rest_o
     assert await resumed(store, later)
 
 
-def _lateness() -> tuple[float, float]:
-    """(observations, seconds) of ironflow_wake_lateness_seconds so far."""
-    get = metrics.REGISTRY.get_sample_value
-    return (get("ironflow_wake_lateness_seconds_count") or 0.0,
-            get("ironflow_wake_lateness_seconds_sum") or 0.0)
+class CountingStore:
+    """The store, counting the waker's claim and resume transactions."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.claims = 0
+        self.resumes = 0
+
+    async def claim_elapsed_steps(self, node_id: str, limit: int, **kw: Any) -> list[tuple[str, str]]:
+        claimed = await self._store.claim_elapsed_steps(node_id, limit, **kw)
+        self.claims += bool(claimed)
+        return claimed
+
+    async def resume_claimed_steps(self, node_id: str, steps: list[tuple[str, str]]) -> Any:
+        self.resumes += 1
+        return await self._store.resume_claimed_steps(node_id, steps)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
 
 
-async def test_each_resumed_step_observes_how_late_after_its_wake_time_it_was_resumed(
+async def test_a_batch_of_claims_is_resumed_in_one_transaction(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(waker, "BATCH", 4)
+    run_ids = await park(store, *[SleepYield(until=BASE + 3.0)] * 10)
+    counting = CountingStore(store)
+    kicks = await start_waker(nursery, counting)
+    for _ in range(3):  # 4 + 4 + 2
+        await next_kick(kicks)
+    assert (counting.claims, counting.resumes) == (3, 3)
+    assert [await resumed(store, r) for r in run_ids] == [True] * 10
+
+
+async def start_at_of(store: Store, run_id: str) -> float | None:
+    """``runs.start_at``: no record carries it."""
+
+    def work(tx: Any) -> Any:
+        return tx.fetchone("SELECT start_at FROM runs WHERE id = ?", (run_id,))[0]
+
+    return await store._transact(work)  # type: ignore[attr-defined]
+
+
+async def test_with_lookahead_a_sleep_is_resumed_ahead_of_its_wake_time_to_start_at_it(
     store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    # One sleep is already 3 s overdue when the waker starts; the other is due later.
-    overdue, on_time = await park(store, SleepYield(until=BASE + 1.0), SleepYield(until=BASE + 9.0))
-    await trio.sleep(4.0)
-    count0, sum0 = _lateness()
-    kicks = await start_waker(nursery, store)
+    (run_id,) = await park(store, SleepYield(until=BASE + 10.0))
+    kicks = await start_waker(nursery, store, config(lookahead_s=1.5))
     await next_kick(kicks)
-    count1, sum1 = _lateness()
-    assert count1 - count0 == 1 and sum1 - sum0 == pytest.approx(3.0, abs=1e-6)
+    assert 8.5 <= trio.current_time() <= 8.5 + LATE  # 1.5 s ahead, not at 10 s
+    detail = await store.get_run(run_id)
+    assert detail.steps[0].status == "completed" and await resumed(store, run_id)
+    assert await start_at_of(store, run_id) == BASE + 10.0  # what every dispatch honours
+
+
+async def test_lookahead_never_claims_a_wait_or_an_invoke_before_its_timeout(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # An event may still match the wait, the child may still finish: neither
+    # is resolved before its timeout, whatever the look-ahead. The sleep due
+    # after the wait is claimed at its own look-ahead time, not at the wait's.
+    wait, invoke, sleep = await park(
+        store,
+        WaitYield(event="paid", timeout_at=BASE + 5.0),
+        InvokeYield("child", timeout_at=BASE + 8.0),
+        SleepYield(until=BASE + 5.5),
+    )
+    kicks = await start_waker(nursery, store, config(lookahead_s=2.0))
     await next_kick(kicks)
-    count2, sum2 = _lateness()
-    assert count2 - count1 == 1 and 0.0 <= sum2 - sum1 <= LATE
-    assert await resumed(store, overdue) and await resumed(store, on_time)
+    assert 3.5 <= trio.current_time() <= 3.5 + LATE
+    assert await resumed(store, sleep)
+    assert not await resumed(store, wait) and not await resumed(store, invoke)
+    await next_kick(kicks)
+    assert 5.0 <= trio.current_time() <= 5.0 + LATE
+    assert await resumed(store, wait) and not await resumed(store, invoke)
+    await next_kick(kicks)
+    assert 8.0 <= trio.current_time() <= 8.0 + LATE
+    assert await resumed(store, invoke)
+    assert (await store.get_run(wait)).steps[0].status == "timed_out"
 
 
 async def test_a_restarted_waker_leaves_no_wake_listener_behind(
