@@ -869,7 +869,8 @@ def main() -> None:
     ap.add_argument("--wake", type=int, default=0, metavar="N",
                     help="measure wake-up lateness of N sleeps due at once instead (scripts/wake_bench.py)")
     ap.add_argument("--wake-lead", type=float, default=6.0, help="--wake: seconds from the emits to the wake time")
-    ap.add_argument("--wake-slots", type=int, default=200, help="--wake: each worker's max_concurrent_jobs")
+    ap.add_argument("--wake-slots", type=int, default=None,
+                    help="--wake: each worker's max_concurrent_jobs (default: N, one slot per sleep)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--server", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)

@@ -1,8 +1,10 @@
 """Wake-up lateness: ``wake_at`` → handler resumed on the worker, for many sleeps due at once.
 
 Usage: python scripts/wake_bench.py [--sleeps 1000] [--backend sqlite|postgres|both]
-                                    [--nodes 1] [--repeat 3] [--lead 6] [--slots 200]
-       (or: python scripts/bench.py --wake 1000 [the same options])
+                                    [--nodes 1] [--repeat 3] [--lead 6] [--slots N]
+                                    [--waker-lookahead S]
+       (or: python scripts/bench.py --wake 1000 [--backend, --nodes, --repeat,
+        --wake-lead, --wake-slots])
 
 Per repeat, fresh ``--dev`` node(s) (SQLite in a temp dir, or a fresh
 database on a throwaway PostgreSQL cluster with its default durability that
@@ -14,6 +16,19 @@ millisecond for every run) and, the moment the handler is past the sleep,
 notes ``time.time()`` in the worker process. The worker also notes when each
 run's first segment started, to check that every sleep was parked before it
 was due (otherwise raise ``--lead``).
+
+Slots: by default each worker has as many slots as there are sleeps. A
+handler that resumes needs a free slot, so with fewer slots the later sleeps
+wait for earlier runs to finish and the figure measures the worker's
+capacity, not the engine; with look-ahead (``waker_lookahead``) a resumed
+job also holds its slot from its delivery until its wake time. Past 1,000
+slots the nodes are started with ``--max-slots-per-session`` to match.
+``--waker-lookahead`` is passed to the nodes (default: theirs, 1 s).
+
+The notes are tuples in memory, written out every 0.1 s: taking one costs
+the handler a ``time.time()`` and a list append, not a JSON encoding (1,000
+handlers resume one after another in one process, so what each one does
+before it yields delays the next).
 
 The figures come from the worker's notes (a JSON-lines file), read after the
 fact: the script polls nothing on the nodes while they work. Lateness =
@@ -47,14 +62,14 @@ def worker_main(url: str, out: str, slots: int) -> None:
 
     import ironflow
 
-    notes: list[str] = []
+    notes: list[tuple[str, str, float]] = []
 
     @ironflow.function(id="napper", triggers=[ironflow.event("nap.go")])
     async def napper(ctx):  # type: ignore[no-untyped-def]
         # Before the sleep on every segment; the earliest note is the first segment's.
-        notes.append(json.dumps({"run": ctx.run.id, "parked": time.time()}))
+        notes.append((ctx.run.id, "parked", time.time()))
         await ctx.step.sleep_until("nap", ctx.event.data["at"])
-        notes.append(json.dumps({"run": ctx.run.id, "resumed": time.time()}))
+        notes.append((ctx.run.id, "resumed", time.time()))
         return None
 
     worker = ironflow.StreamingWorker(url, [napper], max_concurrent_jobs=slots, reconnect_delay=0.5)
@@ -67,7 +82,7 @@ def worker_main(url: str, out: str, slots: int) -> None:
                 while True:
                     await trio.sleep(0.1)
                     if notes:
-                        fh.write("\n".join(notes) + "\n")
+                        fh.write("".join(json.dumps({"run": r, k: t}) + "\n" for r, k, t in notes))
                         notes.clear()
 
     trio.run(main)
@@ -94,8 +109,15 @@ def _notes(outs: list[Path]) -> dict[str, dict[str, float]]:
     return by_run
 
 
-def _start_node(db: str, tmp: Path, k: int) -> str:
-    return spawn_node(db, tmp / f"state{k}", tmp / f"node{k}.log", node_id=f"node-{k}")
+# The nodes' own limit on one worker's slots (limits.max_slots_per_session).
+NODE_SLOT_LIMIT = 1000
+
+
+def _start_node(db: str, tmp: Path, k: int, slots: int, lookahead: float | None) -> str:
+    extra = ["--max-slots-per-session", str(slots)] if slots > NODE_SLOT_LIMIT else []
+    if lookahead is not None:
+        extra += ["--waker-lookahead", str(lookahead)]
+    return spawn_node(db, tmp / f"state{k}", tmp / f"node{k}.log", node_id=f"node-{k}", extra=extra)
 
 
 def _start_worker(url: str, out: Path, slots: int) -> None:
@@ -105,14 +127,16 @@ def _start_worker(url: str, out: Path, slots: int) -> None:
     assert proc.stdout is not None and proc.stdout.readline().strip() == b"READY"
 
 
-def one_repeat(db: str, nodes: int, sleeps: int, lead: float, slots: int) -> dict[str, float]:
+def one_repeat(
+    db: str, nodes: int, sleeps: int, lead: float, slots: int, lookahead: float | None = None
+) -> dict[str, float]:
     """Start the nodes and workers, park ``sleeps`` sleeps, measure, stop everything."""
     import httpx
 
     tmp = Path(mkdtemp("ifwake."))
     started = len(LIVE)
     try:
-        urls = [_start_node(db, tmp, k) for k in range(nodes)]
+        urls = [_start_node(db, tmp, k, slots, lookahead) for k in range(nodes)]
         outs = [tmp / f"worker{k}.jsonl" for k in range(nodes)]
         for url, out in zip(urls, outs, strict=True):
             _start_worker(url, out, slots)
@@ -144,9 +168,22 @@ def one_repeat(db: str, nodes: int, sleeps: int, lead: float, slots: int) -> dic
             stop(proc)
 
 
-def run(sleeps: int, backend: str, nodes: int, repeat: int, lead: float, slots: int) -> None:
-    """Measure and print, for each backend asked for (the entry ``bench.py --wake`` uses)."""
+def run(
+    sleeps: int,
+    backend: str,
+    nodes: int,
+    repeat: int,
+    lead: float,
+    slots: int | None = None,
+    lookahead: float | None = None,
+) -> None:
+    """Measure and print, for each backend asked for (the entry ``bench.py --wake`` uses).
+
+    ``slots``: each worker's; None gives every worker as many as there are
+    sleeps. ``lookahead``: the nodes' ``--waker-lookahead`` (None: their default)."""
     from ironflow.testing import ThrowawayPostgres
+
+    slots = sleeps if slots is None else slots
 
     atexit.register(cleanup_all)
     pg: ThrowawayPostgres | None = None
@@ -159,15 +196,16 @@ def run(sleeps: int, backend: str, nodes: int, repeat: int, lead: float, slots: 
             rows = []
             for i in range(repeat):
                 db = pg.new_database("wake") if b == "postgres" and pg else f"{mkdtemp('ifwakedb.')}/ironflow.db"
-                row = one_repeat(db, k, sleeps, lead, slots)
+                row = one_repeat(db, k, sleeps, lead, slots, lookahead)
                 rows.append(row)
                 print(f"  [{b}, {k} node{'s' * (k > 1)}] repeat {i + 1}: p50 {row['p50_ms']:.0f} ms,"
                       f" p99 {row['p99_ms']:.0f} ms, min {row['min_ms']:.0f} ms, max {row['max_ms']:.0f} ms;"
                       f" {row['resumed_per_s']:.0f} resumed/s",
                       file=sys.stderr, flush=True)
             med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+            ahead = "" if lookahead is None else f", waker look-ahead {lookahead:g} s"
             print(f"{sleeps} sleeps due at the same instant, {b}, {k} node{'s' * (k > 1)}, one {slots}-slot"
-                  f" worker per node, median of {repeat}: lateness p50 {med['p50_ms']:.0f} ms,"
+                  f" worker per node{ahead}, median of {repeat}: lateness p50 {med['p50_ms']:.0f} ms,"
                   f" p99 {med['p99_ms']:.0f} ms, min {med['min_ms']:.0f} ms, max {med['max_ms']:.0f} ms;"
                   f" {med['resumed_per_s']:.0f} resumed/s (first → last)")
     finally:
@@ -181,7 +219,10 @@ def add_arguments(parser: argparse.ArgumentParser, *, sleeps_flag: str = "--slee
     parser.add_argument("--nodes", type=int, default=1, help="PostgreSQL only: nodes on the one database")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--lead", type=float, default=6.0, help="seconds from the emits to the common wake time")
-    parser.add_argument("--slots", type=int, default=200, help="each worker's max_concurrent_jobs")
+    parser.add_argument("--slots", type=int, default=None,
+                        help="each worker's max_concurrent_jobs (default: the number of sleeps)")
+    parser.add_argument("--waker-lookahead", type=float, default=None,
+                        help="the nodes' --waker-lookahead in seconds (default: theirs; 0 = off)")
 
 
 def main() -> None:
@@ -194,7 +235,7 @@ def main() -> None:
     if args.worker:
         worker_main(args.worker, args.out, args.slots)
         return
-    run(args.sleeps, args.backend, args.nodes, args.repeat, args.lead, args.slots)
+    run(args.sleeps, args.backend, args.nodes, args.repeat, args.lead, args.slots, args.waker_lookahead)
 
 
 if __name__ == "__main__":

@@ -274,6 +274,13 @@ class JobAssignment(msgspec.Struct, frozen=True, tag="job"):
     # the start later, never earlier. Sent only to a worker that registered
     # with ``delayed_start``; 0 = start at once.
     start_delay_ms: int = 0
+    # With a start delay: the database clock (epoch seconds) it was computed
+    # from. Only differences of it are used: a worker may learn from the jobs
+    # it received a lower bound of the database clock against its own
+    # monotonic clock, and hold a job until ``db_now + start_delay_ms`` by that
+    # bound when it is tighter than the delay from receipt (the time the job
+    # spent in queues and transit is then not added to its start).
+    db_now: float | None = None
 
 
 class LeaseStatus(msgspec.Struct, frozen=True, tag="lease_status"):

@@ -115,15 +115,18 @@ class JobState:
 
     __slots__ = ("assignment", "scope", "abandoned", "started_at", "start_at", "done")
 
-    def __init__(self, assignment: JobAssignment):
+    def __init__(self, assignment: JobAssignment, start_at: float | None = None):
         self.assignment = assignment
         self.scope = trio.CancelScope()
         # Set when the job must never report again (stale fence, cancel, lost session).
         self.abandoned = False
         self.started_at = time.time()
-        # When the handler may start (Trio clock): the assignment's delay runs
-        # from its receipt, here, so time in transit only ever makes it later.
-        self.start_at = trio.current_time() + assignment.start_delay_ms / 1000
+        # When the handler may start (Trio clock); by default the assignment's
+        # delay from now (the worker computes it from the receipt: see
+        # WorkerLifecycle._start_time).
+        self.start_at = (
+            trio.current_time() + assignment.start_delay_ms / 1000 if start_at is None else start_at
+        )
         self.done = False
 
     def abandon(self) -> None:
@@ -533,13 +536,14 @@ class Context:
 
 
 async def execute_job(
-    function: Function | None, job: JobState, reporter: Reporter
+    function: Function | None, job: JobState, reporter: Reporter, ctx: Context | None = None
 ) -> None:
     """Run one segment's handler and report exactly one terminal message.
 
     Returns without reporting if the job is cancelled (``trio.Cancelled``
     propagates) or abandoned. ``function=None`` reports a non-retryable
-    ``FUNCTION_NOT_FOUND``.
+    ``FUNCTION_NOT_FOUND``. ``ctx``: the handler's context if already built
+    (for ``job`` and ``reporter``).
     """
     a = job.assignment
     fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
@@ -555,7 +559,8 @@ async def execute_job(
             ),
         )
     else:
-        ctx = Context(job, reporter)
+        if ctx is None:
+            ctx = Context(job, reporter)
         try:
             output = await function.handler(ctx)
             raw = encode_strict(output, "handler output")[0]

@@ -196,6 +196,7 @@ class PullWorker(WorkerLifecycle):
                             self.state = "connected"
                             task_status.started()
                             nursery.start_soon(self._heartbeat_loop)
+                            nursery.start_soon(self._start_gates.run)
                             await self._poll_loop(nursery)
                             await self._wait_for_jobs()
                         except (WorkerAuthError, RegistrationRefusedError) as exc:
@@ -269,6 +270,7 @@ class PullWorker(WorkerLifecycle):
                 await trio.sleep(delay)
                 delay = min(delay * 2, POLL_BACKOFF_S[1])
         self.session_id = reg.session_id
+        self._new_connection()
         self._session_headers = {SESSION_SECRET_HEADER: reg.session_secret or ""}
         self._interval = self.heartbeat_interval or reg.heartbeat_interval_ms / 1000.0
         _log.info(
@@ -305,6 +307,8 @@ class PullWorker(WorkerLifecycle):
                         raise _SessionLost()
                     if resp.status_code >= 400:
                         raise IronflowError(f"poll failed: {resp.status_code} {_error_code(resp)}")
+                    # Held jobs' start delays run from here (see JobState).
+                    received = trio.current_time()
                     answer = msgspec.json.decode(resp.content, type=PullPollResponse)
                     jobs = answer.jobs
                     if answer.shutdown is not None:
@@ -328,10 +332,10 @@ class PullWorker(WorkerLifecycle):
                 # Shielded: a drain must not cut an ack in half; each call is bounded.
                 with trio.CancelScope(shield=True):
                     for a in jobs:
-                        await self._on_assignment(a, nursery)
+                        await self._on_assignment(a, nursery, received)
         self._poll_scope = None
 
-    async def _on_assignment(self, a: JobAssignment, nursery: trio.Nursery) -> None:
+    async def _on_assignment(self, a: JobAssignment, nursery: trio.Nursery, received: float) -> None:
         if a.job_id in self._jobs:
             return
         fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
@@ -343,20 +347,24 @@ class PullWorker(WorkerLifecycle):
                 except httpx.HTTPError as exc:
                     _log.warning("Could not nack a job: %r", exc, extra=_fields(run_id=a.run_id))
             return
-        job = JobState(a)
+        job = JobState(a, self._start_time(a, received))
         self._jobs[a.job_id] = job
-        try:
-            resp = await self._post("/ack", JobAck(*fence))
-            ok = resp.status_code < 400
-        except httpx.HTTPError as exc:
-            _log.warning("Ack failed: %r", exc, extra=_fields(run_id=a.run_id))
-            ok = False
-        if not ok:
+        if not await self._ack(job):
             # Not executed; the engine recovers the segment when its lease expires.
             del self._jobs[a.job_id]
             self._jobs_changed.set()
             return
         nursery.start_soon(self._execute, job, self._reporter)
+
+    async def _ack(self, job: JobState) -> bool:
+        """Post the job's JobAck; True if the engine took it."""
+        a = job.assignment
+        try:
+            resp = await self._post("/ack", JobAck(a.job_id, a.run_id, a.execution_seq, a.lease_token))
+        except httpx.HTTPError as exc:
+            _log.warning("Ack failed: %r", exc, extra=_fields(run_id=a.run_id))
+            return False
+        return resp.status_code < 400
 
     async def _wait_for_jobs(self) -> None:
         """Running jobs get the drain, less the end kept for the goodbye."""

@@ -235,6 +235,7 @@ class StreamingWorker(WorkerLifecycle):
         if not isinstance(first, Registered):
             raise IronflowError(f"expected 'registered', got {type(first).__name__}")
         self.session_id = first.session_id
+        self._new_connection()
         self._engine_batches = first.batch_frames
         interval = self.heartbeat_interval or first.heartbeat_interval_ms / 1000.0
         send, recv = trio.open_memory_channel[Any](OUTBOX_SIZE)
@@ -255,6 +256,7 @@ class StreamingWorker(WorkerLifecycle):
                     self.state = "connected"
                 on_registered()
                 nursery.start_soon(self._writer, ws, recv, nursery.cancel_scope)
+                nursery.start_soon(self._start_gates.run)
                 nursery.start_soon(self._heartbeat_loop, send, interval)
                 nursery.start_soon(self._drain_watch, send)
                 await self._receive_loop(ws, send, reporter, nursery)
@@ -335,13 +337,16 @@ class StreamingWorker(WorkerLifecycle):
                 if not self._draining:
                     _log.warning("Engine closed the connection: %s", exc.reason)
                 return
+            # A job's start delay runs from here, not from when its turn in
+            # the frame comes: a batch of held jobs all start on time.
+            received = trio.current_time()
             try:
                 frame = engine_frame_decoder.decode(text)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 _log.warning("Ignoring a bad frame from the engine: %s", exc)
                 continue
             for msg in frame if isinstance(frame, list) else [frame]:
-                await self._on_engine_message(msg, send, reporter, nursery)
+                await self._on_engine_message(msg, send, reporter, nursery, received)
 
     async def _on_engine_message(
         self,
@@ -349,10 +354,12 @@ class StreamingWorker(WorkerLifecycle):
         send: trio.MemorySendChannel[Any],
         reporter: _OutboxReporter,
         nursery: trio.Nursery,
+        received: float,
     ) -> None:
-        """Apply one engine message (frames are applied in order)."""
+        """Apply one engine message (frames are applied in order); ``received``:
+        when its frame arrived (Trio clock)."""
         if isinstance(msg, JobAssignment):
-            await self._on_assignment(msg, send, reporter, nursery)
+            await self._on_assignment(msg, send, reporter, nursery, received)
         elif isinstance(msg, LeaseStatus):
             self._on_lease_statuses(msg.jobs)
         elif isinstance(msg, Cancel):
@@ -386,6 +393,7 @@ class StreamingWorker(WorkerLifecycle):
         send: trio.MemorySendChannel[Any],
         reporter: _OutboxReporter,
         nursery: trio.Nursery,
+        received: float,
     ) -> None:
         if a.job_id in self._jobs:
             return  # still running here: a nack would requeue a running job
@@ -401,15 +409,8 @@ class StreamingWorker(WorkerLifecycle):
                 )
             )
             return
-        job = JobState(a)
+        job = JobState(a, self._start_time(a, received))
         self._jobs[a.job_id] = job
-        acked = _Flushed(
-            JobAck(
-                job_id=a.job_id,
-                run_id=a.run_id,
-                execution_seq=a.execution_seq,
-                lease_token=a.lease_token,
-            )
-        )
+        acked = _Flushed(JobAck(a.job_id, a.run_id, a.execution_seq, a.lease_token))
         await send.send(acked)
         nursery.start_soon(self._execute, job, reporter, acked.written)

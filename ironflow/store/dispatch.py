@@ -161,7 +161,8 @@ class DispatchOps(CapacityLoop):
             row[0]: row
             for row in tx.fetchall(
                 "SELECT r.id, r.function_id, r.attempt, r.max_attempts, e.id, e.name, e.data,"
-                " e.received_at, e.idempotency_key, r.start_at - ironflow_now(), q.reason"
+                " e.received_at, e.idempotency_key, r.start_at - ironflow_clock(), q.reason,"
+                " ironflow_clock()"
                 " FROM runs r LEFT JOIN events e ON e.id = r.event_id"
                 f" LEFT JOIN dispatch_queue q ON q.run_id = r.id WHERE r.id IN ({marks})",
                 run_ids,
@@ -190,6 +191,7 @@ class DispatchOps(CapacityLoop):
             # A segment whose run may not start yet (a sleep woken ahead of
             # its time) carries the wait, from the database clock.
             ahead = r[9]
+            delay_ms = math.ceil(ahead * 1000) if ahead is not None and ahead > 0 else 0
             out.append(
                 Reservation(
                     session_id,
@@ -203,7 +205,8 @@ class DispatchOps(CapacityLoop):
                         completed_steps=memo[run_id],
                         execution_seq=seq,
                         lease_token=token,
-                        start_delay_ms=math.ceil(ahead * 1000) if ahead is not None and ahead > 0 else 0,
+                        start_delay_ms=delay_ms,
+                        db_now=float(r[11]) if delay_ms else None,
                     ),
                     wake_lateness_s=-ahead if ahead is not None and r[10] == "resume" else None,
                 )

@@ -49,22 +49,21 @@ class WakeLoop(SqlStoreBase):
         def work(tx: Tx) -> list[tuple[str, str]]:
             # A sleep is claimable ``lookahead_s`` ahead of its wake time (its
             # run is held until then); a wait or invoke only once its timeout
-            # passed. One range of the steps_wake index, filtered.
+            # passed. One range of the steps_wake index, filtered, locked
+            # (SKIP LOCKED: another node's claim in progress is left to it)
+            # and claimed in one statement.
             due = tx.fetchall(
-                "SELECT run_id, step_id FROM steps WHERE status IN ('sleeping', 'waiting')"
+                "UPDATE steps SET pre_claim_status = status, status = 'waking',"
+                " claimed_by = ?, claimed_at = ironflow_now()"
+                " WHERE (run_id, step_id) IN (SELECT run_id, step_id FROM steps"
+                " WHERE status IN ('sleeping', 'waiting')"
                 " AND wake_at IS NOT NULL AND wake_at <= ironflow_now() + ?"
                 " AND (kind = 'sleep' OR wake_at <= ironflow_now())"
-                f" ORDER BY wake_at LIMIT ? {tx.lock()}",
-                (float(max(lookahead_s, 0.0)), limit),
+                f" ORDER BY wake_at LIMIT ? {tx.lock()})"
+                " AND status IN ('sleeping', 'waiting') RETURNING run_id, step_id, wake_at",
+                (node_id, float(max(lookahead_s, 0.0)), limit),
             )
-            if due:
-                tx.executemany(
-                    "UPDATE steps SET pre_claim_status = status, status = 'waking',"
-                    " claimed_by = ?, claimed_at = ironflow_now()"
-                    " WHERE run_id = ? AND step_id = ? AND status IN ('sleeping', 'waiting')",
-                    [(node_id, r[0], r[1]) for r in due],
-                )
-            return [(r[0], r[1]) for r in due]
+            return [(r[0], r[1]) for r in sorted(due, key=lambda r: r[2])]
 
         return await self._transact(work)
 

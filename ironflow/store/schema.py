@@ -233,6 +233,19 @@ def pg_now_function(skew: float) -> str:
 
 PG_NOW_FUNCTION = pg_now_function(0.0)
 
+# The database clock at this instant, not at the transaction's start (what
+# ``now()``, and so ``ironflow_now()``, reads on PostgreSQL): for a start delay
+# computed in a long group transaction. Defined on ``ironflow_now()``, so it
+# follows a test's skew. On SQLite ``ironflow_now()`` already reads the clock
+# at each call, and the store registers this name for it too.
+PG_CLOCK_FUNCTION = (
+    "CREATE OR REPLACE FUNCTION ironflow_clock() RETURNS double precision\n"
+    "LANGUAGE sql VOLATILE AS $$\n"
+    "    SELECT ironflow_now() + (extract(epoch FROM clock_timestamp())"
+    " - extract(epoch FROM now()))::double precision\n"
+    "$$"
+)
+
 
 # Columns added after a table was first shipped: (table, column, type). A
 # database created by an older version gets them on start (CREATE TABLE IF NOT
@@ -287,6 +300,7 @@ def statements(dialect: str) -> list[str]:
     out = [s.strip() for s in text.split(";") if s.strip()]
     if dialect == "postgres":
         out.append(PG_NOW_FUNCTION.strip())
+        out.append(PG_CLOCK_FUNCTION)
     return out
 
 

@@ -258,6 +258,7 @@ class SqliteStore(SqlStore):
         conn.execute("PRAGMA foreign_keys=ON")
         conn.execute("PRAGMA busy_timeout=5000")
         conn.create_function("ironflow_now", 0, self._db_clock)
+        conn.create_function("ironflow_clock", 0, self._db_clock)  # see schema.PG_CLOCK_FUNCTION
         conn.execute("BEGIN IMMEDIATE")
         for stmt in statements("sqlite"):
             conn.execute(stmt)
@@ -350,6 +351,7 @@ class SqliteStore(SqlStore):
         conn.execute("PRAGMA query_only=ON")
         conn.execute("PRAGMA busy_timeout=5000")
         conn.create_function("ironflow_now", 0, self._db_clock)
+        conn.create_function("ironflow_clock", 0, self._db_clock)
         return conn
 
     def _read_in_thread(self, work: Callable[[Tx], T]) -> T:

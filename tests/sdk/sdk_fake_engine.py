@@ -31,6 +31,7 @@ def make_assignment(
     data: Any = None,
     attempt: int = 1,
     start_delay_ms: int = 0,
+    db_now: float | None = None,
 ) -> JobAssignment:
     run_id = run_id or f"run{next(_seq)}"
     return JobAssignment(
@@ -44,6 +45,7 @@ def make_assignment(
         execution_seq=execution_seq,
         lease_token=f"tok-{run_id}-{execution_seq}",
         start_delay_ms=start_delay_ms,
+        db_now=db_now,
     )
 
 

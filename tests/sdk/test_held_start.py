@@ -37,22 +37,35 @@ def _workers(fn: Any) -> list[WorkerLifecycle]:
     ]
 
 
+def _held(worker: WorkerLifecycle, nursery: trio.Nursery, delay_ms: int, run_id: str = "r1") -> JobState:
+    """A job received now with ``delay_ms``, accepted (its slot taken) and executing."""
+    a = make_assignment(run_id=run_id, start_delay_ms=delay_ms)
+    job = JobState(a)
+    worker._jobs[a.job_id] = job
+    return job
+
+
 @pytest.mark.parametrize("kind", [0, 1], ids=["streaming", "pull"])
-async def test_a_held_job_starts_its_handler_at_its_start_time_never_before(
-    kind: int, autojump_clock: trio.testing.MockClock
+async def test_held_jobs_start_their_handlers_at_their_start_times_never_before(
+    kind: int, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     fn, started = _recorder()
     worker = _workers(fn)[kind]
+    nursery.start_soon(worker._start_gates.run)
     reporter = ListReporter()
-    job = JobState(make_assignment(run_id="r1", start_delay_ms=2500))
     t0 = trio.current_time()
-    await worker._execute(job, reporter)
-    assert started == [t0 + 2.5]
-    assert [type(m) for m in reporter.messages] == [JobCompleted]
-    # A job without a delay starts at once.
-    job = JobState(make_assignment(run_id="r2"))
+    # Received now; a delay of 2.5 s, three held to one instant, one to 0.75 s.
+    for i, delay in enumerate([2500, 2500, 750, 2500]):
+        nursery.start_soon(worker._execute, _held(worker, nursery, delay, f"r{i}"), reporter)
+    await trio.sleep(0.7499)
+    assert started == []
+    await trio.sleep(3)
+    assert started == [t0 + 0.75] + [t0 + 2.5] * 3
+    assert [type(m) for m in reporter.messages] == [JobCompleted] * 4
+    # Received 1 s ago with a 0.4 s delay: the delay ran from the receipt, it starts at once.
+    late = make_assignment(run_id="late", start_delay_ms=400)
     t1 = trio.current_time()
-    await worker._execute(job, reporter)
+    await worker._execute(JobState(late, t1 - 1.0), reporter)
     assert started[-1] == t1
 
 
@@ -62,10 +75,10 @@ async def test_a_drain_during_the_hold_hands_the_job_back_with_a_draining_nack_a
 ) -> None:
     fn, started = _recorder()
     worker = _workers(fn)[kind]
+    nursery.start_soon(worker._start_gates.run)
     reporter = ListReporter()
-    a = make_assignment(run_id="r1", start_delay_ms=2500)
-    job = JobState(a)
-    worker._jobs[a.job_id] = job
+    job = _held(worker, nursery, 2500)
+    a = job.assignment
     nursery.start_soon(worker._execute, job, reporter)
     await trio.sleep(1.0)
     worker._begin_drain(30.0)
@@ -82,10 +95,9 @@ async def test_a_job_cancelled_during_its_hold_never_runs_and_reports_nothing(
 ) -> None:
     fn, started = _recorder()
     worker = _workers(fn)[kind]
+    nursery.start_soon(worker._start_gates.run)
     reporter = ListReporter()
-    a = make_assignment(run_id="r1", start_delay_ms=2500)
-    job = JobState(a)
-    worker._jobs[a.job_id] = job
+    job = _held(worker, nursery, 2500)
     nursery.start_soon(worker._execute, job, reporter)
     await trio.sleep(1.0)
     job.abandon()  # Cancel from the engine, or a STALE lease status
@@ -116,3 +128,32 @@ async def test_the_streaming_worker_acks_at_once_heartbeats_the_held_job_and_sta
     await conn.recv_until(JobCompleted)
     assert started[0] - sent >= 0.4
     worker.stop()
+
+
+@pytest.mark.parametrize("kind", [0, 1], ids=["streaming", "pull"])
+async def test_a_job_that_waited_in_queues_still_starts_at_its_database_time_learnt_from_a_faster_one(
+    kind: int, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    # The database clock here is 1e9 + the Trio clock (the worker cannot know
+    # that). Job A's delay was computed at database time 0 but A reached the
+    # worker 0.3 s later (queues, a busy node); job B, computed at 0.35 s, came
+    # in 10 ms. Both are due at database time 1.0. From B the worker learns the
+    # clock to within 10 ms and starts both then: A does not start 0.3 s late
+    # (its delay from receipt), and neither starts before 1.0.
+    db = 1e9
+    fn, started = _recorder()
+    worker = _workers(fn)[kind]
+    nursery.start_soon(worker._start_gates.run)
+    reporter = ListReporter()
+    a = make_assignment(run_id="a", start_delay_ms=1000, db_now=db + 0.0)
+    b = make_assignment(run_id="b", start_delay_ms=650, db_now=db + 0.35)
+    await trio.sleep(0.3)
+    job_a = JobState(a, worker._start_time(a, trio.current_time()))
+    assert job_a.start_at == pytest.approx(1.3)
+    nursery.start_soon(worker._execute, job_a, reporter)
+    await trio.sleep(0.06)
+    job_b = JobState(b, worker._start_time(b, trio.current_time()))
+    nursery.start_soon(worker._execute, job_b, reporter)
+    await trio.sleep(2.0)
+    assert len(started) == 2
+    assert all(1.0 <= t <= 1.0 + 0.012 for t in started), started

@@ -212,22 +212,33 @@ async def test_a_worker_killed_during_the_hold_leaves_a_redelivery_that_still_st
     first, outbox = await h.session(delayed_start=True)
     await h.start()
     job = await next_job(outbox)
-    await store.activate_lease(fence(first, job), lease_expiry_s=90)  # its JobAck
-    await trio.sleep(0.4)  # held; then the worker dies (kill -9: its socket closes)
+    await trio.sleep(0.2)  # held (unacked); then the worker dies (kill -9: its socket closes)
     h.directory.remove(first)
-    recovered = await store.close_session(first, recover_leases=True, recovery_grace_s=30,
-                                          recovery_ceiling=10)
-    assert [r.run_id for r in recovered] == [h.run_id]
-    _, outbox2 = await h.session(delayed_start=True)
+    assert await store.close_session(first, recover_leases=True, recovery_grace_s=30,
+                                     recovery_ceiling=10) == []
+    second, outbox2 = await h.session(delayed_start=True)
     again = await next_job(outbox2)
-    assert again.execution_seq == job.execution_seq + 1
+    assert again.execution_seq == job.execution_seq  # its reservation released, not fenced
     assert trio.current_time() < WAKE  # re-delivered at once, still ahead ...
     assert WAKE <= starts_at(again) <= WAKE + MS  # ... and held to the same wake time
-    # A worker that cannot hold is sent the next re-delivery only at the wake time.
-    await store.nack_job(fence(h.directory.all()[0].session_id, again), "DRAINING")
-    h.directory.remove(h.directory.all()[0].session_id)
-    _, outbox3 = await h.session(delayed_start=False)
-    await next_job(outbox3)
+    # Had it been acked (a lease) before the worker died: recovered under a new
+    # seq, and still held to the wake time.
+    await store.activate_lease(fence(second, again), lease_expiry_s=90)
+    await trio.sleep(0.2)
+    h.directory.remove(second)
+    recovered = await store.close_session(second, recover_leases=True, recovery_grace_s=30,
+                                          recovery_ceiling=10)
+    assert [r.run_id for r in recovered] == [h.run_id]
+    third, outbox3 = await h.session(delayed_start=True)
+    recovered_job = await next_job(outbox3)
+    assert recovered_job.execution_seq == job.execution_seq + 1
+    assert trio.current_time() < WAKE and WAKE <= starts_at(recovered_job) <= WAKE + MS
+    # A worker that cannot hold is sent the next re-delivery (after a drain's
+    # nack) only at the wake time.
+    await store.nack_job(fence(third, recovered_job), "DRAINING")
+    h.directory.remove(third)
+    _, outbox4 = await h.session(delayed_start=False)
+    await next_job(outbox4)
     assert WAKE <= trio.current_time() <= WAKE + MS
 
 
@@ -266,7 +277,7 @@ async def test_wake_lateness_is_observed_when_the_woken_segment_is_handed_over_a
     count1, sum1 = _lateness()
     assert (count1 - count0, sum1 - sum0) == (1, 0.0)  # handed ahead: held, on time
     # A re-delivery (the worker died) is not another wake.
-    await store.activate_lease(fence(first, job), lease_expiry_s=90)
+    await store.activate_lease(fence(first, job), lease_expiry_s=90)  # acked, then lost
     h.directory.remove(first)
     await store.close_session(first, recover_leases=True, recovery_grace_s=30, recovery_ceiling=10)
     _, outbox2 = await h.session(delayed_start=True)
