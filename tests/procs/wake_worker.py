@@ -6,8 +6,9 @@ Serves ``napper`` (event ``nap.go``, audit on, so the node records
 ``step.woke`` and ``step.claim.restored``): with ``data.before`` a step
 ``before``; then ``step.sleep_until("nap", data.at)``; then a step ``after``
 that returns the pid. With ``--effects`` each of the two steps appends
-``<time.time()> <run_id> before|after <pid>`` to FILE. Prints ``READY <pid>``
-once connected.
+``<time.time()> <run_id> before|after <pid>`` to FILE, and the handler appends
+``… resumed …`` the moment it is past the sleep (on every segment that gets
+there). Prints ``READY <pid>`` once connected.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def main() -> None:
         if ctx.event.data.get("before"):
             await ctx.step.run("before", record, run_id, "before")
         await ctx.step.sleep_until("nap", ctx.event.data["at"])
+        record(run_id, "resumed")
         return await ctx.step.run("after", record, run_id, "after")
 
     worker = ironflow.StreamingWorker(

@@ -5,6 +5,8 @@ store subclasses, so the engine carries no switch for them.
   worker whose lease was recovered can still write its step results.
 - ``nack_spends_attempt``: a JobNack also bumps the run's attempt, as if the
   refused assignment had been tried.
+- ``held_start_dropped``: an assignment loses its start delay, so a sleep the
+  waker resumed ahead of its time (look-ahead) starts at once.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
+import msgspec
+
 from ironflow.protocol import ErrorInfo, JobNackReason
-from ironflow.store import Fence, JobOutcome, StepResult
+from ironflow.store import Fence, JobOutcome, Reservation, StepResult
 from ironflow.store.core import Tx, _enc
 from ironflow.store.sqlite import SqliteStore
 
@@ -82,9 +86,20 @@ class NackSpendsAttempt(SqliteStore):
         return outcome
 
 
+class HeldStartDropped(SqliteStore):
+    async def reserve_segments(self, *args: Any, **kwargs: Any) -> list[Reservation]:
+        return [
+            msgspec.structs.replace(
+                r, assignment=msgspec.structs.replace(r.assignment, start_delay_ms=0, db_now=None)
+            )
+            for r in await super().reserve_segments(*args, **kwargs)
+        ]
+
+
 BUGS: dict[str, type[SqliteStore]] = {
     "record_step_unfenced": UnfencedRecordStep,
     "nack_spends_attempt": NackSpendsAttempt,
+    "held_start_dropped": HeldStartDropped,
 }
 
 

@@ -131,6 +131,19 @@ class Oracle:
         if recorded is not None:
             self.counts["step_bodies_rerun"] += 1
 
+    def check_woken(self, run_id: str, sid: str, worker: str) -> None:
+        """A handler is past sleep ``sid`` (its memo says completed): the
+        database clock must have reached the sleep's wake time, however early
+        the waker claimed it (look-ahead) and whoever held the job."""
+        row = self.one("SELECT wake_at FROM steps WHERE run_id = ? AND step_id = ?", (run_id, sid))
+        now = self.sim.epoch_now()
+        self.counts["held_starts_checked"] += 1
+        if row is not None and row[0] is not None and now < float(row[0]) - 1e-9:
+            self.violation(
+                f"{worker} runs run {run_id} past its sleep {sid} {float(row[0]) - now:.3f} s"
+                " before the sleep's wake time"
+            )
+
     def violation(self, text: str) -> None:
         self.violations.append(f"t={trio.current_time():.3f} {text}")
         self.sim.trace(f"VIOLATION {text}")

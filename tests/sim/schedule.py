@@ -176,6 +176,8 @@ def build(seed: int) -> Schedule:
         restart_backoff_max_s=2.0,
         history_retention_s=0.0,  # keep everything: the audit trail is checked at the end
         janitor_interval_s=60.0,
+        # Off, the usual, or as long as the reservation expiry allows.
+        waker_lookahead_s=rng.choice([0.0, 1.0, 2.5]),
     )
     workers = [rng.choice([1, 2, 3, 4]) for _ in range(rng.randint(1, 3))]
     calm = rng.random() < 0.2  # some seeds keep the wire clean

@@ -102,3 +102,10 @@ def test_the_simulator_finds_a_nack_that_spends_an_attempt() -> None:
     """Injected: a JobNack also bumps the run's attempt (tests/sim/bugs.py)."""
     _, violations = _first_violation("nack_spends_attempt")
     assert any("retries" in v for v in violations), violations
+
+
+def test_the_simulator_finds_a_handler_started_before_its_sleeps_wake_time() -> None:
+    """Injected: assignments lose their start delay, so a sleep the waker resumed
+    ahead of its wake time (look-ahead) starts at once (tests/sim/bugs.py)."""
+    _, violations = _first_violation("held_start_dropped")
+    assert any("before the sleep's wake time" in v for v in violations), violations

@@ -94,10 +94,12 @@ class Gate:
 
 
 class Job:
-    def __init__(self, a: JobAssignment) -> None:
+    def __init__(self, a: JobAssignment, start_at: float) -> None:
         self.a = a
         self.scope = trio.CancelScope()
         self.abandoned = False
+        # When the handler may start (virtual time): a held job's delay from receipt.
+        self.start_at = start_at
 
     def abandon(self) -> None:
         self.abandoned = True
@@ -118,6 +120,9 @@ class SimWorker:
         self.sim = sim
         self.slot = slot
         self.name = f"w{slot}.{incarnation}"
+        # Even slots hold a job sent ahead of its start time themselves (as the
+        # SDK does); odd ones do not say they can, so the node holds it for them.
+        self.delayed_start = slot % 2 == 0
         self.max_jobs = max_jobs
         self.functions = functions
         self.gate = Gate()
@@ -186,7 +191,8 @@ class SimWorker:
             conn.up.send(msg)
 
     async def _session(self, conn: Connection) -> None:
-        self._send(Register(worker_id=self.name, functions=self.functions, max_concurrent_jobs=self.max_jobs))
+        self._send(Register(worker_id=self.name, functions=self.functions, max_concurrent_jobs=self.max_jobs,
+                            delayed_start=self.delayed_start))
         first: Any = None
         with trio.move_on_after(REGISTER_TIMEOUT_S):
             while True:
@@ -249,7 +255,8 @@ class SimWorker:
         if len(self.jobs) >= self.max_jobs:
             self._send(JobNack(*fence, reason="AT_CAPACITY"))
             return
-        job = Job(a)
+        delay = a.start_delay_ms / 1000 if self.delayed_start else 0.0
+        job = Job(a, trio.current_time() + delay)
         self.jobs[a.job_id] = job
         self._send(JobAck(*fence))
         nursery.start_soon(self._execute, job)
@@ -293,9 +300,19 @@ class SimWorker:
         memo = {m.step_id: m for m in a.completed_steps}
         try:
             with job.scope:
+                if job.start_at > trio.current_time():
+                    # Held until its start time; a drain meanwhile hands it back.
+                    with trio.move_on_at(job.start_at):
+                        await self.drain_requested.wait()
+                    if trio.current_time() < job.start_at:
+                        self._report(job, JobNack(*fence, reason="DRAINING"))
+                        return
                 for kind, name, arg in program(plan):
                     sid = step_id(a.run_id, name)
                     if sid in memo:
+                        if kind == "sleep":
+                            # The handler is past the sleep: never before its wake time.
+                            self.sim.oracle.check_woken(a.run_id, sid, self.name)
                         continue
                     await self.gate.wait()
                     if kind == "sleep":
