@@ -41,6 +41,9 @@ from ironflow.sdk.lifecycle import WorkerLifecycle
 
 # The reference SDKs hold 256 queued messages per connection; more means the
 # socket is not keeping up and backpressure on the jobs is the right answer.
+# The outbox holds this many on top of one per slot: the receive loop queues
+# each accepted job's JobAck itself and should not stop reading the socket to
+# wait for room (a burst of held jobs is a burst of acks at once).
 OUTBOX_SIZE = 256
 # Most queued messages the writer puts in one batched frame.
 WRITE_BATCH = 256
@@ -238,7 +241,7 @@ class StreamingWorker(WorkerLifecycle):
         self._new_connection()
         self._engine_batches = first.batch_frames
         interval = self.heartbeat_interval or first.heartbeat_interval_ms / 1000.0
-        send, recv = trio.open_memory_channel[Any](OUTBOX_SIZE)
+        send, recv = trio.open_memory_channel[Any](OUTBOX_SIZE + self.max_concurrent_jobs)
         reporter = _OutboxReporter(send)
         _log.info(
             "Worker registered",

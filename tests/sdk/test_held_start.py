@@ -157,3 +157,18 @@ async def test_a_job_that_waited_in_queues_still_starts_at_its_database_time_lea
     await trio.sleep(2.0)
     assert len(started) == 2
     assert all(1.0 <= t <= 1.0 + 0.012 for t in started), started
+
+
+def test_the_database_clock_bound_keeps_the_tightest_sample_and_ages_it_by_the_drift_allowance() -> None:
+    from ironflow.sdk.lifecycle import CLOCK_DRIFT, _DatabaseClock
+
+    clock = _DatabaseClock()
+    assert clock.local_time(1000.0) is None  # nothing learnt: the delay from receipt decides
+    assert clock.observe(db_now=100.0, received=0.0)  # offset ≥ 100
+    assert not clock.observe(db_now=100.0, received=0.5)  # looser (it waited 0.5 s somewhere)
+    assert clock.observe(db_now=101.0, received=1.0)  # as tight (100), and fresher
+    # Database time 150 is surely reached at Trio time t with t + bound(t) ≥ 150,
+    # the bound (100) losing CLOCK_DRIFT per second since its sample at t = 1.
+    t = clock.local_time(150.0)
+    assert t is not None and t + 100.0 - CLOCK_DRIFT * (t - 1.0) == pytest.approx(150.0)
+    assert 50.0 < t < 50.0 + 0.03

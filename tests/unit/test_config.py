@@ -134,3 +134,23 @@ def test_a_recovery_ceiling_that_is_not_a_positive_integer_is_refused(value: obj
     # after them needs to re-check the ceiling.
     with pytest.raises(ConfigError, match=message):
         load_config(env={}, timing_overrides={"recovery_ceiling": value})
+
+
+def test_the_waker_lookahead_defaults_to_1s_takes_duration_forms_and_0_turns_it_off(tmp_path: Path) -> None:
+    assert load_config(env={}).timings.waker_lookahead_s == 1.0
+    assert load_config(env={}, dev=True).timings.waker_lookahead_s == 1.0
+    assert load_config(env={"IRONFLOW_WAKER_LOOKAHEAD": "250ms"}).timings.waker_lookahead_s == 0.25
+    assert load_config(env={}, timing_overrides={"waker_lookahead_s": "0"}).timings.waker_lookahead_s == 0
+    f = tmp_path / "c.yaml"
+    f.write_text("timings:\n  waker_lookahead: 2s\n")
+    assert load_config(file=f, env={}).timings.waker_lookahead_s == 2.0
+
+
+def test_a_waker_lookahead_past_half_the_reservation_expiry_or_negative_is_refused() -> None:
+    # A worker that cannot hold a job is sent it at its start time, on a
+    # reservation made a look-ahead earlier: the reservation must outlast it.
+    with pytest.raises(ConfigError, match="waker_lookahead_s=3s must be at most half the reservation expiry"):
+        load_config(env={}, dev=True, timing_overrides={"waker_lookahead_s": 3})
+    assert load_config(env={}, dev=True, timing_overrides={"waker_lookahead_s": 2.5}).timings.waker_lookahead_s == 2.5
+    with pytest.raises(ConfigError, match="waker_lookahead_s must be 0 \\(off\\) or positive"):
+        load_config(env={}, timing_overrides={"waker_lookahead_s": -1})
