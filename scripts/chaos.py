@@ -91,6 +91,9 @@ NODE_TIMINGS = {
     "--scanner-interval": "0.25",
     "--recovery-grace": "0.25",
     "--waker-interval": "0.2",
+    # At most half the reservation expiry (a worker that cannot hold a woken
+    # job is sent it at its wake time, on a reservation made ahead of it).
+    "--waker-lookahead": "0.5",
     "--stale-claim-interval": "1",
     "--stale-claim-threshold": "3",
     "--node-heartbeat": "1",
