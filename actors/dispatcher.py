@@ -152,7 +152,12 @@ async def run(
                     break
             await _dispatch_round(store, config, node_id, directory, holds)
             if kicks.statistics().current_buffer_used:
-                continue  # kicked during the round: go again, no need to ask when to wake
+                # Kicked during the round: go again, no need to ask when to
+                # wake. The store waits are shielded, so this is the loop's one
+                # point where a cancel (shutdown, an injected crash) can land
+                # while kicks keep coming.
+                await trio.lowlevel.checkpoint()
+                continue
             wait_s = config.timings.dispatch_idle_poll_s
             if directory.offers():
                 next_eligible = await store.seconds_until_next_eligible()
