@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import abc
 import hashlib
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from datetime import UTC, datetime
 from typing import Any, Literal, Protocol, TypeVar
 
 import msgspec
-import outcome
 
 from ironflow.ids import new_id
 from ironflow.protocol import (
@@ -42,7 +41,6 @@ from ironflow.protocol import (
     job_id_for,
     lookup_path,
 )
-from ironflow.store import chain
 from ironflow.store.base import CancelOutcome, RecoveredSegment, Store
 
 T = TypeVar("T")
@@ -275,10 +273,6 @@ class SqlStoreBase(Store):
     decoding, audit, credits, the queue, run creation and resumption.
     Backends supply ``_transact`` and lifecycle."""
 
-    # Whether in_order chains its calls into one group commit (see chain.py):
-    # worth it where each commit costs a round trip and a WAL flush.
-    chain_calls = True
-
     def __init__(self) -> None:
         # Decoded FunctionDefs keyed by their stored JSON text (decode once per version).
         self._defs: dict[str, FunctionDef] = {}
@@ -289,27 +283,7 @@ class SqlStoreBase(Store):
 
     @abc.abstractmethod
     async def _transact(self, work: Callable[[Tx], T]) -> T:
-        """Run ``work(tx)`` as one transaction and return its result (or raise).
-        A backend starts with :func:`~ironflow.store.chain.chained` (a call of
-        :meth:`in_order` hands its work to the chain instead)."""
-
-    async def _transact_many(self, works: list[Callable[[Tx], Any]]) -> list[outcome.Outcome[Any]]:
-        """Run ``works`` in this order as consecutive requests of one group commit,
-        each its own unit of work; their outcomes. By default one after another."""
-        results: list[outcome.Outcome[Any]] = []
-        for work in works:
-            try:
-                results.append(outcome.Value(await self._transact(work)))
-            except Exception as exc:
-                results.append(outcome.Error(exc))
-        return results
-
-    async def in_order(
-        self, calls: Sequence[Callable[[], Awaitable[Any]]]
-    ) -> list[outcome.Outcome[Any]]:
-        if len(calls) == 1 or not self.chain_calls:
-            return await super().in_order(calls)
-        return await chain.in_order(calls, self._transact_many)
+        """Run ``work(tx)`` as one transaction and return its result (or raise)."""
 
     async def _read(self, work: Callable[[Tx], T]) -> T:
         """Run read-only ``work(tx)`` and return its result. A backend may serve it

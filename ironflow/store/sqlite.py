@@ -158,12 +158,6 @@ class SqliteStore(SqlStore):
         self._readers: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._reader_slots = trio.CapacityLimiter(READERS)
 
-    # No chaining of in_order calls here: a commit is in-process and cheap, and
-    # the chain's Trio bookkeeping cost more than the commits it saved
-    # (bench.py, 3 alternating rounds: 1,181/887/1,012 steps/s chained vs
-    # 1,236/1,064/1,224 not; node CPU 5.2-6.9 vs 5.1-5.7 s per 2,000 runs).
-    chain_calls = False
-
     def _db_clock(self) -> float:
         return self._clock() + self._skew
 
