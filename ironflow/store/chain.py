@@ -12,9 +12,9 @@ another's, and a later call sees what the earlier ones wrote.
 How: :func:`in_order` runs each call in its own task with a context variable
 naming its place in the chain. The call's first ``_transact`` (see
 :func:`chained`) registers its work there instead of queueing it; once every
-call has registered (or finished without a transaction), the works go to the
-transact_many`` given (PostgreSQL's ``_transact_many``) together, and each
-call resumes with its own result. A call's second transaction, if any, runs
+call has registered (or finished without a transaction), the works go
+together to the ``transact_many`` given (PostgreSQL's ``_transact_many``), and
+each call resumes with its own result. A call's second transaction, if any, runs
 on its own. Used by :class:`~ironflow.store.postgres.PostgresStore` only.
 """
 
