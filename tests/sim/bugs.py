@@ -17,7 +17,7 @@ from typing import Any, Literal
 import msgspec
 
 from ironflow.protocol import ErrorInfo, JobNackReason
-from ironflow.store import Fence, JobOutcome, Reservation, StepResult
+from ironflow.store import Fence, JobOutcome, Reservation, Store
 from ironflow.store.core import Tx, _enc
 from ironflow.store.sqlite import SqliteStore
 
@@ -67,12 +67,9 @@ class UnfencedRecordStep(SqliteStore):
         await self._transact(work)
 
 
-    async def record_steps(self, fence: Fence, steps: list[StepResult]) -> None:
-        for s in steps:
-            await self.record_step(
-                fence, step_id=s.step_id, name=s.name, status=s.status, output=s.output,
-                error=s.error, duration_ms=s.duration_ms,
-            )
+    # The interface's one-by-one form: the session's grouped step results
+    # reach the unfenced record_step above too.
+    record_steps = Store.record_steps
 
 
 class NackSpendsAttempt(SqliteStore):
