@@ -45,6 +45,21 @@ def _held(worker: WorkerLifecycle, nursery: trio.Nursery, delay_ms: int, run_id:
     return job
 
 
+async def _one_second_into_a_hold(
+    kind: int, nursery: trio.Nursery
+) -> tuple[WorkerLifecycle, JobState, ListReporter, list[float]]:
+    """Worker ``kind`` (0 streaming, 1 pull) executing one job held for 2.5 s,
+    1 s into the hold: the worker, the job, its reporter, the handler's starts."""
+    fn, started = _recorder()
+    worker = _workers(fn)[kind]
+    nursery.start_soon(worker._start_gates.run)
+    reporter = ListReporter()
+    job = _held(worker, nursery, 2500)
+    nursery.start_soon(worker._execute, job, reporter)
+    await trio.sleep(1.0)
+    return worker, job, reporter, started
+
+
 @pytest.mark.parametrize("kind", [0, 1], ids=["streaming", "pull"])
 async def test_held_jobs_start_their_handlers_at_their_start_times_never_before(
     kind: int, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
@@ -73,14 +88,8 @@ async def test_held_jobs_start_their_handlers_at_their_start_times_never_before(
 async def test_a_drain_during_the_hold_hands_the_job_back_with_a_draining_nack_and_never_runs_it(
     kind: int, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    fn, started = _recorder()
-    worker = _workers(fn)[kind]
-    nursery.start_soon(worker._start_gates.run)
-    reporter = ListReporter()
-    job = _held(worker, nursery, 2500)
+    worker, job, reporter, started = await _one_second_into_a_hold(kind, nursery)
     a = job.assignment
-    nursery.start_soon(worker._execute, job, reporter)
-    await trio.sleep(1.0)
     worker._begin_drain(30.0)
     await trio.sleep(0.001)
     assert reporter.messages == [JobNack(a.job_id, a.run_id, 1, a.lease_token, reason="DRAINING")]
@@ -93,13 +102,7 @@ async def test_a_drain_during_the_hold_hands_the_job_back_with_a_draining_nack_a
 async def test_a_job_cancelled_during_its_hold_never_runs_and_reports_nothing(
     kind: int, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
-    fn, started = _recorder()
-    worker = _workers(fn)[kind]
-    nursery.start_soon(worker._start_gates.run)
-    reporter = ListReporter()
-    job = _held(worker, nursery, 2500)
-    nursery.start_soon(worker._execute, job, reporter)
-    await trio.sleep(1.0)
+    worker, job, reporter, started = await _one_second_into_a_hold(kind, nursery)
     job.abandon()  # Cancel from the engine, or a STALE lease status
     await trio.sleep(5.0)
     assert started == [] and reporter.messages == [] and worker._jobs == {}
