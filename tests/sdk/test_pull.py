@@ -76,15 +76,20 @@ async def two_steps(ctx):
     return a + b
 
 
-async def test_pull_worker_acks_runs_reports_and_says_goodbye():
-    engine = FakeHttpEngine([make_assignment(run_id="p1")])
-    worker = _worker(engine, [two_steps])
+async def _serve_until_a_result_then_drain(worker: ironflow.PullWorker, engine: FakeHttpEngine) -> None:
+    """Run ``worker`` until ``engine`` has received a job result, then drain it."""
     async with trio.open_nursery() as nursery:
         await nursery.start(worker.run)
         with trio.fail_after(5):
             while "result" not in engine.kinds():
                 await trio.sleep(0.01)
         await worker.drain()
+
+
+async def test_pull_worker_acks_runs_reports_and_says_goodbye():
+    engine = FakeHttpEngine([make_assignment(run_id="p1")])
+    worker = _worker(engine, [two_steps])
+    await _serve_until_a_result_then_drain(worker, engine)
     assert engine.kinds() == ["register", "ack", "steps", "steps", "result", "s1"]
     result = [m for _, k, m in engine.calls if k == "result"][0]
     assert result.output == 3
@@ -167,12 +172,7 @@ async def test_a_job_cut_at_the_deadline_still_gets_its_goodbye_within_it():
 async def test_pull_worker_says_in_each_poll_that_it_holds_a_job_until_its_start_delay():
     engine = FakeHttpEngine([make_assignment(run_id="p9", start_delay_ms=200)])
     worker = _worker(engine, [two_steps])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(worker.run)
-        with trio.fail_after(5):
-            while "result" not in engine.kinds():
-                await trio.sleep(0.01)
-        await worker.drain()
+    await _serve_until_a_result_then_drain(worker, engine)
     polls = [body for _, k, body in engine.calls if k == "poll"]
     assert polls and all(p["delayed_start"] for p in polls)
     acked, stepped = (next(i for i, (_, k, _) in enumerate(engine.calls) if k == kind) for kind in ("ack", "steps"))
