@@ -106,6 +106,15 @@ async def start_load_worker(server: str, log_dir: Path, *, name: str, max_jobs: 
     return proc
 
 
+async def start_wake_worker(procs: list[Proc], url: str, log_dir: Path, name: str, *args: str) -> Proc:
+    """``tests/procs/wake_worker.py`` on ``url`` (``args`` its flags), tracked in
+    ``procs``, its log in ``log_dir``; returned once it registered."""
+    proc = Proc([sys.executable, str(WAKE_WORKER), url, *args], log_dir / f"{name}.log")
+    procs.append(proc)
+    await proc.wait_line("READY")
+    return proc
+
+
 async def start_node(
     db: str, state_dir: Path, log_dir: Path, *, node_id: str, port: int, extra: list[str] | None = None,
     env: dict[str, str] | None = None,

@@ -12,7 +12,6 @@ function in the same transaction as the change (``step.woke`` per resume,
 from __future__ import annotations
 
 import signal
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,18 +23,11 @@ import trio
 
 from actors.waker import FAULT_EXIT_AFTER_CLAIM_ENV, FAULT_EXIT_CODE
 from tests.integration.conftest import serve_node
-from tests.integration.procs import WAKE_WORKER, Proc, count, db_rows, read_effects
+from tests.integration.procs import Proc, count, db_rows, read_effects, start_wake_worker
 
 pytestmark = pytest.mark.slow
 
 THRESHOLD_S = 2.0
-
-
-async def start_wake_worker(procs: list[Proc], url: str, log_dir: Path, name: str, *args: str) -> Proc:
-    proc = Proc([sys.executable, str(WAKE_WORKER), url, *args], log_dir / f"{name}.log")
-    procs.append(proc)
-    await proc.wait_line("READY")
-    return proc
 
 
 def audit_of(db: str, kind: str) -> list[tuple[str, float, dict[str, object]]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -19,18 +18,11 @@ import pytest
 import trio
 
 from tests.integration.conftest import serve_node
-from tests.integration.procs import WAKE_WORKER, Proc, count, db_rows, read_effects
+from tests.integration.procs import Proc, count, db_rows, read_effects, start_wake_worker
 
 pytestmark = pytest.mark.slow
 
 RUNS = 40
-
-
-async def start_wake_worker(procs: list[Proc], url: str, log_dir: Path, name: str, *args: str) -> Proc:
-    proc = Proc([sys.executable, str(WAKE_WORKER), url, *args], log_dir / f"{name}.log")
-    procs.append(proc)
-    await proc.wait_line("READY")
-    return proc
 
 
 async def wait_completed(http: httpx.AsyncClient, run_ids: list[str], timeout: float = 30.0) -> dict[str, dict]:

@@ -63,6 +63,7 @@ from tests.sim.observed import NodeDown, ObservedStore, Oracle, OutcomesByTask
 from tests.sim.schedule import (
     CRASH_AFTER,
     QUIESCE_LIMIT_S,
+    TIMED_FAULTS,
     Action,
     FrameFaults,
     Schedule,
@@ -91,22 +92,7 @@ FUNCTIONS = [
     ),
 ]
 # What a campaign reports as "faults injected", in this order.
-FAULT_KINDS = (
-    "worker_crash",
-    "worker_freeze",
-    "conn_cut",
-    "late_heartbeat",
-    "worker_drain",
-    "actor_crash",
-    "node_restart",
-    "node_crash",
-    "node_drain",
-    "cancel",
-    "frame_drop",
-    "frame_delay",
-    "frame_duplicate",
-    "frame_reorder",
-)
+FAULT_KINDS = (*TIMED_FAULTS, "frame_drop", "frame_delay", "frame_duplicate", "frame_reorder")
 TRIGGERED = {"a.go": ["sim-a"], "b.go": ["sim-b"], "both.go": ["sim-a", "sim-b"]}
 
 
