@@ -116,6 +116,39 @@ async def test_a_kick_during_a_round_starts_the_next_round_without_asking_when_t
     assert counting.rounds == 4 and counting.wake_queries == 1
 
 
+
+class _ShieldedRounds(_CountingStore):
+    """Like a threaded store: every round waits shielded (no cancel lands in
+    it), reserves nothing and is kicked again, for ``kicked_rounds`` rounds."""
+
+    def __init__(self, store: Store, kicks: trio.MemorySendChannel[Kick], kicked_rounds: int) -> None:
+        super().__init__(store, kicks)
+        self.kicked_rounds = kicked_rounds
+
+    async def reserve_segments(self, *args: object, **kwargs: object) -> object:
+        self.rounds += 1
+        if self.rounds <= self.kicked_rounds:
+            kick(self._kicks, "racing the round")
+        with trio.CancelScope(shield=True):
+            await trio.sleep(0.001)
+        return []
+
+
+async def test_a_dispatcher_kicked_round_after_round_still_stops_when_cancelled(
+    store: Store, autojump_clock: trio.testing.MockClock
+) -> None:
+    kick_send, kick_receive = trio.open_memory_channel[Kick](10)
+    shielded = _ShieldedRounds(store, kick_send, kicked_rounds=1000)
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            await start_dispatcher(shielded, nursery, kick_receive)  # type: ignore[arg-type]
+            await trio.sleep(0.05)  # some rounds in, kicks still coming
+            at_cancel = shielded.rounds
+            scope.cancel()
+    assert 0 < at_cancel < 1000
+    assert shielded.rounds <= at_cancel + 1  # it stopped within the round it was in
+
+
 # ── sleeps woken ahead of their time (waker_lookahead): held until the wake time ──
 
 WAKE = 10.0  # the sleep's wake time, virtual seconds
