@@ -21,6 +21,7 @@ from collections import deque
 from functools import partial
 from typing import Literal
 
+import outcome
 import trio
 
 from actors.directory import LocalSession, SessionDirectory
@@ -47,6 +48,7 @@ from ironflow.protocol import (
 from ironflow.store import (
     Fence,
     LimitExceeded,
+    RunRecord,
     SessionInfo,
     SessionNotFound,
     StaleExecution,
@@ -244,6 +246,56 @@ def _run_key(msg: WorkerMessage) -> str:
     return run_id if run_id is not None else f"~{type(msg).__name__}"
 
 
+# Most job acks activated in one store call.
+ACK_GROUP_MAX = 256
+
+
+class _AckGroups:
+    """Job acks of different runs activated together (:meth:`Store.activate_leases`).
+
+    A worker acks a burst of assignments (the dispatcher's round, or a burst
+    of woken sleeps) in a burst; one lease activation each was a statement and
+    a group-commit request each. A lane whose only message is an ack waits
+    here instead: the acks that queue while one group is applied form the next
+    group, so one ack alone costs what it did, and a thousand cost a few
+    statements. Each ack keeps its own outcome (a refused one raises
+    StaleExecution in its own lane only)."""
+
+    def __init__(self, nursery: trio.Nursery, store: Store, lease_expiry_s: float) -> None:
+        self._nursery = nursery
+        self._store = store
+        self._lease_expiry_s = lease_expiry_s
+        self._queued: list[tuple[Fence, list[outcome.Outcome[RunRecord]], trio.Event]] = []
+        self._applying = False
+
+    async def activate(self, fence: Fence) -> RunRecord:
+        result: list[outcome.Outcome[RunRecord]] = []
+        done = trio.Event()
+        self._queued.append((fence, result, done))
+        if not self._applying:
+            self._applying = True
+            self._nursery.start_soon(self._apply)
+        await done.wait()
+        return result[0].unwrap()
+
+    async def _apply(self) -> None:
+        try:
+            while self._queued:
+                group = self._queued[:ACK_GROUP_MAX]
+                del self._queued[:ACK_GROUP_MAX]
+                try:
+                    results = await self._store.activate_leases(
+                        [fence for fence, _, _ in group], lease_expiry_s=self._lease_expiry_s
+                    )
+                except Exception as exc:  # e.g. a store error: every ack of the group hears it
+                    results = [outcome.Error(exc) for _ in group]
+                for (_, result, done), one in zip(group, results, strict=True):
+                    result.append(one)
+                    done.set()
+        finally:
+            self._applying = False
+
+
 # Most worker messages one session handles at once; beyond it the session
 # stops reading its socket (backpressure) until some are done.
 IN_FLIGHT_MAX = 512
@@ -284,6 +336,7 @@ class _Lanes:
         self._outbox = outbox
         self._kicks = kicks
         self._queues: dict[str, deque[WorkerMessage]] = {}
+        self._acks = _AckGroups(nursery, store, config.timings.lease_expiry_s)
         self._room = trio.Semaphore(IN_FLIGHT_MAX)
         self.fatal: Exception | None = None
 
@@ -308,7 +361,7 @@ class _Lanes:
                 try:
                     units = _units(msgs)
                     if len(units) == 1:
-                        await self._handle_unit(units[0])
+                        await self._handle_unit(units[0], ack_in_group=True)
                     else:
                         outcomes = await self._store.in_order(
                             [partial(self._handle_unit, unit) for unit in units]
@@ -325,10 +378,15 @@ class _Lanes:
         finally:
             del self._queues[key]
 
-    async def _handle_unit(self, unit: list[WorkerMessage]) -> None:
+    async def _handle_unit(self, unit: list[WorkerMessage], *, ack_in_group: bool = False) -> None:
+        """Apply one unit; ``ack_in_group``: a lone JobAck goes to the ack group
+        (not when chained with its run's next messages: a chain is one group
+        commit already)."""
         answers: list[EngineMessage] = []
         try:
-            if len(unit) > 1:
+            if ack_in_group and isinstance(unit[0], JobAck):
+                await self._acks.activate(_fence(self._session_id, unit[0]))
+            elif len(unit) > 1:
                 steps = [m for m in unit if isinstance(m, StepCompleted | StepFailed)]
                 await handle_steps(self._store, self._session_id, steps)
             else:

@@ -450,6 +450,23 @@ class Store(abc.ABC):
         queue row, insert the lease expiring at now + ``lease_expiry_s``, run →
         'running'. Raises StaleExecution otherwise."""
 
+    async def activate_leases(
+        self, fences: Sequence[Fence], *, lease_expiry_s: float
+    ) -> list[outcome.Outcome[RunRecord]]:
+        """:meth:`activate_lease` for several segments (the acks of a burst of
+        assignments), each its own outcome in ``fences``' order: one refused
+        ack (StaleExecution) never undoes another (a backend may activate them
+        all in one statement). At most one fence per run."""
+        results: list[outcome.Outcome[RunRecord]] = []
+        for fence in fences:
+            try:
+                results.append(
+                    outcome.Value(await self.activate_lease(fence, lease_expiry_s=lease_expiry_s))
+                )
+            except StaleExecution as exc:
+                results.append(outcome.Error(exc))
+        return results
+
     @abc.abstractmethod
     async def record_step(
         self,

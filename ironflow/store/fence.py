@@ -12,7 +12,10 @@ applied.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
+
+import outcome
 
 from ironflow.ids import new_id
 from ironflow.protocol import (
@@ -208,6 +211,122 @@ class FenceOps(SqlStoreBase):
             )
             assert run is not None
             return started(tx, run)
+
+        return await self._transact(work)
+
+    async def activate_leases(
+        self, fences: Sequence[Fence], *, lease_expiry_s: float
+    ) -> list[outcome.Outcome[RunRecord]]:
+        if len(fences) <= 1 or len({f.run_id for f in fences}) < len(fences):
+            return await super().activate_leases(fences, lease_expiry_s=lease_expiry_s)
+        rows = [(f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token)) for f in fences]
+        values = ", ".join(["(?, ?, ?, ?)"] * len(rows))
+        flat = [value for row in rows for value in row]
+
+        def one_statement(tx: Tx) -> list[tuple[Any, ...]]:
+            """Every reservation's queue row out, its lease in, its run running:
+            one statement (the checks of :meth:`activate_lease`, per row)."""
+            return tx.fetchall(
+                f"WITH v (run_id, execution_seq, session_id, digest) AS (VALUES {values}),"
+                " q AS (DELETE FROM dispatch_queue d USING v WHERE d.run_id = v.run_id"
+                " AND d.execution_seq = v.execution_seq AND d.reservation_owner = v.session_id"
+                " AND d.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
+                " WHERE id = v.run_id AND current_execution_seq = v.execution_seq"
+                f" AND status NOT IN {_TERMINAL_SQL}) RETURNING d.run_id, d.execution_seq,"
+                " d.function_id, d.concurrency_key, v.session_id, v.digest),"
+                " l AS (INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
+                " concurrency_key, session_id, node_id, lease_token_hash, expires_at,"
+                " activated_at) SELECT q.run_id, q.execution_seq, q.function_id,"
+                " q.concurrency_key, s.id, s.node_id, q.digest, ironflow_now() + ?,"
+                " ironflow_now() FROM q JOIN worker_sessions s ON s.id = q.session_id"
+                " RETURNING run_id)"
+                " UPDATE runs r SET status = 'running', started_at = coalesce(r.started_at,"
+                " ironflow_now()), deadline_at = coalesce(r.deadline_at, ironflow_now() + r.timeout_s),"
+                f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {_RUN_COLS},"
+                f" {_AUDIT_FLAG}",
+                (*flat, float(lease_expiry_s)),
+            )
+
+        def statement_per_table(tx: Tx) -> list[tuple[Any, ...]]:
+            """The same in three statements (SQLite has no data-modifying WITH)."""
+            sessions = {fence.session_id for fence in fences}
+            nodes = dict(
+                tx.fetchall(
+                    "SELECT id, node_id FROM worker_sessions WHERE id IN ("
+                    + ", ".join("?" * len(sessions)) + ")",
+                    tuple(sessions),
+                )
+            )
+            live = [row for row in rows if row[2] in nodes]  # a gone session's acks are refused
+            if not live:
+                return []
+            taken = tx.fetchall(
+                "DELETE FROM dispatch_queue WHERE (run_id, execution_seq, reservation_owner,"
+                " lease_token_hash) IN (VALUES " + ", ".join(["(?, ?, ?, ?)"] * len(live)) + ")"
+                " AND EXISTS (SELECT 1 FROM runs WHERE id = dispatch_queue.run_id"
+                " AND current_execution_seq = dispatch_queue.execution_seq"
+                f" AND status NOT IN {_TERMINAL_SQL})"
+                " RETURNING run_id, execution_seq, function_id, concurrency_key,"
+                " reservation_owner, lease_token_hash",
+                tuple(value for row in live for value in row),
+            )
+            if not taken:
+                return []
+            tx.execute(
+                "INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
+                " concurrency_key, session_id, node_id, lease_token_hash, expires_at,"
+                " activated_at) VALUES "
+                + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ironflow_now() + ?, ironflow_now())"] * len(taken)),
+                tuple(
+                    value
+                    for run_id, seq, function_id, key, session_id, digest in taken
+                    for value in (
+                        run_id, seq, function_id, key, session_id, nodes[session_id], digest,
+                        float(lease_expiry_s),
+                    )
+                ),
+            )
+            return tx.fetchall(
+                # The function's timeout runs from the first start (deadline_at).
+                "UPDATE runs SET status = 'running', started_at = coalesce(started_at,"
+                " ironflow_now()), deadline_at = coalesce(deadline_at, ironflow_now() + timeout_s),"
+                " updated_at = ironflow_now() WHERE id IN ("
+                + ", ".join("?" * len(taken)) + ") RETURNING"
+                + _RUN_COLS.replace("r.", " ")
+                + f", {_AUDIT_FLAG}",
+                tuple(row[0] for row in taken),
+            )
+
+        def work(tx: Tx) -> list[outcome.Outcome[RunRecord]]:
+            started = {
+                row[0]: row
+                for row in (one_statement(tx) if tx.combined else statement_per_table(tx))
+            }
+            results: list[outcome.Outcome[RunRecord]] = []
+            for fence in fences:
+                run = started.get(fence.run_id)
+                if run is not None:
+                    record = _run_record(run)
+                    if run[-1]:
+                        self._audit(
+                            tx, "run.started", fence.run_id, record.function_id,
+                            {"execution_seq": fence.execution_seq},
+                        )
+                    results.append(outcome.Value(record))
+                elif self._fence_alive(tx, fence):  # a repeated JobAck: already active
+                    again = tx.fetchone(f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,))
+                    assert again is not None
+                    results.append(outcome.Value(_run_record(again)))
+                else:
+                    results.append(
+                        outcome.Error(
+                            StaleExecution(
+                                f"segment {fence.run_id}/{fence.execution_seq} is not reserved for"
+                                " this session with this lease token, or the session is gone"
+                            )
+                        )
+                    )
+            return results
 
         return await self._transact(work)
 

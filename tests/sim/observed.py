@@ -380,6 +380,9 @@ class ObservedStore:
     async def activate_lease(self, fence: Fence, **kwargs: Any) -> Any:
         return await self._fenced("activate_lease", fence, **kwargs)
 
+    # A group of acks is watched one fence at a time (the interface's one-by-one form).
+    activate_leases = Store.activate_leases
+
     async def record_step(self, fence: Fence, **kwargs: Any) -> Any:
         return await self._fenced("record_step", fence, **kwargs)
 

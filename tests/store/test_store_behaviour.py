@@ -291,6 +291,57 @@ async def test_activate_lease_refuses_wrong_fences(store):
         await store.activate_lease(good, lease_expiry_s=LEASE)
 
 
+async def test_activate_leases_gives_each_ack_its_own_outcome(store):
+    """A group of acks (one statement on PostgreSQL): the good ones activated,
+    a repeated one answered with its live run, each refused one refused alone."""
+    s = await worker(store, slots=6)
+    other = await worker(store)
+    for _ in range(6):
+        await emit(store)
+    good, repeated, wrong_token, wrong_session, cancelled, good2 = [
+        fence_of(r) for r in await reserve(store, s)
+    ]
+    await store.activate_lease(repeated, lease_expiry_s=LEASE)
+    await store.cancel_run(cancelled.run_id, "test")
+    fences = [
+        good,
+        repeated,
+        Fence(wrong_token.session_id, wrong_token.run_id, wrong_token.execution_seq, "0" * 32),
+        Fence(other.session_id, wrong_session.run_id, wrong_session.execution_seq, wrong_session.lease_token),
+        cancelled,
+        good2,
+    ]
+    results = await store.activate_leases(fences, lease_expiry_s=LEASE)
+    runs = [r.unwrap() for r in (results[0], results[1], results[5])]
+    assert [(run.id, run.status) for run in runs] == [
+        (good.run_id, "running"), (repeated.run_id, "running"), (good2.run_id, "running")
+    ]
+    for refused in results[2:5]:
+        with pytest.raises(StaleExecution):
+            refused.unwrap()
+    leases = {lease.run_id: lease for lease in await store.list_leases()}
+    assert set(leases) == {good.run_id, repeated.run_id, good2.run_id}
+    assert all(lease.session_id == s.session_id and 80 < lease.expires_in_s <= LEASE for lease in leases.values())
+    queued = {row.run_id for row in await store.list_queue()}
+    assert queued == {wrong_token.run_id, wrong_session.run_id}  # still reserved, untouched
+    # The refused ones can still be acked with their real fences.
+    (again,) = await store.activate_leases([wrong_token], lease_expiry_s=LEASE)
+    assert again.unwrap().status == "running"
+
+
+async def test_activate_leases_of_a_gone_session_are_all_refused(store):
+    s = await worker(store, slots=3)
+    for _ in range(3):
+        await emit(store)
+    fences = [fence_of(r) for r in await reserve(store, s)]
+    await store.close_session(s.session_id, recover_leases=False, recovery_grace_s=GRACE, recovery_ceiling=3)
+    results = await store.activate_leases(fences, lease_expiry_s=LEASE)
+    for refused in results:
+        with pytest.raises(StaleExecution):
+            refused.unwrap()
+    assert await store.list_leases() == []
+
+
 # ── record_step / complete / fail ──────────────────────────────────────────
 
 
