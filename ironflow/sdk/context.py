@@ -575,5 +575,9 @@ async def execute_job(
             msg = JobCompleted(
                 *fence, output=raw, duration_ms=(time.perf_counter() - t0) * 1000.0
             )
+    # Yield before the bookkeeping: when many held jobs start at one instant
+    # (a burst of sleeps due together), every handler gets its turn before any
+    # job's report is encoded and sent, not after all the reports queued ahead.
+    await trio.lowlevel.cancel_shielded_checkpoint()
     if not job.abandoned:
         await reporter.result(job, msg)
