@@ -8,9 +8,13 @@ deliver engine messages. Nothing here touches the database.
 
 from __future__ import annotations
 
+import math
+
+import msgspec
 import trio
 
-from ironflow.protocol import EngineMessage
+from ironflow.dbclock import DatabaseClock
+from ironflow.protocol import EngineMessage, JobAssignment
 
 
 class LocalSession:
@@ -44,6 +48,9 @@ class SessionDirectory:
         # Set by the drain coordinator: when this node's drain ends
         # (trio.current_time()); a pull poll during the drain is told it.
         self.drain_deadline: float | None = None
+        # The database clock as the dispatcher learns it from its reservations
+        # (see :func:`fresh_start`).
+        self.db_clock = DatabaseClock()
 
     def add(self, session: LocalSession) -> None:
         self._sessions[session.session_id] = session
@@ -79,3 +86,24 @@ class SessionDirectory:
     def _signal(self) -> None:
         self._changed.set()
         self._changed = trio.Event()
+
+
+def fresh_start(a: JobAssignment, clock: DatabaseClock, now: float) -> JobAssignment:
+    """``a`` as it should go on the wire at Trio time ``now``: a held job's
+    database-clock reading (``db_now``, taken when it was reserved) advanced to
+    what ``clock`` proves the database has reached by now, its
+    ``start_delay_ms`` shortened by as much, so its start
+    (``db_now + start_delay_ms``) is unchanged. The worker learns the clock
+    from these readings: a fresh one lets it start a held job that much nearer
+    its time, never before it. Whole milliseconds only, never past the start."""
+    if a.db_now is None or not a.start_delay_ms:
+        return a
+    reached = clock.db_time(now)
+    if reached is None:
+        return a
+    shift_ms = min(math.floor((reached - a.db_now) * 1000), a.start_delay_ms)
+    if shift_ms <= 0:
+        return a
+    return msgspec.structs.replace(
+        a, db_now=a.db_now + shift_ms / 1000, start_delay_ms=a.start_delay_ms - shift_ms
+    )

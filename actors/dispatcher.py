@@ -92,8 +92,11 @@ async def _dispatch_round(
             BATCH,
             reservation_expiry_s=config.timings.reservation_expiry_s,
         )
+        reserved = trio.current_time()
         for reservation in reservations:
             assignment = reservation.assignment
+            if assignment.db_now is not None:  # read before this moment
+                directory.db_clock.observe(assignment.db_now, reserved)
             session = directory.get(reservation.session_id)
             if assignment.start_delay_ms and session is not None and not session.delayed_start:
                 holds.start_soon(_deliver_at_start, store, directory, reservation)

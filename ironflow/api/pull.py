@@ -15,7 +15,7 @@ import trio
 from quart import Blueprint, Response, request
 
 from actors import session as session_actor
-from actors.directory import LocalSession
+from actors.directory import LocalSession, fresh_start
 from actors.messages import kick
 from ironflow import logs, metrics
 from ironflow.api.auth import require_org
@@ -149,6 +149,8 @@ async def poll(session_id: str) -> Response:
     # Jobs that were already on their way come back with the Shutdown: the
     # worker refuses them with JobNack(DRAINING), as a streaming worker does.
     shutdown = _node_shutdown() if shutdown_requested.is_set() else None
+    now = trio.current_time()
+    jobs = [fresh_start(a, st.deps.directory.db_clock, now) for a in jobs]
     return json_response(PullPollResponse(jobs, shutdown))
 
 

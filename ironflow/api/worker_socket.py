@@ -17,12 +17,14 @@ import trio
 from quart import Blueprint, Response, websocket
 
 from actors import session as session_actor
+from actors.directory import fresh_start
 from ironflow import logs
 from ironflow.api.auth import require_org
 from ironflow.api.errors import ApiFailure, decode_frame, error_response
 from ironflow.api.state import ApiDeps, state
 from ironflow.protocol import (
     EngineMessage,
+    JobAssignment,
     JsonTooDeep,
     Refused,
     Register,
@@ -126,6 +128,11 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
                         batch.append(outbox_receive.receive_nowait())
                     except (trio.WouldBlock, trio.EndOfChannel):
                         break
+                now = trio.current_time()
+                batch = [
+                    fresh_start(m, deps.directory.db_clock, now) if isinstance(m, JobAssignment) else m
+                    for m in batch
+                ]
                 frame = batch[0] if len(batch) == 1 else batch
                 await ws.send(encoder.encode(frame).decode())
         finally:

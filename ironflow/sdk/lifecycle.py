@@ -30,6 +30,7 @@ from typing import Any
 
 import trio
 
+from ironflow.dbclock import DatabaseClock
 from ironflow.logs import formatter as log_formatter
 from ironflow.protocol import JobAssignment, JobLeaseStatus, JobNack, JobNackReason, Register
 from ironflow.sdk.context import Context, JobState, Reporter, execute_job
@@ -153,54 +154,12 @@ def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
 
 
-# How fast the database clock and this process's monotonic clock may drift
-# apart: a generous bound for NTP-disciplined clocks (they slew at most 500
-# ppm). A clock offset observed t seconds ago is trusted less by this × t, so
-# a held job never starts before its time by the database clock.
-CLOCK_DRIFT = 500e-6
-
-
-class _DatabaseClock:
-    """A lower bound of (database clock − Trio clock), learnt from held jobs.
-
-    A job's ``db_now`` was read before the job was received, so ``db_now −
-    received`` never exceeds the true offset; the largest such sample (the job
-    that spent least time in the engine's queues and in transit) is the
-    tightest bound, aged by :data:`CLOCK_DRIFT`. Only differences of the
-    database clock are used: the worker's own wall clock plays no part.
-    """
-
-    def __init__(self) -> None:
-        self._best: float | None = None
-        self._at = 0.0
-
-    @property
-    def sampled(self) -> bool:
-        return self._best is not None
-
-    def observe(self, db_now: float, received: float) -> bool:
-        """Take one sample; True if it tightened the bound."""
-        sample = db_now - received
-        if self._best is not None and sample <= self._best - CLOCK_DRIFT * (received - self._at):
-            return False
-        self._best, self._at = sample, received
-        return True
-
-    def local_time(self, db_time: float) -> float | None:
-        """The earliest Trio time at which the database clock has surely reached
-        ``db_time`` (None before any sample): the least t with
-        t + best − DRIFT·(t − at) ≥ db_time."""
-        if self._best is None:
-            return None
-        return (db_time - self._best - CLOCK_DRIFT * self._at) / (1 - CLOCK_DRIFT)
-
-
 class _StartGates:
     """Opens jobs held for a start time (``JobAssignment.start_delay_ms``).
 
     A job's start is its ``db_now + start_delay_ms`` by the database clock,
     turned into this process's clock through the best bound seen so far (see
-    :class:`_DatabaseClock`), and re-turned whenever a later job tightens it:
+    :class:`DatabaseClock`), and re-turned whenever a later job tightens it:
     the first jobs of a burst, received before the tightest sample, start on
     time too. A job without ``db_now`` starts at its delay from receipt.
 
@@ -214,7 +173,7 @@ class _StartGates:
     """
 
     def __init__(self) -> None:
-        self.clock = _DatabaseClock()
+        self.clock = DatabaseClock()
         # ("db", ms of the database clock) or ("local", ms of the Trio clock).
         self._gates: dict[tuple[str, int], trio.Event] = {}
         self._changed = trio.Event()
@@ -254,7 +213,7 @@ class _StartGates:
     def new_connection(self) -> None:
         """Forget the clock learnt from the last connection (the next node may be
         another cluster's) and its gates: its jobs were abandoned with it."""
-        self.clock = _DatabaseClock()
+        self.clock = DatabaseClock()
         self._gates.clear()
         self._changed.set()
 

@@ -163,9 +163,9 @@ async def test_a_job_that_waited_in_queues_still_starts_at_its_database_time_lea
 
 
 def test_the_database_clock_bound_keeps_the_tightest_sample_and_ages_it_by_the_drift_allowance() -> None:
-    from ironflow.sdk.lifecycle import CLOCK_DRIFT, _DatabaseClock
+    from ironflow.dbclock import CLOCK_DRIFT, DatabaseClock
 
-    clock = _DatabaseClock()
+    clock = DatabaseClock()
     assert clock.local_time(1000.0) is None  # nothing learnt: the delay from receipt decides
     assert clock.observe(db_now=100.0, received=0.0)  # offset ≥ 100
     assert not clock.observe(db_now=100.0, received=0.5)  # looser (it waited 0.5 s somewhere)
@@ -175,3 +175,33 @@ def test_the_database_clock_bound_keeps_the_tightest_sample_and_ages_it_by_the_d
     t = clock.local_time(150.0)
     assert t is not None and t + 100.0 - CLOCK_DRIFT * (t - 1.0) == pytest.approx(150.0)
     assert 50.0 < t < 50.0 + 0.03
+
+
+def test_the_node_refreshes_a_held_jobs_clock_reading_on_the_wire_without_moving_its_start() -> None:
+    """fresh_start: a reading taken at reservation (db 100.000, start 100.900)
+    goes out at Trio time 0.5 as the database time the node's bound proves by
+    then, in whole milliseconds; the start stays where it was, never later
+    than the reading allows, and a job without a reading goes out as it is."""
+    from actors.directory import fresh_start
+    from ironflow.dbclock import DatabaseClock
+    from ironflow.protocol import EventInfo, JobAssignment
+
+    def job(db_now: float | None, delay_ms: int) -> JobAssignment:
+        return JobAssignment(
+            job_id="j", run_id="r", function_id="f", event=EventInfo(id="e", name="n", data={}, received_at=0.0),
+            attempt=1, max_attempts=3, completed_steps=[], execution_seq=2, lease_token="t",
+            start_delay_ms=delay_ms, db_now=db_now,
+        )
+
+    clock = DatabaseClock()
+    held = job(100.0, 900)
+    assert fresh_start(held, clock, 0.5) is held  # nothing learnt yet
+    clock.observe(db_now=100.0, received=0.1)  # database ≥ Trio + 99.9
+    fresh = fresh_start(held, clock, 0.5)
+    # by Trio 0.5 the database has surely passed 100.4 (less the drift allowance)
+    assert fresh.db_now == pytest.approx(100.399) and fresh.start_delay_ms == 501
+    assert fresh.db_now + fresh.start_delay_ms / 1000 == pytest.approx(100.9)
+    late = fresh_start(held, clock, 5.0)  # past its start: the delay ends at 0, never below
+    assert late.start_delay_ms == 0 and late.db_now == pytest.approx(100.9)
+    assert fresh_start(job(None, 0), clock, 0.5).db_now is None
+    assert fresh_start(job(100.45, 450), clock, 0.5).db_now == 100.45  # already fresher
