@@ -264,3 +264,47 @@ async def test_a_message_waiting_for_its_commit_holds_back_only_its_own_run(
     assert held.completed == [b.run_id, a.run_id]
     detail = await store.get_run(a.run_id)
     assert [s.step_id for s in detail.steps] == ["s1"] and detail.run.output == "a-done"
+
+
+class _CountedAcks:
+    """The store, counting the acks each activate_leases call carries."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.groups: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._store, name)
+
+    async def activate_leases(self, fences: Any, **kwargs: Any) -> Any:
+        self.groups.append(len(fences))
+        return await self._store.activate_leases(fences, **kwargs)
+
+
+async def test_acks_of_many_runs_read_together_are_activated_as_one_group_and_a_stale_one_is_refused_alone(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    counted = _CountedAcks(store)
+    cfg = NodeConfig(timings=Timings(), limits=Limits(max_slots_per_session=40))
+    sock = Socket(counted, cfg)  # type: ignore[arg-type]
+    await sock.send.send(register(slots=40))
+    session_id = await nursery.start(sock.serve)
+    await sock.answer()  # Registered
+    for _ in range(30):
+        await store.ingest_event("go", {}, None, idempotency_window_s=60)
+    reserved = await store.reserve_segments(
+        "n1", {session_id: frozenset({"fn"})}, 30, reservation_expiry_s=30
+    )
+    jobs = [r.assignment for r in reserved]
+    stale = jobs[7]
+    before = (await store.get_run(stale.run_id)).run.status
+    for a in jobs:  # one read of the socket: every ack queued at once
+        token = "0" * 32 if a is stale else a.lease_token
+        sock.send.send_nowait(JobAck(a.job_id, a.run_id, a.execution_seq, token))
+    refused = await sock.answer()
+    assert isinstance(refused, Refused) and refused.run_id == stale.run_id
+    for a in jobs:
+        if a is not stale:
+            await sock.until_status(a.run_id, "running")
+    assert (await store.get_run(stale.run_id)).run.status == before != "running"
+    assert sum(counted.groups) == 30 and len(counted.groups) <= 2, counted.groups
