@@ -331,7 +331,7 @@ class _Actor:
                 results, retry = self._careful(tx, batch)
         except BaseException as exc:  # the connection or the COMMIT failed: every caller hears it
             self._discard_connection()
-            results = [outcome.Error(exc)] * len(batch)
+            results = [outcome.Error(exc) for _ in batch]  # one each: an outcome unwraps once
             retry = []
         hand_back((req.token, req.deliver, result) for req, result in zip(batch, results, strict=True)
                   if result is not None)

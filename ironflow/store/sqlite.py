@@ -307,7 +307,7 @@ class SqliteStore(SqlStore):
         except BaseException as exc:  # the whole group failed: every caller hears it
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
-            results = [outcome.Error(exc)] * len(batch)
+            results = [outcome.Error(exc) for _ in batch]  # one each: an outcome unwraps once
         hand_back(
             (token, deliver, result)
             for (_, token, deliver), result in zip(batch, results, strict=True)
