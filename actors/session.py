@@ -18,8 +18,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import outcome
 import trio
@@ -47,6 +48,7 @@ from ironflow.protocol import (
 )
 from ironflow.store import (
     Fence,
+    JobOutcome,
     LimitExceeded,
     RunRecord,
     SessionInfo,
@@ -151,12 +153,10 @@ async def handle(
         await store.activate_lease(_fence(session_id, msg), lease_expiry_s=t.lease_expiry_s)
         return None
     if isinstance(msg, StepCompleted | StepFailed):
-        await handle_steps(store, session_id, [msg])
+        await handle_steps(store.record_steps, session_id, [msg])
         return None
     if isinstance(msg, JobCompleted):
-        outcome = await store.complete_job(_fence(session_id, msg), msg.output)
-        metrics.run_ended("completed", outcome.function_id, outcome.duration_s)
-        kick(kicks, "job completed")
+        completed(await store.complete_job(_fence(session_id, msg), msg.output), kicks)
         return None
     if isinstance(msg, JobFailed):
         outcome = await store.fail_job(_fence(session_id, msg), msg.error)
@@ -198,26 +198,41 @@ async def handle(
     raise ProtocolViolation(f"unexpected message {type(msg).__name__} after Register")
 
 
+def completed(outcome_: JobOutcome, kicks: trio.MemorySendChannel[Kick]) -> None:
+    """A JobCompleted applied: count the run's end, kick the dispatcher (a credit is free)."""
+    metrics.run_ended("completed", outcome_.function_id, outcome_.duration_s)
+    kick(kicks, "job completed")
+
+
 async def handle_steps(
-    store: Store, session_id: str, msgs: list[StepCompleted | StepFailed]
+    record: Callable[[Fence, list[StepResult]], Awaitable[None]],
+    session_id: str,
+    msgs: list[StepCompleted | StepFailed],
 ) -> None:
-    """Several step results of one segment (one fence), recorded together
-    (:meth:`Store.record_steps`). Raises StaleExecution for all of them."""
+    """Several step results of one segment (one fence), recorded together by
+    ``record`` (:meth:`Store.record_steps`, or the session's step group).
+    Raises StaleExecution for all of them."""
     received = time.perf_counter()
-    await store.record_steps(
-        _fence(session_id, msgs[0]),
-        [
-            StepResult(
-                m.step_id,
-                m.name,
-                "completed" if isinstance(m, StepCompleted) else "failed",
-                m.output if isinstance(m, StepCompleted) else None,
-                m.error if isinstance(m, StepFailed) else None,
-                m.duration_ms,
-            )
-            for m in msgs
-        ],
-    )
+    await record(_fence(session_id, msgs[0]), step_results(msgs))
+    steps_recorded(msgs, received)
+
+
+def step_results(msgs: list[StepCompleted | StepFailed]) -> list[StepResult]:
+    return [
+        StepResult(
+            m.step_id,
+            m.name,
+            "completed" if isinstance(m, StepCompleted) else "failed",
+            m.output if isinstance(m, StepCompleted) else None,
+            m.error if isinstance(m, StepFailed) else None,
+            m.duration_ms,
+        )
+        for m in msgs
+    ]
+
+
+def steps_recorded(msgs: list[StepCompleted | StepFailed], received: float) -> None:
+    """Step results committed: count them, time report → commit from ``received``."""
     elapsed = time.perf_counter() - received
     for m in msgs:
         metrics.STEP_COMMIT.observe(elapsed)
@@ -240,38 +255,57 @@ def _units(msgs: list[WorkerMessage]) -> list[list[WorkerMessage]]:
     return units
 
 
+def _last_steps_and_result(steps: list[WorkerMessage], result: list[WorkerMessage]) -> bool:
+    """Units ``steps`` (step results) then ``result`` (a JobCompleted) of one segment."""
+    last = result[0]
+    return (
+        isinstance(steps[0], StepCompleted | StepFailed)
+        and isinstance(last, JobCompleted)
+        and (steps[0].execution_seq, steps[0].lease_token) == (last.execution_seq, last.lease_token)
+    )
+
+
 def _run_key(msg: WorkerMessage) -> str:
     """Messages of one run are serialised; everything else may run concurrently."""
     run_id = getattr(msg, "run_id", None)
     return run_id if run_id is not None else f"~{type(msg).__name__}"
 
 
-# Most job acks activated in one store call.
-ACK_GROUP_MAX = 256
+# Most calls of one kind applied in one store call.
+GROUP_MAX = 256
+
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 
-class _AckGroups:
-    """Job acks of different runs activated together (:meth:`Store.activate_leases`).
+class _Grouped(Generic[Item, Result]):
+    """Store calls of one kind from different runs' lanes, applied together.
 
-    A worker acks a burst of assignments (the dispatcher's round, or a burst
-    of woken sleeps) in a burst; one lease activation each was a statement and
-    a group-commit request each. A lane whose only message is an ack waits
-    here instead: the acks that queue while one group is applied form the next
-    group, so one ack alone costs what it did, and a thousand cost a few
-    statements. Each ack keeps its own outcome (a refused one raises
-    StaleExecution in its own lane only)."""
+    A worker's messages come in bursts: the acks of a dispatcher round (or of
+    a burst of woken sleeps), the step results and job results of many runs
+    at once. One store call each was a statement and a group-commit request
+    each (on PostgreSQL a round trip each, the scarce resource). A lane whose
+    only message is of a grouped kind waits here instead: the calls that
+    queue while one group is applied form the next group, so one call alone
+    costs what it did, and a burst costs a few statements
+    (:meth:`Store.activate_leases`, :meth:`~Store.record_steps_many`,
+    :meth:`~Store.complete_jobs`). Each call keeps its own outcome (a stale
+    one raises StaleExecution in its own lane only)."""
 
-    def __init__(self, nursery: trio.Nursery, store: Store, lease_expiry_s: float) -> None:
+    def __init__(
+        self,
+        nursery: trio.Nursery,
+        apply: Callable[[list[Item]], Awaitable[list[outcome.Outcome[Result]]]],
+    ) -> None:
         self._nursery = nursery
-        self._store = store
-        self._lease_expiry_s = lease_expiry_s
-        self._queued: list[tuple[Fence, list[outcome.Outcome[RunRecord]], trio.Event]] = []
+        self._apply_group = apply
+        self._queued: list[tuple[Item, list[outcome.Outcome[Result]], trio.Event]] = []
         self._applying = False
 
-    async def activate(self, fence: Fence) -> RunRecord:
-        result: list[outcome.Outcome[RunRecord]] = []
+    async def __call__(self, item: Item) -> Result:
+        result: list[outcome.Outcome[Result]] = []
         done = trio.Event()
-        self._queued.append((fence, result, done))
+        self._queued.append((item, result, done))
         if not self._applying:
             self._applying = True
             self._nursery.start_soon(self._apply)
@@ -281,13 +315,11 @@ class _AckGroups:
     async def _apply(self) -> None:
         try:
             while self._queued:
-                group = self._queued[:ACK_GROUP_MAX]
-                del self._queued[:ACK_GROUP_MAX]
+                group = self._queued[:GROUP_MAX]
+                del self._queued[:GROUP_MAX]
                 try:
-                    results = await self._store.activate_leases(
-                        [fence for fence, _, _ in group], lease_expiry_s=self._lease_expiry_s
-                    )
-                except Exception as exc:  # e.g. a store error: every ack of the group hears it
+                    results = await self._apply_group([item for item, _, _ in group])
+                except Exception as exc:  # e.g. a store error: every call of the group hears it
                     results = [outcome.Error(exc) for _ in group]
                 for (_, result, done), one in zip(group, results, strict=True):
                     result.append(one)
@@ -336,7 +368,16 @@ class _Lanes:
         self._outbox = outbox
         self._kicks = kicks
         self._queues: dict[str, deque[WorkerMessage]] = {}
-        self._acks = _AckGroups(nursery, store, config.timings.lease_expiry_s)
+        lease_expiry_s = config.timings.lease_expiry_s
+        self._acks: _Grouped[Fence, RunRecord] = _Grouped(
+            nursery, lambda fences: store.activate_leases(fences, lease_expiry_s=lease_expiry_s)
+        )
+        self._steps: _Grouped[tuple[Fence, list[StepResult]], None] = _Grouped(
+            nursery, store.record_steps_many
+        )
+        self._completions: _Grouped[tuple[Fence, Any, list[StepResult]], JobOutcome] = _Grouped(
+            nursery, store.complete_jobs
+        )
         self._room = trio.Semaphore(IN_FLIGHT_MAX)
         self.fatal: Exception | None = None
 
@@ -361,7 +402,11 @@ class _Lanes:
                 try:
                     units = _units(msgs)
                     if len(units) == 1:
-                        await self._handle_unit(units[0], ack_in_group=True)
+                        await self._handle_unit(units[0], grouped=True)
+                    elif len(units) == 2 and _last_steps_and_result(units[0], units[1]):
+                        # A segment's last step results and its job's result,
+                        # sent together: one grouped completion.
+                        await self._handle_unit(units[0] + units[1], grouped=True)
                     else:
                         outcomes = await self._store.in_order(
                             [partial(self._handle_unit, unit) for unit in units]
@@ -378,17 +423,35 @@ class _Lanes:
         finally:
             del self._queues[key]
 
-    async def _handle_unit(self, unit: list[WorkerMessage], *, ack_in_group: bool = False) -> None:
-        """Apply one unit; ``ack_in_group``: a lone JobAck goes to the ack group
-        (not when chained with its run's next messages: a chain is one group
-        commit already)."""
+    async def _record_steps(self, fence: Fence, steps: list[StepResult]) -> None:
+        await self._steps((fence, steps))
+
+    async def _handle_unit(self, unit: list[WorkerMessage], *, grouped: bool = False) -> None:
+        """Apply one unit; ``grouped``: an ack, a segment's step results, or a
+        job's result (with the step results sent just before it) goes to its
+        kind's group with other runs' (not when chained with more of its
+        run's messages: a chain is one group commit already)."""
         answers: list[EngineMessage] = []
+        first = unit[0]
         try:
-            if ack_in_group and isinstance(unit[0], JobAck):
-                await self._acks.activate(_fence(self._session_id, unit[0]))
+            if grouped and isinstance(first, JobAck):
+                await self._acks(_fence(self._session_id, first))
+            elif grouped and isinstance(unit[-1], JobCompleted):
+                result = unit[-1]
+                steps = [m for m in unit if isinstance(m, StepCompleted | StepFailed)]
+                received = time.perf_counter()
+                done = await self._completions(
+                    (_fence(self._session_id, result), result.output, step_results(steps))
+                )
+                if steps:
+                    steps_recorded(steps, received)
+                completed(done, self._kicks)
+            elif grouped and isinstance(first, StepCompleted | StepFailed):
+                steps = [m for m in unit if isinstance(m, StepCompleted | StepFailed)]
+                await handle_steps(self._record_steps, self._session_id, steps)
             elif len(unit) > 1:
                 steps = [m for m in unit if isinstance(m, StepCompleted | StepFailed)]
-                await handle_steps(self._store, self._session_id, steps)
+                await handle_steps(self._store.record_steps, self._session_id, steps)
             else:
                 answer = await handle(self._store, self._config, self._session_id, unit[0], self._kicks)
                 if answer is not None:

@@ -492,9 +492,43 @@ class Store(abc.ABC):
                 error=s.error, duration_ms=s.duration_ms,
             )
 
+    async def record_steps_many(
+        self, items: Sequence[tuple[Fence, list[StepResult]]]
+    ) -> list[outcome.Outcome[None]]:
+        """:meth:`record_steps` for several segments (different runs), each its
+        own outcome in ``items``' order: one refused (StaleExecution) never
+        undoes another (a backend may write them all in one statement). At
+        most one item per run."""
+        results: list[outcome.Outcome[None]] = []
+        for fence, steps in items:
+            try:
+                await self.record_steps(fence, steps)
+                results.append(outcome.Value(None))
+            except StaleExecution as exc:
+                results.append(outcome.Error(exc))
+        return results
+
     @abc.abstractmethod
     async def complete_job(self, fence: Fence, output: Any) -> JobOutcome:
         """Run → 'completed'; delete the lease; free the credit. StaleExecution."""
+
+    async def complete_jobs(
+        self, items: Sequence[tuple[Fence, Any, list[StepResult]]]
+    ) -> list[outcome.Outcome[JobOutcome]]:
+        """:meth:`complete_job` for several segments (different runs), each its
+        own outcome in ``items``' order, as :meth:`record_steps_many`. An
+        item is (fence, output, step results): the segment's last step
+        results, which a worker sends together with the job's result, are
+        recorded first (:meth:`record_steps`), in the same transaction."""
+        results: list[outcome.Outcome[JobOutcome]] = []
+        for fence, output, steps in items:
+            try:
+                if steps:
+                    await self.record_steps(fence, steps)
+                results.append(outcome.Value(await self.complete_job(fence, output)))
+            except StaleExecution as exc:
+                results.append(outcome.Error(exc))
+        return results
 
     @abc.abstractmethod
     async def fail_job(self, fence: Fence, error: ErrorInfo) -> JobOutcome:

@@ -345,10 +345,9 @@ class FenceOps(SqlStoreBase):
             fence, [StepResult(step_id, name, status, output, error, duration_ms)]
         )
 
-    async def record_steps(self, fence: Fence, steps: list[StepResult]) -> None:
-        if not steps:
-            return
-        fields = [
+    @staticmethod
+    def _step_fields(steps: list[StepResult]) -> list[tuple[Any, ...]]:
+        return [
             (
                 s.step_id,
                 s.name,
@@ -360,94 +359,254 @@ class FenceOps(SqlStoreBase):
             for s in steps
         ]
 
-        def work(tx: Tx) -> None:
-            # Step order: when their transaction ran (a chain runs in arrival
-            # order), then their order in this call.
-            first = time.time_ns()
-            rows = [(*row, first + i) for i, row in enumerate(fields)]
-            # One statement writes them all (it can write a step id only once:
-            # a call that repeats one goes a row at a time).
-            groups = [rows] if len({row[0] for row in rows}) == len(rows) else [[row] for row in rows]
-            written: list[tuple[Any, ...]] = []
-            for group in groups:
-                written += tx.fetchall(
-                    "WITH v (step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
-                    + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(group))
-                    + ") INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
-                    " duration_ms, execution_seq, created_at, seq)"
-                    " SELECT ?, v.step_id, v.name, 'run', v.status, v.output, v.error,"
-                    " v.duration_ms, ?, ironflow_now(), v.seq FROM v"
-                    f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL})"
-                    " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
-                    " output = excluded.output, error = excluded.error,"
-                    " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
-                    " WHERE steps.status <> 'completed'"
-                    f" RETURNING step_id, status, {_STEP_AUDITED_FUNCTION}",
-                    (
-                        *(value for row in group for value in row),
-                        fence.run_id,
-                        fence.execution_seq,
-                        *self._fence_params(fence),
-                    ),
+    def _record(self, tx: Tx, fence: Fence, fields: list[tuple[Any, ...]]) -> None:
+        """Write one segment's step results under its fence (StaleExecution,
+        and nothing written, if it is not live)."""
+        # Step order: when their transaction ran (a chain runs in arrival
+        # order), then their order in this call.
+        first = time.time_ns()
+        rows = [(*row, first + i) for i, row in enumerate(fields)]
+        # One statement writes them all (it can write a step id only once:
+        # a call that repeats one goes a row at a time).
+        groups = [rows] if len({row[0] for row in rows}) == len(rows) else [[row] for row in rows]
+        written: list[tuple[Any, ...]] = []
+        for group in groups:
+            written += tx.fetchall(
+                "WITH v (step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
+                + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(group))
+                + ") INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
+                " duration_ms, execution_seq, created_at, seq)"
+                " SELECT ?, v.step_id, v.name, 'run', v.status, v.output, v.error,"
+                " v.duration_ms, ?, ironflow_now(), v.seq FROM v"
+                f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL})"
+                " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
+                " output = excluded.output, error = excluded.error,"
+                " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
+                " WHERE steps.status <> 'completed'"
+                f" RETURNING step_id, status, {_STEP_AUDITED_FUNCTION}",
+                (
+                    *(value for row in group for value in row),
+                    fence.run_id,
+                    fence.execution_seq,
+                    *self._fence_params(fence),
+                ),
+            )
+        self._recorded(tx, fence, fields, written)
+
+    def _recorded(
+        self, tx: Tx, fence: Fence, fields: list[tuple[Any, ...]], written: list[tuple[Any, ...]]
+    ) -> None:
+        """After the INSERT: ``written`` = (step_id, status, audited function) of
+        the rows it wrote."""
+        if len(written) < len(fields) and not self._fence_alive(tx, fence):
+            # Nothing was written (the fence guards every row): all refused.
+            raise StaleExecution(
+                f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
+            )
+        # Rows not written are idempotent replays of completed steps.
+        names = {row[0]: row[1] for row in fields}
+        for step_id, status, audited in written:
+            if status == "completed" and audited is not None:
+                self._audit(
+                    tx, "step.completed", fence.run_id, audited,
+                    {"step_id": step_id, "name": names[step_id]},
                 )
-            if len(written) < len(rows) and not self._fence_alive(tx, fence):
-                # Nothing was written (the fence guards every row): all refused.
+
+    async def record_steps(self, fence: Fence, steps: list[StepResult]) -> None:
+        if not steps:
+            return
+        fields = self._step_fields(steps)
+        await self._transact(lambda tx: self._record(tx, fence, fields))
+
+    async def record_steps_many(
+        self, items: Sequence[tuple[Fence, list[StepResult]]]
+    ) -> list[outcome.Outcome[None]]:
+        if len(items) <= 1 or len({fence.run_id for fence, _ in items}) < len(items):
+            return await super().record_steps_many(items)
+        prepared = [(fence, self._step_fields(steps)) for fence, steps in items]
+        return await self._transact(lambda tx: self._record_many(tx, prepared))
+
+    def _record_many(
+        self, tx: Tx, prepared: list[tuple[Fence, list[tuple[Any, ...]]]]
+    ) -> list[outcome.Outcome[None]]:
+        """Several segments' step fields (:meth:`_step_fields`; different runs),
+        each under its own fence and with its own outcome: on PostgreSQL one
+        statement for them all when no segment repeats a step id."""
+        if not (tx.combined and all(len({row[0] for row in fields}) == len(fields) for _, fields in prepared)):
+            results: list[outcome.Outcome[None]] = []
+            for fence, fields in prepared:
+                try:
+                    if fields:
+                        self._record(tx, fence, fields)
+                    results.append(outcome.Value(None))
+                except StaleExecution as exc:  # raised before it wrote anything
+                    results.append(outcome.Error(exc))
+            return results
+        first = time.time_ns()
+        rows: list[tuple[Any, ...]] = []
+        for fence, fields in prepared:
+            head = (fence.run_id, fence.execution_seq, fence.session_id, token_hash(fence.lease_token))
+            rows += [(*head, *row, first + len(rows) + i) for i, row in enumerate(fields)]
+        written = tx.fetchall(
+            "WITH v (run_id, execution_seq, session_id, digest, step_id, name, status, output,"
+            " error, duration_ms, seq) AS (VALUES "
+            + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * len(rows))
+            + ") INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
+            " duration_ms, execution_seq, created_at, seq)"
+            " SELECT v.run_id, v.step_id, v.name, 'run', v.status, v.output, v.error,"
+            " v.duration_ms, v.execution_seq, ironflow_now(), v.seq FROM v"
+            " WHERE EXISTS (SELECT 1 FROM concurrency_leases c WHERE c.run_id = v.run_id"
+            " AND c.execution_seq = v.execution_seq AND c.session_id = v.session_id"
+            " AND c.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
+            " WHERE id = v.run_id AND current_execution_seq = v.execution_seq))"
+            " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
+            " output = excluded.output, error = excluded.error,"
+            " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
+            " WHERE steps.status <> 'completed'"
+            f" RETURNING run_id, step_id, status, {_STEP_AUDITED_FUNCTION}",
+            tuple(value for row in rows for value in row),
+        ) if rows else []
+        by_run: dict[str, list[tuple[Any, ...]]] = {}
+        for run_id, *rest in written:
+            by_run.setdefault(run_id, []).append(tuple(rest))
+        done: list[outcome.Outcome[None]] = []
+        for fence, fields in prepared:
+            try:
+                self._recorded(tx, fence, fields, by_run.get(fence.run_id, []))
+                done.append(outcome.Value(None))
+            except StaleExecution as exc:
+                done.append(outcome.Error(exc))
+        return done
+
+    def _complete(self, tx: Tx, fence: Fence, output: Any) -> JobOutcome:
+        """Complete one segment's run (StaleExecution, nothing written, if its
+        fence is not live)."""
+        if tx.combined:
+            # The lease out, its credit freed, the run completed: one statement.
+            row = tx.fetchone(
+                f"WITH l AS (DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING run_id),"
+                " c AS (UPDATE worker_credits SET claimed_run_id = NULL,"
+                " claimed_execution_seq = NULL, held = 0 WHERE session_id = ?"
+                " AND claimed_run_id = ? AND claimed_execution_seq = ?"
+                " AND EXISTS (SELECT 1 FROM l))"
+                " UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
+                " updated_at = ironflow_now() FROM l WHERE runs.id = l.run_id"
+                f" RETURNING parent_run_id, parent_step_id, {RUN_END_FIGURES},"
+                f" {_AUDIT_FLAG}",
+                (
+                    *self._fence_params(fence),
+                    fence.session_id, fence.run_id, fence.execution_seq,
+                    _enc(output),
+                ),
+            )
+            if row is None:
                 raise StaleExecution(
                     f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
                 )
-            # Rows not written are idempotent replays of completed steps.
-            names = {row[0]: row[1] for row in rows}
-            for step_id, status, audited in written:
-                if status == "completed" and audited is not None:
-                    self._audit(
-                        tx, "step.completed", fence.run_id, audited,
-                        {"step_id": step_id, "name": names[step_id]},
-                    )
+        else:
+            self._take_lease(tx, fence)
+            row = tx.fetchone(
+                "UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
+                " updated_at = ironflow_now() WHERE id = ?"
+                f" RETURNING parent_run_id, parent_step_id, {RUN_END_FIGURES},"
+                f" {_AUDIT_FLAG}",
+                (_enc(output), fence.run_id),
+            )
+            assert row is not None
+        return self._completed(tx, fence, output, row)
 
-        await self._transact(work)
+    def _completed(self, tx: Tx, fence: Fence, output: Any, row: tuple[Any, ...]) -> JobOutcome:
+        """After the run's UPDATE: ``row`` = parent run, parent step, function,
+        duration, audit flag."""
+        if row[4]:
+            self._audit(tx, "run.completed", fence.run_id, row[2], {})
+        kicked = self._resolve_parent(tx, row[0], row[1], fence.run_id, output=output)
+        return JobOutcome(
+            fence.run_id, "completed", kicked_run_ids=kicked, function_id=row[2], duration_s=row[3]
+        )
 
     async def complete_job(self, fence: Fence, output: Any) -> JobOutcome:
-        def work(tx: Tx) -> JobOutcome:
-            if tx.combined:
-                # The lease out, its credit freed, the run completed: one statement.
-                row = tx.fetchone(
-                    f"WITH l AS (DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING run_id),"
-                    " c AS (UPDATE worker_credits SET claimed_run_id = NULL,"
-                    " claimed_execution_seq = NULL, held = 0 WHERE session_id = ?"
-                    " AND claimed_run_id = ? AND claimed_execution_seq = ?"
-                    " AND EXISTS (SELECT 1 FROM l))"
-                    " UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
-                    " updated_at = ironflow_now() FROM l WHERE runs.id = l.run_id"
-                    f" RETURNING parent_run_id, parent_step_id, {RUN_END_FIGURES},"
-                    f" {_AUDIT_FLAG}",
-                    (
-                        *self._fence_params(fence),
-                        fence.session_id, fence.run_id, fence.execution_seq,
-                        _enc(output),
-                    ),
-                )
-                if row is None:
-                    raise StaleExecution(
-                        f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
-                    )
-            else:
-                self._take_lease(tx, fence)
-                row = tx.fetchone(
-                    "UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
-                    " updated_at = ironflow_now() WHERE id = ?"
-                    f" RETURNING parent_run_id, parent_step_id, {RUN_END_FIGURES},"
-                    f" {_AUDIT_FLAG}",
-                    (_enc(output), fence.run_id),
-                )
-                assert row is not None
-            if row[4]:
-                self._audit(tx, "run.completed", fence.run_id, row[2], {})
-            kicked = self._resolve_parent(tx, row[0], row[1], fence.run_id, output=output)
-            return JobOutcome(
-                fence.run_id, "completed", kicked_run_ids=kicked, function_id=row[2], duration_s=row[3]
-            )
+        return await self._transact_ending(
+            lambda tx: self._complete(tx, fence, output), lambda _: [fence.run_id]
+        )
 
-        return await self._transact_ending(work, lambda _: [fence.run_id])
+    async def complete_jobs(
+        self, items: Sequence[tuple[Fence, Any, list[StepResult]]]
+    ) -> list[outcome.Outcome[JobOutcome]]:
+        if len(items) <= 1 or len({fence.run_id for fence, _, _ in items}) < len(items):
+            return await super().complete_jobs(items)
+        prepared = [(fence, self._step_fields(steps)) for fence, _, steps in items]
+
+        def work(tx: Tx) -> list[outcome.Outcome[JobOutcome]]:
+            # Each segment's last step results first (all under their fences).
+            recorded = (
+                self._record_many(tx, prepared)
+                if any(fields for _, fields in prepared)
+                else [outcome.Value(None) for _ in items]
+            )
+            live = [
+                (fence, output)
+                for (fence, output, _), steps_done in zip(items, recorded, strict=True)
+                if isinstance(steps_done, outcome.Value)
+            ]
+            completed = self._complete_many(tx, live) if tx.combined else {
+                fence.run_id: self._complete_or_stale(tx, fence, output) for fence, output in live
+            }
+            results: list[outcome.Outcome[JobOutcome]] = []
+            for (fence, _, _), steps_done in zip(items, recorded, strict=True):
+                if isinstance(steps_done, outcome.Error):
+                    results.append(outcome.Error(steps_done.error))
+                    continue
+                one = completed.get(fence.run_id)
+                results.append(
+                    outcome.Value(one) if one is not None else outcome.Error(StaleExecution(
+                        f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
+                    ))
+                )
+            return results
+
+        return await self._transact_ending(
+            work, lambda results: [r.value.run_id for r in results if isinstance(r, outcome.Value)]
+        )
+
+    def _complete_or_stale(self, tx: Tx, fence: Fence, output: Any) -> JobOutcome | None:
+        try:
+            return self._complete(tx, fence, output)
+        except StaleExecution:  # raised before it wrote anything
+            return None
+
+    def _complete_many(self, tx: Tx, items: list[tuple[Fence, Any]]) -> dict[str, JobOutcome]:
+        """Every lease out, its credit freed, its run completed: one statement
+        (PostgreSQL). The outcome of each run whose fence was live."""
+        if not items:
+            return {}
+        rows = [
+            (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), _enc(output))
+            for f, output in items
+        ]
+        ended = tx.fetchall(
+            "WITH v (run_id, execution_seq, session_id, digest, output) AS (VALUES "
+            + ", ".join(["(?, ?, ?, ?, ?)"] * len(rows))
+            + "), l AS (DELETE FROM concurrency_leases c USING v WHERE c.run_id = v.run_id"
+            " AND c.execution_seq = v.execution_seq AND c.session_id = v.session_id"
+            " AND c.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
+            " WHERE id = v.run_id AND current_execution_seq = v.execution_seq)"
+            " RETURNING c.run_id, c.execution_seq, c.session_id, v.output),"
+            " k AS (UPDATE worker_credits w SET claimed_run_id = NULL,"
+            " claimed_execution_seq = NULL, held = 0 FROM l WHERE w.session_id = l.session_id"
+            " AND w.claimed_run_id = l.run_id AND w.claimed_execution_seq = l.execution_seq)"
+            " UPDATE runs SET status = 'completed', output = l.output,"
+            " ended_at = ironflow_now(), updated_at = ironflow_now() FROM l"
+            f" WHERE runs.id = l.run_id RETURNING runs.id, parent_run_id, parent_step_id,"
+            f" {RUN_END_FIGURES}, {_AUDIT_FLAG}",
+            tuple(value for row in rows for value in row),
+        )
+        by_run = {row[0]: row[1:] for row in ended}
+        return {
+            fence.run_id: self._completed(tx, fence, output, by_run[fence.run_id])
+            for fence, output in items
+            if fence.run_id in by_run
+        }
 
     async def fail_job(self, fence: Fence, error: ErrorInfo) -> JobOutcome:
         def work(tx: Tx) -> JobOutcome:

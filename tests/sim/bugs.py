@@ -70,6 +70,7 @@ class UnfencedRecordStep(SqliteStore):
     # The interface's one-by-one form: the session's grouped step results
     # reach the unfenced record_step above too.
     record_steps = Store.record_steps
+    record_steps_many = Store.record_steps_many
 
 
 class NackSpendsAttempt(SqliteStore):

@@ -380,8 +380,11 @@ class ObservedStore:
     async def activate_lease(self, fence: Fence, **kwargs: Any) -> Any:
         return await self._fenced("activate_lease", fence, **kwargs)
 
-    # A group of acks is watched one fence at a time (the interface's one-by-one form).
+    # A session's groups (acks, step results, job results of several runs) are
+    # watched one fence at a time (the interface's one-by-one forms).
     activate_leases = Store.activate_leases
+    record_steps_many = Store.record_steps_many
+    complete_jobs = Store.complete_jobs
 
     async def record_step(self, fence: Fence, **kwargs: Any) -> Any:
         return await self._fenced("record_step", fence, **kwargs)

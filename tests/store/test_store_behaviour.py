@@ -838,6 +838,67 @@ async def test_invoke_child_completion_resumes_parent(store):
     assert detail.queue.reason == "resume"
 
 
+async def test_record_steps_many_writes_each_segment_under_its_own_fence(store):
+    """Several runs' step results at once (one statement on PostgreSQL): each
+    segment's rows under its own fence, a stale one refused alone, a replayed
+    completed step left as it was, the order within a segment kept."""
+    s = await worker(store, slots=4)
+    a, b, stale, replay = [await running(store, s) for _ in range(4)]
+    await store.record_step(replay, step_id="r1", name="one", status="completed", output="first")
+    results = await store.record_steps_many([
+        (a, [StepResult("a1", "one", "completed", {"v": 1}), StepResult("a2", "two", "failed", None, ErrorInfo("boom"))]),
+        (Fence(stale.session_id, stale.run_id, stale.execution_seq, "0" * 32), [StepResult("s1", "one", "completed", 1)]),
+        (b, [StepResult("b1", "one", "completed", [1, 2])]),
+        (replay, [StepResult("r1", "one", "completed", "second"), StepResult("r2", "two", "completed", 2)]),
+    ])
+    results[0].unwrap(), results[2].unwrap(), results[3].unwrap()
+    with pytest.raises(StaleExecution):
+        results[1].unwrap()
+    steps = {f.run_id: [(x.step_id, x.status, x.output) for x in (await store.get_run(f.run_id)).steps]
+             for f in (a, b, stale, replay)}
+    assert steps[a.run_id] == [("a1", "completed", {"v": 1}), ("a2", "failed", None)]
+    assert steps[b.run_id] == [("b1", "completed", [1, 2])]
+    assert steps[stale.run_id] == []
+    assert steps[replay.run_id] == [("r1", "completed", "first"), ("r2", "completed", 2)]
+
+
+async def test_complete_jobs_completes_each_run_under_its_own_fence(store):
+    """Several runs completed at once, each with the step results sent with its
+    job's result (two statements on PostgreSQL): steps recorded first, leases
+    out, credits freed, an invoked child's completion resumes its parent, a
+    stale one refused alone (its run, steps, lease and credit untouched)."""
+    s = await worker(store, fn("parent"), fn("child", "never"), slots=4)
+    plain = await running(store, s)
+    parent = await running(store, s)
+    stale = await running(store, s)
+    (child_id,) = (
+        await store.yield_job(parent, step_id="i", name="i", info=InvokeYield("child", {"x": 1}))
+    ).kicked_run_ids
+    (res,) = await reserve(store, s)
+    child = fence_of(res)
+    await store.activate_lease(child, lease_expiry_s=LEASE)
+    results = await store.complete_jobs([
+        (plain, {"done": 1}, [StepResult("p1", "one", "completed", 1), StepResult("p2", "two", "completed", 2)]),
+        (Fence(stale.session_id, stale.run_id, stale.execution_seq, "0" * 32), "no",
+         [StepResult("x1", "one", "completed", 1)]),
+        (child, 42, []),
+    ])
+    done_plain, done_child = results[0].unwrap(), results[2].unwrap()
+    with pytest.raises(StaleExecution):
+        results[1].unwrap()
+    assert done_plain.status == "completed" and done_plain.function_id == "parent"
+    assert done_child.kicked_run_ids == [parent.run_id]
+    plain_detail = await store.get_run(plain.run_id)
+    assert plain_detail.run.output == {"done": 1}
+    assert [(x.step_id, x.output) for x in plain_detail.steps] == [("p1", 1), ("p2", 2)]
+    assert (await store.get_run(stale.run_id)).steps == []
+    assert (await store.get_run(child_id)).run.status == "completed"
+    assert (await store.get_run(parent.run_id)).steps[0].output == 42
+    assert (await store.get_run(stale.run_id)).run.status == "running"
+    assert [lease.run_id for lease in await store.list_leases()] == [stale.run_id]
+    assert (await store.list_sessions())[0].credits_claimed == 1  # the stale run's only
+
+
 async def test_invoke_unknown_function_fails_step_and_resumes(store):
     f = await running(store)
     out = await store.yield_job(f, step_id="i", name="i", info=InvokeYield("missing"))
