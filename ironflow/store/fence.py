@@ -533,8 +533,10 @@ class FenceOps(SqlStoreBase):
     async def complete_jobs(
         self, items: Sequence[tuple[Fence, Any, list[StepResult]]]
     ) -> list[outcome.Outcome[JobOutcome]]:
-        if len(items) <= 1 or len({fence.run_id for fence, _, _ in items}) < len(items):
+        if len({fence.run_id for fence, _, _ in items}) < len(items):
             return await super().complete_jobs(items)
+        # Even one item takes the path below: its steps and its completion in
+        # one transaction (the interface's form would commit each).
         prepared = [(fence, self._step_fields(steps)) for fence, _, steps in items]
 
         def work(tx: Tx) -> list[outcome.Outcome[JobOutcome]]:
