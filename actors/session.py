@@ -20,12 +20,12 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Literal
 
-import outcome
 import trio
 
 from actors.directory import LocalSession, SessionDirectory
+from actors.grouped import Grouped
 from actors.messages import Kick, kick
 from ironflow import logs, metrics
 from ironflow.config import Limits, NodeConfig
@@ -271,63 +271,6 @@ def _run_key(msg: WorkerMessage) -> str:
     return run_id if run_id is not None else f"~{type(msg).__name__}"
 
 
-# Most calls of one kind applied in one store call.
-GROUP_MAX = 256
-
-Item = TypeVar("Item")
-Result = TypeVar("Result")
-
-
-class _Grouped(Generic[Item, Result]):
-    """Store calls of one kind from different runs' lanes, applied together.
-
-    A worker's messages come in bursts: the acks of a dispatcher round (or of
-    a burst of woken sleeps), the step results and job results of many runs
-    at once. One store call each was a statement and a group-commit request
-    each (on PostgreSQL a round trip each, the scarce resource). A lane whose
-    only message is of a grouped kind waits here instead: the calls that
-    queue while one group is applied form the next group, so one call alone
-    costs what it did, and a burst costs a few statements
-    (:meth:`Store.activate_leases`, :meth:`~Store.record_steps_many`,
-    :meth:`~Store.complete_jobs`). Each call keeps its own outcome (a stale
-    one raises StaleExecution in its own lane only)."""
-
-    def __init__(
-        self,
-        nursery: trio.Nursery,
-        apply: Callable[[list[Item]], Awaitable[list[outcome.Outcome[Result]]]],
-    ) -> None:
-        self._nursery = nursery
-        self._apply_group = apply
-        self._queued: list[tuple[Item, list[outcome.Outcome[Result]], trio.Event]] = []
-        self._applying = False
-
-    async def __call__(self, item: Item) -> Result:
-        result: list[outcome.Outcome[Result]] = []
-        done = trio.Event()
-        self._queued.append((item, result, done))
-        if not self._applying:
-            self._applying = True
-            self._nursery.start_soon(self._apply)
-        await done.wait()
-        return result[0].unwrap()
-
-    async def _apply(self) -> None:
-        try:
-            while self._queued:
-                group = self._queued[:GROUP_MAX]
-                del self._queued[:GROUP_MAX]
-                try:
-                    results = await self._apply_group([item for item, _, _ in group])
-                except Exception as exc:  # e.g. a store error: every call of the group hears it
-                    results = [outcome.Error(exc) for _ in group]
-                for (_, result, done), one in zip(group, results, strict=True):
-                    result.append(one)
-                    done.set()
-        finally:
-            self._applying = False
-
-
 # Most worker messages one session handles at once; beyond it the session
 # stops reading its socket (backpressure) until some are done.
 IN_FLIGHT_MAX = 512
@@ -369,14 +312,14 @@ class _Lanes:
         self._kicks = kicks
         self._queues: dict[str, deque[WorkerMessage]] = {}
         lease_expiry_s = config.timings.lease_expiry_s
-        self._acks: _Grouped[Fence, RunRecord] = _Grouped(
-            nursery, lambda fences: store.activate_leases(fences, lease_expiry_s=lease_expiry_s)
+        # A lane whose only message is of one of these kinds applies it with
+        # other runs' (see actors/grouped.py).
+        self._acks: Grouped[Fence, RunRecord] = Grouped(
+            lambda fences: store.activate_leases(fences, lease_expiry_s=lease_expiry_s)
         )
-        self._steps: _Grouped[tuple[Fence, list[StepResult]], None] = _Grouped(
-            nursery, store.record_steps_many
-        )
-        self._completions: _Grouped[tuple[Fence, Any, list[StepResult]], JobOutcome] = _Grouped(
-            nursery, store.complete_jobs
+        self._steps: Grouped[tuple[Fence, list[StepResult]], None] = Grouped(store.record_steps_many)
+        self._completions: Grouped[tuple[Fence, Any, list[StepResult]], JobOutcome] = Grouped(
+            store.complete_jobs
         )
         self._room = trio.Semaphore(IN_FLIGHT_MAX)
         self.fatal: Exception | None = None

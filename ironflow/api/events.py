@@ -29,9 +29,12 @@ async def ingest_one(st: ApiState, raw: bytes | str) -> tuple[EmitResponse, int]
     its status (201 new, 200 a duplicate inside the idempotency window).
     Shared by the route above and the framework-free hot path (``hot``)."""
     body = decode(raw, EmitRequest)
-    result = await st.store.ingest_event(
-        body.name, body.data, body.idempotency_key, idempotency_window_s=st.config.idempotency_window_s
-    )
+    if body.idempotency_key is None:
+        result = await st.emits((body.name, body.data))  # with the emits that arrive alongside
+    else:
+        result = await st.store.ingest_event(
+            body.name, body.data, body.idempotency_key, idempotency_window_s=st.config.idempotency_window_s
+        )
     if not result.duplicate:
         metrics.EVENTS_EMITTED.inc()
         # New runs, and parked runs whose wait_for_event this event matched.

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
+import outcome
 import trio
 from quart import current_app
 
 from actors.directory import SessionDirectory
+from actors.grouped import Grouped
 from actors.messages import Kick
 from ironflow.config import NodeConfig
-from ironflow.store import Principal, SessionInfo, Store
+from ironflow.store import IngestResult, Principal, SessionInfo, Store
 
 if TYPE_CHECKING:
     from ironflow.api.chaos import CrashableActors
@@ -86,6 +88,27 @@ class ApiState:
         self.pull_sessions: dict[str, tuple[str, SessionInfo]] = {}
         self.run_waiters = RunWaiters()
         deps.store.on_runs_ended(self.run_waiters.notify)
+        # Concurrent emits without an idempotency key, ingested together
+        # (Store.ingest_events: two statements per group on PostgreSQL).
+        self.emits: Grouped[tuple[str, Any], IngestResult] = Grouped(self._ingest_group)
+
+    async def _ingest_group(self, events: list[tuple[str, Any]]) -> list[outcome.Outcome[IngestResult]]:
+        window = self.config.idempotency_window_s
+        try:
+            results = await self.store.ingest_events(
+                [(name, data, None) for name, data in events], idempotency_window_s=window
+            )
+            return [outcome.Value(result) for result in results]
+        except Exception:
+            if len(events) == 1:
+                raise
+        # One event's failure must not fail the others': each alone.
+        return [
+            await outcome.acapture(
+                self.store.ingest_event, name, data, None, idempotency_window_s=window
+            )
+            for name, data in events
+        ]
 
 
 def state() -> ApiState:

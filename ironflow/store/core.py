@@ -459,28 +459,49 @@ class SqlStoreBase(Store):
             run_ids = [self._create_run(tx, fd, event_id, data) for fd in fds]
             self._insert_event(tx, event_id, name, data, key, run_ids)
             return run_ids
-        runs = [(new_id("run"), fd, _concurrency_key(fd, data)) for fd in fds]
-        run_ids = [run_id for run_id, _, _ in runs]
+        return self._create_runs_with_events(tx, [(event_id, name, data, key, fds)])[0]
+
+    def _create_runs_with_events(
+        self, tx: Tx, events: Sequence[tuple[str, str, Any, str | None, list[FunctionDef]]]
+    ) -> list[list[str]]:
+        """:meth:`_create_runs_with_event` for several events (``(event_id, name,
+        data, key, functions)`` each), all in one statement (PostgreSQL); each
+        event's run ids."""
+        event_rows: list[Any] = []
         run_rows: list[Any] = []
         queue_rows: list[Any] = []
-        for run_id, fd, ckey in runs:
-            run_rows += [run_id, fd.id, event_id, max(1, fd.retries.max_attempts), ckey, fd.timeout_s]
-            queue_rows += [run_id, fd.id, ckey]
+        all_run_ids: list[list[str]] = []
+        for event_id, name, data, key, fds in events:
+            run_ids: list[str] = []
+            for fd in fds:
+                run_id, ckey = new_id("run"), _concurrency_key(fd, data)
+                run_ids.append(run_id)
+                run_rows += [run_id, fd.id, event_id, max(1, fd.retries.max_attempts), ckey, fd.timeout_s]
+                queue_rows += [run_id, fd.id, ckey]
+            event_rows += [event_id, name, _enc(data), key, _enc(run_ids)]
+            all_run_ids.append(run_ids)
+        runs = len(run_rows) // 6
+        events_sql = (
+            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids) VALUES "
+            + ", ".join(["(?, ?, ?, ?, ironflow_now(), ?)"] * len(events))
+        )
+        if not runs:
+            tx.execute(events_sql, event_rows)
+            return all_run_ids
         tx.notify()
         tx.execute(
-            "WITH e AS (INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids)"
-            " VALUES (?, ?, ?, ?, ironflow_now(), ?)),"
+            f"WITH e AS ({events_sql}),"
             " r AS (INSERT INTO runs (id, function_id, event_id, status, attempt, max_attempts,"
             " recovery_count, current_execution_seq, concurrency_key, timeout_s, created_at,"
             " updated_at) VALUES "
             + ", ".join(["(?, ?, ?, 'waiting_for_capacity', 1, ?, 0, 1, ?, ?, ironflow_now(),"
-                         " ironflow_now())"] * len(runs))
+                         " ironflow_now())"] * runs)
             + ") INSERT INTO dispatch_queue (run_id, execution_seq, function_id, concurrency_key,"
             " eligible_at, reason, enqueued_at) VALUES "
-            + ", ".join(["(?, 1, ?, ?, ironflow_now(), 'new', ironflow_now())"] * len(runs)),
-            (event_id, name, _enc(data), key, _enc(run_ids), *run_rows, *queue_rows),
+            + ", ".join(["(?, 1, ?, ?, ironflow_now(), 'new', ironflow_now())"] * runs),
+            (*event_rows, *run_rows, *queue_rows),
         )
-        return run_ids
+        return all_run_ids
 
     def _end_run(
         self,

@@ -98,12 +98,53 @@ class IngestOps(SqlStoreBase):
         *,
         idempotency_window_s: float,
     ) -> list[IngestResult]:
-        return await self._transact(
-            lambda tx: [
+        def work(tx: Tx) -> list[IngestResult]:
+            if tx.combined and len(events) > 1 and all(key is None for _, _, key in events):
+                return self._ingest_many(tx, [(name, data) for name, data, _ in events])
+            return [
                 self._ingest(tx, name, data, key, idempotency_window_s)
                 for name, data, key in events
             ]
+
+        return await self._transact(work)
+
+    def _ingest_many(self, tx: Tx, events: list[tuple[str, Any]]) -> list[IngestResult]:
+        """:meth:`_ingest` for several events without idempotency keys, in order,
+        in two statements whatever their number (PostgreSQL): one reads the
+        functions any of them triggers and the waits parked on any of their
+        names (locked), one writes every event, run and queue row."""
+        names = sorted({name for name, _ in events})
+        patterns = sorted({pattern for name in names for pattern in _trigger_patterns(name)})
+        rows = tx.fetchall(
+            "WITH w AS (SELECT run_id, step_id, wait_match, wait_match_value, wait_event FROM steps"
+            f" WHERE status = 'waiting' AND kind = 'wait' AND wait_event IN ({_marks(len(names))})"
+            f" {tx.lock()})"
+            " SELECT 0, f.id, f.definition, NULL, NULL, NULL, NULL FROM functions f WHERE f.id IN"
+            " (SELECT t.function_id FROM function_triggers t WHERE t.pattern IN"
+            f" ({_marks(len(patterns))})) UNION ALL"
+            " SELECT 1, run_id, run_id, step_id, wait_match, wait_match_value, wait_event FROM w"
+            " ORDER BY 1, 2",
+            (*names, *patterns),
         )
+        functions = [
+            fd for fd in (self._fdef_or_none(row[2]) for row in rows if row[0] == 0) if fd is not None
+        ]
+        waiting: dict[str, list[tuple[Any, ...]]] = {}
+        for row in rows:
+            if row[0] == 1:
+                waiting.setdefault(row[6], []).append(row[2:6])
+        planned = [
+            (new_id("evt"), name, data, None, [fd for fd in functions if _triggered(fd, name)])
+            for name, data in events
+        ]
+        created = self._create_runs_with_events(tx, planned)
+        return [
+            IngestResult(
+                event_id, run_ids, False,
+                resumed_run_ids=self._resolve_waits(tx, event_id, name, data, waiting.get(name, [])),
+            )
+            for (event_id, name, data, _, _), run_ids in zip(planned, created, strict=True)
+        ]
 
     def _resolve_waits(
         self, tx: Tx, event_id: str, name: str, data: Any,

@@ -323,6 +323,37 @@ async def test_emits_match_functions_through_the_trigger_index(node: Node, http:
     assert len(runs) == 2
 
 
+async def test_concurrent_emits_each_get_their_own_event_and_runs_and_keys_still_dedupe(
+    node: Node, http: httpx.AsyncClient
+) -> None:
+    """Emits that arrive together are ingested together (one store call for
+    those without a key): every request still gets its own answer."""
+    assert (await register_pull(http, [{"id": "f", "triggers": [{"event": "c.go"}]}])).status_code == 201
+    answers: dict[int, httpx.Response] = {}
+
+    async def send(i: int) -> None:
+        body: dict[str, Any] = {"name": "c.go" if i % 2 else "c.nobody", "data": {"i": i}}
+        if i >= 60:
+            body["idempotency_key"] = "same-key"
+        answers[i] = await http.post("/v1/events", json=body)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(64):
+            nursery.start_soon(send, i)
+    fresh = [i for i in range(60)]
+    assert all(answers[i].status_code == 201 for i in fresh)
+    assert len({answers[i].json()["event_id"] for i in fresh}) == 60
+    for i in fresh:
+        runs = answers[i].json()["run_ids"]
+        assert len(runs) == (1 if i % 2 else 0)
+        for run_id in runs:
+            detail = (await http.get(f"/v1/runs/{run_id}")).json()
+            assert detail["run"]["event_id"] == answers[i].json()["event_id"]
+    keyed = sorted(answers[i].status_code for i in range(60, 64))
+    assert keyed == [200, 200, 200, 201]
+    assert len({answers[i].json()["event_id"] for i in range(60, 64)}) == 1
+
+
 # ── 6. framework errors stay 4xx ────────────────────────────────────────────
 
 

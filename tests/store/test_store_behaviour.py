@@ -811,6 +811,42 @@ async def test_wait_for_event_resolved_by_matching_event(store):
     assert detail.queue.reason == "resume" and detail.steps[0].output["data"] == {"order": 7}
 
 
+async def test_ingest_events_creates_each_events_runs_in_order_and_resolves_parked_waits(store):
+    """Several events without keys at once (two statements on PostgreSQL, however
+    many): each gets the runs of the functions its name triggers, in order; an
+    event nobody listens to is recorded with none; a parked wait is resolved by
+    the first matching event of the batch only."""
+    s = await worker(store, fn("orders", "order.*"), fn("created", "order.created"), fn("payments", "payment.done"), slots=2)
+    f = await running(store, s, name="order.created")
+    now = await store.db_now()
+    info = WaitYield(event="payment.done", timeout_at=now + 100, match="data.order", match_value=7)
+    await store.yield_job(f, step_id="w", name="w", info=info)
+    results = await store.ingest_events(
+        [
+            ("order.created", {"n": 1}, None),
+            ("payment.done", {"order": 8}, None),
+            ("payment.done", {"order": 7}, None),
+            ("payment.done", {"order": 7}, None),
+            ("order.paid", {"n": 2}, None),
+        ],
+        idempotency_window_s=60,
+    )
+    assert [r.duplicate for r in results] == [False] * 5
+    assert len({r.event_id for r in results}) == 5
+    functions = []
+    for r in results:
+        functions.append(sorted([(await store.get_run(run_id)).run.function_id for run_id in r.run_ids]))
+    assert functions == [["created", "orders"], ["payments"], ["payments"], ["payments"], ["orders"]]
+    assert [r.resumed_run_ids for r in results] == [[], [], [f.run_id], [], []]
+    detail = await store.get_run(f.run_id)
+    assert detail.queue.reason == "resume" and detail.steps[0].output["id"] == results[2].event_id
+    for r in results:
+        for run_id in r.run_ids:
+            run = (await store.get_run(run_id)).run
+            assert run.event_id == r.event_id and run.status == "waiting_for_capacity"
+    assert (await store.ingest_events([("nobody.listens", {}, None)] * 3, idempotency_window_s=60))[2].run_ids == []
+
+
 async def test_wait_times_out_via_waker(store):
     f = await running(store)
     now = await store.db_now()

@@ -1,0 +1,84 @@
+"""actors/grouped.py: items of concurrent callers applied together, in virtual time."""
+
+from __future__ import annotations
+
+import outcome
+import pytest
+import trio
+import trio.testing
+
+from actors.grouped import Grouped
+
+
+class Apply:
+    """A batch method that takes 1 s and records each group it was given."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[int]] = []
+
+    async def __call__(self, items: list[int]) -> list[outcome.Outcome[int]]:
+        self.groups.append(items)
+        await trio.sleep(1)
+        return [outcome.Error(ValueError(f"bad {i}")) if i < 0 else outcome.Value(i * 10) for i in items]
+
+
+async def test_one_item_alone_is_applied_at_once_and_the_ones_that_queue_meanwhile_form_the_next_group(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    apply = Apply()
+    grouped: Grouped[int, int] = Grouped(apply)
+    got: dict[int, object] = {}
+
+    async def call(i: int) -> None:
+        try:
+            got[i] = await grouped(i)
+        except ValueError as exc:
+            got[i] = str(exc)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call, 1)
+        await trio.sleep(0.5)  # 1 is being applied
+        for i in (2, -3, 4):
+            nursery.start_soon(call, i)
+    assert [sorted(group) for group in apply.groups] == [[1], [-3, 2, 4]]  # (tasks start in any order)
+    assert got == {1: 10, 2: 20, -3: "bad -3", 4: 40}  # each its own outcome
+    assert trio.current_time() == pytest.approx(2.0)
+
+
+async def test_a_caller_cancelled_while_queued_is_not_applied_and_the_rest_go_on(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    apply = Apply()
+    grouped: Grouped[int, int] = Grouped(apply)
+    got: dict[int, int] = {}
+
+    async def call(i: int) -> None:
+        got[i] = await grouped(i)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call, 1)
+        await trio.sleep(0.5)
+        with trio.move_on_after(0.1):
+            await grouped(2)  # queued behind 1's group, then cancelled
+        nursery.start_soon(call, 3)
+    assert apply.groups == [[1], [3]] and got == {1: 10, 3: 30}
+
+
+async def test_an_apply_that_raises_tells_every_item_of_its_group(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def broken(items: list[int]) -> list[outcome.Outcome[int]]:
+        raise OSError("database gone")
+
+    grouped: Grouped[int, int] = Grouped(broken)
+    errors: list[str] = []
+
+    async def call(i: int) -> None:
+        with pytest.raises(OSError) as exc:
+            await grouped(i)
+        errors.append(str(exc.value))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(3):
+            nursery.start_soon(call, i)
+    assert errors == ["database gone"] * 3
