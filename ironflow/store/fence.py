@@ -68,6 +68,16 @@ _STEP_AUDITED_FUNCTION = (
 )
 
 
+# How a step result is written: a completed row is never overwritten (a
+# replayed result leaves it as it was); a failed one may be retried over.
+_STEP_RESULT_UPSERT = (
+    " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
+    " output = excluded.output, error = excluded.error,"
+    " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
+    " WHERE steps.status <> 'completed'"
+)
+
+
 class FenceOps(SqlStoreBase):
     """The fence and a segment's life (see the module docstring)."""
 
@@ -379,11 +389,8 @@ class FenceOps(SqlStoreBase):
                 " SELECT ?, v.step_id, v.name, 'run', v.status, v.output, v.error,"
                 " v.duration_ms, ?, ironflow_now(), v.seq FROM v"
                 f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL})"
-                " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
-                " output = excluded.output, error = excluded.error,"
-                " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
-                " WHERE steps.status <> 'completed'"
-                f" RETURNING step_id, status, {_STEP_AUDITED_FUNCTION}",
+                + _STEP_RESULT_UPSERT
+                + f" RETURNING step_id, status, {_STEP_AUDITED_FUNCTION}",
                 (
                     *(value for row in group for value in row),
                     fence.run_id,
@@ -459,11 +466,8 @@ class FenceOps(SqlStoreBase):
             " AND c.execution_seq = v.execution_seq AND c.session_id = v.session_id"
             " AND c.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
             " WHERE id = v.run_id AND current_execution_seq = v.execution_seq))"
-            " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
-            " output = excluded.output, error = excluded.error,"
-            " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
-            " WHERE steps.status <> 'completed'"
-            f" RETURNING run_id, step_id, status, {_STEP_AUDITED_FUNCTION}",
+            + _STEP_RESULT_UPSERT
+            + f" RETURNING run_id, step_id, status, {_STEP_AUDITED_FUNCTION}",
             tuple(value for row in rows for value in row),
         ) if rows else []
         by_run: dict[str, list[tuple[Any, ...]]] = {}

@@ -19,6 +19,7 @@ import msgspec
 from ironflow.protocol import ErrorInfo, JobNackReason
 from ironflow.store import Fence, JobOutcome, Reservation, Store
 from ironflow.store.core import Tx, _enc
+from ironflow.store.fence import _STEP_RESULT_UPSERT
 from ironflow.store.sqlite import SqliteStore
 
 
@@ -43,10 +44,7 @@ class UnfencedRecordStep(SqliteStore):
                 "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
                 " duration_ms, execution_seq, created_at, seq)"
                 " VALUES (?, ?, ?, 'run', ?, ?, ?, ?, ?, ironflow_now(), ?)"
-                " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
-                " output = excluded.output, error = excluded.error,"
-                " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
-                " WHERE steps.status <> 'completed'",
+                + _STEP_RESULT_UPSERT,
                 (
                     fence.run_id,
                     step_id,
