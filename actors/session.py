@@ -377,7 +377,7 @@ class _Lanes:
         answers: list[EngineMessage] = []
         first = unit[0]
         try:
-            if grouped and isinstance(first, JobAck):
+            if grouped and isinstance(first, JobAck) and self._store.group_acks:
                 await self._acks(_fence(self._session_id, first))
             elif grouped and isinstance(unit[-1], JobCompleted):
                 result = unit[-1]

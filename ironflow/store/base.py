@@ -249,6 +249,12 @@ class Store(abc.ABC):
     # owns it (SQLite): a node-wide record nobody else reads is then not kept
     # fresh, so an idle node writes nothing.
     shared_by_nodes: bool = False
+    # Whether a session's job acks of different runs are better applied as
+    # one call (:meth:`activate_leases`: PostgreSQL, where each call is
+    # round trips through a database thread) than as concurrent calls of their
+    # own (SQLite, whose writer groups concurrent calls anyway: there a
+    # group only serialised a session's acks, measured in the README).
+    group_acks: bool = False
 
     async def in_order(
         self, calls: Sequence[Callable[[], Awaitable[Any]]]

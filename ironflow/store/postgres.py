@@ -441,6 +441,7 @@ class PostgresStore(SqlStore):
     """
 
     shared_by_nodes = True
+    group_acks = True
 
     def __init__(self, url: str, *, connections: int = ACTOR_CONNECTIONS) -> None:
         super().__init__()
