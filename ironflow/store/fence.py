@@ -487,36 +487,21 @@ class FenceOps(SqlStoreBase):
         fence is not live)."""
         if tx.combined:
             # The lease out, its credit freed, the run completed: one statement.
-            row = tx.fetchone(
-                f"WITH l AS (DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING run_id),"
-                " c AS (UPDATE worker_credits SET claimed_run_id = NULL,"
-                " claimed_execution_seq = NULL, held = 0 WHERE session_id = ?"
-                " AND claimed_run_id = ? AND claimed_execution_seq = ?"
-                " AND EXISTS (SELECT 1 FROM l))"
-                " UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
-                " updated_at = ironflow_now() FROM l WHERE runs.id = l.run_id"
-                f" RETURNING parent_run_id, parent_step_id, {RUN_END_FIGURES},"
-                f" {_AUDIT_FLAG}",
-                (
-                    *self._fence_params(fence),
-                    fence.session_id, fence.run_id, fence.execution_seq,
-                    _enc(output),
-                ),
-            )
-            if row is None:
+            done = self._complete_many(tx, [(fence, output)]).get(fence.run_id)
+            if done is None:
                 raise StaleExecution(
                     f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
                 )
-        else:
-            self._take_lease(tx, fence)
-            row = tx.fetchone(
-                "UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
-                " updated_at = ironflow_now() WHERE id = ?"
-                f" RETURNING parent_run_id, parent_step_id, {RUN_END_FIGURES},"
-                f" {_AUDIT_FLAG}",
-                (_enc(output), fence.run_id),
-            )
-            assert row is not None
+            return done
+        self._take_lease(tx, fence)
+        row = tx.fetchone(
+            "UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
+            " updated_at = ironflow_now() WHERE id = ?"
+            f" RETURNING parent_run_id, parent_step_id, {RUN_END_FIGURES},"
+            f" {_AUDIT_FLAG}",
+            (_enc(output), fence.run_id),
+        )
+        assert row is not None
         return self._completed(tx, fence, output, row)
 
     def _completed(self, tx: Tx, fence: Fence, output: Any, row: tuple[Any, ...]) -> JobOutcome:
