@@ -12,7 +12,7 @@ from actors.messages import Kick, kick
 from ironflow import metrics
 from ironflow.config import NodeConfig, Timings
 from ironflow.protocol import EngineMessage, FunctionDef, JobAssignment, SleepYield, Trigger
-from ironflow.store import Fence, Store
+from ironflow.store import Fence, RecoveredSegment, Store
 from tests.unit.virtual_time import BASE
 
 FN = FunctionDef(id="fn", triggers=[Trigger("go")])
@@ -199,6 +199,13 @@ class Harness:
         kick(self.kick_send, "session opened")
         return info.session_id, receive
 
+    async def lose(self, session_id: str) -> list[RecoveredSegment]:
+        """The session's worker died (kill -9: its socket closed): its leases recovered."""
+        self.directory.remove(session_id)
+        return await self.store.close_session(
+            session_id, recover_leases=True, recovery_grace_s=30, recovery_ceiling=10
+        )
+
 
 async def next_job(outbox: trio.MemoryReceiveChannel[EngineMessage]) -> JobAssignment:
     with trio.fail_after(100):
@@ -226,6 +233,9 @@ async def test_a_sleep_woken_ahead_goes_at_once_to_a_worker_that_holds_it_with_t
     assert WAKE - LOOKAHEAD <= trio.current_time() < WAKE - LOOKAHEAD + 0.01  # delivered ahead
     assert WAKE <= starts_at(job) <= WAKE + MS  # to start at the wake time, never before
     assert [m.step_id for m in job.completed_steps] == ["nap"]
+    # The dispatcher learnt the database clock from the reservation (the
+    # socket writer re-stamps held jobs with it: actors.directory.fresh_start).
+    assert h.directory.db_clock.sampled
 
 
 async def test_a_worker_that_cannot_hold_a_job_is_sent_it_only_at_its_start_time(
@@ -246,9 +256,7 @@ async def test_a_worker_killed_during_the_hold_leaves_a_redelivery_that_still_st
     await h.start()
     job = await next_job(outbox)
     await trio.sleep(0.2)  # held (unacked); then the worker dies (kill -9: its socket closes)
-    h.directory.remove(first)
-    assert await store.close_session(first, recover_leases=True, recovery_grace_s=30,
-                                     recovery_ceiling=10) == []
+    assert await h.lose(first) == []
     second, outbox2 = await h.session(delayed_start=True)
     again = await next_job(outbox2)
     assert again.execution_seq == job.execution_seq  # its reservation released, not fenced
@@ -258,9 +266,7 @@ async def test_a_worker_killed_during_the_hold_leaves_a_redelivery_that_still_st
     # seq, and still held to the wake time.
     await store.activate_lease(fence(second, again), lease_expiry_s=90)
     await trio.sleep(0.2)
-    h.directory.remove(second)
-    recovered = await store.close_session(second, recover_leases=True, recovery_grace_s=30,
-                                          recovery_ceiling=10)
+    recovered = await h.lose(second)
     assert [r.run_id for r in recovered] == [h.run_id]
     third, outbox3 = await h.session(delayed_start=True)
     recovered_job = await next_job(outbox3)
