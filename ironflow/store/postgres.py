@@ -61,6 +61,7 @@ from psycopg import pq
 from psycopg.adapt import Transformer
 
 from ironflow.store import chain
+from ironflow.store.base import CommitOutcomeUnknown
 from ironflow.store.chain import chained
 from ironflow.store.core import NamedLock, Tx, lock_id
 from ironflow.store.handback import hand_back
@@ -442,7 +443,11 @@ def _commit(tx: _PgTx, notify: bool, ended: list[str]) -> None:
         tx.execute("SELECT pg_notify(?, '')", (KICK_CHANNEL,))
     for payload in _id_payloads(ended):
         tx.execute("SELECT pg_notify(?, ?)", (RUN_END_CHANNEL, payload))
-    tx.raw("COMMIT")
+    try:
+        tx.raw("COMMIT")
+    except psycopg.OperationalError as exc:
+        # The connection broke during COMMIT: the server may have committed.
+        raise CommitOutcomeUnknown(f"the database connection failed while committing: {exc}") from exc
 
 
 def _id_payloads(run_ids: list[str]) -> list[str]:
