@@ -454,3 +454,39 @@ async def test_a_sleep_parked_beside_waits_is_unaffected(store):
     done = await store.ingest_event("race.go", {"k": 7}, None, idempotency_window_s=60)
     assert done.resumed_run_ids == [fences[0].run_id]
     assert await step_status(store, fences[1].run_id, "z") == "sleeping"
+
+
+# ── the name lock: only a park of the same name holds an ingest back ──────
+
+@pytest.mark.parametrize(
+    ("held", "exclusive", "blocks"),
+    [
+        ("wait:race.go", False, False),  # another ingest of the name: never waited for
+        ("wait:other.name", True, False),  # a park on another name
+        ("wait:race.go", True, True),  # a park on this name: the ingest starts after it
+    ],
+)
+async def test_an_ingest_waits_only_for_a_park_of_its_own_event_name(store, pg_url, held, exclusive, blocks):
+    from ironflow.store.core import lock_id
+
+    holder = psycopg.connect(pg_url)
+    try:
+        holder.execute(
+            f"SELECT pg_advisory_xact_lock{'' if exclusive else '_shared'}(%s)", (lock_id(held),)
+        )
+        done: list[Any] = []
+
+        async def emit() -> None:
+            done.append(await store.ingest_event("race.go", {"k": 1}, None, idempotency_window_s=60))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(emit)
+            settled = await trio.to_thread.run_sync(
+                lambda: wait_until(lambda: bool(done) or lock_waiters(pg_url) > 0)
+            )
+            assert settled
+            waited = not done
+            holder.commit()
+        assert waited is blocks
+    finally:
+        holder.close()
