@@ -28,7 +28,6 @@ import anyio
 import anyio.lowlevel
 import anyio.to_thread
 import msgspec
-import sniffio
 
 from ironflow.protocol import (
     MAX_STEP_NAME,
@@ -59,6 +58,7 @@ from ironflow.sdk.errors import (
     WrongEventLoopError,
 )
 from ironflow.sdk.function import Function
+from ironflow.sdk.loops import current_loop
 
 # Inngest/Ironflow default: a wait that nobody answers gives up after a week.
 DEFAULT_WAIT_TIMEOUT_S = 7 * 24 * 3600.0
@@ -351,12 +351,8 @@ def _wrong_loop(exc: BaseException, name: str) -> IronflowError | None:
     On Trio, asyncio code fails with "no running event loop" (it looks for its
     loop) or with Trio's "unrecognized yield message" (it yielded a Future).
     """
-    try:
-        loop = sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
-        return None
     text = str(exc)
-    if loop == "trio" and (
+    if current_loop() == "trio" and (
         (isinstance(exc, RuntimeError) and "no running event loop" in text)
         or (isinstance(exc, TypeError) and "unrecognized yield message" in text)
     ):

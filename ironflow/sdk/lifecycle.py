@@ -33,7 +33,6 @@ from typing import Any, Self
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
-import sniffio
 from anyio.abc import TaskStatus
 
 from ironflow.dbclock import DatabaseClock
@@ -41,6 +40,7 @@ from ironflow.logs import formatter as log_formatter
 from ironflow.protocol import JobAssignment, JobLeaseStatus, JobNack, JobNackReason, Register
 from ironflow.sdk.context import Context, JobState, Reporter, execute_job
 from ironflow.sdk.function import Function
+from ironflow.sdk.loops import current_loop
 
 _log = logging.getLogger("ironflow.worker")
 
@@ -157,7 +157,7 @@ def _spawn_detached(fn: Callable[[anyio.CancelScope], Awaitable[None]], scope: a
     """Start ``fn(scope)`` outside every worker's task group: the signal receiver
     must outlive whichever worker opened it. On Trio a system task; on asyncio
     a plain task of the running loop."""
-    if sniffio.current_async_library() == "trio":
+    if current_loop() == "trio":
         import trio
 
         trio.lowlevel.spawn_system_task(fn, scope, name="ironflow-signals")

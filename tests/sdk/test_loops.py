@@ -14,7 +14,7 @@ import anyio
 import anyio.abc
 import httpx
 import pytest
-import sniffio
+import trio
 from sdk_fake_engine import FakeEngine, make_assignment
 
 import ironflow
@@ -35,7 +35,12 @@ async def test_an_async_step_body_runs_on_the_workers_own_loop(
     anyio_backend, assignment_factory, list_reporter
 ):
     async def body():
-        return sniffio.current_async_library()
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            trio.lowlevel.current_task()  # raises outside a Trio run
+            return "trio"
+        return "asyncio"
 
     async def handler(ctx):
         return await ctx.step.run("which", body)
