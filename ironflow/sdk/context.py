@@ -472,15 +472,17 @@ class Step:
         t0 = time.perf_counter()
         try:
             timed_out = False
-            # A scope of its own rather than fail_after: a TimeoutError the body
-            # raises itself is the body's error, not the step's timeout.
-            with anyio.CancelScope() as scope:
-                if limit is not None:
-                    scope.deadline = anyio.current_time() + limit
+            if limit is None:
                 out = await _call(fn, args, name)
-            if scope.cancelled_caught:
-                timed_out = True
-                raise StepTimeoutError(f"step {name!r} timed out after {limit:g} s")
+            else:
+                # A scope of its own rather than fail_after: a TimeoutError the
+                # body raises itself is the body's error, not the step's timeout.
+                # Only for a step with a limit (a scope costs on asyncio).
+                with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
+                    out = await _call(fn, args, name)
+                if scope.cancelled_caught:
+                    timed_out = True
+                    raise StepTimeoutError(f"step {name!r} timed out after {limit:g} s")
             raw, value = encode_strict(out, f"output of step {name!r}")
         except Exception as exc:
             exc = _wrong_loop(exc, name) or exc
