@@ -322,7 +322,7 @@ class _Timed:
             except GeneratorExit:
                 coro.close()
                 raise
-            except BaseException as exc:  # noqa: B036 - handed to the body, which decides
+            except BaseException as exc:  # handed to the body, which decides
                 send, thrown = None, exc
 
 

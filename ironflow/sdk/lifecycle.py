@@ -27,7 +27,7 @@ import socket
 import sys
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from typing import Any, Self
 
 import anyio
@@ -119,18 +119,16 @@ class _SignalHub:
             self.signals = 0
 
     async def _watch(self, scope: anyio.CancelScope) -> None:
-        with scope:
+        with scope, ExitStack() as stack:
             try:
-                receiver = anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
-                signals = receiver.__enter__()
+                signals = stack.enter_context(
+                    anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
+                )
             except (RuntimeError, ValueError) as exc:  # not the main thread
                 _log.warning("signal handling unavailable: %s", exc)
                 return
-            try:
-                async for signum in signals:
-                    self._on_signal(signum)
-            finally:
-                receiver.__exit__(None, None, None)
+            async for signum in signals:
+                self._on_signal(signum)
 
     def _on_signal(self, signum: int) -> None:
         self.signals += 1

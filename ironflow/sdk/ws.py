@@ -32,12 +32,14 @@ from wsproto.events import (
     Request,
     TextMessage,
 )
+from wsproto.utilities import RemoteProtocolError
 
 # One read from the socket: large enough that a batched frame is a few reads.
 RECEIVE_CHUNK = 65536
 # RFC 6455 close codes used here.
 CLOSE_NORMAL = 1000
 CLOSE_ABNORMAL = 1006  # never sent: what a dropped connection is reported as
+CLOSE_PROTOCOL_ERROR = 1002
 CLOSE_TOO_BIG = 1009
 
 
@@ -148,6 +150,12 @@ class WebSocket:
                     self._mark_closed(ConnectionClosed(CLOSE_ABNORMAL, "connection dropped"))
                     raise self._closed from None  # type: ignore[misc]
                 self._conn.receive_data(data)
+        except RemoteProtocolError as exc:
+            # The peer broke the protocol (a bad frame): the connection is
+            # unusable, which the caller handles like any other closed one.
+            self._mark_closed(ConnectionClosed(CLOSE_PROTOCOL_ERROR, f"protocol error: {exc}"))
+            await self._stream.aclose()
+            raise self._closed from exc  # type: ignore[misc]
         finally:
             self._reading = False
 
@@ -223,7 +231,10 @@ async def _handshake(
             if rejected is not None:
                 raise ConnectionRejected(rejected.status_code, body) from exc
             raise HandshakeError(f"connection closed during the websocket handshake: {exc!r}") from exc
-        conn.receive_data(data)
+        try:
+            conn.receive_data(data)
+        except RemoteProtocolError as exc:
+            raise HandshakeError(f"bad websocket upgrade answer: {exc}") from exc
 
 
 @asynccontextmanager

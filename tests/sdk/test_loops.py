@@ -249,3 +249,23 @@ async def test_running_embeds_the_worker_beside_the_apps_tasks_and_drains_on_exi
 async def _open_later(gate: anyio.Event) -> None:
     await anyio.sleep(0.05)
     gate.set()
+
+
+async def test_a_frame_that_breaks_the_websocket_protocol_drops_the_connection_and_the_worker_reconnects(
+    engine: FakeEngine, task_group: anyio.abc.TaskGroup, caplog
+):
+    @ironflow.function(id="fn")
+    async def handler(ctx):
+        return 1
+
+    worker = ironflow.StreamingWorker(
+        engine.url, [handler], handle_signals=False, reconnect_delay=0.05
+    )
+    await task_group.start(worker.run)
+    first = await engine.accept()
+    await first.ws._stream.send(b"\xff\x80garbage")  # a reserved opcode, a masked server frame
+    with anyio.fail_after(5):
+        second = await engine.accept()
+    assert second.register.worker_id == worker.worker_id
+    assert "Engine closed the connection: Invalid opcode" in caplog.text  # wsproto closed it 1002
+    worker.stop()
