@@ -1,8 +1,8 @@
 """Ironflow in Python: durable functions made of memoised steps.
 
 The public worker SDK is re-exported here lazily, so ``import
-ironflow.protocol`` (the engine node does) loads neither Trio's websocket
-client nor httpx::
+ironflow.protocol`` (the engine node does) loads neither the SDK's websocket
+client nor httpx. The SDK runs under ``asyncio.run`` or ``trio.run``::
 
     import ironflow
 

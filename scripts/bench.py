@@ -87,8 +87,9 @@ LAT_FN = "bench-latency"
 # ═══════════════════════════════════════════════════════════════════════════
 
 
-def worker_main(server: str, out: str, concurrency: int) -> None:
-    import trio
+def worker_main(server: str, out: str, concurrency: int, loop: str) -> None:
+    """The worker process: serve the bench functions on ``loop`` (asyncio | trio)."""
+    import anyio
 
     import ironflow
 
@@ -137,7 +138,7 @@ def worker_main(server: str, out: str, concurrency: int) -> None:
 
     async def flusher() -> None:
         while True:
-            await trio.sleep(0.1)
+            await anyio.sleep(0.1)
             flush()
 
     async def main() -> None:
@@ -145,7 +146,7 @@ def worker_main(server: str, out: str, concurrency: int) -> None:
             server, [bench_load, bench_idle, bench_latency], max_concurrent_jobs=concurrency,
             drain_timeout=10.0, reconnect_delay=0.5, handle_signals=True,
         )
-        async with trio.open_nursery() as nursery:
+        async with anyio.create_task_group() as nursery:
             await nursery.start(worker.run)
             fh.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
             fh.flush()
@@ -154,7 +155,16 @@ def worker_main(server: str, out: str, concurrency: int) -> None:
             nursery.cancel_scope.cancel()
 
     try:
-        trio.run(main)
+        if loop == "trio":
+            import trio
+
+            trio.run(main)
+        elif loop == "uvloop":
+            import uvloop
+
+            uvloop.run(main())
+        else:
+            asyncio.run(main())
     finally:
         flush()
         fh.close()
@@ -528,7 +538,8 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             worker_log = tmp / f"worker{k}.log"
             workers.append(_spawn([sys.executable, str(Path(__file__).resolve()), "--worker",
                                    "--server", node_url, "--out", str(outs[k]),
-                                   "--concurrency", str(args.concurrency)], worker_log))
+                                   "--concurrency", str(args.concurrency),
+                                   "--worker-loop", args.worker_loop], worker_log))
             await _wait_worker_ready(outs[k], workers[k], worker_log)
         url, node, worker = urls[0], nodes[0], workers[0]
         if args.dashboards:
@@ -798,7 +809,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "config": {"runs": args.runs, "repeat": args.repeat, "concurrency": args.concurrency,
                    "inflight": args.inflight, "steps_per_run": STEPS_PER_RUN, "nodes": args.nodes,
                    "idle_events": args.idle_events, "idle_gap_s": args.idle_gap,
-                   "cpus": os.cpu_count(), "python": sys.version.split()[0]},
+                   "cpus": os.cpu_count(), "python": sys.version.split()[0],
+                   "worker_loop": args.worker_loop},
         "backends": {},
     }
     pg: ThrowawayPostgres | None = None
@@ -871,13 +883,15 @@ def main() -> None:
     ap.add_argument("--wake-lead", type=float, default=6.0, help="--wake: seconds from the emits to the wake time")
     ap.add_argument("--wake-slots", type=int, default=None,
                     help="--wake: each worker's max_concurrent_jobs (default: N, one slot per sleep)")
+    ap.add_argument("--worker-loop", choices=["asyncio", "trio", "uvloop"], default="asyncio",
+                    help="the event loop the worker process runs on (uvloop: if installed)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--server", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.worker:
-        worker_main(args.server, args.out, args.concurrency)
+        worker_main(args.server, args.out, args.concurrency, args.worker_loop)
         return
     if args.wake:
         import wake_bench

@@ -111,16 +111,31 @@ def _task_tree(task: trio.lowlevel.Task, depth: int = 0) -> list[str]:
 def _remember_token(fn: Any) -> Any:
     @functools.wraps(fn)
     async def test(*args: Any, **kwargs: Any) -> Any:
-        _trio_token[:] = [trio.lowlevel.current_trio_token()]
+        try:
+            _trio_token[:] = [trio.lowlevel.current_trio_token()]
+        except RuntimeError:
+            pass  # an AnyIO test on asyncio: no Trio task tree to print
         return await fn(*args, **kwargs)
 
     return test
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every async test runs on Trio (pytest-trio) unless it is an AnyIO test.
+
+    This is pytest-trio's ``trio_mode``, less the tests marked ``anyio``
+    (tests/sdk: the SDK on both loops), which AnyIO's plugin runs.
+    """
     for item in items:
-        fn = getattr(item, "obj", None)
-        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(fn):
+        if not isinstance(item, pytest.Function):
+            continue
+        fn = item.obj
+        inner = getattr(getattr(fn, "hypothesis", None), "inner_test", fn)
+        if not inspect.iscoroutinefunction(inner):
+            continue
+        if item.get_closest_marker("anyio") is None:
+            item.add_marker(pytest.mark.trio)
+        if inspect.iscoroutinefunction(fn):
             item.obj = _remember_token(fn)
 
 

@@ -41,6 +41,9 @@ def mint_in_database(url: str, kind: str, role: str) -> KeyCreateResponse:
     it on first start); any driver error is a CliFailure naming the database
     without its password. The store is closed either way.
     """
+    from ironflow.cli.serve import require_server
+
+    require_server("ironflow keys create --db")
     import trio
 
     is_sqlite_path = "://" not in url and not url.startswith("file:")

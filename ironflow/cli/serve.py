@@ -7,6 +7,7 @@ needs.
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,25 @@ EXIT_INTERRUPTED = 130
 # 1,021-1,063 / 1,111-1,133 / 1,182-1,329 steps/s (node CPU 6.1 / 5.3 / 5.1 s
 # per 2,000 runs); PostgreSQL 789-924 / 715-986 / 871-915 (no difference).
 SWITCH_INTERVAL_S = 0.002
+# What the engine needs beyond the light install (the `server` extra of
+# pyproject.toml), by import name.
+SERVER_MODULES = ("trio", "hypercorn", "quart", "quart_trio", "psycopg", "psycopg_pool", "prometheus_client")
+SERVER_EXTRA_HINT = "pip install 'ironflow-py[server]'"
+
+
+def missing_server_modules() -> list[str]:
+    """The engine's modules this environment lacks (a light, worker-only install)."""
+    return [name for name in SERVER_MODULES if importlib.util.find_spec(name) is None]
+
+
+def require_server(command: str) -> None:
+    """Exit 2 with one line naming the install when the engine's packages are absent."""
+    missing = missing_server_modules()
+    if missing:
+        usage_failure(
+            f"{command} runs the engine, which this install lacks ({', '.join(missing)}):"
+            f" {SERVER_EXTRA_HINT}"
+        )
 
 
 def timing_flag(field: str) -> str:
@@ -158,6 +178,7 @@ def serve(
     variables, flags. Leases, sessions and stale-claim thresholds must be at
     least 2x the heartbeat interval.
     """
+    require_server("ironflow serve")
     try:
         config = load_config(
             file=config_file,

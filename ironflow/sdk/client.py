@@ -1,6 +1,7 @@
 """The event clients: emit events, inspect and cancel runs over HTTP.
 
-:class:`Ironflow` is async (for workers and Trio programs); :class:`IronflowSync`
+:class:`Ironflow` is async (asyncio or Trio: httpx runs on both; one client is
+safe to share across an application's concurrent requests); :class:`IronflowSync`
 is its blocking twin (for scripts and the ``ironflow`` CLI). Both send the
 calls described in :mod:`ironflow.sdk.calls` and decode every answer into the
 protocol's types, so they share paths, bodies, decoding and error mapping and
@@ -9,6 +10,7 @@ differ only in the httpx client underneath.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from types import TracebackType
@@ -81,6 +83,19 @@ def _answer(call: Call[T], resp: httpx.Response) -> Answer[T]:
 def _function_id(function: str | Any) -> str:
     """A function id, or the id of a ``Function`` object."""
     return function if isinstance(function, str) else str(function.id)
+
+
+def _result_deadline(timeout: float | None) -> float | None:
+    """When a result wait gives up (monotonic clock); None waits on.
+
+    Raises:
+      ValueError: ``timeout`` is negative or not a number (0 asks once).
+    """
+    if timeout is None:
+        return None
+    if not (isinstance(timeout, int | float) and math.isfinite(timeout) and timeout >= 0):
+        raise ValueError(f"result(timeout=...) must be None or a number of seconds >= 0, got {timeout!r}")
+    return time.monotonic() + timeout
 
 
 def _output_of(outcome: RunResult, timeout: float | None) -> Any:
@@ -189,9 +204,10 @@ class Ironflow:
         Raises:
           RunFailedError: the run failed or was cancelled (its code and message).
           TimeoutError: it had not ended after ``timeout`` seconds (None: wait on).
+          ValueError: ``timeout`` is negative or not a number.
           IronflowAPIError: the node refused (404 for an unknown run).
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _result_deadline(timeout)
         while True:
             wait_s = calls.RESULT_WAIT_MAX_S if deadline is None else deadline - time.monotonic()
             outcome = (await self.request(calls.run_result(run_id, wait_s))).value
@@ -261,7 +277,7 @@ class IronflowSync:
 
     def result(self, run_id: str, *, timeout: float | None = None) -> Any:
         """As :meth:`Ironflow.result`, blocking."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = _result_deadline(timeout)
         while True:
             wait_s = calls.RESULT_WAIT_MAX_S if deadline is None else deadline - time.monotonic()
             outcome = self.request(calls.run_result(run_id, wait_s)).value

@@ -13,7 +13,6 @@ websocket and the HTTP transports.
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import hashlib
 import inspect
@@ -25,8 +24,10 @@ from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any, Protocol
 
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
 import msgspec
-import trio
 
 from ironflow.protocol import (
     MAX_STEP_NAME,
@@ -54,11 +55,19 @@ from ironflow.sdk.errors import (
     SerializationError,
     StepError,
     StepTimeoutError,
+    WrongEventLoopError,
 )
 from ironflow.sdk.function import Function
+from ironflow.sdk.loops import current_loop
 
 # Inngest/Ironflow default: a wait that nobody answers gives up after a week.
 DEFAULT_WAIT_TIMEOUT_S = 7 * 24 * 3600.0
+
+# A step body's slice between two awaits longer than this blocked the loop:
+# ordinary CPU work between awaits stays far below it, a blocking call (a sync
+# HTTP client, time.sleep) shows up, and the heartbeat (seconds) has not yet
+# been starved for long.
+BLOCKED_LOOP_WARN_S = 1.0
 
 _log = logging.getLogger("ironflow.sdk")
 
@@ -117,15 +126,15 @@ class JobState:
 
     def __init__(self, assignment: JobAssignment, start_at: float | None = None):
         self.assignment = assignment
-        self.scope = trio.CancelScope()
+        self.scope = anyio.CancelScope()
         # Set when the job must never report again (stale fence, cancel, lost session).
         self.abandoned = False
         self.started_at = time.time()
-        # When the handler may start (Trio clock); by default the assignment's
+        # When the handler may start (loop clock); by default the assignment's
         # delay from now (the worker computes it from the receipt: see
         # WorkerLifecycle._start_time).
         self.start_at = (
-            trio.current_time() + assignment.start_delay_ms / 1000 if start_at is None else start_at
+            anyio.current_time() + assignment.start_delay_ms / 1000 if start_at is None else start_at
         )
         self.done = False
 
@@ -242,7 +251,7 @@ def _timeout_seconds(timeout: float | timedelta | None, what: str) -> float | No
 
 
 class _Awaitable:
-    """Carries an awaitable out of a worker thread (Trio refuses a bare coroutine there)."""
+    """Carries an awaitable out of a worker thread (the loop awaits it, not the thread)."""
 
     __slots__ = ("awaitable",)
 
@@ -256,27 +265,112 @@ def _is_async_callable(fn: Any) -> bool:
     )
 
 
-async def _call(fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
-    """``fn(*args)`` for any callable a user passes: async, awaitable-returning or sync."""
+def _checked_callable(fn: Any, what: str) -> None:
+    """A ``TypeError`` for a step body that is not a callable (a coroutine object
+    passed as ``fetch()`` instead of ``fetch``); the coroutine is closed so it
+    does not also warn that it was never awaited."""
+    if callable(fn):
+        return
+    if inspect.iscoroutine(fn):
+        fn.close()
+        raise TypeError(
+            f"{what} takes a callable, got a coroutine object: pass the function and its"
+            " arguments (step.run(name, fetch, 42)) or a lambda (step.run(name, lambda: fetch(42)))"
+        )
+    raise TypeError(f"{what} takes a callable, got {type(fn).__name__} {fn!r}")
+
+
+class _Timed:
+    """Awaits a step body's coroutine, timing each slice it runs without yielding.
+
+    A slice longer than ``BLOCKED_LOOP_WARN_S`` blocked the event loop (every
+    other job, the heartbeat, the socket): warned about, naming the step, so
+    the user moves the blocking call to a sync function (which runs in a
+    thread). Passes every yield, send and throw through unchanged, so it works
+    on asyncio and Trio alike.
+    """
+
+    __slots__ = ("_coro", "_name")
+
+    def __init__(self, coro: Any, name: str):
+        self._coro = coro
+        self._name = name
+
+    def __await__(self) -> Any:
+        coro = self._coro
+        send: Any = None
+        thrown: BaseException | None = None
+        while True:
+            t0 = time.perf_counter()
+            try:
+                if thrown is not None:
+                    yielded = coro.throw(thrown)
+                else:
+                    yielded = coro.send(send)
+            except StopIteration as stop:
+                return stop.value
+            finally:
+                blocked = time.perf_counter() - t0
+                if blocked > BLOCKED_LOOP_WARN_S:
+                    _log.warning(
+                        "step %r blocked the event loop for %.1f s without awaiting; move"
+                        " blocking calls into a sync function (step.run runs it in a thread)",
+                        self._name, blocked, extra={"fields": {"step": self._name}},
+                    )
+            try:
+                send, thrown = (yield yielded), None
+            except GeneratorExit:
+                coro.close()
+                raise
+            except BaseException as exc:  # handed to the body, which decides
+                send, thrown = None, exc
+
+
+async def _call(fn: Callable[..., Any], args: tuple[Any, ...], name: str) -> Any:
+    """``fn(*args)`` for any callable a user passes: async, awaitable-returning or sync.
+
+    An async body runs on the worker's own loop (asyncio or Trio), so it may
+    await that loop's libraries; a sync one runs in a worker thread.
+    """
     if _is_async_callable(fn):
-        return await fn(*args)
+        return await _Timed(fn(*args), name)
 
     def in_thread() -> Any:
         out = fn(*args)
         return _Awaitable(out) if inspect.isawaitable(out) else out
 
-    out = await trio.to_thread.run_sync(in_thread, abandon_on_cancel=True)
+    out = await anyio.to_thread.run_sync(in_thread, abandon_on_cancel=True)
     if isinstance(out, _Awaitable):
         return await out.awaitable
     return out
 
 
+def _wrong_loop(exc: BaseException, name: str) -> IronflowError | None:
+    """A clear error for a step body that awaited another loop's API, else None.
+
+    On Trio, asyncio code fails with "no running event loop" (it looks for its
+    loop) or with Trio's "unrecognized yield message" (it yielded a Future).
+    """
+    text = str(exc)
+    if current_loop() == "trio" and (
+        (isinstance(exc, RuntimeError) and "no running event loop" in text)
+        or (isinstance(exc, TypeError) and "unrecognized yield message" in text)
+    ):
+        return WrongEventLoopError(
+            f"step {name!r} awaited an asyncio-only API, but this worker runs on trio:"
+            " start the worker with asyncio.run(...) to use asyncio libraries"
+            f" ({type(exc).__name__}: {text.splitlines()[0] if text else ''})"
+        )
+    return None
+
+
 def _first_error(group: BaseExceptionGroup[Any]) -> BaseException:
     """The error to raise for a failed ``parallel``: a step's own error, not the group."""
+    cancelled = anyio.get_cancelled_exc_class()
     for exc in group.exceptions:
         if isinstance(exc, BaseExceptionGroup):
             return _first_error(exc)
-        if not isinstance(exc, trio.Cancelled):
+        if not isinstance(exc, cancelled):
             return exc
     return group
 
@@ -328,6 +422,7 @@ class Step:
         ``IronflowError``). An output that is not JSON is a non-retryable
         ``SerializationError`` naming the step and the type.
         """
+        _checked_callable(fn, f"step.run({name!r})")
         limit = _timeout_seconds(timeout, f"step.run({name!r})")
         step_id = self._next_id(name)
         return await self._run_step(step_id, name, fn, args, limit)
@@ -343,6 +438,9 @@ class Step:
         """
         entries = [tuple(entry) for entry in steps]
         names = [entry[0] if entry else None for entry in entries]
+        for entry in entries:
+            if len(entry) >= 2:
+                _checked_callable(entry[1], f"step.parallel entry {entry[0]!r}")
         if any(len(entry) < 2 or not callable(entry[1]) for entry in entries):
             raise TypeError('step.parallel takes [(name, fn, *args), ...], e.g. [("a", fetch_a), ("b", fetch_b, 42)]')
         if len(set(names)) != len(names):
@@ -355,7 +453,7 @@ class Step:
             results[i] = await self._run_step(ids[i], entry[0], entry[1], entry[2:], None)
 
         try:
-            async with trio.open_nursery() as nursery:
+            async with anyio.create_task_group() as nursery:
                 for i in range(len(entries)):
                     nursery.start_soon(one, i)
         except BaseExceptionGroup as group:
@@ -373,12 +471,21 @@ class Step:
         token = _STEP_INFO.set((a.run_id, step_id, a.attempt))
         t0 = time.perf_counter()
         try:
-            with trio.fail_after(limit) if limit is not None else contextlib.nullcontext():
-                out = await _call(fn, args)
+            timed_out = False
+            if limit is None:
+                out = await _call(fn, args, name)
+            else:
+                # A scope of its own rather than fail_after: a TimeoutError the
+                # body raises itself is the body's error, not the step's timeout.
+                # Only for a step with a limit (a scope costs on asyncio).
+                with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
+                    out = await _call(fn, args, name)
+                if scope.cancelled_caught:
+                    timed_out = True
+                    raise StepTimeoutError(f"step {name!r} timed out after {limit:g} s")
             raw, value = encode_strict(out, f"output of step {name!r}")
-        except (Exception, trio.TooSlowError) as exc:
-            if isinstance(exc, trio.TooSlowError):
-                exc = StepTimeoutError(f"step {name!r} timed out after {limit:g} s")
+        except Exception as exc:
+            exc = _wrong_loop(exc, name) or exc
             info = error_info(exc)
             await self._reporter.step(
                 self._job,
@@ -390,7 +497,7 @@ class Step:
                     duration_ms=(time.perf_counter() - t0) * 1000.0,
                 ),
             )
-            if isinstance(exc, StepError | StepTimeoutError):
+            if timed_out or isinstance(exc, StepError | SerializationError | WrongEventLoopError):
                 raise exc from None
             raise StepError(
                 f"step {name!r} failed: {info.message}",
@@ -540,8 +647,8 @@ async def execute_job(
 ) -> None:
     """Run one segment's handler and report exactly one terminal message.
 
-    Returns without reporting if the job is cancelled (``trio.Cancelled``
-    propagates) or abandoned. ``function=None`` reports a non-retryable
+    Returns without reporting if the job is cancelled (the cancellation
+    propagates: the loop's cancellation exception) or abandoned. ``function=None`` reports a non-retryable
     ``FUNCTION_NOT_FOUND``. ``ctx``: the handler's context if already built
     (for ``job`` and ``reporter``).
     """
@@ -578,6 +685,6 @@ async def execute_job(
     # Yield before the bookkeeping: when many held jobs start at one instant
     # (a burst of sleeps due together), every handler gets its turn before any
     # job's report is encoded and sent, not after all the reports queued ahead.
-    await trio.lowlevel.cancel_shielded_checkpoint()
+    await anyio.lowlevel.cancel_shielded_checkpoint()
     if not job.abandoned:
         await reporter.result(job, msg)

@@ -36,6 +36,13 @@ class SerializationError(NonRetryableError):
     code = "SERIALIZATION_ERROR"
 
 
+class WrongEventLoopError(NonRetryableError):
+    """A step body awaited an API of another event loop than the worker's
+    (asyncio code on a Trio worker): it would fail the same way on every retry."""
+
+    code = "WRONG_EVENT_LOOP"
+
+
 class StepError(IronflowError):
     """A ``step.run`` body raised; the original exception is ``__cause__``.
 

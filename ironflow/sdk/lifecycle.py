@@ -5,11 +5,12 @@ draining at once; running jobs get until the deadline; a second signal stops
 at once; ``stop()`` stops at once. "The SDK already handles SIGINT and
 SIGTERM. It drains all running workers in the process, then exits."
 
-Signals are handled once per process, not once per worker: Trio delivers a
-signal only to the most recently opened receiver, so a receiver per worker
+Signals are handled once per process, not once per worker: a loop delivers a
+signal only to the most recently opened receiver (Trio's and asyncio's alike), so a receiver per worker
 would drain one worker and leave the others' jobs to be cut. Every running
-worker with ``handle_signals`` joins one :class:`_SignalHub` for its Trio run;
-the hub opens the single receiver while at least one worker is running. The
+worker with ``handle_signals`` joins one :class:`_SignalHub` for its event loop;
+the hub opens the single receiver (AnyIO's: asyncio's ``add_signal_handler`` or
+Trio's receiver) while at least one worker is running. The
 hub counts the user's signals, not the workers' states: a drain started by
 the engine's ``Shutdown`` or by ``drain()`` keeps its deadline when the first
 signal arrives; only a second signal stops every worker at once.
@@ -17,6 +18,7 @@ signal arrives; only a second signal stops every worker at once.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -24,17 +26,21 @@ import signal
 import socket
 import sys
 import uuid
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from contextlib import ExitStack, asynccontextmanager, contextmanager
+from typing import Any, Self
 
-import trio
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+from anyio.abc import TaskStatus
 
 from ironflow.dbclock import DatabaseClock
 from ironflow.logs import formatter as log_formatter
 from ironflow.protocol import JobAssignment, JobLeaseStatus, JobNack, JobNackReason, Register
 from ironflow.sdk.context import Context, JobState, Reporter, execute_job
 from ironflow.sdk.function import Function
+from ironflow.sdk.loops import current_loop
 
 _log = logging.getLogger("ironflow.worker")
 
@@ -93,7 +99,7 @@ class _SignalHub:
     def __init__(self) -> None:
         self.workers: set[WorkerLifecycle] = set()
         self.signals = 0
-        self._scope: trio.CancelScope | None = None
+        self._scope: anyio.CancelScope | None = None
 
     def join(self, worker: WorkerLifecycle) -> None:
         """Add a running worker; the first one opens the receiver."""
@@ -101,9 +107,8 @@ class _SignalHub:
         if self.signals:
             worker._begin_drain(worker.drain_timeout)  # started while the process drains
         if self._scope is None:
-            self._scope = trio.CancelScope()
-            # A system task: the receiver must outlive whichever worker opened it.
-            trio.lowlevel.spawn_system_task(self._watch, self._scope, name="ironflow-signals")
+            self._scope = anyio.CancelScope()
+            _spawn_detached(self._watch, self._scope)
 
     def leave(self, worker: WorkerLifecycle) -> None:
         """Remove a worker; the last one closes the receiver (default handlers return)."""
@@ -113,32 +118,58 @@ class _SignalHub:
             self._scope = None
             self.signals = 0
 
-    async def _watch(self, scope: trio.CancelScope) -> None:
-        with scope:
+    async def _watch(self, scope: anyio.CancelScope) -> None:
+        with scope, ExitStack() as stack:
             try:
-                receiver = trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
-            except RuntimeError as exc:  # not the main thread
+                signals = stack.enter_context(
+                    anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT)
+                )
+            except (RuntimeError, ValueError) as exc:  # not the main thread
                 _log.warning("signal handling unavailable: %s", exc)
                 return
-            with receiver as signals:
-                async for signum in signals:
-                    self.signals += 1
-                    workers = sorted(self.workers, key=lambda w: w.worker_id)
-                    if self.signals == 1:
-                        _log.info(
-                            "Received signal %s; draining %d workers",
-                            signal.Signals(signum).name,
-                            len(workers),
-                        )
-                        for worker in workers:
-                            worker._begin_drain(worker.drain_timeout)
-                    else:
-                        _log.info("Second signal; stopping now")
-                        for worker in workers:
-                            worker.stop()
+            async for signum in signals:
+                self._on_signal(signum)
+
+    def _on_signal(self, signum: int) -> None:
+        self.signals += 1
+        workers = sorted(self.workers, key=lambda w: w.worker_id)
+        if self.signals == 1:
+            _log.info(
+                "Received signal %s; draining %d workers",
+                signal.Signals(signum).name,
+                len(workers),
+            )
+            for worker in workers:
+                worker._begin_drain(worker.drain_timeout)
+        else:
+            _log.info("Second signal; stopping now")
+            for worker in workers:
+                worker.stop()
 
 
-_HUB: trio.lowlevel.RunVar[_SignalHub] = trio.lowlevel.RunVar("ironflow_signal_hub")
+# Strong references to the detached asyncio tasks (asyncio keeps only weak ones).
+_DETACHED: set[Any] = set()
+
+
+def _spawn_detached(fn: Callable[[anyio.CancelScope], Awaitable[None]], scope: anyio.CancelScope) -> None:
+    """Start ``fn(scope)`` outside every worker's task group: the signal receiver
+    must outlive whichever worker opened it. On Trio a system task; on asyncio
+    a plain task of the running loop."""
+    if current_loop() == "trio":
+        import trio
+
+        trio.lowlevel.spawn_system_task(fn, scope, name="ironflow-signals")
+        return
+    import asyncio
+
+    task: asyncio.Task[None] = asyncio.get_running_loop().create_task(
+        fn(scope), name="ironflow-signals"  # type: ignore[arg-type]
+    )
+    _DETACHED.add(task)
+    task.add_done_callback(_DETACHED.discard)
+
+
+_HUB: anyio.lowlevel.RunVar[_SignalHub] = anyio.lowlevel.RunVar("ironflow_signal_hub")
 
 
 def _signal_hub() -> _SignalHub:
@@ -174,16 +205,16 @@ class _StartGates:
 
     def __init__(self) -> None:
         self.clock = DatabaseClock()
-        # ("db", ms of the database clock) or ("local", ms of the Trio clock).
-        self._gates: dict[tuple[str, int], trio.Event] = {}
-        self._changed = trio.Event()
+        # ("db", ms of the database clock) or ("local", ms of the loop clock).
+        self._gates: dict[tuple[str, int], anyio.Event] = {}
+        self._changed = anyio.Event()
 
     def observe(self, db_now: float, received: float) -> None:
         """A sample of the database clock (a held job's ``db_now``, received then)."""
         if self.clock.observe(db_now, received):
             self._changed.set()  # every gate may open earlier now
 
-    def gate(self, job: JobState) -> trio.Event:
+    def gate(self, job: JobState) -> anyio.Event:
         """The event set when ``job`` may start."""
         a = job.assignment
         if a.db_now is not None and self.clock.sampled:
@@ -192,7 +223,7 @@ class _StartGates:
             key = ("local", math.ceil(job.start_at * 1000))
         gate = self._gates.get(key)
         if gate is None:
-            gate = self._gates[key] = trio.Event()
+            gate = self._gates[key] = anyio.Event()
             self._changed.set()
         return gate
 
@@ -220,13 +251,13 @@ class _StartGates:
     async def run(self) -> None:
         """Until cancelled: set each gate when its time comes."""
         while True:
-            self._changed = trio.Event()
+            self._changed = anyio.Event()
             if not self._gates:
                 await self._changed.wait()
                 continue
-            with trio.move_on_at(min(self._opens_at(k) for k in self._gates)):
+            with anyio.CancelScope(deadline=min(self._opens_at(k) for k in self._gates)):
                 await self._changed.wait()  # a new gate, or a tighter clock
-            now = trio.current_time()
+            now = anyio.current_time()
             for key in [k for k in self._gates if self._opens_at(k) <= now]:
                 self._gates.pop(key).set()
 
@@ -250,6 +281,14 @@ class WorkerLifecycle:
         if max_concurrent_jobs < 1:
             raise ValueError("max_concurrent_jobs must be at least 1")
         self.server_url = server_url
+        functions = list(functions)
+        for f in functions:
+            if not isinstance(f, Function):
+                if inspect.iscoroutine(f):
+                    f.close()
+                raise TypeError(
+                    f"a worker runs functions declared with @ironflow.function, got {f!r}"
+                )
         self.functions = {f.id: f for f in functions}
         # Like the event client: the environment supplies the key when none is given.
         self.api_key = api_key if api_key is not None else os.environ.get("IRONFLOW_API_KEY")
@@ -262,7 +301,7 @@ class WorkerLifecycle:
         self.session_id: str | None = None
         self.state = "idle"  # idle | connecting | connected | draining | stopped
         self._jobs: dict[str, JobState] = {}
-        self._jobs_changed = trio.Event()
+        self._jobs_changed = anyio.Event()
         self._draining = False
         # Opens jobs held for their start time (a drain opens them all).
         self._start_gates = _StartGates()
@@ -270,8 +309,37 @@ class WorkerLifecycle:
         self._drain_deadline = 0.0
         self._stopped = False
         self._running = False
-        self._finished = trio.Event()
-        self._root_scope: trio.CancelScope | None = None
+        self._finished = anyio.Event()
+        self._root_scope: anyio.CancelScope | None = None
+        # Run by running(): the host application owns the process's signals.
+        self._embedded = False
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Connect, register and execute jobs until drained or stopped (per transport)."""
+        raise NotImplementedError
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[Self]:
+        """Run the worker beside the caller's own tasks while the block runs.
+
+        For an application that owns its event loop (a FastAPI/Starlette
+        lifespan, an aiohttp ``cleanup_ctx``): enters once the worker is
+        registered (``run``'s readiness), and on exit drains it (new jobs
+        refused, running ones get ``drain_timeout``) and waits for it to stop,
+        even when the block is being cancelled. Signals are left to the host
+        application, whose shutdown ends the block; ``handle_signals`` does not
+        apply here. A fatal error (``WorkerAuthError``) raises at entry.
+        """
+        self._embedded = True
+        async with anyio.create_task_group() as tg:
+            await tg.start(self.run)
+            try:
+                yield self
+            finally:
+                # Shielded: a host cancelling its lifespan still gets the drain
+                # (bounded by the drain deadline) rather than cut jobs.
+                with anyio.CancelScope(shield=True):
+                    await self.drain()
 
     @property
     def active_jobs(self) -> int:
@@ -299,7 +367,7 @@ class WorkerLifecycle:
         self._draining = True
         self._start_gates.open_all()
         self.state = "draining"
-        self._drain_started_at = trio.current_time()
+        self._drain_started_at = anyio.current_time()
         self._drain_deadline = self._drain_started_at + max(timeout, 0.0)
         _log.info("Draining worker...", extra={"fields": {"worker_id": self.worker_id}})
         self._drain_started()
@@ -310,7 +378,7 @@ class WorkerLifecycle:
     def _call_deadline(self, timeout: float) -> float:
         """When a call to the engine must give up: after ``timeout``, and never
         past the drain deadline while draining (the whole drain ends by it)."""
-        at = trio.current_time() + timeout
+        at = anyio.current_time() + timeout
         return min(at, self._drain_deadline) if self._draining else at
 
     def _goodbye_reserve(self) -> float:
@@ -326,9 +394,9 @@ class WorkerLifecycle:
         """
         if self._jobs:
             _log.info(f"Waiting for {len(self._jobs)} jobs to complete...")
-        with trio.move_on_at(until):
+        with anyio.CancelScope(deadline=until):
             while self._jobs:
-                self._jobs_changed = trio.Event()
+                self._jobs_changed = anyio.Event()
                 await self._jobs_changed.wait()
         if not self._jobs:
             return True
@@ -383,7 +451,7 @@ class WorkerLifecycle:
             return "AT_CAPACITY"
         return None
 
-    async def _execute(self, job: JobState, reporter: Reporter, acked: trio.Event | None = None) -> None:
+    async def _execute(self, job: JobState, reporter: Reporter, acked: anyio.Event | None = None) -> None:
         """Run one accepted job's segment to its single report; forget it after.
 
         ``acked``: user code starts only once the JobAck is on the wire, so a
@@ -422,7 +490,7 @@ class WorkerLifecycle:
             self._jobs_changed.set()
 
     def _start_time(self, a: JobAssignment, received: float) -> float:
-        """When (Trio clock) an assignment received at ``received`` may start its
+        """When (loop clock) an assignment received at ``received`` may start its
         handler at the latest: its delay from receipt (a held job's gate may
         open earlier, see :class:`_StartGates`)."""
         if a.start_delay_ms and a.db_now is not None:
@@ -436,7 +504,7 @@ class WorkerLifecycle:
 
     async def _hold(self, job: JobState) -> bool:
         """Wait until the job may start; False if a drain began before it could."""
-        if job.start_at <= trio.current_time():
+        if job.start_at <= anyio.current_time():
             return True
         if not self._draining:
             await self._start_gates.gate(job).wait()
@@ -449,7 +517,7 @@ class WorkerLifecycle:
         Also makes the lifecycle lines visible (see :func:`_announce_lifecycle`).
         """
         _announce_lifecycle()
-        if not self.handle_signals:
+        if not self.handle_signals or self._embedded:
             yield
             return
         hub = _signal_hub()

@@ -14,9 +14,12 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
 import httpx
 import msgspec
-import trio
+from anyio.abc import TaskGroup, TaskStatus
 
 from ironflow.protocol import (
     SESSION_SECRET_HEADER,
@@ -85,12 +88,12 @@ class _HttpReporter:
             return
         if resp.status_code == 409:
             self._worker._abandon(job, "step refused as stale")
-            await trio.lowlevel.checkpoint()  # let the cancellation land now
+            await anyio.lowlevel.checkpoint()  # let the cancellation land now
 
     async def nack(self, job: JobState, msg: JobNack) -> None:
         if job.abandoned:
             return
-        with trio.move_on_at(self._worker._call_deadline(CALL_TIMEOUT_S)):
+        with anyio.CancelScope(deadline=self._worker._call_deadline(CALL_TIMEOUT_S)):
             try:
                 await self._worker._post("/nack", msg)
             except httpx.HTTPError as exc:
@@ -121,7 +124,7 @@ class _HttpReporter:
                 _log.error("Giving up reporting a result; the lease will expire",
                            extra=_fields(run_id=msg.run_id))
                 return
-            await trio.sleep(delay)
+            await anyio.sleep(delay)
 
 
 class PullWorker(WorkerLifecycle):
@@ -165,12 +168,12 @@ class PullWorker(WorkerLifecycle):
         # worker owns the session (an id alone grants nothing).
         self._session_headers: dict[str, str] = {}
         self._interval = 30.0
-        self._poll_scope: trio.CancelScope | None = None
+        self._poll_scope: anyio.CancelScope | None = None
         self._reporter = _HttpReporter(self)
 
     # ── public control ───────────────────────────────────────────────────
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Register, poll and execute jobs until drained or stopped.
 
         ``task_status.started()`` fires once registered. 401/403 raises
@@ -186,7 +189,7 @@ class PullWorker(WorkerLifecycle):
                 transport=self._transport,
             ) as http:
                 self._http = http
-                async with trio.open_nursery() as nursery:
+                async with anyio.create_task_group() as nursery:
                     self._root_scope = nursery.cancel_scope
                     if self._stopped:
                         nursery.cancel_scope.cancel()
@@ -205,7 +208,7 @@ class PullWorker(WorkerLifecycle):
                     nursery.cancel_scope.cancel()
                 if self.session_id is not None and not self._stopped and fatal is None:
                     # Within the drain's deadline, like everything in a drain.
-                    with trio.move_on_at(self._call_deadline(GOODBYE_TIMEOUT_S)):
+                    with anyio.CancelScope(deadline=self._call_deadline(GOODBYE_TIMEOUT_S)):
                         try:
                             await http.delete(
                                 f"/v1/worker/sessions/{self.session_id}",
@@ -267,7 +270,7 @@ class PullWorker(WorkerLifecycle):
                 if isinstance(exc, WorkerAuthError | RegistrationRefusedError):
                     raise
                 _log.warning("Registration failed: %r; retrying in %.0fs", exc, delay)
-                await trio.sleep(delay)
+                await anyio.sleep(delay)
                 delay = min(delay * 2, POLL_BACKOFF_S[1])
         self.session_id = reg.session_id
         self._new_connection()
@@ -283,17 +286,17 @@ class PullWorker(WorkerLifecycle):
             self._abandon(job, "session lost")
         await self._register()
 
-    async def _poll_loop(self, nursery: trio.Nursery) -> None:
+    async def _poll_loop(self, nursery: TaskGroup) -> None:
         assert self._http is not None
         delay = POLL_BACKOFF_S[0]
-        with trio.CancelScope() as scope:
+        with anyio.CancelScope() as scope:
             self._poll_scope = scope
             if self._draining:
                 scope.cancel()
             while not self._draining:
                 free = self.max_concurrent_jobs - len(self._jobs)
                 if free <= 0:
-                    self._jobs_changed = trio.Event()
+                    self._jobs_changed = anyio.Event()
                     await self._jobs_changed.wait()
                     continue
                 try:
@@ -308,7 +311,7 @@ class PullWorker(WorkerLifecycle):
                     if resp.status_code >= 400:
                         raise IronflowError(f"poll failed: {resp.status_code} {_error_code(resp)}")
                     # Held jobs' start delays run from here (see JobState).
-                    received = trio.current_time()
+                    received = anyio.current_time()
                     answer = msgspec.json.decode(resp.content, type=PullPollResponse)
                     jobs = answer.jobs
                     if answer.shutdown is not None:
@@ -318,30 +321,30 @@ class PullWorker(WorkerLifecycle):
                     continue
                 except (httpx.HTTPError, msgspec.DecodeError) as exc:
                     _log.warning("Poll failed: %r; retrying in %.0fs", exc, delay)
-                    await trio.sleep(delay)
+                    await anyio.sleep(delay)
                     delay = min(delay * 2, POLL_BACKOFF_S[1])
                     continue
                 except WorkerAuthError:
                     raise
                 except IronflowError as exc:
                     _log.warning("%s; retrying in %.0fs", exc, delay)
-                    await trio.sleep(delay)
+                    await anyio.sleep(delay)
                     delay = min(delay * 2, POLL_BACKOFF_S[1])
                     continue
                 delay = POLL_BACKOFF_S[0]
                 # Shielded: a drain must not cut an ack in half; each call is bounded.
-                with trio.CancelScope(shield=True):
+                with anyio.CancelScope(shield=True):
                     for a in jobs:
                         await self._on_assignment(a, nursery, received)
         self._poll_scope = None
 
-    async def _on_assignment(self, a: JobAssignment, nursery: trio.Nursery, received: float) -> None:
+    async def _on_assignment(self, a: JobAssignment, nursery: TaskGroup, received: float) -> None:
         if a.job_id in self._jobs:
             return
         fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
         reason = self._refusal(a)
         if reason is not None:
-            with trio.move_on_at(self._call_deadline(CALL_TIMEOUT_S)):
+            with anyio.CancelScope(deadline=self._call_deadline(CALL_TIMEOUT_S)):
                 try:
                     await self._post("/nack", JobNack(*fence, reason=reason))
                 except httpx.HTTPError as exc:
@@ -373,7 +376,7 @@ class PullWorker(WorkerLifecycle):
 
     async def _heartbeat_loop(self) -> None:
         while True:
-            await trio.sleep(self._interval)
+            await anyio.sleep(self._interval)
             jobs = [j.active_job() for j in self._jobs.values() if not j.abandoned]
             try:
                 resp = await self._post("/heartbeat", Heartbeat(jobs=jobs))

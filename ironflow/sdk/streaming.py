@@ -1,7 +1,7 @@
 """``StreamingWorker``: runs functions for an engine over the ``/v1/worker`` websocket.
 
 One connection ("worker session") at a time. Inside a session four kinds of
-task share one nursery: the receive loop (assignments, lease status,
+task share one task group: the receive loop (assignments, lease status,
 cancels, shutdown), one writer draining a single outbox channel, the
 heartbeat loop, and one task per job. Losing the connection cancels every
 job without reporting (their fences belong to a dead session) and
@@ -15,9 +15,12 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
 import msgspec
-import trio
-from trio_websocket import ConnectionClosed, ConnectionRejected, HandshakeError, open_websocket_url
+from anyio.abc import TaskGroup, TaskStatus
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from ironflow.protocol import (
     MAX_FRAME_BYTES,
@@ -38,6 +41,7 @@ from ironflow.sdk.context import JobState
 from ironflow.sdk.errors import IronflowError, RegistrationRefusedError, WorkerAuthError
 from ironflow.sdk.function import Function
 from ironflow.sdk.lifecycle import WorkerLifecycle
+from ironflow.sdk.ws import ConnectionClosed, ConnectionRejected, HandshakeError, WebSocket, connect
 
 # The reference SDKs hold 256 queued messages per connection; more means the
 # socket is not keeping up and backpressure on the jobs is the right answer.
@@ -47,11 +51,6 @@ from ironflow.sdk.lifecycle import WorkerLifecycle
 OUTBOX_SIZE = 256
 # Most queued messages the writer puts in one batched frame.
 WRITE_BATCH = 256
-# Frames the websocket library buffers before it stops reading the socket.
-RECEIVE_QUEUE_SIZE = 64
-# Bound on the close handshake when a connection ends other than by a drain
-# (a drain's flush and close share the drain's own deadline).
-CLOSE_TIMEOUT_S = 5.0
 # How long a connect (TCP + websocket handshake) may take.
 CONNECT_TIMEOUT_S = 10.0
 
@@ -80,7 +79,7 @@ class _OutboxReporter:
 
     __slots__ = ("_send",)
 
-    def __init__(self, send: trio.MemorySendChannel[Any]):
+    def __init__(self, send: MemoryObjectSendStream[Any]):
         self._send = send
 
     async def step(self, job: JobState, msg: Any) -> None:
@@ -98,7 +97,7 @@ class _Flushed:
 
     def __init__(self, message: Any) -> None:
         self.message = message
-        self.written = trio.Event()
+        self.written = anyio.Event()
 
 
 class StreamingWorker(WorkerLifecycle):
@@ -135,18 +134,18 @@ class StreamingWorker(WorkerLifecycle):
             reconnect_delay=reconnect_delay,
             handle_signals=handle_signals,
         )
-        self._drain_requested = trio.Event()
-        self._session_scope: trio.CancelScope | None = None
+        self._drain_requested = anyio.Event()
+        self._session_scope: anyio.CancelScope | None = None
         # Around the whole connection, close handshake included: cancelled
         # when a drain's deadline leaves no time to close politely.
-        self._connection_scope: trio.CancelScope | None = None
-        self._outbox: trio.MemorySendChannel[Any] | None = None
+        self._connection_scope: anyio.CancelScope | None = None
+        self._outbox: MemoryObjectSendStream[Any] | None = None
         # Whether the engine reads batched frames (its Registered says so).
         self._engine_batches = False
 
     # ── public control ───────────────────────────────────────────────────
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Connect, register and execute jobs until drained or stopped.
 
         ``task_status.started()`` fires after the first ``Registered``. A lost
@@ -157,7 +156,7 @@ class StreamingWorker(WorkerLifecycle):
         self._running = True
         fatal: WorkerAuthError | RegistrationRefusedError | None = None
         try:
-            async with trio.open_nursery() as nursery:
+            async with anyio.create_task_group() as nursery:
                 self._root_scope = nursery.cancel_scope
                 if self._stopped:
                     nursery.cancel_scope.cancel()
@@ -183,7 +182,7 @@ class StreamingWorker(WorkerLifecycle):
         if self._session_scope is None and self._root_scope is not None:
             self._root_scope.cancel()  # not connected: nothing to drain
 
-    async def _connect_loop(self, task_status: trio.TaskStatus[None]) -> None:
+    async def _connect_loop(self, task_status: TaskStatus[None]) -> None:
         started = [False]
 
         def on_registered() -> None:
@@ -197,27 +196,27 @@ class StreamingWorker(WorkerLifecycle):
                 await self._session(on_registered)
             except (WorkerAuthError, RegistrationRefusedError):
                 raise
-            except (HandshakeError, ConnectionClosed, OSError, trio.BrokenResourceError) as exc:
+            except (HandshakeError, ConnectionClosed, OSError, anyio.BrokenResourceError) as exc:
                 _log.warning(
                     "Connection to engine lost: %r", exc, extra=_fields(worker_id=self.worker_id)
                 )
             if self._stopped or self._draining:
                 return
-            await trio.sleep(self.reconnect_delay)
+            await anyio.sleep(self.reconnect_delay)
 
     async def _session(self, on_registered: Any) -> None:
         headers = None
         if self.api_key:
             headers = [(b"authorization", f"Bearer {self.api_key}".encode())]
         try:
-            with trio.CancelScope() as self._connection_scope:
-                async with open_websocket_url(
+            with anyio.CancelScope() as self._connection_scope:
+                # No read-ahead beyond the socket's own buffer: the receive
+                # loop reads as fast as it applies frames (backpressure is TCP's).
+                async with connect(
                     websocket_url(self.server_url),
-                    extra_headers=headers,
+                    headers=headers or (),
                     max_message_size=MAX_FRAME_BYTES,
-                    message_queue_size=RECEIVE_QUEUE_SIZE,
                     connect_timeout=CONNECT_TIMEOUT_S,
-                    disconnect_timeout=CLOSE_TIMEOUT_S,
                 ) as ws:
                     await self._serve(ws, on_registered)
         except ConnectionRejected as exc:
@@ -227,7 +226,7 @@ class StreamingWorker(WorkerLifecycle):
                 ) from exc
             raise
 
-    async def _serve(self, ws: Any, on_registered: Any) -> None:
+    async def _serve(self, ws: WebSocket, on_registered: Any) -> None:
         register = self._register_message(batch_frames=True)
         await ws.send_message(encoder.encode(register).decode())
         first = engine_message_decoder.decode(await ws.get_message())
@@ -241,7 +240,7 @@ class StreamingWorker(WorkerLifecycle):
         self._new_connection()
         self._engine_batches = first.batch_frames
         interval = self.heartbeat_interval or first.heartbeat_interval_ms / 1000.0
-        send, recv = trio.open_memory_channel[Any](OUTBOX_SIZE + self.max_concurrent_jobs)
+        send, recv = anyio.create_memory_object_stream[Any](OUTBOX_SIZE + self.max_concurrent_jobs)
         reporter = _OutboxReporter(send)
         _log.info(
             "Worker registered",
@@ -252,7 +251,7 @@ class StreamingWorker(WorkerLifecycle):
             ),
         )
         try:
-            async with trio.open_nursery() as nursery:
+            async with anyio.create_task_group() as nursery:
                 self._session_scope = nursery.cancel_scope
                 self._outbox = send
                 if not self._draining:
@@ -265,6 +264,8 @@ class StreamingWorker(WorkerLifecycle):
                 await self._receive_loop(ws, send, reporter, nursery)
                 nursery.cancel_scope.cancel()
         finally:
+            send.close()  # every task that held it ended with the task group
+            recv.close()
             self._session_scope = None
             self._outbox = None
             for job in self._jobs.values():
@@ -274,7 +275,7 @@ class StreamingWorker(WorkerLifecycle):
     # ── session tasks ────────────────────────────────────────────────────
 
     async def _writer(
-        self, ws: Any, recv: trio.MemoryReceiveChannel[Any], scope: trio.CancelScope
+        self, ws: WebSocket, recv: MemoryObjectReceiveStream[Any], scope: anyio.CancelScope
     ) -> None:
         """The only task that writes the socket. Everything queued goes out in one
         frame when the engine reads batches (``Registered.batch_frames``), else
@@ -286,7 +287,7 @@ class StreamingWorker(WorkerLifecycle):
                 while batch[-1] is not _CLOSE and len(batch) < limit:
                     try:
                         batch.append(recv.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
+                    except (anyio.WouldBlock, anyio.EndOfStream):
                         break
                 closing = batch[-1] is _CLOSE
                 if closing:
@@ -305,22 +306,22 @@ class StreamingWorker(WorkerLifecycle):
             pass
         scope.cancel()
 
-    async def _heartbeat_loop(self, send: trio.MemorySendChannel[Any], interval: float) -> None:
+    async def _heartbeat_loop(self, send: MemoryObjectSendStream[Any], interval: float) -> None:
         while True:
-            await trio.sleep(interval)
+            await anyio.sleep(interval)
             jobs = [j.active_job() for j in self._jobs.values() if not j.abandoned]
             await send.send(Heartbeat(jobs=jobs))
 
-    async def _drain_watch(self, send: trio.MemorySendChannel[Any]) -> None:
+    async def _drain_watch(self, send: MemoryObjectSendStream[Any]) -> None:
         """Wait for the running jobs, then flush and close, all by the drain deadline."""
         await self._drain_requested.wait()
         deadline = self._drain_deadline
         if await self._await_jobs(deadline):
             # Flush what the jobs queued, then half-close and wait for the
             # engine's close; the writer ends the session once closed.
-            with trio.move_on_at(deadline):
+            with anyio.CancelScope(deadline=deadline):
                 await send.send(_CLOSE)
-                await trio.sleep_forever()
+                await anyio.sleep_forever()
         # The deadline has passed: drop the connection without a handshake
         # (the engine recovers what it still leases to this session).
         if self._connection_scope is not None:
@@ -328,10 +329,10 @@ class StreamingWorker(WorkerLifecycle):
 
     async def _receive_loop(
         self,
-        ws: Any,
-        send: trio.MemorySendChannel[Any],
+        ws: WebSocket,
+        send: MemoryObjectSendStream[Any],
         reporter: _OutboxReporter,
-        nursery: trio.Nursery,
+        nursery: TaskGroup,
     ) -> None:
         while True:
             try:
@@ -342,7 +343,7 @@ class StreamingWorker(WorkerLifecycle):
                 return
             # A job's start delay runs from here, not from when its turn in
             # the frame comes: a batch of held jobs all start on time.
-            received = trio.current_time()
+            received = anyio.current_time()
             try:
                 frame = engine_frame_decoder.decode(text)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
@@ -354,13 +355,13 @@ class StreamingWorker(WorkerLifecycle):
     async def _on_engine_message(
         self,
         msg: Any,
-        send: trio.MemorySendChannel[Any],
+        send: MemoryObjectSendStream[Any],
         reporter: _OutboxReporter,
-        nursery: trio.Nursery,
+        nursery: TaskGroup,
         received: float,
     ) -> None:
         """Apply one engine message (frames are applied in order); ``received``:
-        when its frame arrived (Trio clock)."""
+        when its frame arrived (loop clock)."""
         if isinstance(msg, JobAssignment):
             await self._on_assignment(msg, send, reporter, nursery, received)
         elif isinstance(msg, LeaseStatus):
@@ -393,9 +394,9 @@ class StreamingWorker(WorkerLifecycle):
     async def _on_assignment(
         self,
         a: JobAssignment,
-        send: trio.MemorySendChannel[Any],
+        send: MemoryObjectSendStream[Any],
         reporter: _OutboxReporter,
-        nursery: trio.Nursery,
+        nursery: TaskGroup,
         received: float,
     ) -> None:
         if a.job_id in self._jobs:

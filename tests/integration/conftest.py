@@ -14,6 +14,7 @@ from ironflow.config import NodeConfig, load_config
 from ironflow.node import Node
 from tests.integration.fuzz_target import Target
 from tests.integration.procs import Proc, free_port, start_node, start_worker
+from tests.procs.worker_loop import LOOP_ENV, LOOPS
 
 # Timings for in-process tests: --dev values, plus a long idle re-check so a
 # test proves the dispatcher is kicked rather than polling.
@@ -35,6 +36,19 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     if request.param == "sqlite":
         return str(tmp_path / "ironflow.db")
     return str(request.getfixturevalue("pg_url"))
+
+
+@pytest.fixture(params=LOOPS)
+def worker_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The test once with its worker processes on asyncio, once on trio.
+
+    Every process test starts asyncio workers (the default of
+    ``tests/procs/worker_loop.py``); a representative subset (kill -9, SIGTERM
+    drain, the drain deadline, a lost worker's counters) asks for this fixture
+    to prove the Trio worker the same, without doubling the slow suite.
+    """
+    monkeypatch.setenv(LOOP_ENV, request.param)
+    return str(request.param)
 
 
 @pytest.fixture

@@ -151,6 +151,11 @@ async def start_drain_worker(
     return proc
 
 
+def assert_worker_loop(proc: Proc, loop: str) -> None:
+    """The worker process ran on ``loop`` (``tests/procs/worker_loop.py`` names it)."""
+    assert f"worker loop: {loop}" in proc.log_path.read_text(errors="replace"), proc.tail()
+
+
 async def wait_log(proc: Proc, text: str, timeout: float = 10.0) -> None:
     """Wait until the process's stderr holds ``text``."""
     with trio.fail_after(timeout):

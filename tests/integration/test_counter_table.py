@@ -28,6 +28,7 @@ import trio
 from tests.integration.conftest import ServedNode, serve_node
 from tests.integration.procs import (
     Proc,
+    assert_worker_loop,
     count,
     read_effects,
     start_drain_worker,
@@ -137,7 +138,7 @@ async def test_row_retryable_failure_spends_an_attempt_not_a_recovery(
 
 
 async def test_row_lost_worker_counts_a_recovery_not_an_attempt(
-    node: ServedNode, tmp_path: Path, procs: list[Proc]
+    node: ServedNode, tmp_path: Path, procs: list[Proc], worker_loop: str
 ) -> None:
     effects = tmp_path / "effects.log"
     async with httpx.AsyncClient(base_url=node.url, timeout=10) as http:
@@ -154,3 +155,4 @@ async def test_row_lost_worker_counts_a_recovery_not_an_attempt(
         types = [e["type"] for e in await audit(http, run_id)]
         assert "capacity.lease.expired" in types and "capacity.segment.recovered" in types
         assert "capacity.job.nacked" not in types
+    assert_worker_loop(new, worker_loop)

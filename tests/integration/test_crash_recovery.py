@@ -16,7 +16,14 @@ import trio_websocket
 
 from ironflow.node import Node
 from tests.integration.helpers import emit, wait_for_run, wait_for_step
-from tests.integration.procs import Proc, count, read_effects, start_worker, wait_effect
+from tests.integration.procs import (
+    Proc,
+    assert_worker_loop,
+    count,
+    read_effects,
+    start_worker,
+    wait_effect,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +34,7 @@ async def audit_types(http: httpx.AsyncClient, run_id: str) -> list[str]:
 
 
 async def test_kill_9_streaming_worker_resumes_on_connected_peer(
-    node: Node, http: httpx.AsyncClient, tmp_path: Path, procs: list[Proc]
+    node: Node, http: httpx.AsyncClient, tmp_path: Path, procs: list[Proc], worker_loop: str
 ) -> None:
     effects = tmp_path / "effects.log"
     a = await start_worker(node.url, effects, tmp_path, name="a")
@@ -53,6 +60,7 @@ async def test_kill_9_streaming_worker_resumes_on_connected_peer(
     assert "capacity.lease.expired" in types and "capacity.segment.recovered" in types
     # Fast loss detection: the first recovery is not held back by the grace.
     assert latency < node.config.timings.recovery_grace_s + 1.0
+    assert_worker_loop(b, worker_loop)
 
 
 async def test_sigstop_past_lease_expiry_then_sigcont_is_fenced(

@@ -21,7 +21,14 @@ import trio
 from ironflow.node import Node
 from tests.integration.conftest import node_config
 from tests.integration.helpers import emit, wait_for_run
-from tests.integration.procs import Proc, read_effects, start_drain_worker, wait_effect, wait_log
+from tests.integration.procs import (
+    Proc,
+    assert_worker_loop,
+    read_effects,
+    start_drain_worker,
+    wait_effect,
+    wait_log,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +42,7 @@ async def run_of(http: httpx.AsyncClient, run_id: str) -> dict[str, Any]:
 
 
 async def test_one_sigterm_drains_every_worker_in_the_process(
-    node: Node, http: httpx.AsyncClient, tmp_path: Path, procs: list[Proc]
+    node: Node, http: httpx.AsyncClient, tmp_path: Path, procs: list[Proc], worker_loop: str
 ) -> None:
     effects = tmp_path / "effects.log"
     # A streaming and a pull worker in one process, one job each.
@@ -54,6 +61,7 @@ async def test_one_sigterm_drains_every_worker_in_the_process(
     rows = read_effects(effects)
     assert sorted(r[1] for r in rows if r[2] == "done") == sorted(runs)
     assert sum("Draining worker..." in line for line in log_lines(proc)) == 2
+    assert_worker_loop(proc, worker_loop)
 
 
 async def test_a_sigterm_during_an_engine_shutdown_keeps_the_engines_deadline(
@@ -96,7 +104,7 @@ async def test_a_sigterm_during_an_engine_shutdown_keeps_the_engines_deadline(
 
 
 async def test_a_worker_drain_deadline_ends_the_process_on_time(
-    node: Node, http: httpx.AsyncClient, tmp_path: Path, procs: list[Proc]
+    node: Node, http: httpx.AsyncClient, tmp_path: Path, procs: list[Proc], worker_loop: str
 ) -> None:
     effects = tmp_path / "effects.log"
     proc = await start_drain_worker(
@@ -112,3 +120,4 @@ async def test_a_worker_drain_deadline_ends_the_process_on_time(
     assert "Drain deadline reached; cancelling 1 active jobs" in "\n".join(log_lines(proc))
     run = (await wait_for_run(http, run_id, "waiting", timeout=5))["run"]
     assert run["recovery_count"] == 1 and run["attempt"] == 1
+    assert_worker_loop(proc, worker_loop)

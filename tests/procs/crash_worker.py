@@ -33,9 +33,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import trio
+import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import worker_loop  # noqa: E402  (tests/procs, beside this file)
 
 import ironflow  # noqa: E402
 
@@ -76,7 +78,7 @@ def main() -> None:
             first = not already(run_id, "two-start")
             record(run_id, "two-start")
             if first:
-                await trio.sleep(args.slow)
+                await anyio.sleep(args.slow)
             record(run_id, "two-done")
             return {"pid": pid}
 
@@ -87,7 +89,7 @@ def main() -> None:
     async def suicide(ctx: Any) -> Any:
         record(ctx.run.id, "start")
         os.kill(pid, signal.SIGKILL)
-        await trio.sleep(10)
+        await anyio.sleep(10)
 
     @ironflow.function(id="sleepy", triggers=[ironflow.event("sleepy.go")])
     async def sleepy(ctx: Any) -> Any:
@@ -117,7 +119,7 @@ def main() -> None:
             first = not already(run_id, "slow-start")
             record(run_id, "slow-start")
             if first:
-                await trio.sleep(args.slow)
+                await anyio.sleep(args.slow)
             record(run_id, "slow-done")
             return pid
 
@@ -133,7 +135,7 @@ def main() -> None:
             record(run_id, "pay-start")
             record(run_id, "key:" + key)
             if first:
-                await trio.sleep(args.slow)
+                await anyio.sleep(args.slow)
             return key
 
         return await ctx.step.run("pay", pay)
@@ -150,11 +152,11 @@ def main() -> None:
         )
 
     async def run() -> None:
-        async with trio.open_nursery() as nursery:
+        async with anyio.create_task_group() as nursery:
             await nursery.start(worker.run)
             print(f"READY {pid}", flush=True)
 
-    trio.run(run)
+    worker_loop.run(run)
 
 
 if __name__ == "__main__":

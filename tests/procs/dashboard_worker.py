@@ -22,9 +22,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import trio
+import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import worker_loop  # noqa: E402  (tests/procs, beside this file)
 
 import ironflow  # noqa: E402
 
@@ -55,7 +57,7 @@ async def crashy(ctx: Any) -> Any:
         marker.touch()
         if first:
             print(f"HANGING {ctx.run.id}", flush=True)
-            await trio.sleep(3600)
+            await anyio.sleep(3600)
         return os.getpid()
 
     await ctx.step.run("one", lambda: "one-done")
@@ -66,11 +68,11 @@ def main() -> None:
     worker = ironflow.StreamingWorker(sys.argv[1], [echo, napper, crashy], reconnect_delay=0.2)
 
     async def run() -> None:
-        async with trio.open_nursery() as nursery:
+        async with anyio.create_task_group() as nursery:
             await nursery.start(worker.run)
             print(f"READY {os.getpid()}", flush=True)
 
-    trio.run(run)
+    worker_loop.run(run)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import trio
+import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import worker_loop  # noqa: E402  (tests/procs, beside this file)
 
 import ironflow  # noqa: E402
 
@@ -69,7 +71,7 @@ def main() -> None:
 
         async def work() -> dict[str, int]:
             record(run_id, "start")
-            await trio.sleep(args.slow)
+            await anyio.sleep(args.slow)
             record(run_id, "done")
             return {"pid": pid}
 
@@ -115,12 +117,12 @@ def main() -> None:
             workers.append(ironflow.StreamingWorker(args.server, functions, **common))
 
     async def run() -> None:
-        async with trio.open_nursery() as nursery:
+        async with anyio.create_task_group() as nursery:
             for worker in workers:
                 await nursery.start(worker.run)
             print(f"READY {pid}", flush=True)
 
-    trio.run(run)
+    worker_loop.run(run)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import trio
+import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import worker_loop  # noqa: E402  (tests/procs, beside this file)
 
 import ironflow  # noqa: E402
 
@@ -43,11 +45,11 @@ def main() -> None:
     )
 
     async def run() -> None:
-        async with trio.open_nursery() as nursery:
+        async with anyio.create_task_group() as nursery:
             await nursery.start(worker.run)
             print(f"READY {os.getpid()}", flush=True)
 
-    trio.run(run)
+    worker_loop.run(run)
 
 
 if __name__ == "__main__":

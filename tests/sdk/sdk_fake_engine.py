@@ -1,12 +1,15 @@
-"""A fake engine for SDK tests: a real trio-websocket server speaking the protocol."""
+"""A fake engine for SDK tests: a real websocket server (AnyIO + wsproto) speaking the
+protocol, on whichever loop the test runs."""
 
 from __future__ import annotations
 
 import itertools
 from typing import Any
 
-import trio
-from trio_websocket import serve_websocket
+import anyio
+import anyio.abc
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, RejectConnection, Request
 
 from ironflow.protocol import (
     MAX_FRAME_BYTES,
@@ -18,6 +21,7 @@ from ironflow.protocol import (
     worker_frame_decoder,
     worker_message_decoder,
 )
+from ironflow.sdk.ws import WebSocket
 
 _seq = itertools.count(1)
 
@@ -110,44 +114,47 @@ class FakeEngine:
         self.reject_status = reject_status
         self.url = ""
         self.auth_headers: list[str | None] = []
-        self._send, self._recv = trio.open_memory_channel[EngineConn](10)
+        self._send, self._recv = anyio.create_memory_object_stream[EngineConn](10)
 
-    async def _handler(self, request: Any) -> None:
-        headers = dict(request.headers)
-        self.auth_headers.append(
-            headers.get(b"authorization", b"").decode() or None
-        )
-        if self.reject_status is not None:
-            await request.reject(self.reject_status)
-            return
-        ws = await request.accept()
-        conn = EngineConn(ws)
-        conn.register = worker_message_decoder.decode(await ws.get_message())
-        await conn.send(
-            Registered(
-                session_id="sess-1",
-                heartbeat_interval_ms=self.heartbeat_interval_ms,
-                lease_expiry_ms=90_000,
-                batch_frames=self.batch_frames,
+    async def _upgrade(self, stream: anyio.abc.ByteStream) -> WebSocket | None:
+        """The server side of the handshake: the socket, or None once rejected."""
+        conn = WSConnection(ConnectionType.SERVER)
+        while True:
+            conn.receive_data(await stream.receive())
+            for event in conn.events():
+                if isinstance(event, Request):
+                    headers = dict(event.extra_headers)
+                    self.auth_headers.append(headers.get(b"authorization", b"").decode() or None)
+                    if self.reject_status is not None:
+                        await stream.send(conn.send(RejectConnection(status_code=self.reject_status)))
+                        await stream.aclose()
+                        return None
+                    await stream.send(conn.send(AcceptConnection()))
+                    return WebSocket(stream, conn, max_message_size=MAX_FRAME_BYTES)
+
+    async def _handler(self, stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            ws = await self._upgrade(stream)
+            if ws is None:
+                return
+            conn = EngineConn(ws)
+            conn.register = worker_message_decoder.decode(await ws.get_message())
+            await conn.send(
+                Registered(
+                    session_id="sess-1",
+                    heartbeat_interval_ms=self.heartbeat_interval_ms,
+                    lease_expiry_ms=90_000,
+                    batch_frames=self.batch_frames,
+                )
             )
-        )
-        await self._send.send(conn)
-        await trio.sleep_forever()
+            await self._send.send(conn)
+            await anyio.sleep_forever()
 
     async def accept(self) -> EngineConn:
         return await self._recv.receive()
 
-    async def start(self, nursery: trio.Nursery) -> None:
-        server = await nursery.start(
-            lambda task_status: serve_websocket(
-                self._handler,
-                "127.0.0.1",
-                0,
-                None,
-                max_message_size=MAX_FRAME_BYTES,
-                task_status=task_status,
-            )
-        )
-        self.url = f"http://127.0.0.1:{server.port}"
-
-
+    async def start(self, task_group: anyio.abc.TaskGroup) -> None:
+        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        port = listener.extra(anyio.abc.SocketAttribute.local_port)
+        task_group.start_soon(listener.serve, self._handler)
+        self.url = f"http://127.0.0.1:{port}"

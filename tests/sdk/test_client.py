@@ -8,6 +8,9 @@ import pytest
 
 import ironflow
 
+# Every test here runs on asyncio and on trio (tests/sdk/conftest.py).
+pytestmark = pytest.mark.anyio
+
 
 async def test_emit_sends_event_with_auth_and_decodes_response():
     seen = []

@@ -6,9 +6,10 @@ import math
 import time
 from datetime import UTC, datetime
 
+import anyio
+import anyio.abc
 import msgspec
 import pytest
-import trio
 
 import ironflow
 from ironflow.protocol import (
@@ -24,6 +25,9 @@ from ironflow.protocol import (
     WaitYield,
 )
 from ironflow.sdk.context import JobState, escape_step_name, execute_job
+
+# Every test here runs on asyncio and on trio (tests/sdk/conftest.py).
+pytestmark = pytest.mark.anyio
 
 
 async def _run(handler, assignment, reporter, function_id="fn"):
@@ -305,7 +309,7 @@ def test_a_function_definition_out_of_bounds_fails_at_the_decorator():
 
 async def test_a_lambda_around_a_coroutine_call_is_a_step(assignment_factory, list_reporter):
     async def fetch(n):
-        await trio.sleep(0)
+        await anyio.sleep(0)
         return n * 2
 
     async def handler(ctx):
@@ -333,7 +337,7 @@ async def test_step_timeout_cancels_the_step_and_raises_step_timeout_error(assig
     import time as _time
 
     async def slow():
-        await trio.sleep(30)
+        await anyio.sleep(30)
 
     async def handler(ctx):
         with pytest.raises(ironflow.StepTimeoutError, match="timed out after 0.05 s"):
@@ -354,7 +358,7 @@ async def test_step_timeout_cancels_the_step_and_raises_step_timeout_error(assig
 
 async def test_parallel_steps_run_concurrently_and_return_in_order(assignment_factory, list_reporter):
     async def wait_then(value, delay):
-        await trio.sleep(delay)
+        await anyio.sleep(delay)
         return value
 
     async def handler(ctx):
@@ -391,7 +395,7 @@ async def test_parallel_refuses_duplicate_names_and_raises_a_failing_steps_error
         raise ironflow.NonRetryableError("no", code="NOPE")
 
     async def forever():
-        await trio.sleep(30)
+        await anyio.sleep(30)
 
     async def handler(ctx):
         with pytest.raises(ValueError, match="distinct"):

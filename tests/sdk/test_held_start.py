@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import anyio
+import anyio.abc
 import pytest
-import trio
 import trio.testing
 from sdk_fake_engine import FakeEngine, ListReporter, make_assignment
 
@@ -24,7 +25,7 @@ def _recorder() -> tuple[Any, list[float]]:
 
     @ironflow.function(id="fn")
     async def handler(ctx: Any) -> str:
-        started.append(trio.current_time())
+        started.append(anyio.current_time())
         return "ok"
 
     return handler, started
@@ -37,7 +38,7 @@ def _workers(fn: Any) -> list[WorkerLifecycle]:
     ]
 
 
-def _held(worker: WorkerLifecycle, nursery: trio.Nursery, delay_ms: int, run_id: str = "r1") -> JobState:
+def _held(worker: WorkerLifecycle, task_group: anyio.abc.TaskGroup, delay_ms: int, run_id: str = "r1") -> JobState:
     """A job received now with ``delay_ms``, accepted (its slot taken) and executing."""
     a = make_assignment(run_id=run_id, start_delay_ms=delay_ms)
     job = JobState(a)
@@ -46,83 +47,84 @@ def _held(worker: WorkerLifecycle, nursery: trio.Nursery, delay_ms: int, run_id:
 
 
 async def _one_second_into_a_hold(
-    kind: int, nursery: trio.Nursery
+    kind: int, task_group: anyio.abc.TaskGroup
 ) -> tuple[WorkerLifecycle, JobState, ListReporter, list[float]]:
     """Worker ``kind`` (0 streaming, 1 pull) executing one job held for 2.5 s,
     1 s into the hold: the worker, the job, its reporter, the handler's starts."""
     fn, started = _recorder()
     worker = _workers(fn)[kind]
-    nursery.start_soon(worker._start_gates.run)
+    task_group.start_soon(worker._start_gates.run)
     reporter = ListReporter()
-    job = _held(worker, nursery, 2500)
-    nursery.start_soon(worker._execute, job, reporter)
-    await trio.sleep(1.0)
+    job = _held(worker, task_group, 2500)
+    task_group.start_soon(worker._execute, job, reporter)
+    await anyio.sleep(1.0)
     return worker, job, reporter, started
 
 
 @pytest.mark.parametrize("kind", [0, 1], ids=["streaming", "pull"])
 async def test_held_jobs_start_their_handlers_at_their_start_times_never_before(
-    kind: int, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+    kind: int, task_group: anyio.abc.TaskGroup, autojump_clock: trio.testing.MockClock
 ) -> None:
     fn, started = _recorder()
     worker = _workers(fn)[kind]
-    nursery.start_soon(worker._start_gates.run)
+    task_group.start_soon(worker._start_gates.run)
     reporter = ListReporter()
-    t0 = trio.current_time()
+    t0 = anyio.current_time()
     # Received now; a delay of 2.5 s, three held to one instant, one to 0.75 s.
     for i, delay in enumerate([2500, 2500, 750, 2500]):
-        nursery.start_soon(worker._execute, _held(worker, nursery, delay, f"r{i}"), reporter)
-    await trio.sleep(0.7499)
+        task_group.start_soon(worker._execute, _held(worker, task_group, delay, f"r{i}"), reporter)
+    await anyio.sleep(0.7499)
     assert started == []
-    await trio.sleep(3)
+    await anyio.sleep(3)
     assert started == [t0 + 0.75] + [t0 + 2.5] * 3
     assert [type(m) for m in reporter.messages] == [JobCompleted] * 4
     # Received 1 s ago with a 0.4 s delay: the delay ran from the receipt, it starts at once.
     late = make_assignment(run_id="late", start_delay_ms=400)
-    t1 = trio.current_time()
+    t1 = anyio.current_time()
     await worker._execute(JobState(late, t1 - 1.0), reporter)
     assert started[-1] == t1
 
 
 @pytest.mark.parametrize("kind", [0, 1], ids=["streaming", "pull"])
 async def test_a_drain_during_the_hold_hands_the_job_back_with_a_draining_nack_and_never_runs_it(
-    kind: int, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+    kind: int, task_group: anyio.abc.TaskGroup, autojump_clock: trio.testing.MockClock
 ) -> None:
-    worker, job, reporter, started = await _one_second_into_a_hold(kind, nursery)
+    worker, job, reporter, started = await _one_second_into_a_hold(kind, task_group)
     a = job.assignment
     worker._begin_drain(30.0)
-    await trio.sleep(0.001)
+    await anyio.sleep(0.001)
     assert reporter.messages == [JobNack(a.job_id, a.run_id, 1, a.lease_token, reason="DRAINING")]
     assert worker._jobs == {}  # the slot is free: the drain need not wait for it
-    await trio.sleep(5.0)
+    await anyio.sleep(5.0)
     assert started == []
 
 
 @pytest.mark.parametrize("kind", [0, 1], ids=["streaming", "pull"])
 async def test_a_job_cancelled_during_its_hold_never_runs_and_reports_nothing(
-    kind: int, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+    kind: int, task_group: anyio.abc.TaskGroup, autojump_clock: trio.testing.MockClock
 ) -> None:
-    worker, job, reporter, started = await _one_second_into_a_hold(kind, nursery)
+    worker, job, reporter, started = await _one_second_into_a_hold(kind, task_group)
     job.abandon()  # Cancel from the engine, or a STALE lease status
-    await trio.sleep(5.0)
+    await anyio.sleep(5.0)
     assert started == [] and reporter.messages == [] and worker._jobs == {}
 
 
+@pytest.mark.anyio
 async def test_the_streaming_worker_acks_at_once_heartbeats_the_held_job_and_starts_it_after_the_delay(
-    nursery: trio.Nursery,
+    task_group: anyio.abc.TaskGroup,
 ) -> None:
     engine = FakeEngine(heartbeat_interval_ms=20)
-    await engine.start(nursery)
+    await engine.start(task_group)
     fn, started = _recorder()
     worker = ironflow.StreamingWorker(engine.url, [fn], handle_signals=False, reconnect_delay=0.05)
-    await nursery.start(worker.run)
+    await task_group.start(worker.run)
     conn = await engine.accept()
     assert isinstance(conn.register, Register) and conn.register.delayed_start
     a = make_assignment(run_id="r1", start_delay_ms=400)
-    sent = trio.current_time()
+    sent = anyio.current_time()
     await conn.send(a)
     await conn.recv_until(JobAck)
-    assert trio.current_time() - sent < 0.3  # acked on receipt, not after the hold
+    assert anyio.current_time() - sent < 0.3  # acked on receipt, not after the hold
     while True:
         hb = await conn.recv()
         if isinstance(hb, Heartbeat) and hb.jobs:
@@ -135,7 +137,7 @@ async def test_the_streaming_worker_acks_at_once_heartbeats_the_held_job_and_sta
 
 @pytest.mark.parametrize("kind", [0, 1], ids=["streaming", "pull"])
 async def test_a_job_that_waited_in_queues_still_starts_at_its_database_time_learnt_from_a_faster_one(
-    kind: int, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+    kind: int, task_group: anyio.abc.TaskGroup, autojump_clock: trio.testing.MockClock
 ) -> None:
     # The database clock here is 1e9 + the Trio clock (the worker cannot know
     # that). Job A's delay was computed at database time 0 but A reached the
@@ -146,18 +148,18 @@ async def test_a_job_that_waited_in_queues_still_starts_at_its_database_time_lea
     db = 1e9
     fn, started = _recorder()
     worker = _workers(fn)[kind]
-    nursery.start_soon(worker._start_gates.run)
+    task_group.start_soon(worker._start_gates.run)
     reporter = ListReporter()
     a = make_assignment(run_id="a", start_delay_ms=1000, db_now=db + 0.0)
     b = make_assignment(run_id="b", start_delay_ms=650, db_now=db + 0.35)
-    await trio.sleep(0.3)
-    job_a = JobState(a, worker._start_time(a, trio.current_time()))
+    await anyio.sleep(0.3)
+    job_a = JobState(a, worker._start_time(a, anyio.current_time()))
     assert job_a.start_at == pytest.approx(1.3)
-    nursery.start_soon(worker._execute, job_a, reporter)
-    await trio.sleep(0.06)
-    job_b = JobState(b, worker._start_time(b, trio.current_time()))
-    nursery.start_soon(worker._execute, job_b, reporter)
-    await trio.sleep(2.0)
+    task_group.start_soon(worker._execute, job_a, reporter)
+    await anyio.sleep(0.06)
+    job_b = JobState(b, worker._start_time(b, anyio.current_time()))
+    task_group.start_soon(worker._execute, job_b, reporter)
+    await anyio.sleep(2.0)
     assert len(started) == 2
     assert all(1.0 <= t <= 1.0 + 0.012 for t in started), started
 

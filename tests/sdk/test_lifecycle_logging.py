@@ -9,6 +9,9 @@ import pytest
 
 from ironflow.sdk import lifecycle
 
+# Every test here runs on asyncio and on trio (tests/sdk/conftest.py).
+pytestmark = pytest.mark.anyio
+
 
 @pytest.fixture
 def bare_logging(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:

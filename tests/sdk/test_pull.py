@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import anyio
+import anyio.abc
 import httpx
 import msgspec
-import trio
+import pytest
 from sdk_fake_engine import make_assignment
 
 import ironflow
@@ -16,6 +18,9 @@ from ironflow.protocol import (
     encoder,
     worker_message_decoder,
 )
+
+# Every test here runs on asyncio and on trio (tests/sdk/conftest.py).
+pytestmark = pytest.mark.anyio
 
 
 class FakeHttpEngine:
@@ -35,7 +40,7 @@ class FakeHttpEngine:
             msg = worker_message_decoder.decode(request.content)
         self.calls.append((request.method, kind, msg or body))
         if request.method == "DELETE":
-            await trio.sleep(self.goodbye_delay)  # a node slow to answer the goodbye
+            await anyio.sleep(self.goodbye_delay)  # a node slow to answer the goodbye
         if kind == "register":
             out = Registered(session_id="s1", heartbeat_interval_ms=20, lease_expiry_ms=90_000)
             return httpx.Response(200, content=encoder.encode(out))
@@ -43,7 +48,7 @@ class FakeHttpEngine:
             if self.jobs:
                 jobs, self.jobs = self.jobs[: body["max_jobs"]], self.jobs[body["max_jobs"] :]
                 return httpx.Response(200, content=encoder.encode(PullPollResponse(jobs=jobs)))
-            await trio.sleep(min(body["wait_s"], 0.05))
+            await anyio.sleep(min(body["wait_s"], 0.05))
             return httpx.Response(200, content=b'{"jobs": []}')
         if kind == "ack":
             return httpx.Response(self.ack_status, json={"ok": self.ack_status < 400})
@@ -78,11 +83,11 @@ async def two_steps(ctx):
 
 async def _serve_until_a_result_then_drain(worker: ironflow.PullWorker, engine: FakeHttpEngine) -> None:
     """Run ``worker`` until ``engine`` has received a job result, then drain it."""
-    async with trio.open_nursery() as nursery:
-        await nursery.start(worker.run)
-        with trio.fail_after(5):
+    async with anyio.create_task_group() as task_group:
+        await task_group.start(worker.run)
+        with anyio.fail_after(5):
             while "result" not in engine.kinds():
-                await trio.sleep(0.01)
+                await anyio.sleep(0.01)
         await worker.drain()
 
 
@@ -99,18 +104,18 @@ async def test_pull_worker_acks_runs_reports_and_says_goodbye():
 async def test_pull_worker_drops_job_when_ack_is_refused():
     engine = FakeHttpEngine([make_assignment(run_id="p2")], ack_status=409)
     worker = _worker(engine, [two_steps])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(worker.run)
-        with trio.fail_after(5):
+    async with anyio.create_task_group() as task_group:
+        await task_group.start(worker.run)
+        with anyio.fail_after(5):
             while "ack" not in engine.kinds():
-                await trio.sleep(0.01)
-        await trio.sleep(0.05)
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.05)
         worker.stop()
     assert "steps" not in engine.kinds() and "result" not in engine.kinds()
 
 
 async def test_pull_worker_abandons_stale_lease_from_heartbeat():
-    gate = trio.Event()
+    gate = anyio.Event()
 
     @ironflow.function(id="fn")
     async def blocked(ctx):
@@ -120,11 +125,11 @@ async def test_pull_worker_abandons_stale_lease_from_heartbeat():
     engine = FakeHttpEngine([make_assignment(run_id="p3")])
     engine.stale.add("p3")
     worker = _worker(engine, [blocked])
-    async with trio.open_nursery() as nursery:
-        await nursery.start(worker.run)
-        with trio.fail_after(5):
+    async with anyio.create_task_group() as task_group:
+        await task_group.start(worker.run)
+        with anyio.fail_after(5):
             while "ack" not in engine.kinds() or worker.active_jobs:
-                await trio.sleep(0.01)
+                await anyio.sleep(0.01)
         gate.set()
         await worker.drain()
     assert "result" not in engine.kinds()
@@ -135,14 +140,14 @@ async def test_a_slow_goodbye_is_cut_at_the_drain_deadline():
     # the goodbye got its own 5 s after the deadline.
     engine = FakeHttpEngine([make_assignment(run_id="p4")], goodbye_delay=30)
     worker = _worker(engine, [two_steps], drain_timeout=0.5)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(worker.run)
-        with trio.fail_after(5):
+    async with anyio.create_task_group() as task_group:
+        await task_group.start(worker.run)
+        with anyio.fail_after(5):
             while "result" not in engine.kinds():
-                await trio.sleep(0.01)
-        t0 = trio.current_time()
+                await anyio.sleep(0.01)
+        t0 = anyio.current_time()
         await worker.drain()
-        took = trio.current_time() - t0
+        took = anyio.current_time() - t0
     assert engine.calls[-1][0] == "DELETE"
     assert 0.4 < took < 0.6
 
@@ -150,18 +155,18 @@ async def test_a_slow_goodbye_is_cut_at_the_drain_deadline():
 async def test_a_job_cut_at_the_deadline_still_gets_its_goodbye_within_it():
     @ironflow.function(id="fn")
     async def endless(ctx):
-        return await ctx.step.run("forever", trio.sleep_forever)
+        return await ctx.step.run("forever", anyio.sleep_forever)
 
     engine = FakeHttpEngine([make_assignment(run_id="p5")])
     worker = _worker(engine, [endless], drain_timeout=1.0)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(worker.run)
-        with trio.fail_after(5):
+    async with anyio.create_task_group() as task_group:
+        await task_group.start(worker.run)
+        with anyio.fail_after(5):
             while "ack" not in engine.kinds():
-                await trio.sleep(0.01)
-        t0 = trio.current_time()
+                await anyio.sleep(0.01)
+        t0 = anyio.current_time()
         await worker.drain()
-        took = trio.current_time() - t0
+        took = anyio.current_time() - t0
     # The job is cut a goodbye's reserve before the deadline, so the DELETE
     # (which makes the node recover its lease at once) lands within it.
     assert engine.calls[-1][0] == "DELETE"
