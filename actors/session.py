@@ -56,6 +56,7 @@ from ironflow.store import (
     StaleExecution,
     StepResult,
     Store,
+    StoreUnavailable,
 )
 
 log = logging.getLogger("ironflow.session")
@@ -344,18 +345,14 @@ class _Lanes:
                 msgs = [queue.popleft() for _ in range(min(len(queue), CHAIN_MAX))]
                 try:
                     units = _units(msgs)
-                    if len(units) == 1:
-                        await self._handle_unit(units[0], grouped=True)
-                    elif len(units) == 2 and _last_steps_and_result(units[0], units[1]):
-                        # A segment's last step results and its job's result,
-                        # sent together: one grouped completion.
-                        await self._handle_unit(units[0] + units[1], grouped=True)
-                    else:
-                        outcomes = await self._store.in_order(
-                            [partial(self._handle_unit, unit) for unit in units]
-                        )
-                        for result in outcomes:
-                            result.unwrap()  # the first fatal error ends the session
+                    while units:
+                        try:
+                            units = await self._apply(units)
+                        except StoreUnavailable:
+                            # An outage: hold the frames (the socket stays
+                            # open; the lane's room stays taken, so a long one
+                            # stops the reader) and apply them once it is over.
+                            await self._store.availability.wait_up()
                 finally:
                     for _ in msgs:
                         self._room.release()
@@ -365,6 +362,27 @@ class _Lanes:
             self._nursery.cancel_scope.cancel()
         finally:
             del self._queues[key]
+
+    async def _apply(self, units: list[list[WorkerMessage]]) -> list[list[WorkerMessage]]:
+        """Apply a run's units in order; return those left to apply (empty once
+        all were). Raises StoreUnavailable if none was applied for an outage."""
+        if len(units) == 1:
+            await self._handle_unit(units[0], grouped=True)
+            return []
+        if len(units) == 2 and _last_steps_and_result(units[0], units[1]):
+            # A segment's last step results and its job's result,
+            # sent together: one grouped completion.
+            await self._handle_unit(units[0] + units[1], grouped=True)
+            return []
+        outcomes = await self._store.in_order([partial(self._handle_unit, unit) for unit in units])
+        for done, result in enumerate(outcomes):
+            try:
+                result.unwrap()  # the first fatal error ends the session
+            except StoreUnavailable:
+                if done == 0:
+                    raise
+                return units[done:]  # the rest, in order, once the store is back
+        return []
 
     async def _record_steps(self, fence: Fence, steps: list[StepResult]) -> None:
         await self._steps((fence, steps))
@@ -519,12 +537,22 @@ async def run(
         metrics.WORKERS_CONNECTED.dec()
         metrics.WORKER_DISCONNECTS.inc()
         with trio.CancelScope(shield=True):
-            recovered = await store.close_session(
-                session_id,
-                recover_leases=True,
-                recovery_grace_s=t.recovery_grace_s,
-                recovery_ceiling=int(t.recovery_ceiling),
-            )
+            try:
+                recovered = await store.close_session(
+                    session_id,
+                    recover_leases=True,
+                    recovery_grace_s=t.recovery_grace_s,
+                    recovery_ceiling=int(t.recovery_ceiling),
+                )
+            except StoreUnavailable as exc:
+                # Not waited out: the node may be stopping. The session and
+                # its leases expire by the database clock once it is back.
+                logs.event(
+                    log, logging.WARNING,
+                    "session: closed during a store outage, its leases expire instead",
+                    session_id=session_id, cause=str(exc),
+                )
+                recovered = []
             for seg in recovered:
                 metrics.RECOVERIES.labels(path="disconnect").inc()
                 if seg.exhausted:

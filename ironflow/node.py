@@ -8,7 +8,9 @@
     │                       started directly in the node's nursery, NOT
     │                       restarted: a server that dies stops the node
     │                       (its sockets and sessions cannot be resumed)
-    └── supervisor          restarts each actor below after a crash, with backoff
+    └── supervisor          restarts each actor below after a crash, with backoff;
+        │                   an actor that met a database outage waits it out instead
+        ├── store-monitor       notices an outage and its end (readiness, blind time)
         ├── dispatcher          segments → sessions with free credits
         ├── capacity-scanner    loop 1
         ├── waker               elapsed sleeps, timed-out waits/invokes
@@ -45,6 +47,7 @@ from actors import (
     metrics_sampler,
     node_heartbeat,
     stale_claim_sweeper,
+    store_monitor,
     waker,
 )
 from actors.directory import SessionDirectory
@@ -120,7 +123,7 @@ class Node:
             kick_send, kick_receive = trio.open_memory_channel[Kick](KICK_BUFFER)
             drained = trio.Event()
             async with trio.open_nursery() as nursery:
-                supervisor = Supervisor(nursery, config.timings)
+                supervisor = Supervisor(nursery, config.timings, self.store.availability)
                 self.supervisor = supervisor
                 store = self.store
                 await start_actors(
@@ -213,6 +216,7 @@ async def start_actors(
     so the simulated node runs exactly the actors a real one does. Returns once
     each has reported ready.
     """
+    await supervisor.start("store-monitor", store_monitor.run, store, config, node_id)
     await supervisor.start("node-heartbeat", node_heartbeat.run, store, config, node_id)
     await supervisor.start("dispatcher", dispatcher.run, store, config, node_id, directory, kick_receive)
     await supervisor.start("kick-listener", kick_listener.run, store, kick_send)
@@ -264,3 +268,4 @@ async def serve(config: NodeConfig) -> None:
             nursery.start_soon(_watch_signals, signals, node)
             await node.run()
             nursery.cancel_scope.cancel()
+

@@ -260,10 +260,12 @@ class FunctionRecord(msgspec.Struct, frozen=True):
 
 
 class Health(msgspec.Struct, frozen=True):
-    """``/healthz`` and ``/readyz``: ``ok`` / ``ready`` / ``starting`` / ``draining``."""
+    """``/healthz`` and ``/readyz``: ``ok`` / ``ready`` / ``starting`` / ``draining`` /
+    ``store_unavailable`` (with the ``cause``: the database's own words)."""
 
     status: str
     node_id: str | None = None
+    cause: str | None = None
 
 
 class RunList(msgspec.Struct, frozen=True):

@@ -38,6 +38,7 @@ from ironflow.protocol import (
     SessionRecord,
     YieldInfo,
 )
+from ironflow.store.availability import Availability
 
 # The records the store returns are the HTTP contract's (ironflow.protocol.http);
 # ``ironflow.store`` re-exports them for the store's callers.
@@ -83,6 +84,28 @@ class LimitExceeded(StoreError):
     """A request would exceed one of the node's configured resource limits."""
 
     code = "LIMIT_EXCEEDED"
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be reached or cannot write (an outage, not a fault):
+    the call did not take effect, or its commit is unknown; the same call may
+    be made again once the store is back (``ironflow/store/availability.py``).
+    The message names the cause."""
+
+    code = "STORE_UNAVAILABLE"
+
+
+class StorageFull(StoreUnavailable):
+    """The database's disk (or its configured size limit) is full."""
+
+    code = "STORAGE_FULL"
+
+
+class StoreReadOnly(StoreError):
+    """The database only reads (a standby, ``default_transaction_read_only``):
+    raised by :meth:`Store.open`, which a node must not start on."""
+
+    code = "STORE_READ_ONLY"
 
 
 # ── records ─────────────────────────────────────────────────────────────────
@@ -245,6 +268,10 @@ class Principal(msgspec.Struct, frozen=True):
 class Store(abc.ABC):
     """Engine state. Async methods are safe to call from many Trio tasks at once."""
 
+    # Whether the database answers (``ironflow/store/availability.py``); each
+    # backend makes its own and marks it down when a call meets an outage.
+    availability: Availability
+
     # Whether several nodes may share this database (PostgreSQL) or one node
     # owns it (SQLite): a node-wide record nobody else reads is then not kept
     # fresh, so an idle node writes nothing.
@@ -284,6 +311,20 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def db_now(self) -> float:
         """The database clock, epoch seconds."""
+
+    # outages (ironflow/store/outage.py) ---------------------------------------
+
+    @abc.abstractmethod
+    async def probe(self, *, write: bool) -> None:
+        """Reach the database; ``write``: prove it can also grow and commit.
+        Raises StoreUnavailable (or StorageFull) if it cannot."""
+
+    @abc.abstractmethod
+    async def give_back_blind_time(self, node_id: str, blind_s: float) -> int:
+        """Push out by ``blind_s`` the expiry of the leases, reservations and
+        worker sessions of ``node_id`` that were live ``blind_s`` ago (the node
+        could not reach the database that long: nobody could heartbeat them).
+        Audited; returns how many leases it extended."""
 
     # nodes ----------------------------------------------------------------
 

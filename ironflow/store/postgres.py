@@ -60,7 +60,10 @@ import trio
 from psycopg import pq
 from psycopg.adapt import Transformer
 
+from ironflow.config import redact_url
 from ironflow.store import chain
+from ironflow.store.availability import Availability, settle, translated
+from ironflow.store.base import StorageFull, StoreReadOnly, StoreUnavailable
 from ironflow.store.chain import chained
 from ironflow.store.core import Tx
 from ironflow.store.handback import hand_back
@@ -123,6 +126,48 @@ LISTEN_READY_POLL_S = 0.01
 _RETRYABLE = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
 
 _PENDING, _TAKEN, _WITHDRAWN = 0, 1, 2
+
+# SQLSTATE classes that mean the server is unreachable or cannot serve now,
+# not that the statement was wrong: connection exception (08), insufficient
+# resources (53: disk full, out of memory, too many connections), operator
+# intervention (57: shutting down, starting up, in recovery), system error (58).
+_OUTAGE_CLASSES = ("08", "53", "57", "58")
+# ...except a statement cancelled on purpose (57014: statement_timeout, cancel).
+_NOT_OUTAGES = ("57014",)
+# Seconds a connection attempt may take (unless the URL sets connect_timeout):
+# a partitioned server then fails a call within the API's 5 s instead of
+# hanging it for the operating system's TCP timeout.
+CONNECT_TIMEOUT_S = 3
+
+
+def _unavailable(exc: BaseException) -> StoreUnavailable | None:
+    """The outage ``exc`` (a psycopg error) means, or None for any other error."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, psycopg.errors.DiskFull):
+        return StorageFull(f"PostgreSQL storage full: {first}")
+    if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+        return StoreUnavailable(
+            f"PostgreSQL is read-only (a standby, or a primary being demoted): {first}"
+        )
+    if isinstance(exc, psycopg.InterfaceError):
+        return StoreUnavailable(f"PostgreSQL connection lost: {first}")
+    if isinstance(exc, psycopg.OperationalError):
+        state = exc.sqlstate
+        if state is None or (state[:2] in _OUTAGE_CLASSES and state not in _NOT_OUTAGES):
+            return StoreUnavailable(f"PostgreSQL unavailable: {first}")
+    if type(exc) is psycopg.DatabaseError and exc.sqlstate is None:
+        # libpq's own failure with no server answer ("server closed the
+        # connection unexpectedly" from a statement on a dead connection).
+        return StoreUnavailable(f"PostgreSQL unavailable: {first}")
+    return None
+
+
+def _connect(url: str) -> psycopg.Connection[Any]:
+    """An autocommit connection to ``url`` (any libpq URL, multi-host included)."""
+    extra: dict[str, Any] = {}
+    if "connect_timeout" not in url:
+        extra["connect_timeout"] = CONNECT_TIMEOUT_S
+    return psycopg.connect(url, autocommit=True, **extra)
 
 
 def _numbered(sql: str) -> bytes:
@@ -296,11 +341,15 @@ class _Actor:
     def __init__(self, store: PostgresStore, name: str) -> None:
         self._store = store
         self._conn: psycopg.Connection[Any] | None = None
+        # The store's connection-loss count when this connection was opened: a
+        # loss seen by another actor means this one is probably dead too.
+        self._losses = 0
         self._prepared: dict[Any, bytes] = {}
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     def _connect(self) -> psycopg.Connection[Any]:
-        conn = psycopg.connect(self._store.url, autocommit=True)
+        self._losses = self._store.connection_losses
+        conn = _connect(self._store.url)
         conn.prepared_max = PREPARED_MAX
         self._prepared = {}  # statements are prepared per connection
         return conn
@@ -323,6 +372,11 @@ class _Actor:
         """Commit ``batch`` as one transaction; deliver outcomes; return calls to retry."""
         retry: list[_Request] = []
         try:
+            if self._conn is not None and self._losses != self._store.connection_losses:
+                # Another actor lost its connection since this one was opened
+                # (a server restart, a failover): open a fresh one rather than
+                # fail a group on a connection the server already dropped.
+                self._discard_connection(lost=False)
             if self._conn is None or self._conn.closed:
                 self._conn = self._connect()
             tx = _PgTx(self._conn, self._prepared)
@@ -337,7 +391,9 @@ class _Actor:
                   if result is not None)
         return retry
 
-    def _discard_connection(self) -> None:
+    def _discard_connection(self, *, lost: bool = True) -> None:
+        if lost and self._conn is not None:
+            self._store.connection_losses += 1  # one writer at a time matters little: a hint
         conn, self._conn = self._conn, None
         if conn is not None:
             try:
@@ -433,6 +489,23 @@ def _id_payloads(run_ids: list[str]) -> list[str]:
     return payloads
 
 
+def _refuse_read_only(conn: psycopg.Connection[Any], url: str) -> None:
+    """Raise StoreReadOnly if ``conn`` reached a server that only reads."""
+    row = conn.execute(
+        "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')"
+    ).fetchone()
+    if row is None:
+        return
+    in_recovery, read_only = bool(row[0]), row[1] == "on"
+    if in_recovery or read_only:
+        why = "a standby in recovery" if in_recovery else "default_transaction_read_only is on"
+        raise StoreReadOnly(
+            f"the database at {redact_url(url)} is read-only ({why}): a node must write;"
+            " point --db at the primary, or list every host in the URL with"
+            " target_session_attrs=read-write"
+        )
+
+
 class PostgresStore(SqlStore):
     """Engine state in PostgreSQL at ``url`` (``postgresql://…``).
 
@@ -451,6 +524,9 @@ class PostgresStore(SqlStore):
         # Taking a request (actor) and withdrawing it (cancelled caller) are decided under it.
         self._state_lock = threading.Lock()
         self._actors: list[_Actor] = []
+        self.availability = Availability()
+        # Connections the actors lost (see _Actor._run_group).
+        self.connection_losses = 0
 
     # lifecycle --------------------------------------------------------------------
 
@@ -477,7 +553,8 @@ class PostgresStore(SqlStore):
         want = fingerprint("postgres")
         for attempt in range(1, SCHEMA_ATTEMPTS + 1):
             try:
-                with psycopg.connect(self.url, autocommit=True) as conn:
+                with _connect(self.url) as conn:
+                    _refuse_read_only(conn, self.url)
                     with conn.transaction(), conn.cursor() as cur:
                         # Two nodes starting together must not race on CREATE … IF NOT EXISTS.
                         cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
@@ -504,6 +581,26 @@ class PostgresStore(SqlStore):
                 if attempt == SCHEMA_ATTEMPTS:
                     raise
                 time.sleep(SCHEMA_RETRY_S * attempt)
+
+    async def probe(self, *, write: bool) -> None:
+        """As every backend's, and a server that only reads is down: after a
+        failover, the URL may reach the old primary come back as a standby."""
+        if write:
+            def check(tx: Tx) -> None:
+                row = tx.fetchone(
+                    "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')"
+                )
+                if row is not None and (row[0] or row[1] == "on"):
+                    raise StoreUnavailable(
+                        "PostgreSQL is read-only (in recovery or default_transaction_read_only)"
+                    )
+
+            try:
+                await self._transact(check)
+            except StoreUnavailable as exc:
+                self.availability.went_down(exc.code, str(exc))
+                raise
+        await super().probe(write=write)
 
     @staticmethod
     def _schema_fingerprint(cur: psycopg.Cursor[Any]) -> str | None:
@@ -560,7 +657,7 @@ class PostgresStore(SqlStore):
         token = trio.lowlevel.current_trio_token()
 
         def listen() -> None:
-            with psycopg.connect(self.url, autocommit=True) as conn:
+            with _connect(self.url) as conn:
                 conn.execute(f"LISTEN {KICK_CHANNEL}")
                 conn.execute(f"LISTEN {RUN_END_CHANNEL}")
                 listening.set()
@@ -575,7 +672,15 @@ class PostgresStore(SqlStore):
 
             async def listener() -> None:
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(listen)
+                    result = await outcome.acapture(trio.to_thread.run_sync, listen)
+                if isinstance(result, outcome.Error):
+                    # Raised as an outage (the supervisor waits rather than
+                    # counting a crash) but not marked as one: this one long
+                    # connection can die alone; the store monitor judges.
+                    gone = _unavailable(result.error)
+                    if gone is not None:
+                        raise gone from result.error
+                result.unwrap()
 
             nursery.start_soon(listener)
             # The thread only ends once told to: tell it on every way out,
@@ -648,7 +753,7 @@ class PostgresStore(SqlStore):
         self._requests.put([_Request(work, token, deliver_at(i), chain) for i, work in enumerate(works)])
         with trio.CancelScope(shield=True):
             await done.wait()
-        return [box[i] for i in range(len(works))]
+        return translated(self.availability, [box[i] for i in range(len(works))], _unavailable)
 
     async def _transact(self, work: Callable[[Tx], T]) -> T:
         pending = chained(work)
@@ -678,4 +783,4 @@ class PostgresStore(SqlStore):
             # must reach the caller (the cancellation comes at the next checkpoint).
             with trio.CancelScope(shield=True):
                 await done.wait()
-        return box[0].unwrap()
+        return settle(self.availability, box[0], _unavailable)

@@ -190,6 +190,13 @@ CREATE TABLE IF NOT EXISTS audit_log (
 CREATE INDEX IF NOT EXISTS audit_run ON audit_log (run_id, at);
 CREATE INDEX IF NOT EXISTS audit_type ON audit_log (type, at);
 
+-- One row at most, inserted and deleted in one transaction by the outage
+-- probe (ironflow/store/outage.py): proves the database can grow again.
+CREATE TABLE IF NOT EXISTS store_probe (
+    id   INTEGER PRIMARY KEY,
+    pad  TEXT NOT NULL
+);
+
 CREATE TABLE IF NOT EXISTS api_keys (
     id          TEXT PRIMARY KEY,
     kind        TEXT NOT NULL,

@@ -19,11 +19,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import outcome
 import trio
 
+from ironflow.store.availability import Availability, settle
+from ironflow.store.base import StorageFull, StoreUnavailable
 from ironflow.store.core import Tx
 from ironflow.store.handback import hand_back
 from ironflow.store.schema import added_columns, backfill_statements, statements
@@ -43,6 +46,36 @@ MAX_GROUP = 256
 # readers see the last commit without blocking it; more than a few would only
 # contend for the GIL.
 READERS = 4
+
+
+# SQLite's primary result codes (the low byte of ``sqlite_errorcode``) that
+# mean the file cannot be used now, not that the statement was wrong: each
+# becomes StoreUnavailable, so the node waits the outage out.
+_SQLITE_FULL = 13
+_SQLITE_OUTAGES = {
+    5: "the database file is locked by another process",  # SQLITE_BUSY, past busy_timeout
+    8: "the database file or its directory is read-only",  # SQLITE_READONLY
+    10: "the disk failed an I/O operation",  # SQLITE_IOERR
+    14: "the database file cannot be opened",  # SQLITE_CANTOPEN
+    15: "the database file's lock protocol failed",  # SQLITE_PROTOCOL
+}
+
+
+def _unavailable(exc: BaseException) -> StoreUnavailable | None:
+    """The outage ``exc`` (a sqlite3 error) means, or None for any other error."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if not isinstance(exc, sqlite3.Error) or code is None:
+        return None
+    primary = code & 0xFF
+    if primary == _SQLITE_FULL:
+        return StorageFull(
+            f"SQLite storage full: {exc} (free space on the state directory's file system;"
+            " the node resumes by itself)"
+        )
+    why = _SQLITE_OUTAGES.get(primary)
+    if why is None:
+        return None
+    return StoreUnavailable(f"SQLite unavailable: {why} ({exc})")
 
 
 class _SqliteTx:
@@ -157,6 +190,7 @@ class SqliteStore(SqlStore):
         self._inline_conn: sqlite3.Connection | None = None
         self._readers: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._reader_slots = trio.CapacityLimiter(READERS)
+        self.availability = Availability()
 
     def _db_clock(self) -> float:
         return self._clock() + self._skew
@@ -368,9 +402,10 @@ class SqliteStore(SqlStore):
             return await self._transact(work)  # virtual-time tests: one connection
         if self._thread is None:
             raise RuntimeError("SqliteStore is not open")
-        return await trio.to_thread.run_sync(
-            self._read_in_thread, work, limiter=self._reader_slots
+        result = await outcome.acapture(
+            partial(trio.to_thread.run_sync, self._read_in_thread, work, limiter=self._reader_slots)
         )
+        return settle(self.availability, result, _unavailable)
 
     # the Trio side ----------------------------------------------------------------
 
@@ -383,7 +418,7 @@ class SqliteStore(SqlStore):
                 [(work, _Inline, inline_box.append)],
             )
             await trio.lowlevel.checkpoint()
-            return inline_box[0].unwrap()
+            return settle(self.availability, inline_box[0], _unavailable)
         if self._thread is None:
             raise RuntimeError("SqliteStore is not open")
         done = trio.Event()
@@ -398,4 +433,4 @@ class SqliteStore(SqlStore):
         # reach the caller (cancellation is delivered at the next checkpoint).
         with trio.CancelScope(shield=True):
             await done.wait()
-        return box[0].unwrap()
+        return settle(self.availability, box[0], _unavailable)
