@@ -1,7 +1,8 @@
 """The engine node: builds the nursery tree of actors and serves the API.
 
-``ironflow serve [--dev]`` (``python -m ironflow serve``; see
-``ironflow/cli/serve.py``) runs :func:`serve` under ``trio.run`` once::
+``python -m ironflow.node [--dev]`` — the same command as ``ironflow serve``
+and ``python -m ironflow serve``, with the same flags (``ironflow/cli/serve.py``
+parses them) — runs :func:`serve` under ``trio.run`` once::
 
     node nursery
     ├── api                 hypercorn + quart-trio (session actor per websocket),
@@ -269,3 +270,18 @@ async def serve(config: NodeConfig) -> None:
             await node.run()
             nursery.cancel_scope.cancel()
 
+
+def main() -> None:
+    """``python -m ironflow.node``: exactly ``ironflow serve`` (flags, ``--help``, exit codes).
+
+    The command line lives in ``ironflow/cli/serve.py``, imported here only
+    when this module runs as the program (the CLI is otherwise a leaf).
+    """
+    from ironflow.cli import CONTEXT_SETTINGS
+    from ironflow.cli.serve import serve as serve_command
+
+    serve_command.main(prog_name="python -m ironflow.node", **CONTEXT_SETTINGS)
+
+
+if __name__ == "__main__":
+    main()
