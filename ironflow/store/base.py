@@ -280,7 +280,7 @@ class Store(abc.ABC):
     # one call (:meth:`activate_leases`: PostgreSQL, where each call is
     # round trips through a database thread) than as concurrent calls of their
     # own (SQLite, whose writer groups concurrent calls anyway: there a
-    # group only serialised a session's acks, measured in the README).
+    # group only serialised a session's acks, measured in docs/benchmarks.md).
     group_acks: bool = False
 
     async def in_order(

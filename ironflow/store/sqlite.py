@@ -251,7 +251,7 @@ class SqliteStore(SqlStore):
         def work(tx: Tx) -> int:
             mode = tx.fetchone("PRAGMA auto_vacuum")
             if mode is None or mode[0] != AUTO_VACUUM_INCREMENTAL:
-                return 0  # a file created without it: see the README's retention section
+                return 0  # a file created without it: see docs/operations.md, History retention
             row = tx.fetchone("PRAGMA freelist_count")
             pages = min(int(row[0]) if row else 0, max_pages)
             # Each step of incremental_vacuum frees one page, and Python's
@@ -279,7 +279,7 @@ class SqliteStore(SqlStore):
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         if self._auto_vacuum:
             # Only takes effect on a file that has no tables yet, so it must
-            # come before the DDL; an older file keeps auto_vacuum off (README).
+            # come before the DDL; an older file keeps auto_vacuum off (docs/operations.md).
             conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
