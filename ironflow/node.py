@@ -58,12 +58,16 @@ from ironflow import hypercorn_patch, logs, metrics
 from ironflow.api import ApiDeps, HotRoutes, create_app
 from ironflow.config import NodeConfig, redact_url
 from ironflow.ids import new_id
-from ironflow.store import Store, open_store
+from ironflow.store import Store, StoreReadOnly, StoreUnavailable, open_store
 
 log = logging.getLogger("ironflow.node")
 
 # Kicks coalesce; this only bounds how many can be pending at once.
 KICK_BUFFER = 1024
+
+
+class StartRefused(Exception):
+    """The node will not start: its database is read-only or cannot be reached."""
 
 
 class Node:
@@ -117,7 +121,10 @@ class Node:
     async def run(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
         """Open the store, start every actor and the API, serve until stopped."""
         config = self.config
-        await self.store.open()
+        try:
+            await self.store.open()
+        except (StoreReadOnly, StoreUnavailable) as exc:
+            raise StartRefused(f"cannot start on {redact_url(config.database_url)}: {exc}") from exc
         try:
             if config.dev:
                 await self._bootstrap_key()

@@ -15,13 +15,15 @@ request or could not be reached; 2 bad usage (unknown flag, malformed
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from ironflow.cli import audit, capacity, emit, functions, keys, runs, serve
 from ironflow.cli.options import api_key_option, server_option
 
 # Shared with ``python -m ironflow.node`` (``ironflow/node.py``), so its help is this one's.
-CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
 @click.group(context_settings=CONTEXT_SETTINGS)

@@ -533,7 +533,13 @@ class PostgresStore(SqlStore):
     async def open(self) -> None:
         if self._actors:
             return
-        await trio.to_thread.run_sync(self._create_schema)
+        try:
+            await trio.to_thread.run_sync(self._create_schema)
+        except psycopg.Error as exc:
+            gone = _unavailable(exc)
+            if gone is None:
+                raise
+            raise gone from exc
         self._actors = [
             _Actor(self, f"ironflow-pg-actor-{i}") for i in range(max(1, self._connections))
         ]
