@@ -797,9 +797,3 @@ class Store(abc.ABC):
         """Until cancelled, call ``on_kick`` whenever ANOTHER node (or this one)
         committed work that became claimable (PostgreSQL ``LISTEN/NOTIFY``; a
         no-op on SQLite, which has one node)."""
-
-    # tests -------------------------------------------------------------------------
-
-    @abc.abstractmethod
-    async def advance_clock(self, seconds: float) -> None:
-        """Move this store's view of the database clock forward (tests only)."""

@@ -72,7 +72,6 @@ from ironflow.store.schema import (
     added_columns,
     backfill_statements,
     fingerprint,
-    pg_now_function,
     statements,
 )
 from ironflow.store.sql import SqlStore
@@ -572,11 +571,6 @@ class PostgresStore(SqlStore):
                             cur.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {kind}")
                         for stmt in backfill_statements("postgres"):
                             cur.execute(stmt)
-                        # The function was (re)created with no skew: keep a test's advanced clock.
-                        cur.execute("SELECT skew FROM clock_skew WHERE id = 1")
-                        skew = cur.fetchone()
-                        if skew and skew[0]:
-                            cur.execute(pg_now_function(float(skew[0])))
                         cur.execute(
                             "INSERT INTO schema_state (id, fingerprint) VALUES (1, %s)"
                             " ON CONFLICT (id) DO UPDATE SET fingerprint = excluded.fingerprint",
@@ -638,15 +632,6 @@ class PostgresStore(SqlStore):
         not shrink the files; ``VACUUM FULL`` would, under an exclusive lock)."""
         await trio.lowlevel.checkpoint()
         return 0
-
-    async def advance_clock(self, seconds: float) -> None:
-        def work(tx: Tx) -> None:
-            row = tx.fetchone("UPDATE clock_skew SET skew = skew + ? WHERE id = 1 RETURNING skew",
-                              (float(seconds),))
-            assert row is not None
-            tx.execute(pg_now_function(float(row[0])))
-
-        await self._transact(work)
 
     async def watch_kicks(
         self,

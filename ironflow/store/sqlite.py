@@ -183,7 +183,6 @@ class SqliteStore(SqlStore):
         # A `:memory:` store lives in a temp file of ours: deleted on close.
         self._temporary = self.path in _TEMPORARY_FILES
         self._clock = now or time.time
-        self._skew = 0.0
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._inline = inline
@@ -193,7 +192,7 @@ class SqliteStore(SqlStore):
         self.availability = Availability()
 
     def _db_clock(self) -> float:
-        return self._clock() + self._skew
+        return self._clock()
 
     # lifecycle --------------------------------------------------------------------
 
@@ -243,9 +242,6 @@ class SqliteStore(SqlStore):
             for suffix in ("", "-wal", "-shm"):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path + suffix)
-
-    async def advance_clock(self, seconds: float) -> None:
-        self._skew += seconds
 
     async def reclaim_space(self, max_pages: int) -> int:
         def work(tx: Tx) -> int:
