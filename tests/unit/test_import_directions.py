@@ -1,4 +1,4 @@
-"""Which way imports point (``CONVENTIONS.md``), checked on the source.
+"""Which way imports point (the layering rules of docs/design.md), checked on the source.
 
 Every module of ``ironflow/`` and ``actors/`` is parsed and each import,
 wherever it sits (module level, inside a function, under ``TYPE_CHECKING``),
