@@ -1,6 +1,6 @@
 """What the streaming and the pull worker share: their settings, job table, drain, stop, signals.
 
-Seed (docs/seeds/graceful-drain.txt): SIGTERM/SIGINT or ``drain()`` puts the worker in
+Seed (graceful-drain.txt): SIGTERM/SIGINT or ``drain()`` puts the worker in
 draining at once; running jobs get until the deadline; a second signal stops
 at once; ``stop()`` stops at once. "The SDK already handles SIGINT and
 SIGTERM. It drains all running workers in the process, then exits."
