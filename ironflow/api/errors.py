@@ -37,6 +37,8 @@ STATUS_FOR_CODE = {
     # An outage of the database (ironflow/store/availability.py): try again.
     "STORE_UNAVAILABLE": 503,
     "STORAGE_FULL": 507,
+    # The database connection broke while committing: retry with an idempotency key.
+    "COMMIT_OUTCOME_UNKNOWN": 503,
 }
 # Seconds an outage answer tells the caller to wait (Retry-After): about the
 # store monitor's probe interval, so a retry lands soon after the store is back.

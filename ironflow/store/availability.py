@@ -112,12 +112,27 @@ def settle(
     """``result``'s value, or its error — as :class:`StoreUnavailable` (and the
     store marked down) when ``classify`` says the error is an outage."""
     if isinstance(result, outcome.Error):
-        gone = classify(result.error)
+        error = result.error
+        gone = _outage(error, classify)
         if gone is not None:
             availability.went_down(gone.code, str(gone))
-            raise gone from result.error
+            if gone is error:
+                return result.unwrap()  # raised as it is, traceback kept
+            raise gone from error
     availability.reached()
     return result.unwrap()
+
+
+def _outage(
+    error: BaseException, classify: Callable[[BaseException], StoreUnavailable | None]
+) -> StoreUnavailable | None:
+    """``error`` as an outage: itself if the store already raised one (e.g.
+    CommitOutcomeUnknown), else what ``classify`` makes of a driver error."""
+    from ironflow.store.base import StoreUnavailable
+
+    if isinstance(error, StoreUnavailable):
+        return error
+    return classify(error)
 
 
 def translated(
@@ -129,9 +144,10 @@ def translated(
     out: list[outcome.Outcome[Any]] = []
     for result in results:
         error = result.error if isinstance(result, outcome.Error) else None
-        gone = classify(error) if error is not None else None
+        gone = _outage(error, classify) if error is not None else None
         if gone is not None:
-            gone.__cause__ = error
+            if gone is not error:
+                gone.__cause__ = error
             availability.went_down(gone.code, str(gone))
             out.append(outcome.Error(gone))
         else:

@@ -95,6 +95,15 @@ class StoreUnavailable(StoreError):
     code = "STORE_UNAVAILABLE"
 
 
+class CommitOutcomeUnknown(StoreUnavailable):
+    """The connection failed while the transaction committed: it may have
+    committed or not. Never retried as if it had not (a write without an
+    idempotency key would be written twice). An outage like any other for
+    the node's availability (the connection broke), but its own code."""
+
+    code = "COMMIT_OUTCOME_UNKNOWN"
+
+
 class StorageFull(StoreUnavailable):
     """The database's disk (or its configured size limit) is full."""
 

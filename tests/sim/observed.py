@@ -56,7 +56,7 @@ class OutcomesByTask(SqliteStore):
         self.transactions = 0  # a clock that orders every transaction
         self.numbers: dict[Any, int] = {}  # task → the number of its last transaction
 
-    async def _transact(self, work: Callable[[Tx], Any]) -> Any:
+    async def _transact(self, work: Callable[[Tx], Any], *locks: Any) -> Any:
         task = trio.lowlevel.current_task()
 
         def observed(tx: Tx) -> Any:
@@ -69,7 +69,7 @@ class OutcomesByTask(SqliteStore):
                 probe(tx)
             return result.unwrap()
 
-        return await super()._transact(observed)
+        return await super()._transact(observed, *locks)
 
     def last_transaction(self) -> int:
         return self.numbers.get(trio.lowlevel.current_task(), self.transactions)
