@@ -27,7 +27,7 @@ import trio
 from actors.directory import LocalSession, SessionDirectory
 from actors.grouped import Grouped
 from actors.messages import Kick, kick
-from ironflow import logs, metrics
+from ironflow import logs, metrics, tracing
 from ironflow.config import Limits, NodeConfig
 from ironflow.protocol import (
     EngineMessage,
@@ -304,8 +304,11 @@ class _Lanes:
         session_id: str,
         outbox: trio.MemorySendChannel[EngineMessage],
         kicks: trio.MemorySendChannel[Kick],
+        traceparents: dict[str, str] | None = None,
     ) -> None:
         self._nursery = nursery
+        # Traced runs assigned to this session (LocalSession.traceparents).
+        self._traceparents = traceparents if traceparents is not None else {}
         self._store = store
         self._config = config
         self._session_id = session_id
@@ -388,6 +391,21 @@ class _Lanes:
         await self._steps((fence, steps))
 
     async def _handle_unit(self, unit: list[WorkerMessage], *, grouped: bool = False) -> None:
+        """:meth:`_apply_unit`, in an ``ironflow.commit`` span when its run is traced."""
+        run_id: str | None = getattr(unit[0], "run_id", None)
+        traceparent = self._traceparents.get(run_id) if run_id is not None else None
+        if run_id is None or traceparent is None:
+            await self._apply_unit(unit, grouped=grouped)
+            return
+        kinds = ",".join(sorted({type(m).__name__ for m in unit}))
+        with tracing.span(
+            "ironflow.commit", traceparent, {"ironflow.run_id": run_id, "ironflow.messages": kinds}
+        ):
+            await self._apply_unit(unit, grouped=grouped)
+        if isinstance(unit[-1], JobCompleted | JobFailed | JobYielded | JobNack):
+            self._traceparents.pop(run_id, None)  # its next segment is assigned afresh
+
+    async def _apply_unit(self, unit: list[WorkerMessage], *, grouped: bool = False) -> None:
         """Apply one unit; ``grouped``: an ack, a segment's step results, or a
         job's result (with the step results sent just before it) goes to its
         kind's group with other runs' (not when chained with more of its
@@ -510,7 +528,7 @@ async def run(
     try:
         violation: ProtocolViolation | None = None
         async with trio.open_nursery() as nursery:
-            lanes = _Lanes(nursery, store, config, session_id, outbox, kicks)
+            lanes = _Lanes(nursery, store, config, session_id, outbox, kicks, local.traceparents)
             while True:
                 try:
                     msg = await inbound.receive()

@@ -85,7 +85,8 @@ class HotRoutes:
         try:
             await require_org(_Headers(headers), self.st)
             raw = await self._body(receive)
-            answer, status = await events.ingest_one(self.st, raw)
+            traceparent = _Headers(headers).get("traceparent") or None
+            answer, status = await events.ingest_one(self.st, raw, traceparent)
             return status, encoder.encode(answer), []
         except ApiFailure as exc:
             return exc.status, encoder.encode(ApiError(exc.code, exc.message)), []

@@ -321,6 +321,17 @@ class Store(abc.ABC):
     async def db_now(self) -> float:
         """The database clock, epoch seconds."""
 
+    @abc.abstractmethod
+    async def ingest_traced_events(
+        self,
+        events: list[tuple[str, Any, str | None, str | None]],
+        *,
+        idempotency_window_s: float,
+    ) -> list[IngestResult]:
+        """:meth:`ingest_events` of ``(name, data, idempotency_key, traceparent)``:
+        each new event also records its W3C ``traceparent`` (None: none), which
+        every assignment of its runs carries (ironflow/store/traces.py)."""
+
     # outages (ironflow/store/outage.py) ---------------------------------------
 
     @abc.abstractmethod

@@ -268,6 +268,8 @@ _ADDED_COLUMNS = [
     # judges against the snapshot of its segment's activation.
     ("events", "xid", "BIGINT"),
     ("concurrency_leases", "began_snapshot", "TEXT"),
+    # The W3C traceparent its runs' spans descend from (ironflow/store/traces.py).
+    ("events", "traceparent", "TEXT"),
 ]
 
 # Fills the trigger index from stored definitions, for a database whose

@@ -9,6 +9,7 @@ from one module per concern so each seed mechanism reads on its own:
 - ``dispatch``: reservations and assignments;
 - ``ingest``: events, runs, invocations, cancellation;
 - ``sessions``: worker registration, functions, pull-session ownership;
+- ``traces``: events ingested with a trace's ``traceparent``;
 - ``outage``: the probe and the blind time given back after an outage;
 - ``reads``, ``event_reads`` (events, re-runs), ``gauges`` (for /metrics), ``stats`` (the dashboard's counts), ``history``
   (retention), ``keys``.
@@ -29,10 +30,11 @@ from ironflow.store.outage import OutageOps
 from ironflow.store.reads import ReadOps
 from ironflow.store.sessions import SessionOps
 from ironflow.store.stats import StatsOps
+from ironflow.store.traces import TraceOps
 
 
 class SqlStore(
-    SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
+    TraceOps, SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
     EventReadOps, GaugeOps, StatsOps, OutageOps,
 ):
     """Every Store method, written once. Backends supply ``_transact`` and lifecycle."""
