@@ -16,7 +16,12 @@ lease that had already expired stays expired.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 from ironflow.store.core import SqlStoreBase, Tx
+
+T = TypeVar("T")
 
 # Bytes the write probe inserts (and deletes in the same transaction): more
 # than a page, so a database that cannot grow (full disk, ``max_page_count``)
@@ -27,6 +32,12 @@ PROBE_BYTES = 8192
 class OutageOps(SqlStoreBase):
     """``probe`` and ``give_back_blind_time`` (see the module docstring)."""
 
+    async def _outage_transact(self, work: Callable[[Tx], T]) -> T:
+        """The transaction of a write probe or of the give-back: the store's own
+        by default; PostgreSQL runs it on a connection of its own, so that it
+        is not queued behind the groups of a recovering node's backlog."""
+        return await self._outage_transact(work)
+
     async def probe(self, *, write: bool) -> None:
         def work(tx: Tx) -> None:
             if not write:
@@ -35,7 +46,10 @@ class OutageOps(SqlStoreBase):
             tx.execute("INSERT INTO store_probe (id, pad) VALUES (1, ?)", ("x" * PROBE_BYTES,))
             tx.execute("DELETE FROM store_probe WHERE id = 1")
 
-        await self._transact(work)
+        if write:
+            await self._outage_transact(work)
+        else:
+            await self._transact(work)
 
     async def give_back_blind_time(self, node_id: str, blind_s: float) -> int:
         def work(tx: Tx) -> int:

@@ -52,6 +52,7 @@ import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import outcome
@@ -697,25 +698,32 @@ class PostgresStore(SqlStore):
                     raise
                 time.sleep(SCHEMA_RETRY_S * attempt)
 
-    async def probe(self, *, write: bool) -> None:
-        """As every backend's, and a server that only reads is down: after a
-        failover, the URL may reach the old primary come back as a standby."""
-        if write:
-            def check(tx: Tx) -> None:
-                row = tx.fetchone(
+    async def _outage_transact(self, work: Callable[[Tx], T]) -> T:
+        """``work`` in one transaction on a fresh connection of its own (not
+        queued behind the actors' groups: a recovering node's backlog must not
+        delay the probe that ends its outage). A server that only reads counts
+        as down: after a failover the URL may reach the old primary come back
+        as a standby."""
+
+        def run() -> T:
+            with _connect(self.url) as conn:
+                row = conn.execute(
                     "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')"
-                )
+                ).fetchone()
                 if row is not None and (row[0] or row[1] == "on"):
                     raise StoreUnavailable(
                         "PostgreSQL is read-only (in recovery or default_transaction_read_only)"
                     )
+                tx = _PgTx(conn, {})
+                tx.raw("BEGIN")
+                value = work(tx)
+                tx.raw("COMMIT")
+                return value
 
-            try:
-                await self._transact(check)
-            except StoreUnavailable as exc:
-                self.availability.went_down(exc.code, str(exc))
-                raise
-        await super().probe(write=write)
+        # Abandoned on cancel (the monitor's probe timeout): connect_timeout
+        # bounds the thread, and its connection is its own.
+        result = await outcome.acapture(partial(trio.to_thread.run_sync, run, abandon_on_cancel=True))
+        return settle(self.availability, result, _unavailable)
 
     @staticmethod
     def _schema_fingerprint(cur: psycopg.Cursor[Any]) -> str | None:
