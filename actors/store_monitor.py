@@ -56,6 +56,17 @@ async def run(
     """Watch the store until cancelled (see the module docstring)."""
     availability = store.availability
     period = config.timings.store_probe_s
+    availability.monitored = True
+    try:
+        await _watch(store, node_id, period, task_status)
+    finally:
+        availability.monitored = False
+
+
+async def _watch(
+    store: Store, node_id: str, period: float, task_status: trio.TaskStatus[None]
+) -> None:
+    availability = store.availability
     task_status.started()
     while True:
         metrics.STORE_AVAILABLE.set(1 if availability.up else 0)

@@ -58,8 +58,22 @@ class Availability:
         # last_ok when the store went down: the blind time runs from there
         # (the monitor's own probe reaches the database before it is up).
         self._blind_since = 0.0
+        # Set while a store monitor runs (actors/store_monitor.py): only then
+        # does a call fail fast during an outage (someone will notice its
+        # end); a store used without one keeps trying the database.
+        self.monitored = False
         self._back = trio.Event()
         self._back.set()
+
+    def check(self) -> None:
+        """Raise the outage at once, without trying the database, while one
+        is known and monitored: a 503 then costs no connection attempt and no
+        thread hop (the monitor's probes find the end of it)."""
+        if self.up or not self.monitored:
+            return
+        from ironflow.store.base import StorageFull, StoreUnavailable
+
+        raise (StorageFull if self.code == StorageFull.code else StoreUnavailable)(self.cause)
 
     def reached(self) -> None:
         """A call reached the database (committed or got the database's own answer)."""

@@ -36,7 +36,7 @@ class OutageOps(SqlStoreBase):
         """The transaction of a write probe or of the give-back: the store's own
         by default; PostgreSQL runs it on a connection of its own, so that it
         is not queued behind the groups of a recovering node's backlog."""
-        return await self._outage_transact(work)
+        return await self._transact(work)
 
     async def probe(self, *, write: bool) -> None:
         def work(tx: Tx) -> None:
@@ -77,4 +77,4 @@ class OutageOps(SqlStoreBase):
             )
             return leases
 
-        return await self._transact(work)
+        return await self._outage_transact(work)

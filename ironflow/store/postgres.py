@@ -850,6 +850,7 @@ class PostgresStore(SqlStore):
     ) -> list[outcome.Outcome[Any]]:
         """``works`` as consecutive requests of one group, in order, each its own
         unit of work (see ``_Actor._careful`` for a retried one); their outcomes."""
+        self.availability.check()
         if not self._actors:
             raise RuntimeError("PostgresStore is not open")
         done = trio.Event()
@@ -874,6 +875,7 @@ class PostgresStore(SqlStore):
         return translated(self.availability, [box[i] for i in range(len(works))], _unavailable)
 
     async def _transact(self, work: Callable[[Tx], T], locks: Sequence[NamedLock] = ()) -> T:
+        self.availability.check()
         pending = chained(work, locks)
         if pending is not None:
             return await pending

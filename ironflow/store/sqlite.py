@@ -401,6 +401,7 @@ class SqliteStore(SqlStore):
             self._readers.put(conn)
 
     async def _read(self, work: Callable[[Tx], T]) -> T:
+        self.availability.check()
         if self._inline_conn is not None:
             return await self._transact(work)  # virtual-time tests: one connection
         if self._thread is None:
@@ -414,6 +415,16 @@ class SqliteStore(SqlStore):
 
     async def _transact(self, work: Callable[[Tx], T], locks: Sequence[NamedLock] = ()) -> T:
         # ``locks`` need nothing here: the single writer runs one transaction at a time.
+        self.availability.check()
+        return await self._write(work)
+
+    async def _outage_transact(self, work: Callable[[Tx], T]) -> T:
+        """The monitor's write probe and give-back: tried even while the
+        store is known down (that is what they are for)."""
+        return await self._write(work)
+
+    async def _write(self, work: Callable[[Tx], T]) -> T:
+        """``work`` in the writer's next group commit (or inline)."""
         if self._inline_conn is not None:
             inline_box: list[outcome.Outcome[T]] = []
             self._commit_group(
