@@ -1,4 +1,4 @@
-"""Loop 1 — the capacity scanner (seed: crash-recovery.txt).
+"""Loop 1 — the capacity scanner (seed: docs/seeds/crash-recovery.txt).
 
 Every ``scanner_interval`` — and also exactly at the earliest known expiry, so
 that no scan tick is added to recovery latency — it:

@@ -37,6 +37,9 @@ class LocalSession:
         # that does not is sent a job only at its start time.
         self.delayed_start = delayed_start
         self.draining = False
+        # run id → the traceparent of a traced run assigned here, for the
+        # session's commit spans (ironflow/tracing.py); dropped as it ends here.
+        self.traceparents: dict[str, str] = {}
 
 
 class SessionDirectory:

@@ -16,7 +16,7 @@ import trio
 
 from actors.directory import LocalSession, SessionDirectory
 from actors.messages import Kick
-from ironflow import logs, metrics
+from ironflow import logs, metrics, tracing
 from ironflow.config import NodeConfig
 from ironflow.protocol import TERMINAL_RUN_STATUSES, JobAssignment
 from ironflow.store import Reservation, RunNotFound, Store
@@ -69,6 +69,29 @@ async def _deliver_at_start(
         await _release(store, reservation)
 
 
+def _dispatch_span(
+    a: JobAssignment, session_id: str, started_ns: int, session: LocalSession | None
+) -> None:
+    """The ``ironflow.dispatch`` span of a traced run's segment: reserved → handed
+    to the session (ironflow/tracing.py); the session keeps the trace for its
+    commit spans."""
+    span = tracing.start_span(
+        "ironflow.dispatch",
+        a.event.traceparent,
+        {
+            "ironflow.run_id": a.run_id,
+            "ironflow.function_id": a.function_id,
+            "ironflow.execution_seq": a.execution_seq,
+            "ironflow.session_id": session_id,
+        },
+        kind=tracing.SpanKind.PRODUCER,
+        start_time=started_ns,
+    )
+    span.end()
+    if session is not None and a.event.traceparent is not None:
+        session.traceparents[a.run_id] = a.event.traceparent
+
+
 async def _dispatch_round(
     store: Store,
     config: NodeConfig,
@@ -86,6 +109,7 @@ async def _dispatch_round(
         offers = directory.offers()
         if not offers:
             return handed
+        reserving_ns = time.time_ns()
         reservations = await store.reserve_segments(
             node_id,
             offers,
@@ -107,6 +131,8 @@ async def _dispatch_round(
                 continue
             handed += 1
             metrics.ASSIGNMENTS.inc()
+            if assignment.event.traceparent is not None:
+                _dispatch_span(assignment, reservation.session_id, reserving_ns, session)
             if assignment.execution_seq == 1:  # a new run's first segment: emit → dispatch
                 metrics.EMIT_TO_DISPATCH.observe(max(time.time() - assignment.event.received_at, 0.0))
             if reservation.wake_lateness_s is not None:

@@ -27,7 +27,7 @@ import trio
 from actors.directory import LocalSession, SessionDirectory
 from actors.grouped import Grouped
 from actors.messages import Kick, kick
-from ironflow import logs, metrics
+from ironflow import logs, metrics, tracing
 from ironflow.config import Limits, NodeConfig
 from ironflow.protocol import (
     EngineMessage,
@@ -56,6 +56,7 @@ from ironflow.store import (
     StaleExecution,
     StepResult,
     Store,
+    StoreUnavailable,
 )
 
 log = logging.getLogger("ironflow.session")
@@ -303,8 +304,11 @@ class _Lanes:
         session_id: str,
         outbox: trio.MemorySendChannel[EngineMessage],
         kicks: trio.MemorySendChannel[Kick],
+        traceparents: dict[str, str] | None = None,
     ) -> None:
         self._nursery = nursery
+        # Traced runs assigned to this session (LocalSession.traceparents).
+        self._traceparents = traceparents if traceparents is not None else {}
         self._store = store
         self._config = config
         self._session_id = session_id
@@ -344,18 +348,14 @@ class _Lanes:
                 msgs = [queue.popleft() for _ in range(min(len(queue), CHAIN_MAX))]
                 try:
                     units = _units(msgs)
-                    if len(units) == 1:
-                        await self._handle_unit(units[0], grouped=True)
-                    elif len(units) == 2 and _last_steps_and_result(units[0], units[1]):
-                        # A segment's last step results and its job's result,
-                        # sent together: one grouped completion.
-                        await self._handle_unit(units[0] + units[1], grouped=True)
-                    else:
-                        outcomes = await self._store.in_order(
-                            [partial(self._handle_unit, unit) for unit in units]
-                        )
-                        for result in outcomes:
-                            result.unwrap()  # the first fatal error ends the session
+                    while units:
+                        try:
+                            units = await self._apply(units)
+                        except StoreUnavailable:
+                            # An outage: hold the frames (the socket stays
+                            # open; the lane's room stays taken, so a long one
+                            # stops the reader) and apply them once it is over.
+                            await self._store.availability.wait_up()
                 finally:
                     for _ in msgs:
                         self._room.release()
@@ -366,10 +366,46 @@ class _Lanes:
         finally:
             del self._queues[key]
 
+    async def _apply(self, units: list[list[WorkerMessage]]) -> list[list[WorkerMessage]]:
+        """Apply a run's units in order; return those left to apply (empty once
+        all were). Raises StoreUnavailable if none was applied for an outage."""
+        if len(units) == 1:
+            await self._handle_unit(units[0], grouped=True)
+            return []
+        if len(units) == 2 and _last_steps_and_result(units[0], units[1]):
+            # A segment's last step results and its job's result,
+            # sent together: one grouped completion.
+            await self._handle_unit(units[0] + units[1], grouped=True)
+            return []
+        outcomes = await self._store.in_order([partial(self._handle_unit, unit) for unit in units])
+        for done, result in enumerate(outcomes):
+            try:
+                result.unwrap()  # the first fatal error ends the session
+            except StoreUnavailable:
+                if done == 0:
+                    raise
+                return units[done:]  # the rest, in order, once the store is back
+        return []
+
     async def _record_steps(self, fence: Fence, steps: list[StepResult]) -> None:
         await self._steps((fence, steps))
 
     async def _handle_unit(self, unit: list[WorkerMessage], *, grouped: bool = False) -> None:
+        """:meth:`_apply_unit`, in an ``ironflow.commit`` span when its run is traced."""
+        run_id: str | None = getattr(unit[0], "run_id", None)
+        traceparent = self._traceparents.get(run_id) if run_id is not None else None
+        if run_id is None or traceparent is None:
+            await self._apply_unit(unit, grouped=grouped)
+            return
+        kinds = ",".join(sorted({type(m).__name__ for m in unit}))
+        with tracing.span(
+            "ironflow.commit", traceparent, {"ironflow.run_id": run_id, "ironflow.messages": kinds}
+        ):
+            await self._apply_unit(unit, grouped=grouped)
+        if isinstance(unit[-1], JobCompleted | JobFailed | JobYielded | JobNack):
+            self._traceparents.pop(run_id, None)  # its next segment is assigned afresh
+
+    async def _apply_unit(self, unit: list[WorkerMessage], *, grouped: bool = False) -> None:
         """Apply one unit; ``grouped``: an ack, a segment's step results, or a
         job's result (with the step results sent just before it) goes to its
         kind's group with other runs' (not when chained with more of its
@@ -492,7 +528,7 @@ async def run(
     try:
         violation: ProtocolViolation | None = None
         async with trio.open_nursery() as nursery:
-            lanes = _Lanes(nursery, store, config, session_id, outbox, kicks)
+            lanes = _Lanes(nursery, store, config, session_id, outbox, kicks, local.traceparents)
             while True:
                 try:
                     msg = await inbound.receive()
@@ -519,12 +555,22 @@ async def run(
         metrics.WORKERS_CONNECTED.dec()
         metrics.WORKER_DISCONNECTS.inc()
         with trio.CancelScope(shield=True):
-            recovered = await store.close_session(
-                session_id,
-                recover_leases=True,
-                recovery_grace_s=t.recovery_grace_s,
-                recovery_ceiling=int(t.recovery_ceiling),
-            )
+            try:
+                recovered = await store.close_session(
+                    session_id,
+                    recover_leases=True,
+                    recovery_grace_s=t.recovery_grace_s,
+                    recovery_ceiling=int(t.recovery_ceiling),
+                )
+            except StoreUnavailable as exc:
+                # Not waited out: the node may be stopping. The session and
+                # its leases expire by the database clock once it is back.
+                logs.event(
+                    log, logging.WARNING,
+                    "session: closed during a store outage, its leases expire instead",
+                    session_id=session_id, cause=str(exc),
+                )
+                recovered = []
             for seg in recovered:
                 metrics.RECOVERIES.labels(path="disconnect").inc()
                 if seg.exhausted:

@@ -1,4 +1,4 @@
-"""Loop 2 — the stale-claim sweeper (seed: crash-recovery.txt).
+"""Loop 2 — the stale-claim sweeper (seed: docs/seeds/crash-recovery.txt).
 
 Every ``stale_claim_interval`` it restores ``waking`` steps whose claim is
 older than ``stale_claim_threshold`` and whose run holds neither a lease nor a

@@ -5,6 +5,12 @@ the node: it is logged, counted, and the actor is started again after an
 exponential backoff. Because every actor keeps its state in the database (or
 in objects the node owns and passes in again), a restarted actor simply
 resumes its loop.
+
+An outage of the database is not a crash: an actor whose store call met one
+(:class:`~ironflow.store.StoreUnavailable`) waits until the store is back
+(the store monitor decides that, ``actors/store_monitor.py``) and then resumes
+its loop — not counted as a restart, not logged per actor (the store logs
+the outage once, and its end once).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import trio
 
 from ironflow import logs, metrics
 from ironflow.config import Timings
+from ironflow.store import Availability, StoreUnavailable
 
 log = logging.getLogger("ironflow.supervisor")
 
@@ -38,11 +45,18 @@ class _Child:
 
 
 class Supervisor:
-    """Owns the actors of one node. Create it inside the node's nursery."""
+    """Owns the actors of one node. Create it inside the node's nursery.
 
-    def __init__(self, nursery: trio.Nursery, timings: Timings) -> None:
+    ``availability``: the store's (see the module docstring); without it an
+    outage is a crash like any other.
+    """
+
+    def __init__(
+        self, nursery: trio.Nursery, timings: Timings, availability: Availability | None = None
+    ) -> None:
         self._nursery = nursery
         self._timings = timings
+        self._availability = availability
         self._children: dict[str, _Child] = {}
 
     @property
@@ -108,6 +122,15 @@ class Supervisor:
             finally:
                 child.scope = None
                 child.crash_requested = False
+            if self._availability is not None and _only_outages(error):
+                log.debug("actor %s waits for the store", child.name)
+                # The store may not be marked down (yet, or at all: a lone
+                # connection died): then wait one backoff, never spin.
+                if self._availability.up:
+                    await trio.sleep(self._timings.restart_backoff_s)
+                await self._availability.wait_up()
+                backoff = self._timings.restart_backoff_s
+                continue
             if trio.current_time() - started_at >= HEALTHY_RUN_S:
                 backoff = self._timings.restart_backoff_s
             child.restarts += 1
@@ -123,3 +146,13 @@ class Supervisor:
             )
             await trio.sleep(backoff)
             backoff = min(backoff * 2, self._timings.restart_backoff_max_s)
+
+
+def _only_outages(error: BaseException | None) -> bool:
+    """Whether ``error`` is a store outage (alone or every leaf of a group)."""
+    if isinstance(error, StoreUnavailable):
+        return True
+    if isinstance(error, BaseExceptionGroup):
+        _, rest = error.split(StoreUnavailable)
+        return rest is None
+    return False

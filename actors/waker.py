@@ -17,7 +17,6 @@ are never resolved ahead: an event or the child may still come.
 from __future__ import annotations
 
 import logging
-import os
 
 import trio
 
@@ -35,12 +34,6 @@ BATCH = 500
 # Wake this long after a claimable time: the claim is `wake_at <= now (+
 # look-ahead)` in SQL, and the database clock must have reached it.
 WAKE_SLACK_S = 0.005
-# Test-only fault switch: a node started with this set to 1 exits the process
-# (``os._exit``, no cleanup, like a crash) right after the waker's first claim
-# commits and before it resumes anything, leaving the claimed steps
-# ``waking``: what loop 2 exists to repair (tests/integration/test_wake_claims.py).
-FAULT_EXIT_AFTER_CLAIM_ENV = "IRONFLOW_TEST_FAULT_EXIT_AFTER_WAKE_CLAIM"
-FAULT_EXIT_CODE = 86
 
 
 async def run(
@@ -76,15 +69,10 @@ async def run(
     # Unregistered on the way out: the supervisor restarts a crashed waker on
     # the same store, and each restart would otherwise leave one more listener.
     unregister = store.on_wake_scheduled(on_wake_scheduled)
-    crash_after_claim = os.environ.get(FAULT_EXIT_AFTER_CLAIM_ENV) == "1"
     try:
         task_status.started()
         while True:
             claimed = await store.claim_elapsed_steps(node_id, BATCH, lookahead_s=lookahead)
-            if claimed and crash_after_claim:
-                logs.event(log, logging.CRITICAL, "waker: test fault: exiting between claim and resume",
-                           claimed=len(claimed))
-                os._exit(FAULT_EXIT_CODE)
             if claimed:
                 outcome = await store.resume_claimed_steps(node_id, claimed)
                 if outcome.resumed:

@@ -81,6 +81,11 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True):
     # cheap and batched, and a minute keeps the database within ~1 minute of
     # the retention without the janitor competing with live work.
     janitor_interval_s: float = 60.0
+    # The store monitor reads the database this often while it is up, and
+    # tries a write this often while it is down: /readyz turns 503 within
+    # about this of an outage and 200 within about this of the recovery
+    # (both well under a second; one read each time is nothing).
+    store_probe_s: float = 0.25
 
 
 # Timings where 0 means "off" rather than "unsafe".

@@ -27,6 +27,17 @@ RUNS_FINISHED = Counter(
 STEPS_RECORDED = Counter(
     "ironflow_steps_total", "Step results recorded", ["status"], registry=REGISTRY
 )
+STORE_AVAILABLE = Gauge(
+    "ironflow_store_available",
+    "1 while this node reaches its database, 0 during an outage (actors/store_monitor.py)",
+    registry=REGISTRY,
+)
+STORE_OUTAGE_SECONDS = Histogram(
+    "ironflow_store_outage_seconds",
+    "How long each outage of the database lasted, as this node saw it",
+    buckets=(0.5, 1, 2, 5, 10, 30, 60, 300, 1800),
+    registry=REGISTRY,
+)
 WORKERS_CONNECTED = Gauge(
     "ironflow_workers_connected", "Streaming worker sessions on this node", registry=REGISTRY
 )
@@ -158,7 +169,7 @@ REGISTRY.register(STORE_CALL)  # type: ignore[arg-type]
 
 # Store methods not timed: ``watch_kicks`` lives as long as the node (it is a
 # listener, not a call), and opening/closing are not calls an operator tunes.
-_UNTIMED_STORE_METHODS = frozenset({"watch_kicks", "open", "close"})
+_UNTIMED_STORE_METHODS = frozenset({"watch_kicks", "open", "close", "probe"})
 
 
 def run_ended(status: str, function_id: str | None, duration_s: float | None) -> None:

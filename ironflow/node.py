@@ -1,14 +1,17 @@
 """The engine node: builds the nursery tree of actors and serves the API.
 
-``ironflow serve [--dev]`` (``python -m ironflow serve``; see
-``ironflow/cli/serve.py``) runs :func:`serve` under ``trio.run`` once::
+``python -m ironflow.node [--dev]`` — the same command as ``ironflow serve``
+and ``python -m ironflow serve``, with the same flags (``ironflow/cli/serve.py``
+parses them) — runs :func:`serve` under ``trio.run`` once::
 
     node nursery
     ├── api                 hypercorn + quart-trio (session actor per websocket),
     │                       started directly in the node's nursery, NOT
     │                       restarted: a server that dies stops the node
     │                       (its sockets and sessions cannot be resumed)
-    └── supervisor          restarts each actor below after a crash, with backoff
+    └── supervisor          restarts each actor below after a crash, with backoff;
+        │                   an actor that met a database outage waits it out instead
+        ├── store-monitor       notices an outage and its end (readiness, blind time)
         ├── dispatcher          segments → sessions with free credits
         ├── capacity-scanner    loop 1
         ├── waker               elapsed sleeps, timed-out waits/invokes
@@ -45,6 +48,7 @@ from actors import (
     metrics_sampler,
     node_heartbeat,
     stale_claim_sweeper,
+    store_monitor,
     waker,
 )
 from actors.directory import SessionDirectory
@@ -54,12 +58,16 @@ from ironflow import hypercorn_patch, logs, metrics
 from ironflow.api import ApiDeps, HotRoutes, create_app
 from ironflow.config import NodeConfig, redact_url
 from ironflow.ids import new_id
-from ironflow.store import Store, open_store
+from ironflow.store import Store, StoreReadOnly, StoreUnavailable, open_store
 
 log = logging.getLogger("ironflow.node")
 
 # Kicks coalesce; this only bounds how many can be pending at once.
 KICK_BUFFER = 1024
+
+
+class StartRefused(Exception):
+    """The node will not start: its database is read-only or cannot be reached."""
 
 
 class Node:
@@ -113,14 +121,17 @@ class Node:
     async def run(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
         """Open the store, start every actor and the API, serve until stopped."""
         config = self.config
-        await self.store.open()
+        try:
+            await self.store.open()
+        except (StoreReadOnly, StoreUnavailable) as exc:
+            raise StartRefused(f"cannot start on {redact_url(config.database_url)}: {exc}") from exc
         try:
             if config.dev:
                 await self._bootstrap_key()
             kick_send, kick_receive = trio.open_memory_channel[Kick](KICK_BUFFER)
             drained = trio.Event()
             async with trio.open_nursery() as nursery:
-                supervisor = Supervisor(nursery, config.timings)
+                supervisor = Supervisor(nursery, config.timings, self.store.availability)
                 self.supervisor = supervisor
                 store = self.store
                 await start_actors(
@@ -213,6 +224,7 @@ async def start_actors(
     so the simulated node runs exactly the actors a real one does. Returns once
     each has reported ready.
     """
+    await supervisor.start("store-monitor", store_monitor.run, store, config, node_id)
     await supervisor.start("node-heartbeat", node_heartbeat.run, store, config, node_id)
     await supervisor.start("dispatcher", dispatcher.run, store, config, node_id, directory, kick_receive)
     await supervisor.start("kick-listener", kick_listener.run, store, kick_send)
@@ -264,3 +276,19 @@ async def serve(config: NodeConfig) -> None:
             nursery.start_soon(_watch_signals, signals, node)
             await node.run()
             nursery.cancel_scope.cancel()
+
+
+def main() -> None:
+    """``python -m ironflow.node``: exactly ``ironflow serve`` (flags, ``--help``, exit codes).
+
+    The command line lives in ``ironflow/cli/serve.py``, imported here only
+    when this module runs as the program (the CLI is otherwise a leaf).
+    """
+    from ironflow.cli import CONTEXT_SETTINGS
+    from ironflow.cli.serve import serve as serve_command
+
+    serve_command.main(prog_name="python -m ironflow.node", **CONTEXT_SETTINGS)
+
+
+if __name__ == "__main__":
+    main()

@@ -128,6 +128,22 @@ class ThrowawayPostgres:
             shutil.rmtree(self.base_dir, ignore_errors=True)
             self.url = ""
 
+    def halt(self, mode: str = "immediate") -> None:
+        """Stop the server (``pg_ctl -m immediate`` by default: a crash, no
+        checkpoint; ``fast`` disconnects clients first) and keep its data and
+        port: :meth:`resume` starts it again at the same URL (outage tests)."""
+        if not self._started:
+            raise RuntimeError("halt() of a server this object did not start")
+        _run([self._pg_ctl, "-D", f"{self.base_dir}/data", "-m", mode, "-w", "stop"])
+
+    def resume(self) -> None:
+        """Start a server stopped by :meth:`halt` again, on the same port."""
+        port = self.url.rsplit(":", 1)[1]
+        log = Path(self.base_dir, "log")
+        _run([self._pg_ctl, "-D", f"{self.base_dir}/data", "-l", str(log), "-w", "-t",
+              str(START_TIMEOUT_S), "start", "-o", f"-p {port} -k {self.base_dir} {self._options()}"],
+             log=log)
+
     def __enter__(self) -> ThrowawayPostgres:
         self.start()
         return self

@@ -29,7 +29,7 @@ if str(REPO) not in sys.path:
 from ironflow.protocol import FunctionDef, Trigger  # noqa: E402  (needs REPO on sys.path)
 from ironflow.retention import BATCH, VACUUM_PAGES  # noqa: E402
 from ironflow.store import Fence, Reservation, Store  # noqa: E402
-from ironflow.store.sqlite import SqliteStore  # noqa: E402
+from tests.clock import SkewedSqliteStore  # noqa: E402  (the purge needs finished runs aged past retention)
 
 # Runs created per round (one emit batch, one reservation pass).
 ROUND = 100
@@ -68,7 +68,7 @@ async def _fill(store: Store, runs: int) -> None:
 
 async def main(runs: int) -> None:
     path = Path(tempfile.mkdtemp(prefix="ifpurge.")) / "ironflow.db"
-    store = SqliteStore(str(path))
+    store = SkewedSqliteStore(str(path))
     await store.open()
     try:
         await _fill(store, runs)

@@ -67,7 +67,7 @@ from ironflow.testing import ThrowawayPostgres  # noqa: E402  (needs REPO on sys
 
 CRASH_WORKER = REPO / "tests" / "procs" / "crash_worker.py"
 SEED = {"recovered_s": 115.0, "completed_s": 148.0}
-# The recovery grace of each timing profile (README, "Configuration").
+# The recovery grace of each timing profile (docs/operations.md, "Configuration").
 GRACE_S = {"default": 30.0, "dev": 1.0}
 LEASE_S = {"default": 90.0, "dev": 6.0}
 

@@ -1,4 +1,4 @@
-"""A rolling restart of worker processes under steady load (seed: graceful-drain.txt).
+"""A rolling restart of worker processes under steady load (seed: docs/seeds/graceful-drain.txt).
 
 Usage: python scripts/rolling_restart.py [--rate 200] [--workers 4] [--slots 25]
                                          [--work-ms 50] [--before 10] [--gap 2]

@@ -22,8 +22,9 @@ import pytest
 import trio
 import trio.lowlevel
 
-from ironflow.store import Store, open_store
+from ironflow.store import Store
 from ironflow.testing import ThrowawayPostgres
+from tests.clock import open_test_store
 
 BACKENDS = ["sqlite", "postgres"]
 
@@ -78,7 +79,7 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 @pytest.fixture
 async def store(store_url: str) -> AsyncIterator[Store]:
     """An opened store on each backend; closed after the test."""
-    s = open_store(store_url)
+    s = open_test_store(store_url)
     await s.open()
     try:
         yield s

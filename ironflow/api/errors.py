@@ -19,7 +19,7 @@ from werkzeug.routing import WebsocketMismatch
 from ironflow import logs
 from ironflow.ids import new_id
 from ironflow.protocol import MAX_JSON_DEPTH, ApiError, JsonTooDeep, check_json_depth, encoder
-from ironflow.store import StoreError
+from ironflow.store import StoreError, StoreUnavailable
 
 log = logging.getLogger("ironflow.api")
 
@@ -34,9 +34,22 @@ STATUS_FOR_CODE = {
     "RUN_NOT_FOUND": 404,
     "SESSION_NOT_FOUND": 404,
     "LIMIT_EXCEEDED": 422,
+    # An outage of the database (ironflow/store/availability.py): try again.
+    "STORE_UNAVAILABLE": 503,
+    "STORAGE_FULL": 507,
     # The database connection broke while committing: retry with an idempotency key.
     "COMMIT_OUTCOME_UNKNOWN": 503,
 }
+# Seconds an outage answer tells the caller to wait (Retry-After): about the
+# store monitor's probe interval, so a retry lands soon after the store is back.
+RETRY_AFTER_S = 1
+
+
+def store_error_headers(exc: StoreError) -> list[tuple[str, str]]:
+    """Headers of the answer to ``exc``: a Retry-After for an outage."""
+    if isinstance(exc, StoreUnavailable):
+        return [("Retry-After", str(RETRY_AFTER_S))]
+    return []
 
 
 class ApiFailure(Exception):
@@ -136,7 +149,10 @@ async def _on_api_failure(exc: ApiFailure) -> Response:
 
 
 async def _on_store_error(exc: StoreError) -> Response:
-    return error_response(STATUS_FOR_CODE.get(exc.code, 400), exc.code, str(exc) or exc.code)
+    response = error_response(STATUS_FOR_CODE.get(exc.code, 400), exc.code, str(exc) or exc.code)
+    for name, value in store_error_headers(exc):
+        response.headers[name] = value
+    return response
 
 
 async def _on_websocket_mismatch(_: Any) -> Response:

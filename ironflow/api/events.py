@@ -7,7 +7,7 @@ import logging
 from quart import Blueprint, Response, request
 
 from actors.messages import kick
-from ironflow import logs, metrics
+from ironflow import logs, metrics, tracing
 from ironflow.api.auth import require_org
 from ironflow.api.errors import decode, json_response
 from ironflow.api.state import ApiState, state
@@ -20,20 +20,49 @@ bp = Blueprint("events", __name__)
 @bp.post("/v1/events")
 async def emit() -> Response:
     await require_org()
-    answer, status = await ingest_one(state(), await request.get_data())
+    answer, status = await ingest_one(
+        state(), await request.get_data(), request.headers.get("traceparent")
+    )
     return json_response(answer, status)
 
 
-async def ingest_one(st: ApiState, raw: bytes | str) -> tuple[EmitResponse, int]:
+async def ingest_one(
+    st: ApiState, raw: bytes | str, traceparent: str | None = None
+) -> tuple[EmitResponse, int]:
     """One emit: decode the body, ingest it, kick the dispatcher; the answer and
     its status (201 new, 200 a duplicate inside the idempotency window).
-    Shared by the route above and the framework-free hot path (``hot``)."""
+    Shared by the route above and the framework-free hot path (``hot``).
+
+    ``traceparent``: the request's header; the body's field wins. The event
+    records the ``ironflow.ingest`` span's, when there is one (ironflow/tracing.py).
+    """
     body = decode(raw, EmitRequest)
+    producer = body.traceparent or traceparent
+    if producer is None and not tracing.enabled():
+        return await _ingested(st, body, None)
+    with tracing.span(
+        "ironflow.ingest", producer, {"ironflow.event.name": body.name}, kind=tracing.SpanKind.CONSUMER
+    ) as span:
+        answer, status = await _ingested(st, body, tracing.traceparent_of(span))
+        span.set_attribute("ironflow.event.id", answer.event_id)
+        span.set_attribute("ironflow.run_ids", answer.run_ids)
+        return answer, status
+
+
+async def _ingested(
+    st: ApiState, body: EmitRequest, traceparent: str | None
+) -> tuple[EmitResponse, int]:
     if body.idempotency_key is None:
-        result = await st.emits((body.name, body.data))  # with the emits that arrive alongside
-    else:
+        # With the emits that arrive alongside.
+        result = await st.emits((body.name, body.data, traceparent))
+    elif traceparent is None:
         result = await st.store.ingest_event(
             body.name, body.data, body.idempotency_key, idempotency_window_s=st.config.idempotency_window_s
+        )
+    else:
+        [result] = await st.store.ingest_traced_events(
+            [(body.name, body.data, body.idempotency_key, traceparent)],
+            idempotency_window_s=st.config.idempotency_window_s,
         )
     if not result.duplicate:
         metrics.EVENTS_EMITTED.inc()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from quart import Blueprint, Response
 
 from ironflow import metrics
-from ironflow.api.errors import json_response
+from ironflow.api.errors import RETRY_AFTER_S, json_response
 from ironflow.api.state import state
 from ironflow.protocol import Health
 
@@ -24,6 +24,13 @@ async def readyz() -> Response:
         return json_response(Health("draining"), 503)
     if not deps.ready.is_set():
         return json_response(Health("starting"), 503)
+    availability = deps.store.availability
+    if not availability.up:
+        response = json_response(
+            Health("store_unavailable", deps.node_id, availability.cause), 503
+        )
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
     return json_response(Health("ready", deps.node_id))
 
 

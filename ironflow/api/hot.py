@@ -28,7 +28,7 @@ from hypercorn.typing import (
 from ironflow import logs
 from ironflow.api import events
 from ironflow.api.auth import require_org
-from ironflow.api.errors import STATUS_FOR_CODE, ApiFailure
+from ironflow.api.errors import STATUS_FOR_CODE, ApiFailure, store_error_headers
 from ironflow.api.state import EXTENSION, ApiState
 from ironflow.ids import new_id
 from ironflow.protocol import ApiError, encoder
@@ -65,11 +65,13 @@ class HotRoutes:
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
     ) -> None:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/v1/events":
-            status, body = await self._emit(list(scope["headers"]), receive)
+            status, body, extra = await self._emit(list(scope["headers"]), receive)
             start: HTTPResponseStartEvent = {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())],
+                "headers": [
+                    *_JSON_HEADERS, *extra, (b"content-length", str(len(body)).encode())
+                ],
                 "trailers": False,
             }
             await send(start)
@@ -79,17 +81,19 @@ class HotRoutes:
 
     async def _emit(
         self, headers: list[tuple[bytes, bytes]], receive: ASGIReceiveCallable
-    ) -> tuple[int, bytes]:
+    ) -> tuple[int, bytes, list[tuple[bytes, bytes]]]:
         try:
             await require_org(_Headers(headers), self.st)
             raw = await self._body(receive)
-            answer, status = await events.ingest_one(self.st, raw)
-            return status, encoder.encode(answer)
+            traceparent = _Headers(headers).get("traceparent") or None
+            answer, status = await events.ingest_one(self.st, raw, traceparent)
+            return status, encoder.encode(answer), []
         except ApiFailure as exc:
-            return exc.status, encoder.encode(ApiError(exc.code, exc.message))
+            return exc.status, encoder.encode(ApiError(exc.code, exc.message)), []
         except StoreError as exc:
             status = STATUS_FOR_CODE.get(exc.code, 400)
-            return status, encoder.encode(ApiError(exc.code, str(exc) or exc.code))
+            extra = [(k.lower().encode(), v.encode()) for k, v in store_error_headers(exc)]
+            return status, encoder.encode(ApiError(exc.code, str(exc) or exc.code)), extra
         except Exception as exc:  # a fault of ours: logged with an id the caller sees
             request_id = new_id("req")
             logs.event(
@@ -97,7 +101,7 @@ class HotRoutes:
                 method="POST", path="/v1/events", error=type(exc).__name__, exc_info=exc,
             )
             message = f"internal error: {type(exc).__name__} (request id {request_id})"
-            return 500, encoder.encode(ApiError("INTERNAL", message))
+            return 500, encoder.encode(ApiError("INTERNAL", message)), []
 
     async def _body(self, receive: ASGIReceiveCallable) -> bytes:
         """The request body, refused with a 413 past the frame limit (as quart's

@@ -14,7 +14,7 @@ from actors.directory import SessionDirectory
 from actors.grouped import Grouped
 from actors.messages import Kick
 from ironflow.config import NodeConfig
-from ironflow.store import CommitOutcomeUnknown, IngestResult, Principal, SessionInfo, Store
+from ironflow.store import IngestResult, Principal, SessionInfo, Store, StoreUnavailable
 
 if TYPE_CHECKING:
     from ironflow.api.chaos import CrashableActors
@@ -89,28 +89,38 @@ class ApiState:
         self.run_waiters = RunWaiters()
         deps.store.on_runs_ended(self.run_waiters.notify)
         # Concurrent emits without an idempotency key, ingested together
-        # (Store.ingest_events: two statements per group on PostgreSQL).
-        self.emits: Grouped[tuple[str, Any], IngestResult] = Grouped(self._ingest_group)
+        # (Store.ingest_events: two statements per group on PostgreSQL);
+        # (name, data, traceparent or None).
+        self.emits: Grouped[tuple[str, Any, str | None], IngestResult] = Grouped(self._ingest_group)
 
-    async def _ingest_group(self, events: list[tuple[str, Any]]) -> list[outcome.Outcome[IngestResult]]:
+    async def _ingest(
+        self, events: list[tuple[str, Any, str | None, str | None]]
+    ) -> list[IngestResult]:
+        """``(name, data, idempotency_key, traceparent)`` ingested in one call;
+        the traced ingest only when one of them has a trace."""
         window = self.config.idempotency_window_s
+        if any(tp is not None for *_, tp in events):
+            return await self.store.ingest_traced_events(events, idempotency_window_s=window)
+        return await self.store.ingest_events(
+            [(name, data, key) for name, data, key, _ in events], idempotency_window_s=window
+        )
+
+    async def _ingest_group(
+        self, events: list[tuple[str, Any, str | None]]
+    ) -> list[outcome.Outcome[IngestResult]]:
         try:
-            results = await self.store.ingest_events(
-                [(name, data, None) for name, data in events], idempotency_window_s=window
-            )
+            results = await self._ingest([(name, data, None, tp) for name, data, tp in events])
             return [outcome.Value(result) for result in results]
-        except CommitOutcomeUnknown:
-            raise  # it may have committed: one by one would write each event again
+        except StoreUnavailable:
+            # An outage: one by one would fail again. Or CommitOutcomeUnknown
+            # (one): it may have committed, one by one would write each event again.
+            raise
         except Exception:
             if len(events) == 1:
                 raise
         # One event's failure must not fail the others': each alone.
-        return [
-            await outcome.acapture(
-                self.store.ingest_event, name, data, None, idempotency_window_s=window
-            )
-            for name, data in events
-        ]
+        alone = [await outcome.acapture(self._ingest, [(name, data, None, tp)]) for name, data, tp in events]
+        return [o if isinstance(o, outcome.Error) else outcome.Value(o.unwrap()[0]) for o in alone]
 
 
 def state() -> ApiState:

@@ -3,6 +3,8 @@
 Frames are JSON text. A frame that cannot be read closes the socket with a
 code saying why (1002 malformed, 1007 invalid, 1003 binary, 1009 too large,
 1008 registration refused), after a ``Refused`` frame naming the problem;
+1013 "try again later" means the database is unavailable (a Register that
+could not be recorded; an open session instead waits the outage out);
 1011 means a fault of ours. Sockets still open when the node stops are closed
 with 1001.
 """
@@ -32,6 +34,7 @@ from ironflow.protocol import (
     encoder,
     worker_frame_decoder,
 )
+from ironflow.store import StoreUnavailable
 
 log = logging.getLogger("ironflow.api")
 bp = Blueprint("worker_socket", __name__)
@@ -43,6 +46,7 @@ WS_UNSUPPORTED_DATA = 1003
 WS_INVALID_PAYLOAD = 1007
 WS_POLICY_VIOLATION = 1008
 WS_INTERNAL_ERROR = 1011
+WS_TRY_AGAIN_LATER = 1013
 # How long closing a worker socket may wait for the close handshake.
 WS_CLOSE_TIMEOUT_S = 1.0
 # Frames read ahead of the session actor, and frames queued for the socket.
@@ -173,6 +177,10 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
             close_code, close_reason = WS_PROTOCOL_ERROR, _short(str(group.exceptions[0]))
         except* session_actor.SessionExpired as group:
             close_code, close_reason = WS_POLICY_VIOLATION, _short(f"session expired: {group.exceptions[0]}; reconnect")
+        except* StoreUnavailable as group:
+            message = str(group.exceptions[0])
+            close_code, close_reason = WS_TRY_AGAIN_LATER, _short(f"try again later: {message}")
+            refusal = Refused(StoreUnavailable.code, message)
         except* trio.EndOfChannel:
             pass  # the reader stopped first; its own error (above) says why
         except* Exception as group:

@@ -15,13 +15,18 @@ request or could not be reached; 2 bad usage (unknown flag, malformed
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 from ironflow.cli import audit, capacity, emit, functions, keys, runs, serve
 from ironflow.cli.options import api_key_option, server_option
 
+# Shared with ``python -m ironflow.node`` (``ironflow/node.py``), so its help is this one's.
+CONTEXT_SETTINGS: dict[str, Any] = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+
+@click.group(context_settings=CONTEXT_SETTINGS)
 @server_option(envvar=True)
 @api_key_option(envvar=True)
 @click.version_option(package_name="ironflow-py", prog_name="ironflow")
@@ -42,4 +47,4 @@ main.add_command(emit.emit)
 for _module in (runs, functions, capacity, audit, keys):
     main.add_command(_module.group)
 
-__all__ = ["main"]
+__all__ = ["CONTEXT_SETTINGS", "main"]

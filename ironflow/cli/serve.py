@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from ironflow.cli.errors import usage_failure
+from ironflow.cli.errors import CliFailure, usage_failure
 from ironflow.config import (
     DEFAULT_PORT,
     DEV_TIMINGS,
@@ -120,7 +120,18 @@ def _serve_node(config: NodeConfig) -> None:
 
     logs.setup(config.log_level)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
-    trio.run(node.serve, config)
+    try:
+        trio.run(node.serve, config)
+    except node.StartRefused as exc:
+        raise CliFailure(str(exc)) from exc
+    except BaseExceptionGroup as group:  # raised inside the node's signal nursery
+        matched, _ = group.split(node.StartRefused)
+        if matched is None:
+            raise
+        refused: BaseException = matched
+        while isinstance(refused, BaseExceptionGroup):
+            refused = refused.exceptions[0]
+        raise CliFailure(str(refused)) from None
 
 
 @click.command()

@@ -28,10 +28,16 @@ SESSION_SECRET_HEADER = "Ironflow-Session-Secret"
 # ── HTTP bodies ─────────────────────────────────────────────────────────────
 
 
+# A W3C trace context ``traceparent`` (version 00): the producer's span.
+Traceparent = Annotated[str, Meta(pattern=r"^[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")]
+
+
 class EmitRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: Name
     data: Any = {}
     idempotency_key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    # The producer's trace: the run's spans join it (also the ``traceparent`` header).
+    traceparent: Traceparent | None = None
 
 
 class EmitResponse(msgspec.Struct, frozen=True):
@@ -260,10 +266,12 @@ class FunctionRecord(msgspec.Struct, frozen=True):
 
 
 class Health(msgspec.Struct, frozen=True):
-    """``/healthz`` and ``/readyz``: ``ok`` / ``ready`` / ``starting`` / ``draining``."""
+    """``/healthz`` and ``/readyz``: ``ok`` / ``ready`` / ``starting`` / ``draining`` /
+    ``store_unavailable`` (with the ``cause``: the database's own words)."""
 
     status: str
     node_id: str | None = None
+    cause: str | None = None
 
 
 class RunList(msgspec.Struct, frozen=True):

@@ -105,6 +105,8 @@ class EventInfo(msgspec.Struct, frozen=True):
     data: Any
     received_at: float
     idempotency_key: str | None = None
+    # The W3C traceparent the run's spans descend from (ironflow/tracing.py).
+    traceparent: str | None = None
 
 
 class MemoStep(msgspec.Struct, frozen=True):

@@ -38,6 +38,7 @@ from ironflow.protocol import (
     SessionRecord,
     YieldInfo,
 )
+from ironflow.store.availability import Availability
 
 # The records the store returns are the HTTP contract's (ironflow.protocol.http);
 # ``ironflow.store`` re-exports them for the store's callers.
@@ -49,14 +50,6 @@ class StoreError(Exception):
     """Base of every error the store raises on purpose. ``code`` is API-stable."""
 
     code = "STORE_ERROR"
-
-
-class CommitOutcomeUnknown(StoreError):
-    """The connection failed while the transaction committed: it may have
-    committed or not. Never retried as if it had not (a write without an
-    idempotency key would be written twice)."""
-
-    code = "COMMIT_OUTCOME_UNKNOWN"
 
 
 class StaleExecution(StoreError):
@@ -91,6 +84,37 @@ class LimitExceeded(StoreError):
     """A request would exceed one of the node's configured resource limits."""
 
     code = "LIMIT_EXCEEDED"
+
+
+class StoreUnavailable(StoreError):
+    """The database cannot be reached or cannot write (an outage, not a fault):
+    the call did not take effect, or its commit is unknown; the same call may
+    be made again once the store is back (``ironflow/store/availability.py``).
+    The message names the cause."""
+
+    code = "STORE_UNAVAILABLE"
+
+
+class CommitOutcomeUnknown(StoreUnavailable):
+    """The connection failed while the transaction committed: it may have
+    committed or not. Never retried as if it had not (a write without an
+    idempotency key would be written twice). An outage like any other for
+    the node's availability (the connection broke), but its own code."""
+
+    code = "COMMIT_OUTCOME_UNKNOWN"
+
+
+class StorageFull(StoreUnavailable):
+    """The database's disk (or its configured size limit) is full."""
+
+    code = "STORAGE_FULL"
+
+
+class StoreReadOnly(StoreError):
+    """The database only reads (a standby, ``default_transaction_read_only``):
+    raised by :meth:`Store.open`, which a node must not start on."""
+
+    code = "STORE_READ_ONLY"
 
 
 # ── records ─────────────────────────────────────────────────────────────────
@@ -253,6 +277,10 @@ class Principal(msgspec.Struct, frozen=True):
 class Store(abc.ABC):
     """Engine state. Async methods are safe to call from many Trio tasks at once."""
 
+    # Whether the database answers (``ironflow/store/availability.py``); each
+    # backend makes its own and marks it down when a call meets an outage.
+    availability: Availability
+
     # Whether several nodes may share this database (PostgreSQL) or one node
     # owns it (SQLite): a node-wide record nobody else reads is then not kept
     # fresh, so an idle node writes nothing.
@@ -261,7 +289,7 @@ class Store(abc.ABC):
     # one call (:meth:`activate_leases`: PostgreSQL, where each call is
     # round trips through a database thread) than as concurrent calls of their
     # own (SQLite, whose writer groups concurrent calls anyway: there a
-    # group only serialised a session's acks, measured in the README).
+    # group only serialised a session's acks, measured in docs/benchmarks.md).
     group_acks: bool = False
 
     async def in_order(
@@ -292,6 +320,31 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def db_now(self) -> float:
         """The database clock, epoch seconds."""
+
+    @abc.abstractmethod
+    async def ingest_traced_events(
+        self,
+        events: list[tuple[str, Any, str | None, str | None]],
+        *,
+        idempotency_window_s: float,
+    ) -> list[IngestResult]:
+        """:meth:`ingest_events` of ``(name, data, idempotency_key, traceparent)``:
+        each new event also records its W3C ``traceparent`` (None: none), which
+        every assignment of its runs carries (ironflow/store/traces.py)."""
+
+    # outages (ironflow/store/outage.py) ---------------------------------------
+
+    @abc.abstractmethod
+    async def probe(self, *, write: bool) -> None:
+        """Reach the database; ``write``: prove it can also grow and commit.
+        Raises StoreUnavailable (or StorageFull) if it cannot."""
+
+    @abc.abstractmethod
+    async def give_back_blind_time(self, node_id: str, blind_s: float) -> int:
+        """Push out by ``blind_s`` the expiry of the leases, reservations and
+        worker sessions of ``node_id`` that were live ``blind_s`` ago (the node
+        could not reach the database that long: nobody could heartbeat them).
+        Audited; returns how many leases it extended."""
 
     # nodes ----------------------------------------------------------------
 
@@ -764,9 +817,3 @@ class Store(abc.ABC):
         """Until cancelled, call ``on_kick`` whenever ANOTHER node (or this one)
         committed work that became claimable (PostgreSQL ``LISTEN/NOTIFY``; a
         no-op on SQLite, which has one node)."""
-
-    # tests -------------------------------------------------------------------------
-
-    @abc.abstractmethod
-    async def advance_clock(self, seconds: float) -> None:
-        """Move this store's view of the database clock forward (tests only)."""

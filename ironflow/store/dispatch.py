@@ -162,7 +162,7 @@ class DispatchOps(CapacityLoop):
             for row in tx.fetchall(
                 "SELECT r.id, r.function_id, r.attempt, r.max_attempts, e.id, e.name, e.data,"
                 " e.received_at, e.idempotency_key, r.start_at - ironflow_clock(), q.reason,"
-                " ironflow_clock()"
+                " ironflow_clock(), e.traceparent"
                 " FROM runs r LEFT JOIN events e ON e.id = r.event_id"
                 f" LEFT JOIN dispatch_queue q ON q.run_id = r.id WHERE r.id IN ({marks})",
                 run_ids,
@@ -187,6 +187,7 @@ class DispatchOps(CapacityLoop):
                 data=_dec(r[6]),
                 received_at=r[7] or 0.0,
                 idempotency_key=r[8],
+                traceparent=r[12],
             )
             # A segment whose run may not start yet (a sleep woken ahead of
             # its time) carries the wait, from the database clock.

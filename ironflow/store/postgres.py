@@ -52,6 +52,7 @@ import queue
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import outcome
@@ -60,8 +61,15 @@ import trio
 from psycopg import pq
 from psycopg.adapt import Transformer
 
+from ironflow.config import redact_url
 from ironflow.store import chain
-from ironflow.store.base import CommitOutcomeUnknown
+from ironflow.store.availability import Availability, settle, translated
+from ironflow.store.base import (
+    CommitOutcomeUnknown,
+    StorageFull,
+    StoreReadOnly,
+    StoreUnavailable,
+)
 from ironflow.store.chain import chained
 from ironflow.store.core import NamedLock, Tx, lock_id
 from ironflow.store.handback import hand_back
@@ -70,7 +78,6 @@ from ironflow.store.schema import (
     added_columns,
     backfill_statements,
     fingerprint,
-    pg_now_function,
     statements,
 )
 from ironflow.store.sql import SqlStore
@@ -83,11 +90,87 @@ _sql_cache: dict[str, str] = {}
 
 
 def _pg_sql(sql: str) -> str:
-    """``?`` placeholders → psycopg's ``%s`` (literal ``%`` escaped), memoised."""
+    """``?`` placeholders → psycopg's ``%s`` (every literal ``%`` escaped), memoised."""
     out = _sql_cache.get(sql)
     if out is None:
-        out = _sql_cache[sql] = sql.replace("%", "%%").replace("?", "%s")
+        out = _sql_cache[sql] = _rewrite(sql.replace("%", "%%"), lambda _: "%s")
     return out
+
+
+# Words after which a ``?`` is a value (a placeholder), although a word before
+# a ``?`` otherwise makes it the jsonb operator (``data ? 'key'``).
+_VALUE_AFTER = frozenset(
+    "select limit offset then else when and or not in is like by set where on as values"
+    " returning distinct case between".split()
+)
+
+
+def _placeholders(sql: str) -> list[int]:
+    """Offsets of the ``?`` placeholders of ``sql``: not those inside a string
+    literal, a quoted identifier, a dollar-quoted body or a comment, nor the
+    jsonb operators ``?``, ``?|`` and ``?&`` (a ``?`` right after an operand:
+    a name that is not a keyword, a closing bracket, a literal)."""
+    found: list[int] = []
+    i, n = 0, len(sql)
+    last = ""  # the last significant token before i: a word, or one character
+    while i < n:
+        c = sql[i]
+        if c in "'\"":
+            end = i + 1
+            while end < n:
+                if sql[end] == c:
+                    if end + 1 < n and sql[end + 1] == c:  # '' or "" inside
+                        end += 2
+                        continue
+                    break
+                end += 1
+            i, last = end + 1, "literal"
+            continue
+        if c == "-" and sql.startswith("--", i):
+            end = sql.find("\n", i)
+            i = n if end < 0 else end + 1
+            continue
+        if c == "/" and sql.startswith("/*", i):
+            end = sql.find("*/", i + 2)
+            i = n if end < 0 else end + 2
+            continue
+        if c == "$":
+            tag_end = sql.find("$", i + 1)
+            tag = sql[i : tag_end + 1] if tag_end > 0 else ""
+            if tag and (tag == "$$" or tag[1:-1].replace("_", "a").isalnum() and not tag[1].isdigit()):
+                end = sql.find(tag, tag_end + 1)
+                i, last = (n if end < 0 else end + len(tag)), "literal"
+                continue
+        if c.isalnum() or c == "_":
+            end = i
+            while end < n and (sql[end].isalnum() or sql[end] == "_"):
+                end += 1
+            last, i = sql[i:end].lower(), end
+            continue
+        if c == "?":
+            operand = last in ("literal", ")", "]") or (
+                last[:1].isalnum() or last[:1] == "_"
+            ) and last not in _VALUE_AFTER
+            if not operand and sql[i + 1 : i + 2] not in ("|", "&"):
+                found.append(i)
+            last, i = "?", i + 1
+            continue
+        if not c.isspace():
+            last = c
+        i += 1
+    return found
+
+
+def _rewrite(sql: str, mark: Callable[[int], str]) -> str:
+    """``sql`` with its n-th placeholder (from 1) replaced by ``mark(n)``."""
+    out: list[str] = []
+    start = 0
+    for number, at in enumerate(_placeholders(sql), start=1):
+        out.append(sql[start:at])
+        out.append(mark(number))
+        start = at + 1
+    out.append(sql[start:])
+    return "".join(out)
 
 
 # A call PostgreSQL aborted as a deadlock victim (or serialization failure) is
@@ -125,14 +208,58 @@ _RETRYABLE = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailu
 
 _PENDING, _TAKEN, _WITHDRAWN = 0, 1, 2
 
+# SQLSTATE classes that mean the server is unreachable or cannot serve now,
+# not that the statement was wrong: connection exception (08), insufficient
+# resources (53: disk full, out of memory, too many connections), operator
+# intervention (57: shutting down, starting up, in recovery), system error (58).
+_OUTAGE_CLASSES = ("08", "53", "57", "58")
+# ...except a statement cancelled on purpose (57014: statement_timeout, cancel).
+_NOT_OUTAGES = ("57014",)
+# Seconds a connection attempt may take (unless the URL sets connect_timeout):
+# a partitioned server then fails a call within the API's 5 s instead of
+# hanging it for the operating system's TCP timeout.
+CONNECT_TIMEOUT_S = 3
+
+
+def _unavailable(exc: BaseException) -> StoreUnavailable | None:
+    """The outage ``exc`` (a psycopg error) means, or None for any other error."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, psycopg.errors.DiskFull):
+        return StorageFull(f"PostgreSQL storage full: {first}")
+    if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
+        return StoreUnavailable(
+            f"PostgreSQL is read-only (a standby, or a primary being demoted): {first}"
+        )
+    if isinstance(exc, psycopg.InterfaceError):
+        return StoreUnavailable(f"PostgreSQL connection lost: {first}")
+    if isinstance(exc, psycopg.OperationalError):
+        state = exc.sqlstate
+        if state is None or (state[:2] in _OUTAGE_CLASSES and state not in _NOT_OUTAGES):
+            return StoreUnavailable(f"PostgreSQL unavailable: {first}")
+    if type(exc) is psycopg.DatabaseError and exc.sqlstate is None:
+        # libpq's own failure with no server answer ("server closed the
+        # connection unexpectedly" from a statement on a dead connection).
+        return StoreUnavailable(f"PostgreSQL unavailable: {first}")
+    return None
+
+
+def _connect(url: str) -> psycopg.Connection[Any]:
+    """An autocommit connection to ``url`` (any libpq URL, multi-host included)."""
+    extra: dict[str, Any] = {}
+    if "connect_timeout" not in url:
+        extra["connect_timeout"] = CONNECT_TIMEOUT_S
+    return psycopg.connect(url, autocommit=True, **extra)
+
+
+_numbered_cache: dict[str, bytes] = {}
+
 
 def _numbered(sql: str) -> bytes:
-    """``?`` placeholders → libpq's ``$1, $2, …``."""
-    parts = sql.split("?")
-    out = [parts[0]]
-    for i, part in enumerate(parts[1:], start=1):
-        out.append(f"${i}{part}")
-    return "".join(out).encode()
+    """``?`` placeholders → libpq's ``$1, $2, …`` (see :func:`_placeholders`), memoised."""
+    out = _numbered_cache.get(sql)
+    if out is None:
+        out = _numbered_cache[sql] = _rewrite(sql, lambda n: f"${n}").encode()
+    return out
 
 
 # Parameter type OIDs sent with the text-format values (0: let the server infer).
@@ -325,11 +452,15 @@ class _Actor:
     def __init__(self, store: PostgresStore, name: str) -> None:
         self._store = store
         self._conn: psycopg.Connection[Any] | None = None
+        # The store's connection-loss count when this connection was opened: a
+        # loss seen by another actor means this one is probably dead too.
+        self._losses = 0
         self._prepared: dict[Any, bytes] = {}
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     def _connect(self) -> psycopg.Connection[Any]:
-        conn = psycopg.connect(self._store.url, autocommit=True)
+        self._losses = self._store.connection_losses
+        conn = _connect(self._store.url)
         conn.prepared_max = PREPARED_MAX
         self._prepared = {}  # statements are prepared per connection
         return conn
@@ -352,6 +483,11 @@ class _Actor:
         """Commit ``batch`` as one transaction; deliver outcomes; return calls to retry."""
         retry: list[_Request] = []
         try:
+            if self._conn is not None and self._losses != self._store.connection_losses:
+                # Another actor lost its connection since this one was opened
+                # (a server restart, a failover): open a fresh one rather than
+                # fail a group on a connection the server already dropped.
+                self._discard_connection(lost=False)
             if self._conn is None or self._conn.closed:
                 self._conn = self._connect()
             tx = _PgTx(self._conn, self._prepared)
@@ -366,7 +502,9 @@ class _Actor:
                   if result is not None)
         return retry
 
-    def _discard_connection(self) -> None:
+    def _discard_connection(self, *, lost: bool = True) -> None:
+        if lost and self._conn is not None:
+            self._store.connection_losses += 1  # one writer at a time matters little: a hint
         conn, self._conn = self._conn, None
         if conn is not None:
             try:
@@ -466,6 +604,23 @@ def _id_payloads(run_ids: list[str]) -> list[str]:
     return payloads
 
 
+def _refuse_read_only(conn: psycopg.Connection[Any], url: str) -> None:
+    """Raise StoreReadOnly if ``conn`` reached a server that only reads."""
+    row = conn.execute(
+        "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')"
+    ).fetchone()
+    if row is None:
+        return
+    in_recovery, read_only = bool(row[0]), row[1] == "on"
+    if in_recovery or read_only:
+        why = "a standby in recovery" if in_recovery else "default_transaction_read_only is on"
+        raise StoreReadOnly(
+            f"the database at {redact_url(url)} is read-only ({why}): a node must write;"
+            " point --db at the primary, or list every host in the URL with"
+            " target_session_attrs=read-write"
+        )
+
+
 class PostgresStore(SqlStore):
     """Engine state in PostgreSQL at ``url`` (``postgresql://…``).
 
@@ -484,13 +639,22 @@ class PostgresStore(SqlStore):
         # Taking a request (actor) and withdrawing it (cancelled caller) are decided under it.
         self._state_lock = threading.Lock()
         self._actors: list[_Actor] = []
+        self.availability = Availability()
+        # Connections the actors lost (see _Actor._run_group).
+        self.connection_losses = 0
 
     # lifecycle --------------------------------------------------------------------
 
     async def open(self) -> None:
         if self._actors:
             return
-        await trio.to_thread.run_sync(self._create_schema)
+        try:
+            await trio.to_thread.run_sync(self._create_schema)
+        except psycopg.Error as exc:
+            gone = _unavailable(exc)
+            if gone is None:
+                raise
+            raise gone from exc
         self._actors = [
             _Actor(self, f"ironflow-pg-actor-{i}") for i in range(max(1, self._connections))
         ]
@@ -510,7 +674,8 @@ class PostgresStore(SqlStore):
         want = fingerprint("postgres")
         for attempt in range(1, SCHEMA_ATTEMPTS + 1):
             try:
-                with psycopg.connect(self.url, autocommit=True) as conn:
+                with _connect(self.url) as conn:
+                    _refuse_read_only(conn, self.url)
                     with conn.transaction(), conn.cursor() as cur:
                         # Two nodes starting together must not race on CREATE … IF NOT EXISTS.
                         cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
@@ -522,11 +687,6 @@ class PostgresStore(SqlStore):
                             cur.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {kind}")
                         for stmt in backfill_statements("postgres"):
                             cur.execute(stmt)
-                        # The function was (re)created with no skew: keep a test's advanced clock.
-                        cur.execute("SELECT skew FROM clock_skew WHERE id = 1")
-                        skew = cur.fetchone()
-                        if skew and skew[0]:
-                            cur.execute(pg_now_function(float(skew[0])))
                         cur.execute(
                             "INSERT INTO schema_state (id, fingerprint) VALUES (1, %s)"
                             " ON CONFLICT (id) DO UPDATE SET fingerprint = excluded.fingerprint",
@@ -537,6 +697,33 @@ class PostgresStore(SqlStore):
                 if attempt == SCHEMA_ATTEMPTS:
                     raise
                 time.sleep(SCHEMA_RETRY_S * attempt)
+
+    async def _outage_transact(self, work: Callable[[Tx], T]) -> T:
+        """``work`` in one transaction on a fresh connection of its own (not
+        queued behind the actors' groups: a recovering node's backlog must not
+        delay the probe that ends its outage). A server that only reads counts
+        as down: after a failover the URL may reach the old primary come back
+        as a standby."""
+
+        def run() -> T:
+            with _connect(self.url) as conn:
+                row = conn.execute(
+                    "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')"
+                ).fetchone()
+                if row is not None and (row[0] or row[1] == "on"):
+                    raise StoreUnavailable(
+                        "PostgreSQL is read-only (in recovery or default_transaction_read_only)"
+                    )
+                tx = _PgTx(conn, {})
+                tx.raw("BEGIN")
+                value = work(tx)
+                tx.raw("COMMIT")
+                return value
+
+        # Abandoned on cancel (the monitor's probe timeout): connect_timeout
+        # bounds the thread, and its connection is its own.
+        result = await outcome.acapture(partial(trio.to_thread.run_sync, run, abandon_on_cancel=True))
+        return settle(self.availability, result, _unavailable)
 
     @staticmethod
     def _schema_fingerprint(cur: psycopg.Cursor[Any]) -> str | None:
@@ -569,15 +756,6 @@ class PostgresStore(SqlStore):
         await trio.lowlevel.checkpoint()
         return 0
 
-    async def advance_clock(self, seconds: float) -> None:
-        def work(tx: Tx) -> None:
-            row = tx.fetchone("UPDATE clock_skew SET skew = skew + ? WHERE id = 1 RETURNING skew",
-                              (float(seconds),))
-            assert row is not None
-            tx.execute(pg_now_function(float(row[0])))
-
-        await self._transact(work)
-
     async def watch_kicks(
         self,
         on_kick: Callable[[], None],
@@ -593,7 +771,7 @@ class PostgresStore(SqlStore):
         token = trio.lowlevel.current_trio_token()
 
         def listen() -> None:
-            with psycopg.connect(self.url, autocommit=True) as conn:
+            with _connect(self.url) as conn:
                 conn.execute(f"LISTEN {KICK_CHANNEL}")
                 conn.execute(f"LISTEN {RUN_END_CHANNEL}")
                 listening.set()
@@ -608,7 +786,15 @@ class PostgresStore(SqlStore):
 
             async def listener() -> None:
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(listen)
+                    result = await outcome.acapture(trio.to_thread.run_sync, listen)
+                if isinstance(result, outcome.Error):
+                    # Raised as an outage (the supervisor waits rather than
+                    # counting a crash) but not marked as one: this one long
+                    # connection can die alone; the store monitor judges.
+                    gone = _unavailable(result.error)
+                    if gone is not None:
+                        raise gone from result.error
+                result.unwrap()
 
             nursery.start_soon(listener)
             # The thread only ends once told to: tell it on every way out,
@@ -664,6 +850,7 @@ class PostgresStore(SqlStore):
     ) -> list[outcome.Outcome[Any]]:
         """``works`` as consecutive requests of one group, in order, each its own
         unit of work (see ``_Actor._careful`` for a retried one); their outcomes."""
+        self.availability.check()
         if not self._actors:
             raise RuntimeError("PostgresStore is not open")
         done = trio.Event()
@@ -685,9 +872,10 @@ class PostgresStore(SqlStore):
         ])
         with trio.CancelScope(shield=True):
             await done.wait()
-        return [box[i] for i in range(len(works))]
+        return translated(self.availability, [box[i] for i in range(len(works))], _unavailable)
 
     async def _transact(self, work: Callable[[Tx], T], locks: Sequence[NamedLock] = ()) -> T:
+        self.availability.check()
         pending = chained(work, locks)
         if pending is not None:
             return await pending
@@ -715,4 +903,4 @@ class PostgresStore(SqlStore):
             # must reach the caller (the cancellation comes at the next checkpoint).
             with trio.CancelScope(shield=True):
                 await done.wait()
-        return box[0].unwrap()
+        return settle(self.availability, box[0], _unavailable)

@@ -195,6 +195,13 @@ CREATE TABLE IF NOT EXISTS audit_log (
 CREATE INDEX IF NOT EXISTS audit_run ON audit_log (run_id, at);
 CREATE INDEX IF NOT EXISTS audit_type ON audit_log (type, at);
 
+-- One row at most, inserted and deleted in one transaction by the outage
+-- probe (ironflow/store/outage.py): proves the database can grow again.
+CREATE TABLE IF NOT EXISTS store_probe (
+    id   INTEGER PRIMARY KEY,
+    pad  TEXT NOT NULL
+);
+
 CREATE TABLE IF NOT EXISTS api_keys (
     id          TEXT PRIMARY KEY,
     kind        TEXT NOT NULL,
@@ -205,12 +212,6 @@ CREATE TABLE IF NOT EXISTS api_keys (
 """
 
 _PG_EXTRA = """
-CREATE TABLE IF NOT EXISTS clock_skew (
-    id    INTEGER PRIMARY KEY CHECK (id = 1),
-    skew  DOUBLE PRECISION NOT NULL DEFAULT 0
-);
-INSERT INTO clock_skew (id, skew) VALUES (1, 0) ON CONFLICT (id) DO NOTHING;
-
 -- The fingerprint of the schema last applied: a node (re)starting beside
 -- running ones finds it current and takes no table lock at all.
 CREATE TABLE IF NOT EXISTS schema_state (
@@ -219,13 +220,13 @@ CREATE TABLE IF NOT EXISTS schema_state (
 );
 """
 
-# The database clock on PostgreSQL: transaction time plus a test-only skew
-# (``advance_clock``; production never writes ``clock_skew``). The skew is a
-# literal in the body, not a read of ``clock_skew``: a body without a subquery
-# is inlined into every statement that calls it, where a subquery made each call
-# a separate SQL-function execution (~80 µs of server CPU each, a dozen calls
-# per run). ``advance_clock`` re-creates the function with the new literal,
-# which invalidates every cached plan that inlined the old one.
+# The database clock on PostgreSQL: transaction time, plus a skew that only
+# tests set (``tests/clock.py`` re-creates the function with the skew as a
+# literal; production creates it with 0). A literal, not a read of a table: a
+# body without a subquery is inlined into every statement that calls it, where
+# a subquery made each call a separate SQL-function execution (~80 µs of
+# server CPU each, a dozen calls per run). Re-creating the function
+# invalidates every cached plan that inlined the old one.
 def pg_now_function(skew: float) -> str:
     """The ``CREATE OR REPLACE`` of ``ironflow_now()`` with ``skew`` seconds added."""
     return (
@@ -267,6 +268,8 @@ _ADDED_COLUMNS = [
     # judges against the snapshot of its segment's activation.
     ("events", "xid", "BIGINT"),
     ("concurrency_leases", "began_snapshot", "TEXT"),
+    # The W3C traceparent its runs' spans descend from (ironflow/store/traces.py).
+    ("events", "traceparent", "TEXT"),
 ]
 
 # Fills the trigger index from stored definitions, for a database whose

@@ -9,6 +9,8 @@ from one module per concern so each seed mechanism reads on its own:
 - ``dispatch``: reservations and assignments;
 - ``ingest``: events, runs, invocations, cancellation;
 - ``sessions``: worker registration, functions, pull-session ownership;
+- ``traces``: events ingested with a trace's ``traceparent``;
+- ``outage``: the probe and the blind time given back after an outage;
 - ``reads``, ``event_reads`` (events, re-runs), ``gauges`` (for /metrics), ``stats`` (the dashboard's counts), ``history``
   (retention), ``keys``.
 """
@@ -24,13 +26,15 @@ from ironflow.store.ingest import IngestOps
 from ironflow.store.keys import KeyOps
 from ironflow.store.loop1 import CapacityLoop
 from ironflow.store.loop2 import WakeLoop
+from ironflow.store.outage import OutageOps
 from ironflow.store.reads import ReadOps
 from ironflow.store.sessions import SessionOps
 from ironflow.store.stats import StatsOps
+from ironflow.store.traces import TraceOps
 
 
 class SqlStore(
-    SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
-    EventReadOps, GaugeOps, StatsOps,
+    TraceOps, SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
+    EventReadOps, GaugeOps, StatsOps, OutageOps,
 ):
     """Every Store method, written once. Backends supply ``_transact`` and lifecycle."""

@@ -19,11 +19,14 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import outcome
 import trio
 
+from ironflow.store.availability import Availability, settle
+from ironflow.store.base import StorageFull, StoreUnavailable
 from ironflow.store.core import NamedLock, Tx
 from ironflow.store.handback import hand_back
 from ironflow.store.schema import added_columns, backfill_statements, statements
@@ -43,6 +46,36 @@ MAX_GROUP = 256
 # readers see the last commit without blocking it; more than a few would only
 # contend for the GIL.
 READERS = 4
+
+
+# SQLite's primary result codes (the low byte of ``sqlite_errorcode``) that
+# mean the file cannot be used now, not that the statement was wrong: each
+# becomes StoreUnavailable, so the node waits the outage out.
+_SQLITE_FULL = 13
+_SQLITE_OUTAGES = {
+    5: "the database file is locked by another process",  # SQLITE_BUSY, past busy_timeout
+    8: "the database file or its directory is read-only",  # SQLITE_READONLY
+    10: "the disk failed an I/O operation",  # SQLITE_IOERR
+    14: "the database file cannot be opened",  # SQLITE_CANTOPEN
+    15: "the database file's lock protocol failed",  # SQLITE_PROTOCOL
+}
+
+
+def _unavailable(exc: BaseException) -> StoreUnavailable | None:
+    """The outage ``exc`` (a sqlite3 error) means, or None for any other error."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if not isinstance(exc, sqlite3.Error) or code is None:
+        return None
+    primary = code & 0xFF
+    if primary == _SQLITE_FULL:
+        return StorageFull(
+            f"SQLite storage full: {exc} (free space on the state directory's file system;"
+            " the node resumes by itself)"
+        )
+    why = _SQLITE_OUTAGES.get(primary)
+    if why is None:
+        return None
+    return StoreUnavailable(f"SQLite unavailable: {why} ({exc})")
 
 
 class _SqliteTx:
@@ -157,16 +190,16 @@ class SqliteStore(SqlStore):
         # A `:memory:` store lives in a temp file of ours: deleted on close.
         self._temporary = self.path in _TEMPORARY_FILES
         self._clock = now or time.time
-        self._skew = 0.0
         self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._inline = inline
         self._inline_conn: sqlite3.Connection | None = None
         self._readers: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
         self._reader_slots = trio.CapacityLimiter(READERS)
+        self.availability = Availability()
 
     def _db_clock(self) -> float:
-        return self._clock() + self._skew
+        return self._clock()
 
     # lifecycle --------------------------------------------------------------------
 
@@ -217,14 +250,11 @@ class SqliteStore(SqlStore):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.path + suffix)
 
-    async def advance_clock(self, seconds: float) -> None:
-        self._skew += seconds
-
     async def reclaim_space(self, max_pages: int) -> int:
         def work(tx: Tx) -> int:
             mode = tx.fetchone("PRAGMA auto_vacuum")
             if mode is None or mode[0] != AUTO_VACUUM_INCREMENTAL:
-                return 0  # a file created without it: see the README's retention section
+                return 0  # a file created without it: see docs/operations.md, History retention
             row = tx.fetchone("PRAGMA freelist_count")
             pages = min(int(row[0]) if row else 0, max_pages)
             # Each step of incremental_vacuum frees one page, and Python's
@@ -252,7 +282,7 @@ class SqliteStore(SqlStore):
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         if self._auto_vacuum:
             # Only takes effect on a file that has no tables yet, so it must
-            # come before the DDL; an older file keeps auto_vacuum off (README).
+            # come before the DDL; an older file keeps auto_vacuum off (docs/operations.md).
             conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
@@ -371,18 +401,30 @@ class SqliteStore(SqlStore):
             self._readers.put(conn)
 
     async def _read(self, work: Callable[[Tx], T]) -> T:
+        self.availability.check()
         if self._inline_conn is not None:
             return await self._transact(work)  # virtual-time tests: one connection
         if self._thread is None:
             raise RuntimeError("SqliteStore is not open")
-        return await trio.to_thread.run_sync(
-            self._read_in_thread, work, limiter=self._reader_slots
+        result = await outcome.acapture(
+            partial(trio.to_thread.run_sync, self._read_in_thread, work, limiter=self._reader_slots)
         )
+        return settle(self.availability, result, _unavailable)
 
     # the Trio side ----------------------------------------------------------------
 
     async def _transact(self, work: Callable[[Tx], T], locks: Sequence[NamedLock] = ()) -> T:
         # ``locks`` need nothing here: the single writer runs one transaction at a time.
+        self.availability.check()
+        return await self._write(work)
+
+    async def _outage_transact(self, work: Callable[[Tx], T]) -> T:
+        """The monitor's write probe and give-back: tried even while the
+        store is known down (that is what they are for)."""
+        return await self._write(work)
+
+    async def _write(self, work: Callable[[Tx], T]) -> T:
+        """``work`` in the writer's next group commit (or inline)."""
         if self._inline_conn is not None:
             inline_box: list[outcome.Outcome[T]] = []
             self._commit_group(
@@ -391,7 +433,7 @@ class SqliteStore(SqlStore):
                 [(work, _Inline, inline_box.append)],
             )
             await trio.lowlevel.checkpoint()
-            return inline_box[0].unwrap()
+            return settle(self.availability, inline_box[0], _unavailable)
         if self._thread is None:
             raise RuntimeError("SqliteStore is not open")
         done = trio.Event()
@@ -406,4 +448,4 @@ class SqliteStore(SqlStore):
         # reach the caller (cancellation is delivered at the next checkpoint).
         with trio.CancelScope(shield=True):
             await done.wait()
-        return box[0].unwrap()
+        return settle(self.availability, box[0], _unavailable)

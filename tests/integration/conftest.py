@@ -12,6 +12,7 @@ import trio
 
 from ironflow.config import NodeConfig, load_config
 from ironflow.node import Node
+from tests.clock import open_test_store
 from tests.integration.fuzz_target import Target
 from tests.integration.procs import Proc, free_port, start_node, start_worker
 from tests.procs.worker_loop import LOOP_ENV, LOOPS
@@ -61,7 +62,9 @@ def node_timings() -> dict[str, Any]:
 async def node(
     database_url: str, tmp_path: Path, nursery: trio.Nursery, node_timings: dict[str, Any]
 ) -> AsyncIterator[Node]:
-    started: Node = await nursery.start(Node(node_config(database_url, tmp_path / ".ironflow", **node_timings)).run)
+    config = node_config(database_url, tmp_path / ".ironflow", **node_timings)
+    # A store whose clock a test can advance (tests/clock.py).
+    started: Node = await nursery.start(Node(config, store=open_test_store(database_url)).run)
     yield started
     started.stop()
 
@@ -93,12 +96,15 @@ class ServedNode:
 
 
 async def serve_node(
-    procs: list[Proc], db: str, tmp_path: Path, node_id: str, *extra: str, env: dict[str, str] | None = None
+    procs: list[Proc], db: str, tmp_path: Path, node_id: str, *extra: str, env: dict[str, str] | None = None,
+    program: list[str] | None = None,
 ) -> ServedNode:
-    """Start one more node process (``extra``: serve flags) and wait until ready."""
+    """Start one more node process (``extra``: serve flags; ``program``: what
+    stands for ``ironflow serve``) and wait until ready."""
     port = free_port()
     proc = await start_node(
-        db, tmp_path / node_id, tmp_path, node_id=node_id, port=port, extra=list(extra), env=env
+        db, tmp_path / node_id, tmp_path, node_id=node_id, port=port, extra=list(extra), env=env,
+        program=program,
     )
     procs.append(proc)
     return ServedNode(proc, db, port)

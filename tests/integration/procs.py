@@ -117,10 +117,11 @@ async def start_wake_worker(procs: list[Proc], url: str, log_dir: Path, name: st
 
 async def start_node(
     db: str, state_dir: Path, log_dir: Path, *, node_id: str, port: int, extra: list[str] | None = None,
-    env: dict[str, str] | None = None,
+    env: dict[str, str] | None = None, program: list[str] | None = None,
 ) -> Proc:
+    """A node process (``program``: what stands for ``ironflow serve``), once /readyz is 200."""
     argv = [
-        sys.executable, "-m", "ironflow", "serve", "--dev", "--db", db, "--port", str(port),
+        *(program or [sys.executable, "-m", "ironflow", "serve"]), "--dev", "--db", db, "--port", str(port),
         "--node-id", node_id, "--state-dir", str(state_dir), *(extra or []),
     ]
     proc = Proc(argv, log_dir / f"{node_id}.log", env=env)

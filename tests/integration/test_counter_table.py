@@ -1,6 +1,6 @@
 """The seed's counter table, one test per row, through real node and worker processes.
 
-graceful-drain.txt, "Refusal is different from failure":
+docs/seeds/graceful-drain.txt, "Refusal is different from failure":
 
 | What happened                                  | Retry attempt  | Recovery count |
 |------------------------------------------------|----------------|----------------|

@@ -15,6 +15,7 @@ import trio
 import trio_websocket
 
 from ironflow.node import Node
+from tests.clock import skewed
 from tests.integration.helpers import emit, wait_for_run, wait_for_step
 from tests.integration.procs import (
     Proc,
@@ -172,7 +173,7 @@ async def test_a_worker_that_outlived_its_lease_is_refused_on_every_write(node: 
         await frozen.send(JobAck(job.job_id, job.run_id, job.execution_seq, job.lease_token))
         await wait_for_run(http, run_id, "running")
         # Freeze: no heartbeat while the database clock passes the lease expiry.
-        await node.store.advance_clock(node.config.timings.lease_expiry_s + 1)
+        await skewed(node.store).advance_clock(node.config.timings.lease_expiry_s + 1)
         detail = await wait_for_run(http, run_id, "waiting", timeout=10)
         assert detail["run"]["current_execution_seq"] == job.execution_seq + 1
         # Wake up and write with the old execution_seq: every write is refused.

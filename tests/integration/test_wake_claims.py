@@ -1,4 +1,4 @@
-"""The waker's claims through real node processes (issue 10; seed: crash-recovery.txt).
+"""The waker's claims through real node processes (issue 10; seed: docs/seeds/crash-recovery.txt).
 
 "Exactly one node claims each step"; a claimer that dies between its claim
 and its resume leaves the step ``waking`` until loop 2 (the stale-claim
@@ -12,6 +12,7 @@ function in the same transaction as the change (``step.woke`` per resume,
 from __future__ import annotations
 
 import signal
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,9 +22,13 @@ import msgspec
 import pytest
 import trio
 
-from actors.waker import FAULT_EXIT_AFTER_CLAIM_ENV, FAULT_EXIT_CODE
 from tests.integration.conftest import serve_node
-from tests.integration.procs import Proc, count, db_rows, read_effects, start_wake_worker
+from tests.integration.procs import ROOT, Proc, count, db_rows, read_effects, start_wake_worker
+from tests.procs.node_exit_after_wake_claim import EXIT_CODE
+
+# ``ironflow serve`` with a store that exits the process right after the
+# waker's first claim commits (a fault injected from outside the engine).
+EXIT_AFTER_CLAIM = [sys.executable, str(ROOT / "tests" / "procs" / "node_exit_after_wake_claim.py")]
 
 pytestmark = pytest.mark.slow
 
@@ -41,13 +46,13 @@ async def test_a_claimer_dying_between_claim_and_resume_is_restored_by_loop_2_an
     db = database_url
     effects = tmp_path / "effects.log"
     # Node A crashes (os._exit) right after its waker's claim commits.
-    a = await serve_node(procs, db, tmp_path, "node-a", env={FAULT_EXIT_AFTER_CLAIM_ENV: "1"})
+    a = await serve_node(procs, db, tmp_path, "node-a", program=EXIT_AFTER_CLAIM)
     w1 = await start_wake_worker(procs, a.url, tmp_path, "w1", "--effects", str(effects))
     async with httpx.AsyncClient(base_url=a.url, timeout=10) as http:
         at = time.time() + 1.0
         resp = await http.post("/v1/events", json={"name": "nap.go", "data": {"at": at, "before": True}})
         run_id = resp.json()["run_ids"][0]
-    assert await a.proc.wait_exit(timeout=15) == FAULT_EXIT_CODE, a.proc.tail()
+    assert await a.proc.wait_exit(timeout=15) == EXIT_CODE, a.proc.tail()
     w1.signal(signal.SIGKILL)
     [(status, claimed_by)] = db_rows(
         db, "SELECT status, claimed_by FROM steps WHERE run_id = ? AND name = 'nap'", (run_id,)

@@ -1,4 +1,4 @@
-"""Graceful drain with real worker processes and real signals (seed: graceful-drain.txt).
+"""Graceful drain with real worker processes and real signals (seed: docs/seeds/graceful-drain.txt).
 
 The seed's rolling deploy is the DRAINING row of the counter table, in
 ``test_counter_table.py``; ``ironflow serve`` receiving SIGTERM is in

@@ -8,6 +8,7 @@ import trio
 from ironflow.protocol import Concurrency, FunctionDef, Trigger
 from ironflow.store import Reservation, open_store
 from ironflow.store.core import JANITOR_LOCK
+from tests.clock import open_test_store
 
 
 async def test_concurrent_reservations_from_two_nodes_never_share_a_row(pg_url):
@@ -106,7 +107,7 @@ async def test_cancelled_caller_leaves_the_pool_usable(pg_url):
 async def test_a_node_finds_the_janitor_lock_taken_and_deletes_nothing(pg_url):
     import psycopg
 
-    store = open_store(pg_url)
+    store = open_test_store(pg_url)
     await store.open()
     try:
         await store.ingest_event("nobody.listens", {}, None, idempotency_window_s=1)
@@ -124,7 +125,7 @@ async def test_a_node_finds_the_janitor_lock_taken_and_deletes_nothing(pg_url):
 async def test_an_operator_purge_waits_for_the_other_nodes_batch(pg_url):
     import psycopg
 
-    store = open_store(pg_url)
+    store = open_test_store(pg_url)
     await store.open()
     try:
         await store.ingest_event("nobody.listens", {}, None, idempotency_window_s=1)
@@ -215,7 +216,7 @@ async def test_two_nodes_wakers_racing_claim_and_resume_each_sleep_exactly_once(
 
 
 async def test_a_claim_left_by_a_dead_node_is_restored_and_resumed_once_by_another(pg_url):
-    dead, survivor = open_store(pg_url), open_store(pg_url)
+    dead, survivor = open_store(pg_url), open_test_store(pg_url)
     for s in (dead, survivor):
         await s.open()
     try:

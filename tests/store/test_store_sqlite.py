@@ -12,10 +12,11 @@ from ironflow.protocol import FunctionDef, Trigger
 from ironflow.store import StaleExecution, open_store
 from ironflow.store.base import Fence
 from ironflow.store.sqlite import SqliteStore
+from tests.clock import SkewedSqliteStore
 
 
 async def test_clock_follows_mock_clock(autojump_clock, tmp_path):
-    store = SqliteStore(str(tmp_path / "db"), now=lambda: 1.7e9 + autojump_clock.current_time())
+    store = SkewedSqliteStore(str(tmp_path / "db"), now=lambda: 1.7e9 + autojump_clock.current_time())
     await store.open()
     try:
         start = await store.db_now()
@@ -127,7 +128,7 @@ async def test_closing_a_file_store_keeps_its_file(tmp_path):
 
 
 async def test_a_run_that_ended_exactly_retention_ago_stays_one_more_tick_goes(tmp_path):
-    store = SqliteStore(str(tmp_path / "db"), now=lambda: 1.7e9)  # the clock moves only by skew
+    store = SkewedSqliteStore(str(tmp_path / "db"), now=lambda: 1.7e9)  # the clock moves only by skew
     await store.open()
     try:
         info = await store.register_worker(
@@ -153,7 +154,7 @@ async def test_a_run_that_ended_exactly_retention_ago_stays_one_more_tick_goes(t
 
 async def test_a_new_file_with_auto_vacuum_gives_purged_pages_back_to_the_file_system(tmp_path):
     path = tmp_path / "db"
-    store = SqliteStore(str(path), auto_vacuum=True)
+    store = SkewedSqliteStore(str(path), auto_vacuum=True)
     await store.open()
     try:
         blob = {"pad": "x" * 4000}
@@ -181,7 +182,7 @@ async def test_a_file_made_without_auto_vacuum_reclaims_nothing_and_still_works(
 
     path = tmp_path / "old.db"
     sqlite3.connect(path).execute("CREATE TABLE legacy (x)").connection.close()
-    store = SqliteStore(str(path))
+    store = SkewedSqliteStore(str(path))
     await store.open()
     try:
         await store.ingest_events([("e", {"pad": "x" * 4000}, None)] * 50, idempotency_window_s=1)
@@ -194,7 +195,7 @@ async def test_a_file_made_without_auto_vacuum_reclaims_nothing_and_still_works(
 
 async def test_by_default_purged_pages_are_reused_not_given_back(tmp_path):
     path = tmp_path / "db"
-    store = SqliteStore(str(path))
+    store = SkewedSqliteStore(str(path))
     await store.open()
     try:
         blob = {"pad": "x" * 4000}

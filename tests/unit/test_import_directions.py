@@ -1,4 +1,4 @@
-"""Which way imports point (``CONVENTIONS.md``), checked on the source.
+"""Which way imports point (the layering rules of docs/design.md), checked on the source.
 
 Every module of ``ironflow/`` and ``actors/`` is parsed and each import,
 wherever it sits (module level, inside a function, under ``TYPE_CHECKING``),
@@ -58,10 +58,12 @@ RULES = [
         allowed=("ironflow.protocol", "ironflow.config", "ironflow.ids"),
     ),
     Rule(
-        "the CLI is a leaf: only the package entry point starts it",
+        "the CLI is a leaf: only the entry points start it",
         "",
         forbidden=("ironflow.cli",),
-        exempt=("ironflow.cli", "ironflow.__main__"),
+        # ``python -m ironflow`` and ``python -m ironflow.node`` (whose main()
+        # is ``ironflow serve``, imported only when it runs as the program).
+        exempt=("ironflow.cli", "ironflow.__main__", "ironflow.node"),
     ),
 ]
 

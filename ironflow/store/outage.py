@@ -1,0 +1,80 @@
+"""The store's side of an outage: the probe that proves the database writes
+again, and the blind time given back to this node's leases once it does
+(``ironflow/store/availability.py`` is the state; ``actors/store_monitor.py``
+the actor that drives both).
+
+Why give time back: leases, reservations and worker sessions are judged by
+the database clock, and while the database is down no heartbeat can refresh
+them. Without this, a lease whose worker heartbeated faithfully through a
+10 s outage would be fenced and its segment recovered by the first scan after
+it, for nothing but the outage. The node measures how long it could not reach
+the database (since its last call that did, so the whole blind time and not
+just the part after the first error) and pushes out the expiry of what its own
+sessions hold by that much — only what was still live when it went blind: a
+lease that had already expired stays expired.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+from ironflow.store.core import SqlStoreBase, Tx
+
+T = TypeVar("T")
+
+# Bytes the write probe inserts (and deletes in the same transaction): more
+# than a page, so a database that cannot grow (full disk, ``max_page_count``)
+# refuses it, as it would refuse an emit.
+PROBE_BYTES = 8192
+
+
+class OutageOps(SqlStoreBase):
+    """``probe`` and ``give_back_blind_time`` (see the module docstring)."""
+
+    async def _outage_transact(self, work: Callable[[Tx], T]) -> T:
+        """The transaction of a write probe or of the give-back: the store's own
+        by default; PostgreSQL runs it on a connection of its own, so that it
+        is not queued behind the groups of a recovering node's backlog."""
+        return await self._transact(work)
+
+    async def probe(self, *, write: bool) -> None:
+        def work(tx: Tx) -> None:
+            if not write:
+                tx.fetchone("SELECT 1")
+                return
+            tx.execute("INSERT INTO store_probe (id, pad) VALUES (1, ?)", ("x" * PROBE_BYTES,))
+            tx.execute("DELETE FROM store_probe WHERE id = 1")
+
+        if write:
+            await self._outage_transact(work)
+        else:
+            await self._transact(work)
+
+    async def give_back_blind_time(self, node_id: str, blind_s: float) -> int:
+        def work(tx: Tx) -> int:
+            # Only what was live when the node went blind (expires_at after
+            # now - blind_s): an expiry already passed before stays passed.
+            leases = tx.execute(
+                "UPDATE concurrency_leases SET expires_at = expires_at + ?"
+                " WHERE node_id = ? AND expires_at > ironflow_now() - ?",
+                (blind_s, node_id, blind_s),
+            )
+            tx.execute(
+                "UPDATE dispatch_queue SET reservation_expires_at = reservation_expires_at + ?"
+                " WHERE reservation_owner IN (SELECT id FROM worker_sessions WHERE node_id = ?)"
+                " AND reservation_expires_at > ironflow_now() - ?",
+                (blind_s, node_id, blind_s),
+            )
+            tx.execute(
+                "UPDATE worker_sessions SET expires_at = expires_at + ?"
+                " WHERE node_id = ? AND expires_at > ironflow_now() - ?",
+                (blind_s, node_id, blind_s),
+            )
+            self._audit(
+                tx, "store.outage.blind_time_given_back", None, None,
+                {"node_id": node_id, "blind_s": round(blind_s, 3), "leases": leases},
+            )
+            return leases
+
+        return await self._outage_transact(work)
