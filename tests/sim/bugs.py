@@ -21,6 +21,7 @@ from ironflow.store import Fence, JobOutcome, Reservation, Store
 from ironflow.store.core import Tx, _enc
 from ironflow.store.fence import _STEP_RESULT_UPSERT
 from ironflow.store.sqlite import SqliteStore
+from tests.sim.pg import SimPostgresStore
 
 
 class UnfencedRecordStep(SqliteStore):
@@ -103,3 +104,13 @@ def store_class(bug: str | None) -> type[SqliteStore]:
     if bug is None:
         return SqliteStore
     return BUGS[bug]
+
+
+# The PostgreSQL mode's known bugs (tests/sim/pg.py): subclasses of its store.
+PG_BUGS: dict[str, type[SimPostgresStore]] = {}
+
+
+def pg_store_class(bug: str | None) -> type[SimPostgresStore]:
+    if bug is None:
+        return SimPostgresStore
+    return PG_BUGS[bug]

@@ -155,6 +155,38 @@ def plan_for(rng: random.Random, k: int, max_attempts: int) -> dict[str, Any]:
     return plan
 
 
+# Race runs (function sim-r, event "r.go"): one step, then a wait_for_event on
+# "race.go" matching its own key. Once a worker begins the step, the run's
+# matching event and RACE_OTHERS non-matching ones of the same name are
+# emitted at once, RACE_AFTER_S (or the step's duration) later: while the
+# segment runs, at the very moment it parks the wait, or just after.
+RACE_RUNS = (1, 4)
+RACE_OTHERS = (1, 3)
+RACE_LATE_S = 0.05
+# Keys of the non-matching events: no run has them.
+RACE_STRAY_KEY = 1000
+
+
+def race_plan(rng: random.Random, k: int) -> dict[str, Any]:
+    """A race run's plan (see RACE_RUNS): its step, its wait, and when the
+    events for it are emitted after the step begins."""
+    d = round(rng.uniform(0.1, 2.5), 3)
+    when = rng.choice(["during", "at_park", "at_park", "after"])
+    after_s = {
+        "during": round(rng.uniform(0.0, d), 3),
+        "at_park": d,  # the same virtual instant as the yield: the two transactions overlap
+        "after": round(d + rng.uniform(0.0, RACE_LATE_S), 3),
+    }[when]
+    others = [RACE_STRAY_KEY + 10 * k + j for j in range(rng.randint(*RACE_OTHERS))]
+    return {
+        "k": k,
+        "durations": [d],
+        "wait": [1, round(rng.uniform(3.0, 20.0), 3)],
+        "wait_event": "race.go",
+        "race": {"when": when, "after_s": after_s, "others": others},
+    }
+
+
 def build(seed: int) -> Schedule:
     rng = rng_for(seed, "schedule")
     timings = Timings(
@@ -225,5 +257,12 @@ def build(seed: int) -> Schedule:
         sched.node_crash_after.append(
             (rng.choice(["claim_elapsed_steps", "reserve_segments", "yield_job"]), rng.randint(1, 4))
         )
+    # Drawn last, from an RNG of their own: the rest of a seed's schedule is
+    # what it was before race runs existed.
+    races = rng_for(seed, "races")
+    for _ in range(races.randint(*RACE_RUNS)):
+        k = len(sched.events)
+        sched.events.append(("r.go", race_plan(races, k)))
+        sched.actions.append(Action(round(races.uniform(0.0, phase), 3), "emit", k))
     sched.actions.sort(key=lambda a: (a.at, a.kind, str(a.target)))
     return sched

@@ -52,6 +52,8 @@ if TYPE_CHECKING:
 REGISTER_TIMEOUT_S = 10.0
 RECONNECT_DELAY_S = 2.0
 SIGNAL_EVENT = "signal.k"
+# What a race run waits for (its matching and non-matching events: schedule.race_plan).
+RACE_EVENT = "race.go"
 
 
 def program(plan: dict[str, Any]) -> list[tuple[str, str, Any]]:
@@ -322,7 +324,7 @@ class SimWorker:
                         return
                     if kind == "wait":
                         timeout_at = self.sim.epoch_now() + float(arg)
-                        info = WaitYield(event=SIGNAL_EVENT, timeout_at=timeout_at, match="data.k",
+                        info = WaitYield(event=plan.get("wait_event", SIGNAL_EVENT), timeout_at=timeout_at, match="data.k",
                                          match_value=plan["k"])
                         self._report(job, JobYielded(*fence, step_id=sid, name=name, yield_info=info))
                         return
@@ -338,6 +340,8 @@ class SimWorker:
                         self._report(job, JobFailed(*fence, error=error))
                         return
                     self.sim.oracle.check_memo(a.run_id, a.execution_seq, sid)
+                    if "race" in plan and index == 0:
+                        self.sim.race_started(a.run_id, plan)
                     await trio.sleep(float(arg))  # the step's body, in virtual time
                     self.counts["step_bodies_run"] += 1
                     await self.gate.wait()
