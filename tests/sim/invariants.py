@@ -85,7 +85,17 @@ def check(sim: Simulation) -> None:
         code = error["code"] if error else None
         where = f"run {run_id} ({function_id}, event k={plan['k']})"
         if status not in ("completed", "failed", "cancelled"):
-            bad(f"{where} did not end: {status} after the node went quiet")
+            held = o.one(
+                "SELECT (SELECT count(*) FROM dispatch_queue WHERE run_id = ?),"
+                " (SELECT count(*) FROM concurrency_leases WHERE run_id = ?),"
+                " (SELECT count(*) FROM steps WHERE run_id = ? AND status IN ('sleeping', 'waiting', 'waking'))",
+                (run_id, run_id, run_id),
+            )
+            stranded = held is not None and not any(held)
+            bad(
+                f"{where} did not end: {status} after the node went quiet"
+                + (" (stranded: no queue row, no lease, no parked step)" if stranded else f" (queue, lease, parked: {held})")
+            )
             continue
         steps = {
             sid: (kind, st, out)

@@ -22,6 +22,7 @@ touching the database (a dead process writes nothing — not even the
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 from collections import Counter
@@ -59,6 +60,9 @@ class OutcomesByTask(SqlStore):
         self.outcomes: dict[Any, outcome.Outcome[Any]] = {}
         # A read to run inside the task's next transaction, after its work.
         self.probes: dict[Any, Callable[[Tx], None]] = {}
+        # Reads to run inside it before its work, and what they read.
+        self.before_probes: dict[Any, Callable[[Tx], Any]] = {}
+        self.before_results: dict[Any, Any] = {}
         self.transactions = 0  # a clock that orders every transaction
         self.begun: dict[Any, int] = {}  # task → when its last transaction began
         self.committed: dict[Any, int] = {}  # task → when its last transaction committed
@@ -74,6 +78,9 @@ class OutcomesByTask(SqlStore):
             else:
                 self.begun[task] = tx.begun_at  # type: ignore[attr-defined]
                 on_commit.append(lambda n: self.committed.__setitem__(task, n))
+            before = self.before_probes.get(task)
+            if before is not None:
+                self.before_results[task] = before(tx)
             result = outcome.capture(work, tx)
             self.outcomes[task] = result
             probe = self.probes.pop(task, None)
@@ -121,6 +128,26 @@ class Reader(Protocol):
     def all(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]: ...
 
     def close(self) -> None: ...
+
+
+class TxReader:
+    """The oracle's reads inside a store transaction (not paused, if the
+    transaction pauses: they are the oracle's, not the engine's)."""
+
+    def __init__(self, tx: Tx) -> None:
+        self._tx = tx
+        raw = getattr(type(tx), "unpaused", None)
+        self._fetchone = functools.partial(raw.fetchone, tx) if raw else tx.fetchone
+        self._fetchall = functools.partial(raw.fetchall, tx) if raw else tx.fetchall
+
+    def one(self, sql: str, params: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
+        return self._fetchone(sql, params)  # type: ignore[no-any-return]
+
+    def all(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        return self._fetchall(sql, params)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        pass
 
 
 class SqliteReader:
@@ -217,10 +244,10 @@ class Oracle:
 
     # ── the fence ──────────────────────────────────────────────────────────
 
-    def fence_state(self, fence: Fence) -> dict[str, Any]:
+    def fence_state(self, fence: Fence, db: Reader | None = None) -> dict[str, Any]:
         digest = token_hash(fence.lease_token)
         key = (fence.run_id, fence.execution_seq, fence.session_id, digest)
-        row = self.one(
+        row = (db or self.db).one(
             "SELECT r.current_execution_seq, r.status, r.attempt, r.max_attempts,"
             " EXISTS (SELECT 1 FROM concurrency_leases WHERE run_id = ? AND execution_seq = ?"
             "  AND session_id = ? AND lease_token_hash = ?),"
@@ -352,9 +379,11 @@ class ObservedStore:
             return list(kwargs.get("steps") or [])
         return []
 
-    def _before(self, method: str, fence: Fence, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _before(
+        self, method: str, fence: Fence, args: tuple[Any, ...], kwargs: dict[str, Any], db: Reader | None = None
+    ) -> Any:
         """What the oracle reads before a fenced call, beyond the fence itself."""
-        o = self._oracle
+        o: Any = db or self._oracle.db
         if method == "yield_job":
             return o.one(
                 "SELECT activated_at FROM concurrency_leases WHERE run_id = ? AND execution_seq = ?",
@@ -362,7 +391,7 @@ class ObservedStore:
             )
         steps = self._steps_of(method, args, kwargs)
         if method == "complete_job" and steps:
-            return self._before("record_steps", fence, (steps,), {})
+            return self._before("record_steps", fence, (steps,), {}, db)
         if method == "record_step":
             return o.one(
                 "SELECT status, output FROM steps WHERE run_id = ? AND step_id = ?",
@@ -378,30 +407,72 @@ class ObservedStore:
             }
         return None
 
+    def _judge_before(
+        self, method: str, calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]], db: Reader | None = None
+    ) -> list[tuple[dict[str, Any], bool, Any]]:
+        o = self._oracle
+        judged = []
+        for fence, args, kwargs in calls:
+            state = o.fence_state(fence, db)
+            judged.append((state, o.live_for(method, state), self._before(method, fence, args, kwargs, db)))
+        return judged
+
+    def _call_judged(
+        self, method: str, calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]], call: Any
+    ) -> tuple[Any, Callable[[], list[tuple[dict[str, Any], bool, Any]] | None]]:
+        """``call()`` (to await), and how to get the oracle's reads of
+        ``calls`` before it (None: it ran no transaction). On PostgreSQL they
+        are read inside the call's own transaction, right before its work (a
+        chained call comes after its chain's earlier calls, whose writes a
+        read outside would miss); on SQLite, before the call."""
+        store: Any = self._store
+        if not self._oracle.concurrent:
+            judged = self._judge_before(method, calls)
+            return call(), lambda: judged
+        task = trio.lowlevel.current_task()
+        store.before_probes[task] = lambda tx: self._judge_before(method, calls, TxReader(tx))
+
+        def judged_inside() -> list[tuple[dict[str, Any], bool, Any]] | None:
+            store.before_probes.pop(task, None)
+            return store.before_results.pop(task, None)  # type: ignore[no-any-return]
+
+        return call(), judged_inside
+
     async def _fenced(self, method: str, fence: Fence, *args: Any, **kwargs: Any) -> Any:
         self._check()
-        o = self._oracle
-        state = o.fence_state(fence)
-        live = o.live_for(method, state)
-        before = self._before(method, fence, args, kwargs)
         store: Any = self._store
+        pending, judge = self._call_judged(
+            method, [(fence, args, kwargs)], lambda: getattr(store, method)(fence, *args, **kwargs)
+        )
         try:
-            result = await getattr(store, method)(fence, *args, **kwargs)
+            result = await pending
         except trio.Cancelled:
             # Cancelled at the store's checkpoint after its transaction: judge
             # by the transaction's own outcome.
-            done = store.take_outcome()
-            if isinstance(done, outcome.Value):
-                self._accepted(method, fence, state, live, before, done.value, args, kwargs)
-            elif done is not None and isinstance(done.error, StaleExecution):
-                self._refused(method, fence, live, before, args, kwargs)
+            judged, done = judge(), store.take_outcome()
+            if judged is not None:
+                ((state, live, before),) = judged
+                if isinstance(done, outcome.Value):
+                    self._accepted(method, fence, state, live, before, done.value, args, kwargs)
+                elif done is not None and isinstance(done.error, StaleExecution):
+                    self._refused(method, fence, live, before, args, kwargs)
             raise
         except StaleExecution:
+            judged = judge()
             store.take_outcome()
-            self._refused(method, fence, live, before, args, kwargs)
+            if judged is not None:
+                ((state, live, before),) = judged
+                self._refused(method, fence, live, before, args, kwargs)
             raise
+        except BaseException:
+            judge()
+            store.take_outcome()
+            raise
+        judged = judge()
         store.take_outcome()
-        self._accepted(method, fence, state, live, before, result, args, kwargs)
+        if judged is not None:
+            ((state, live, before),) = judged
+            self._accepted(method, fence, state, live, before, result, args, kwargs)
         return result
 
     async def _fenced_many(
@@ -410,21 +481,23 @@ class ObservedStore:
         """A session's group of fenced calls (``apply()``: the store's grouped
         form, one transaction), each judged as :meth:`_fenced` judges one."""
         self._check()
-        o = self._oracle
-        judged = []
-        for fence, args, kwargs in calls:
-            state = o.fence_state(fence)
-            judged.append((state, o.live_for(method, state), self._before(method, fence, args, kwargs)))
         store: Any = self._store
+        pending, judge = self._call_judged(method, calls, apply)
         try:
-            results: list[outcome.Outcome[Any]] = await apply()
+            results: list[outcome.Outcome[Any]] = await pending
         except trio.Cancelled:
-            done = store.take_outcome()
-            if isinstance(done, outcome.Value):
+            judged, done = judge(), store.take_outcome()
+            if judged is not None and isinstance(done, outcome.Value):
                 self._judge_many(method, calls, judged, done.value)
             raise
+        except BaseException:
+            judge()
+            store.take_outcome()
+            raise
+        judged = judge()
         store.take_outcome()
-        self._judge_many(method, calls, judged, results)
+        if judged is not None:
+            self._judge_many(method, calls, judged, results)
         return results
 
     def _judge_many(

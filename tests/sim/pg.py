@@ -122,6 +122,8 @@ class PausingTx(_PgTx):
     pauses: Pauses
     hold: ClockHold
     base: float
+    # The oracle's own reads inside a transaction go through this, unpaused.
+    unpaused = _PgTx
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
