@@ -57,8 +57,16 @@ class Grouped(Generic[Item, Result]):
             for i, queued in enumerate(self._queued):
                 if queued is entry:
                     del self._queued[i]
-                    break
-            raise
+                    raise
+            # Cancelled while its group is applied (by another caller): that
+            # write will commit, so its caller hears the result (an ack or job
+            # result that committed is never reported as lost); the
+            # cancellation is delivered at the caller's next checkpoint.
+            with trio.CancelScope(shield=True):
+                while not result and self._applied is not None:
+                    await self._applied.wait()
+            if not result:
+                raise
         return result[0].unwrap()
 
     async def _apply_next(self) -> None:

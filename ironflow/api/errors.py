@@ -34,6 +34,8 @@ STATUS_FOR_CODE = {
     "RUN_NOT_FOUND": 404,
     "SESSION_NOT_FOUND": 404,
     "LIMIT_EXCEEDED": 422,
+    # The database connection broke while committing: retry with an idempotency key.
+    "COMMIT_OUTCOME_UNKNOWN": 503,
 }
 
 

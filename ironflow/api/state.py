@@ -14,7 +14,7 @@ from actors.directory import SessionDirectory
 from actors.grouped import Grouped
 from actors.messages import Kick
 from ironflow.config import NodeConfig
-from ironflow.store import IngestResult, Principal, SessionInfo, Store
+from ironflow.store import CommitOutcomeUnknown, IngestResult, Principal, SessionInfo, Store
 
 if TYPE_CHECKING:
     from ironflow.api.chaos import CrashableActors
@@ -99,6 +99,8 @@ class ApiState:
                 [(name, data, None) for name, data in events], idempotency_window_s=window
             )
             return [outcome.Value(result) for result in results]
+        except CommitOutcomeUnknown:
+            raise  # it may have committed: one by one would write each event again
         except Exception:
             if len(events) == 1:
                 raise

@@ -51,6 +51,14 @@ class StoreError(Exception):
     code = "STORE_ERROR"
 
 
+class CommitOutcomeUnknown(StoreError):
+    """The connection failed while the transaction committed: it may have
+    committed or not. Never retried as if it had not (a write without an
+    idempotency key would be written twice)."""
+
+    code = "COMMIT_OUTCOME_UNKNOWN"
+
+
 class StaleExecution(StoreError):
     """The fence ``(run_id, execution_seq, lease_token)`` is not the live one."""
 

@@ -40,16 +40,17 @@ class _Chain:
     """The works of one chain, by place, and their results once committed."""
 
     def __init__(self, size: int) -> None:
-        self.works: list[Work | None] = [None] * size
+        self.works: list[tuple[Work, Sequence[Any]] | None] = [None] * size
         self._undecided = size
         self.all_decided = trio.Event()
         self.results: dict[int, outcome.Outcome[Any]] = {}
         self.committed = trio.Event()
 
-    def decide(self, place: int, work: Work | None) -> None:
-        """Place ``place`` registers ``work`` (None: it needs no transaction here)."""
+    def decide(self, place: int, work: Work | None, locks: Sequence[Any] = ()) -> None:
+        """Place ``place`` registers ``work`` and the named locks it takes (None:
+        it needs no transaction here)."""
         if work is not None:
-            self.works[place] = work
+            self.works[place] = (work, locks)
         self._undecided -= 1
         if self._undecided == 0:
             self.all_decided.set()
@@ -59,21 +60,22 @@ class _Chain:
         return self.results[place].unwrap()
 
 
-def chained(work: Callable[[Any], T]) -> Awaitable[T] | None:
-    """In a chained call's first transaction: register ``work`` and return what
-    to await for its result. Otherwise None (the backend runs it alone)."""
+def chained(work: Callable[[Any], T], locks: Sequence[Any] = ()) -> Awaitable[T] | None:
+    """In a chained call's first transaction: register ``work`` (and the named
+    locks it takes) and return what to await for its result. Otherwise None
+    (the backend runs it alone)."""
     slot = _SLOT.get()
     if slot is None:
         return None
     _SLOT.set(None)  # a second transaction of the same call runs on its own
     chain, place = slot
-    chain.decide(place, work)
+    chain.decide(place, work, locks)
     return chain.result(place)
 
 
 async def in_order(
     calls: Sequence[Callable[[], Awaitable[Any]]],
-    transact_many: Callable[[list[Work]], Awaitable[list[outcome.Outcome[Any]]]],
+    transact_many: Callable[[list[tuple[Work, Sequence[Any]]]], Awaitable[list[outcome.Outcome[Any]]]],
 ) -> list[outcome.Outcome[Any]]:
     """Run ``calls`` (store method calls) with their first transactions chained
     into one group, in this order; each call's outcome, in this order."""

@@ -90,6 +90,10 @@ _FENCE_SQL = (
     " AND EXISTS (SELECT 1 FROM runs WHERE id = ? AND current_execution_seq = ?)"
 )
 
+# A named lock a transaction takes before its first statement: (name, exclusive).
+# A shared holder waits only for an exclusive one (see :func:`lock_id`).
+NamedLock = tuple[str, bool]
+
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
 _error_decode = msgspec.json.Decoder(ErrorInfo).decode
@@ -135,6 +139,16 @@ class Tx(Protocol):
     def try_advisory_lock(self, key: str) -> bool:
         """Take the transaction-scoped named lock if free (PostgreSQL); True on SQLite."""
 
+    def key_share_lock(self, of: str) -> str:
+        """``FOR KEY SHARE OF of`` on PostgreSQL (waits for a DELETE of the row,
+        not for an UPDATE of its other columns), ``""`` on SQLite."""
+
+    # SQL for this transaction's id (PostgreSQL: ``pg_current_xact_id()``, the
+    # number :meth:`snapshot_sql`'s snapshot is judged against), ``NULL`` on SQLite.
+    xid_sql: str
+    # SQL for the current statement's snapshot as text (PostgreSQL), ``NULL`` on SQLite.
+    snapshot_sql: str
+
 
 # ── small helpers ──────────────────────────────────────────────────────────
 
@@ -150,6 +164,13 @@ def _where(filters: dict[str, Any]) -> tuple[str, list[Any]]:
     if not used:
         return "", []
     return "WHERE " + " AND ".join(f"{col} = ?" for col in used), list(used.values())
+
+
+def lock_id(name: str) -> int:
+    """The 64-bit advisory lock number of named lock ``name``. Computed here, not
+    by ``hashtext`` in SQL, so a group can sort its locks by the very numbers
+    PostgreSQL orders them by: two names that collide are one lock, taken once."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big", signed=True)
 
 
 def token_hash(token: str) -> str:
@@ -282,8 +303,14 @@ class SqlStoreBase(Store):
         self._wake_listeners: list[Callable[[float], None]] = []
 
     @abc.abstractmethod
-    async def _transact(self, work: Callable[[Tx], T]) -> T:
-        """Run ``work(tx)`` as one transaction and return its result (or raise)."""
+    async def _transact(self, work: Callable[[Tx], T], locks: Sequence[NamedLock] = ()) -> T:
+        """Run ``work(tx)`` as one transaction and return its result (or raise).
+
+        ``locks``: named locks the transaction takes before its first statement
+        (PostgreSQL: transaction-scoped advisory locks, shared or exclusive; SQLite's
+        single writer needs none). A group commit takes the union of its calls'
+        locks at its BEGIN, sorted by :func:`lock_id`, the strongest mode of each:
+        one global order, so two groups can never deadlock on them."""
 
     async def _read(self, work: Callable[[Tx], T]) -> T:
         """Run read-only ``work(tx)`` and return its result. A backend may serve it
@@ -313,7 +340,9 @@ class SqlStoreBase(Store):
             for listener in self._wake_listeners:
                 listener(wake_at)
 
-    async def _transact_ending(self, work: Callable[[Tx], T], ended: Callable[[T], list[str]]) -> T:
+    async def _transact_ending(
+        self, work: Callable[[Tx], T], ended: Callable[[T], list[str]], locks: Sequence[NamedLock] = ()
+    ) -> T:
         """:meth:`_transact` for work that may end runs (``ended`` picks their ids
         from its result): the transaction tells the other nodes
         (:meth:`Tx.runs_ended`, a NOTIFY on PostgreSQL) and, after the commit,
@@ -326,7 +355,7 @@ class SqlStoreBase(Store):
                 tx.runs_ended(run_ids)
             return result
 
-        result = await self._transact(announcing)
+        result = await self._transact(announcing, locks)
         self._announce_ended(ended(result))
         return result
 
@@ -482,8 +511,8 @@ class SqlStoreBase(Store):
             all_run_ids.append(run_ids)
         runs = len(run_rows) // 6
         events_sql = (
-            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids) VALUES "
-            + ", ".join(["(?, ?, ?, ?, ironflow_now(), ?)"] * len(events))
+            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids, xid) VALUES "
+            + ", ".join([f"(?, ?, ?, ?, ironflow_now(), ?, {tx.xid_sql})"] * len(events))
         )
         if not runs:
             tx.execute(events_sql, event_rows)
@@ -562,8 +591,8 @@ class SqlStoreBase(Store):
         first under a pre-made ``event_id`` (no foreign key ties them), so the
         event is written once rather than inserted and then updated."""
         tx.execute(
-            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids)"
-            " VALUES (?, ?, ?, ?, ironflow_now(), ?)",
+            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids, xid)"
+            f" VALUES (?, ?, ?, ?, ironflow_now(), ?, {tx.xid_sql})",
             (event_id, name, _enc(data), key, _enc(run_ids)),
         )
 

@@ -28,7 +28,6 @@ from ironflow.protocol import (
     SleepYield,
     WaitYield,
     YieldInfo,
-    lookup_path,
 )
 from ironflow.store.base import (
     Fence,
@@ -44,18 +43,12 @@ from ironflow.store.core import (
     _TERMINAL_SQL,
     INVOKED_EVENT,
     RUN_END_FIGURES,
-    SqlStoreBase,
     Tx,
-    _dec,
     _enc,
     _run_record,
     token_hash,
 )
-
-# Events of the awaited name read when a wait parks, looking for one that came
-# while its segment ran; more than this many in one segment is not a wait race.
-EARLY_EVENT_LOOKBACK = 100
-
+from ironflow.store.waits import WaitOps, park_locks
 
 # Whether the run's function records ordinary audit events, read in the same
 # statement that changes the run or its step: a hot-path transition costs no
@@ -68,6 +61,31 @@ _STEP_AUDITED_FUNCTION = (
 )
 
 
+# Bind parameters of one step row in the step-result INSERT.
+_STEP_ROW_PARAMS = 8
+# Most bind parameters one statement carries (PostgreSQL's protocol allows
+# 65,535): a larger batch goes in several statements of one transaction.
+MAX_STATEMENT_PARAMS = 30_000
+
+
+def _statement_chunks(rows: list[tuple[Any, ...]], per_row: int) -> list[list[tuple[Any, ...]]]:
+    """``rows`` (run id, step id first) in order, cut into statements of at most
+    :data:`MAX_STATEMENT_PARAMS` parameters in which no (run, step) repeats:
+    one INSERT … ON CONFLICT may not change the same row twice, so a later
+    result of the same step goes in the next statement, after the first."""
+    chunks: list[list[tuple[Any, ...]]] = []
+    seen: set[tuple[Any, Any]] = set()
+    limit = max(1, MAX_STATEMENT_PARAMS // per_row)
+    for row in rows:
+        key = (row[0], row[1])
+        if not chunks or key in seen or len(chunks[-1]) >= limit:
+            chunks.append([])
+            seen = set()
+        chunks[-1].append(row)
+        seen.add(key)
+    return chunks
+
+
 # How a step result is written: a completed row is never overwritten (a
 # replayed result leaves it as it was); a failed one may be retried over.
 _STEP_RESULT_UPSERT = (
@@ -78,7 +96,7 @@ _STEP_RESULT_UPSERT = (
 )
 
 
-class FenceOps(SqlStoreBase):
+class FenceOps(WaitOps):
     """The fence and a segment's life (see the module docstring)."""
 
     def _fence_alive(self, tx: Tx, fence: Fence) -> bool:
@@ -101,11 +119,12 @@ class FenceOps(SqlStoreBase):
             fence.execution_seq,
         )
 
-    def _take_lease(self, tx: Tx, fence: Fence) -> float:
+    def _take_lease(self, tx: Tx, fence: Fence) -> tuple[float, str | None]:
         """Delete the fenced lease and free its credit; return when the segment
-        started (its ``activated_at``). StaleExecution if it is not live."""
+        started (its ``activated_at``) and the snapshot of its activation
+        (PostgreSQL; waits.py). StaleExecution if it is not live."""
         row = tx.fetchone(
-            f"DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING activated_at",
+            f"DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING activated_at, began_snapshot",
             self._fence_params(fence),
         )
         if row is None:
@@ -113,143 +132,61 @@ class FenceOps(SqlStoreBase):
                 f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
             )
         self._free_credit(tx, fence.session_id, fence.run_id, fence.execution_seq)
-        return float(row[0])
+        return float(row[0]), row[1]
 
     async def activate_lease(self, fence: Fence, *, lease_expiry_s: float) -> RunRecord:
-        digest = token_hash(fence.lease_token)
-
-        def one_statement(tx: Tx) -> RunRecord:
-            """The queue row out, the lease in, the run running: one statement
-            (the same three changes and checks as below)."""
-            run = tx.fetchone(
-                "WITH q AS (DELETE FROM dispatch_queue WHERE run_id = ? AND execution_seq = ?"
-                " AND reservation_owner = ? AND lease_token_hash = ? AND EXISTS ("
-                " SELECT 1 FROM runs WHERE id = ? AND current_execution_seq = ?"
-                f" AND status NOT IN {_TERMINAL_SQL}) RETURNING function_id, concurrency_key),"
-                " l AS (INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
-                " concurrency_key, session_id, node_id, lease_token_hash, expires_at,"
-                " activated_at) SELECT ?, ?, q.function_id, q.concurrency_key, s.id, s.node_id,"
-                " ?, ironflow_now() + ?, ironflow_now() FROM q, worker_sessions s WHERE s.id = ?"
-                " RETURNING run_id)"
-                " UPDATE runs r SET status = 'running', started_at = coalesce(r.started_at,"
-                " ironflow_now()), deadline_at = coalesce(r.deadline_at, ironflow_now() + r.timeout_s),"
-                f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {_RUN_COLS},"
-                f" {_AUDIT_FLAG}",
-                (
-                    fence.run_id, fence.execution_seq, fence.session_id, digest,
-                    fence.run_id, fence.execution_seq,
-                    fence.run_id, fence.execution_seq, digest, float(lease_expiry_s),
-                    fence.session_id,
-                ),
-            )
-            if run is None:
-                # Nothing reserved under this token (a repeated JobAck finds its
-                # lease live), or the session is gone: raising undoes the queue
-                # row's removal with the rest of the call.
-                if self._fence_alive(tx, fence):
-                    again = tx.fetchone(f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,))
-                    assert again is not None
-                    return _run_record(again)
-                raise StaleExecution(
-                    f"segment {fence.run_id}/{fence.execution_seq} is not reserved for this"
-                    " session with this lease token, or the session is gone"
-                )
-            return started(tx, run)
-
-        def started(tx: Tx, run: tuple[Any, ...]) -> RunRecord:
-            record = _run_record(run)
-            if run[-1]:
-                self._audit(
-                    tx, "run.started", fence.run_id, record.function_id,
-                    {"execution_seq": fence.execution_seq},
-                )
-            return record
-
-        def work(tx: Tx) -> RunRecord:
-            if tx.combined:
-                return one_statement(tx)
-            row = tx.fetchone(
-                "DELETE FROM dispatch_queue WHERE run_id = ? AND execution_seq = ?"
-                " AND reservation_owner = ? AND lease_token_hash = ? AND EXISTS ("
-                " SELECT 1 FROM runs WHERE id = ? AND current_execution_seq = ?"
-                f" AND status NOT IN {_TERMINAL_SQL})"
-                " RETURNING function_id, concurrency_key",
-                (
-                    fence.run_id,
-                    fence.execution_seq,
-                    fence.session_id,
-                    digest,
-                    fence.run_id,
-                    fence.execution_seq,
-                ),
-            )
-            if row is None:
-                if self._fence_alive(tx, fence):  # a repeated JobAck: already active
-                    run = tx.fetchone(
-                        f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,)
-                    )
-                    assert run is not None
-                    return _run_record(run)
-                raise StaleExecution(
-                    f"segment {fence.run_id}/{fence.execution_seq} is not reserved for this"
-                    " session with this lease token"
-                )
-            if not tx.execute(
-                "INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
-                " concurrency_key, session_id, node_id, lease_token_hash, expires_at,"
-                " activated_at) SELECT ?, ?, ?, ?, s.id, s.node_id, ?, ironflow_now() + ?,"
-                " ironflow_now() FROM worker_sessions s WHERE s.id = ?",
-                (
-                    fence.run_id,
-                    fence.execution_seq,
-                    row[0],
-                    row[1],
-                    digest,
-                    float(lease_expiry_s),
-                    fence.session_id,
-                ),
-            ):
-                raise StaleExecution(f"worker session {fence.session_id} is gone")
-            run = tx.fetchone(
-                # The function's timeout runs from the first start (deadline_at).
-                "UPDATE runs SET status = 'running', started_at = coalesce(started_at,"
-                " ironflow_now()), deadline_at = coalesce(deadline_at, ironflow_now() + timeout_s),"
-                " updated_at = ironflow_now() WHERE id = ? RETURNING"
-                + _RUN_COLS.replace("r.", " ")
-                + f", {_AUDIT_FLAG}",
-                (fence.run_id,),
-            )
-            assert run is not None
-            return started(tx, run)
-
-        return await self._transact(work)
+        # One ack is a burst of one; refused, it raises inside its transaction.
+        return await self._transact(
+            lambda tx: self._activate(tx, [fence], lease_expiry_s)[0].unwrap()
+        )
 
     async def activate_leases(
         self, fences: Sequence[Fence], *, lease_expiry_s: float
     ) -> list[outcome.Outcome[RunRecord]]:
-        if len(fences) <= 1 or len({f.run_id for f in fences}) < len(fences):
-            return await super().activate_leases(fences, lease_expiry_s=lease_expiry_s)
+        if len({f.run_id for f in fences}) < len(fences):
+            # The same run twice (a repeated JobAck in one burst): one after another.
+            return [
+                (await self.activate_leases([fence], lease_expiry_s=lease_expiry_s))[0]
+                for fence in fences
+            ]
+        if not fences:
+            return []
+        return await self._transact(lambda tx: self._activate(tx, fences, lease_expiry_s))
+
+    def _activate(
+        self, tx: Tx, fences: Sequence[Fence], lease_expiry_s: float
+    ) -> list[outcome.Outcome[RunRecord]]:
+        """Activate segments of different runs: the queue row out, the lease in,
+        the run running, each its own outcome (StaleExecution, nothing written,
+        for an ack no live reservation of a live session proves)."""
         rows = [(f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token)) for f in fences]
         values = ", ".join(["(?, ?, ?, ?)"] * len(rows))
         flat = [value for row in rows for value in row]
 
         def one_statement(tx: Tx) -> list[tuple[Any, ...]]:
             """Every reservation's queue row out, its lease in, its run running:
-            one statement (the checks of :meth:`activate_lease`, per row)."""
+            one statement. The queue row goes only with its session's row in
+            the same statement's view: an ack from a session removed since its
+            reservation deletes nothing (issue #21, race 1: the queue row went,
+            no lease came, and the run was stranded). A session removed while
+            this runs first frees its reservations (``close_session`` updates
+            the queue rows, which this DELETE then waits for and re-checks), or
+            expires (``expire_sessions``) and the lease written here expires
+            with it: never a run with neither."""
             return tx.fetchall(
                 f"WITH v (run_id, execution_seq, session_id, digest) AS (VALUES {values}),"
-                " q AS (DELETE FROM dispatch_queue d USING v WHERE d.run_id = v.run_id"
+                " q AS (DELETE FROM dispatch_queue d USING v JOIN worker_sessions s"
+                " ON s.id = v.session_id WHERE d.run_id = v.run_id"
                 " AND d.execution_seq = v.execution_seq AND d.reservation_owner = v.session_id"
                 " AND d.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
                 " WHERE id = v.run_id AND current_execution_seq = v.execution_seq"
                 f" AND status NOT IN {_TERMINAL_SQL}) RETURNING d.run_id, d.execution_seq,"
-                " d.function_id, d.concurrency_key, v.session_id, v.digest),"
+                " d.function_id, d.concurrency_key, v.session_id, s.node_id, v.digest),"
                 " l AS (INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
                 " concurrency_key, session_id, node_id, lease_token_hash, expires_at,"
-                " activated_at) SELECT q.run_id, q.execution_seq, q.function_id,"
-                " q.concurrency_key, s.id, s.node_id, q.digest, ironflow_now() + ?,"
-                " ironflow_now() FROM q JOIN worker_sessions s ON s.id = q.session_id"
-                " RETURNING run_id)"
+                " activated_at, began_snapshot) SELECT q.run_id, q.execution_seq, q.function_id,"
+                " q.concurrency_key, q.session_id, q.node_id, q.digest, ironflow_now() + ?,"
+                f" ironflow_now(), {tx.snapshot_sql} FROM q RETURNING run_id)"
                 " UPDATE runs r SET status = 'running', started_at = coalesce(r.started_at,"
                 " ironflow_now()), deadline_at = coalesce(r.deadline_at, ironflow_now() + r.timeout_s),"
                 f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {_RUN_COLS},"
@@ -258,7 +195,8 @@ class FenceOps(SqlStoreBase):
             )
 
         def statement_per_table(tx: Tx) -> list[tuple[Any, ...]]:
-            """The same in three statements (SQLite has no data-modifying WITH)."""
+            """The same in three statements (SQLite has no data-modifying WITH;
+            its single writer makes the session check and the DELETE one step)."""
             sessions = {fence.session_id for fence in fences}
             nodes = dict(
                 tx.fetchall(
@@ -338,7 +276,7 @@ class FenceOps(SqlStoreBase):
                     )
             return results
 
-        return await self._transact(work)
+        return work(tx)
 
     async def record_step(
         self,
@@ -372,52 +310,7 @@ class FenceOps(SqlStoreBase):
     def _record(self, tx: Tx, fence: Fence, fields: list[tuple[Any, ...]]) -> None:
         """Write one segment's step results under its fence (StaleExecution,
         and nothing written, if it is not live)."""
-        # Step order: when their transaction ran (a chain runs in arrival
-        # order), then their order in this call.
-        first = time.time_ns()
-        rows = [(*row, first + i) for i, row in enumerate(fields)]
-        # One statement writes them all (it can write a step id only once:
-        # a call that repeats one goes a row at a time).
-        groups = [rows] if len({row[0] for row in rows}) == len(rows) else [[row] for row in rows]
-        written: list[tuple[Any, ...]] = []
-        for group in groups:
-            written += tx.fetchall(
-                "WITH v (step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
-                + ", ".join(["(?, ?, ?, ?, ?, ?, ?)"] * len(group))
-                + ") INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
-                " duration_ms, execution_seq, created_at, seq)"
-                " SELECT ?, v.step_id, v.name, 'run', v.status, v.output, v.error,"
-                " v.duration_ms, ?, ironflow_now(), v.seq FROM v"
-                f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL})"
-                + _STEP_RESULT_UPSERT
-                + f" RETURNING step_id, status, {_STEP_AUDITED_FUNCTION}",
-                (
-                    *(value for row in group for value in row),
-                    fence.run_id,
-                    fence.execution_seq,
-                    *self._fence_params(fence),
-                ),
-            )
-        self._recorded(tx, fence, fields, written)
-
-    def _recorded(
-        self, tx: Tx, fence: Fence, fields: list[tuple[Any, ...]], written: list[tuple[Any, ...]]
-    ) -> None:
-        """After the INSERT: ``written`` = (step_id, status, audited function) of
-        the rows it wrote."""
-        if len(written) < len(fields) and not self._fence_alive(tx, fence):
-            # Nothing was written (the fence guards every row): all refused.
-            raise StaleExecution(
-                f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
-            )
-        # Rows not written are idempotent replays of completed steps.
-        names = {row[0]: row[1] for row in fields}
-        for step_id, status, audited in written:
-            if status == "completed" and audited is not None:
-                self._audit(
-                    tx, "step.completed", fence.run_id, audited,
-                    {"step_id": step_id, "name": names[step_id]},
-                )
+        self._record_many(tx, [(fence, fields)])[0].unwrap()
 
     async def record_steps(self, fence: Fence, steps: list[StepResult]) -> None:
         if not steps:
@@ -437,50 +330,109 @@ class FenceOps(SqlStoreBase):
         self, tx: Tx, prepared: list[tuple[Fence, list[tuple[Any, ...]]]]
     ) -> list[outcome.Outcome[None]]:
         """Several segments' step fields (:meth:`_step_fields`; different runs),
-        each under its own fence and with its own outcome: on PostgreSQL one
-        statement for them all when no segment repeats a step id."""
-        if not (tx.combined and all(len({row[0] for row in fields}) == len(fields) for _, fields in prepared)):
-            results: list[outcome.Outcome[None]] = []
-            for fence, fields in prepared:
-                try:
-                    if fields:
-                        self._record(tx, fence, fields)
-                    results.append(outcome.Value(None))
-                except StaleExecution as exc:  # raised before it wrote anything
-                    results.append(outcome.Error(exc))
-            return results
+        each under its own fence and with its own outcome: StaleExecution, and
+        nothing of it written, for a segment whose fence is not live."""
+        # Step order: when their transaction ran (a chain runs in arrival
+        # order), then their order in this call.
         first = time.time_ns()
         rows: list[tuple[Any, ...]] = []
         for fence, fields in prepared:
-            head = (fence.run_id, fence.execution_seq, fence.session_id, token_hash(fence.lease_token))
-            rows += [(*head, *row, first + len(rows) + i) for i, row in enumerate(fields)]
-        written = tx.fetchall(
-            "WITH v (run_id, execution_seq, session_id, digest, step_id, name, status, output,"
-            " error, duration_ms, seq) AS (VALUES "
-            + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"] * len(rows))
-            + ") INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
-            " duration_ms, execution_seq, created_at, seq)"
-            " SELECT v.run_id, v.step_id, v.name, 'run', v.status, v.output, v.error,"
-            " v.duration_ms, v.execution_seq, ironflow_now(), v.seq FROM v"
-            " WHERE EXISTS (SELECT 1 FROM concurrency_leases c WHERE c.run_id = v.run_id"
-            " AND c.execution_seq = v.execution_seq AND c.session_id = v.session_id"
-            " AND c.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
-            " WHERE id = v.run_id AND current_execution_seq = v.execution_seq))"
-            + _STEP_RESULT_UPSERT
-            + f" RETURNING run_id, step_id, status, {_STEP_AUDITED_FUNCTION}",
-            tuple(value for row in rows for value in row),
-        ) if rows else []
-        by_run: dict[str, list[tuple[Any, ...]]] = {}
-        for run_id, *rest in written:
-            by_run.setdefault(run_id, []).append(tuple(rest))
-        done: list[outcome.Outcome[None]] = []
-        for fence, fields in prepared:
-            try:
-                self._recorded(tx, fence, fields, by_run.get(fence.run_id, []))
-                done.append(outcome.Value(None))
-            except StaleExecution as exc:
-                done.append(outcome.Error(exc))
-        return done
+            rows += [(fence.run_id, *row, first + len(rows) + i) for i, row in enumerate(fields)]
+        fences = {fence.run_id: fence for fence, _ in prepared}
+        live = (
+            self._record_fenced(tx, fences, rows) if tx.combined
+            else self._record_checked(tx, fences, rows)
+        )
+        return [
+            outcome.Value(None) if fence.run_id in live or not fields else outcome.Error(StaleExecution(
+                f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
+            ))
+            for fence, fields in prepared
+        ]
+
+    def _record_checked(
+        self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]
+    ) -> set[str]:
+        """SQLite: each fence checked, then its rows written (its single writer
+        makes the check and the write one step). The runs whose fence was live."""
+        live = {run_id for run_id, fence in fences.items() if self._fence_alive(tx, fence)}
+        for chunk in _statement_chunks([row for row in rows if row[0] in live], _STEP_ROW_PARAMS):
+            written = tx.fetchall(
+                "WITH v (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
+                + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
+                + ") INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
+                " duration_ms, execution_seq, created_at, seq)"
+                " SELECT v.run_id, v.step_id, v.name, 'run', v.status, v.output, v.error,"
+                " v.duration_ms, (SELECT current_execution_seq FROM runs WHERE id = v.run_id),"
+                " ironflow_now(), v.seq FROM v WHERE true"
+                + _STEP_RESULT_UPSERT
+                + f" RETURNING run_id, step_id, status, {_STEP_AUDITED_FUNCTION}",
+                tuple(value for row in chunk for value in row),
+            )
+            self._audit_steps(tx, chunk, written)
+        return live
+
+    def _record_fenced(
+        self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]
+    ) -> set[str]:
+        """PostgreSQL: every segment's rows in one statement per chunk, each row
+        written only if its fence is live, and the verdict of each fence from
+        that same statement (a verdict read by a later statement could call a
+        written row stale: issue #21, race 4). The fence's lease row is locked
+        ``FOR KEY SHARE`` until commit: whatever ends the fence (cancel, loop 1,
+        the run's end — each deletes the lease) waits for this write to commit,
+        and a write behind such an end finds the lease gone (race 5: a step row
+        committed after its run's cancel). A heartbeat's UPDATE of the lease
+        does not wait for it. The runs whose fence was live."""
+        live: set[str] = set()
+        for chunk in _statement_chunks(rows, _STEP_ROW_PARAMS + 4):
+            in_chunk = sorted({row[0] for row in chunk})
+            heads = [
+                (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token))
+                for f in (fences[run_id] for run_id in in_chunk)
+            ]
+            out = tx.fetchall(
+                "WITH f (run_id, execution_seq, session_id, digest) AS (VALUES "
+                + ", ".join(["(?, ?, ?, ?)"] * len(heads))
+                + "), live AS (SELECT c.run_id, c.execution_seq FROM concurrency_leases c, f"
+                " WHERE c.run_id = f.run_id AND c.execution_seq = f.execution_seq"
+                " AND c.session_id = f.session_id AND c.lease_token_hash = f.digest"
+                " AND EXISTS (SELECT 1 FROM runs WHERE id = f.run_id"
+                " AND current_execution_seq = f.execution_seq)"
+                f" ORDER BY c.run_id {tx.key_share_lock('c')}),"
+                " v (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
+                + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
+                + "), i AS (INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
+                " duration_ms, execution_seq, created_at, seq)"
+                " SELECT v.run_id, v.step_id, v.name, 'run', v.status, v.output, v.error,"
+                " v.duration_ms, live.execution_seq, ironflow_now(), v.seq FROM v, live"
+                " WHERE live.run_id = v.run_id"
+                + _STEP_RESULT_UPSERT
+                + f" RETURNING run_id, step_id, status, {_STEP_AUDITED_FUNCTION} AS audited)"
+                " SELECT 0, run_id, step_id, status, audited FROM i"
+                " UNION ALL SELECT 1, run_id, NULL, NULL, NULL FROM live",
+                (
+                    *(value for head in heads for value in head),
+                    *(value for row in chunk for value in row),
+                ),
+            )
+            live.update(row[1] for row in out if row[0] == 1)
+            self._audit_steps(tx, chunk, [row[1:] for row in out if row[0] == 0])
+        return live
+
+    def _audit_steps(
+        self, tx: Tx, chunk: list[tuple[Any, ...]], written: list[tuple[Any, ...]]
+    ) -> None:
+        """``step.completed`` for each completed row written whose function
+        audits (``written``: run, step, status, audited function). Rows not
+        written are idempotent replays of completed steps."""
+        names = {(row[0], row[1]): row[2] for row in chunk}
+        for run_id, step_id, status, audited in written:
+            if status == "completed" and audited is not None:
+                self._audit(
+                    tx, "step.completed", run_id, audited,
+                    {"step_id": step_id, "name": names[(run_id, step_id)]},
+                )
 
     def _complete(self, tx: Tx, fence: Fence, output: Any) -> JobOutcome:
         """Complete one segment's run (StaleExecution, nothing written, if its
@@ -654,20 +606,26 @@ class FenceOps(SqlStoreBase):
         self, fence: Fence, *, step_id: str, name: str, info: YieldInfo
     ) -> JobOutcome:
         def work(tx: Tx) -> JobOutcome:
-            segment_started = self._take_lease(tx, fence)
+            began_at, began_snapshot = self._take_lease(tx, fence)
             tx.execute(
                 "UPDATE runs SET status = 'waiting', recovery_count = 0,"
                 " updated_at = ironflow_now() WHERE id = ?",
                 (fence.run_id,),
             )
-            wait_event = match = match_value = invoke_run_id = None
+            invoke_run_id = None
             kicked: list[str] = []
             wake_at: float | None
+            if isinstance(info, WaitYield):
+                if self._park_wait(
+                    tx, fence, step_id, name, info,
+                    began_at=began_at, began_snapshot=began_snapshot,
+                ):
+                    resumed = self._resume(tx, fence.run_id)
+                    if resumed is not None:
+                        return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
+                return JobOutcome(fence.run_id, "waiting")
             if isinstance(info, SleepYield):
                 kind, status, wake_at = "sleep", "sleeping", info.until
-            elif isinstance(info, WaitYield):
-                kind, status, wake_at = "wait", "waiting", info.timeout_at
-                wait_event, match, match_value = info.event, info.match, _enc(info.match_value)
             else:
                 assert isinstance(info, InvokeYield)
                 kind, status, wake_at = "invoke", "waiting", info.timeout_at
@@ -698,56 +656,15 @@ class FenceOps(SqlStoreBase):
                 self._insert_event(tx, event_id, INVOKED_EVENT, info.input, None, [invoke_run_id])
                 kicked.append(invoke_run_id)
             self._park_step(
-                tx,
-                fence,
-                step_id,
-                name,
-                kind,
-                status,
-                wake_at,
-                wait_event=wait_event,
-                match=match,
-                match_value=match_value,
-                invoke_run_id=invoke_run_id,
+                tx, fence, step_id, name, kind, status, wake_at, invoke_run_id=invoke_run_id
             )
-            if isinstance(info, WaitYield) and self._match_early_event(
-                tx, fence.run_id, step_id, info, since=segment_started
-            ):
-                resumed = self._resume(tx, fence.run_id)
-                if resumed is not None:
-                    return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1], kicked_run_ids=kicked)
             return JobOutcome(fence.run_id, "waiting", kicked_run_ids=kicked)
 
-        outcome = await self._transact(work)
+        outcome = await self._transact(
+            work, park_locks(info.event) if isinstance(info, WaitYield) else ()
+        )
         self._announce_wake(info.until if isinstance(info, SleepYield) else info.timeout_at)
         return outcome
-
-    def _match_early_event(
-        self, tx: Tx, run_id: str, step_id: str, info: WaitYield, *, since: float
-    ) -> bool:
-        """Complete a wait just parked with an event that arrived while its segment
-        ran (after ``since``, before the park committed): ingest only matches
-        waits already parked, so without this look-back such an event is lost."""
-        # A range of the last few seconds on events_received: cheaper for every
-        # emit than another index on (name, received_at) that only parks read.
-        candidates = tx.fetchall(
-            "SELECT id, name, data, received_at FROM events WHERE received_at >= ? AND name = ?"
-            f" ORDER BY received_at LIMIT {EARLY_EVENT_LOOKBACK}",
-            (since, info.event),
-        )
-        for event_id, name, data_text, received_at in candidates:
-            data = _dec(data_text)
-            if info.match is not None and lookup_path(data, info.match) != info.match_value:
-                continue
-            event = _enc({"id": event_id, "name": name, "data": data, "received_at": received_at})
-            return bool(
-                tx.execute(
-                    "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
-                    " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
-                    (event, run_id, step_id),
-                )
-            )
-        return False
 
     @staticmethod
     def _park_step(
@@ -760,36 +677,22 @@ class FenceOps(SqlStoreBase):
         wake_at: float | None,
         *,
         error: str | None = None,
-        wait_event: str | None = None,
-        match: str | None = None,
-        match_value: str | None = None,
         invoke_run_id: str | None = None,
     ) -> None:
+        """Park a sleep or an invoke (a wait: ``waits.py``)."""
         tx.execute(
             "INSERT INTO steps (run_id, step_id, name, kind, status, error, execution_seq,"
-            " created_at, seq, wake_at, wait_event, wait_match, wait_match_value, invoke_run_id)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, ironflow_now(), ?, ?, ?, ?, ?, ?)"
+            " created_at, seq, wake_at, invoke_run_id)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, ironflow_now(), ?, ?, ?)"
             " ON CONFLICT (run_id, step_id) DO UPDATE SET kind = excluded.kind,"
             " status = excluded.status, error = excluded.error,"
             " execution_seq = excluded.execution_seq, wake_at = excluded.wake_at,"
-            " wait_event = excluded.wait_event, wait_match = excluded.wait_match,"
-            " wait_match_value = excluded.wait_match_value,"
+            " wait_event = NULL, wait_match = NULL, wait_match_value = NULL, wait_key = NULL,"
             " invoke_run_id = excluded.invoke_run_id, claimed_by = NULL, claimed_at = NULL,"
             " pre_claim_status = NULL WHERE steps.status <> 'completed'",
             (
-                fence.run_id,
-                step_id,
-                name,
-                kind,
-                status,
-                error,
-                fence.execution_seq,
-                time.time_ns(),
-                wake_at,
-                wait_event,
-                match,
-                match_value,
-                invoke_run_id,
+                fence.run_id, step_id, name, kind, status, error, fence.execution_seq,
+                time.time_ns(), wake_at, invoke_run_id,
             ),
         )
 

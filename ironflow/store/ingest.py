@@ -10,7 +10,7 @@ from ironflow.ids import new_id
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
     ErrorInfo,
-    lookup_path,
+    FunctionDef,
 )
 from ironflow.store.base import (
     CancelOutcome,
@@ -21,24 +21,24 @@ from ironflow.store.base import (
 )
 from ironflow.store.core import (
     INVOKED_EVENT,
-    SqlStoreBase,
+    NamedLock,
     Tx,
     _dec,
-    _enc,
     _marks,
     _trigger_patterns,
     _triggered,
 )
+from ironflow.store.waits import WaitOps, ingest_locks
 
 
-class IngestOps(SqlStoreBase):
+class IngestOps(WaitOps):
     """Events in, runs created, waits resolved, invocations, cancellation."""
 
     def _ingest(
         self, tx: Tx, name: str, data: Any, idempotency_key: str | None, window_s: float
     ) -> IngestResult:
+        """One event in, under :meth:`_ingest_locks` (taken by the transaction)."""
         if idempotency_key is not None:
-            tx.advisory_lock("idem:" + idempotency_key)
             seen = tx.fetchone(
                 "SELECT id, run_ids FROM events WHERE idempotency_key = ?"
                 " AND received_at > ironflow_now() - ? ORDER BY received_at LIMIT 1",
@@ -47,38 +47,53 @@ class IngestOps(SqlStoreBase):
             if seen is not None:
                 return IngestResult(seen[0], _dec(seen[1]), True)
         event_id = new_id("evt")
-        patterns = _trigger_patterns(name)
-        waiting: list[tuple[Any, ...]] | None = None
-        if tx.combined:
-            # The triggered functions and the parked waits on this event in one
-            # round trip (the waits locked as _resolve_waits would lock them).
-            rows = tx.fetchall(
-                "WITH w AS (SELECT run_id, step_id, wait_match, wait_match_value FROM steps"
-                f" WHERE status = 'waiting' AND kind = 'wait' AND wait_event = ? {tx.lock()})"
-                " SELECT 0, f.id, f.definition, NULL, NULL, NULL FROM functions f WHERE f.id IN"
-                " (SELECT t.function_id FROM function_triggers t WHERE t.pattern IN"
-                f" ({_marks(len(patterns))})) UNION ALL"
-                " SELECT 1, run_id, run_id, step_id, wait_match, wait_match_value FROM w"
-                " ORDER BY 1, 2",
-                (name, *patterns),
-            )
-            candidates = [(row[2],) for row in rows if row[0] == 0]
-            waiting = [row[2:] for row in rows if row[0] == 1]
-        else:
-            candidates = tx.fetchall(
-                "SELECT f.definition FROM functions f WHERE f.id IN (SELECT t.function_id"
-                f" FROM function_triggers t WHERE t.pattern IN ({_marks(len(patterns))}))"
-                " ORDER BY f.id",
-                patterns,
-            )
-        fds = [
-            fd
-            for fd in (self._fdef_or_none(text) for (text,) in candidates)
-            if fd is not None and _triggered(fd, name)
-        ]
-        run_ids = self._create_runs_with_event(tx, fds, event_id, name, data, idempotency_key)
-        resumed = self._resolve_waits(tx, event_id, name, data, waiting)
+        fds, paths = self._triggered_and_waited(tx, [name])
+        run_ids = self._create_runs_with_event(
+            tx, [fd for fd in fds if _triggered(fd, name)], event_id, name, data, idempotency_key
+        )
+        resumed = self._resolve_waits(tx, [(event_id, name, data)], paths)[0]
         return IngestResult(event_id, run_ids, False, resumed_run_ids=resumed)
+
+    def _triggered_and_waited(
+        self, tx: Tx, names: list[str]
+    ) -> tuple[list[FunctionDef], dict[str, list[str]]]:
+        """The functions any of ``names`` may trigger, and the match paths waited
+        on per name (waits.py): on PostgreSQL in one round trip."""
+        names = sorted(set(names))
+        patterns = sorted({pattern for name in names for pattern in _trigger_patterns(name)})
+        functions_sql = (
+            "SELECT 0, f.definition, NULL FROM functions f WHERE f.id IN (SELECT t.function_id"
+            f" FROM function_triggers t WHERE t.pattern IN ({_marks(len(patterns))}))"
+        )
+        if tx.combined:
+            rows = tx.fetchall(
+                f"{functions_sql} UNION ALL SELECT 1, w.wait_event, w.wait_match FROM"
+                f" ({self._wait_paths_sql(len(names))}) w ORDER BY 1, 2, 3",
+                (*patterns, *names),
+            )
+        else:
+            rows = tx.fetchall(functions_sql + " ORDER BY 2", patterns) + [
+                (1, *row) for row in tx.fetchall(self._wait_paths_sql(len(names)), names)
+            ]
+        fds = [
+            fd for fd in (self._fdef_or_none(row[1]) for row in rows if row[0] == 0) if fd is not None
+        ]
+        fds.sort(key=lambda fd: fd.id)
+        paths: dict[str, list[str]] = {}
+        for kind, event, path in rows:
+            if kind == 1:
+                paths.setdefault(event, []).append(path)
+        return fds, paths
+
+    @staticmethod
+    def _ingest_locks(events: list[tuple[str, Any, str | None]]) -> list[NamedLock]:
+        """What an ingest of ``events`` locks before its first statement: each
+        name shared against a park of a wait on it (waits.py), each idempotency
+        key exclusive (two emits with one key: one records it, the other finds it)."""
+        return [
+            *ingest_locks(name for name, _, _ in events),
+            *(("idem:" + key, True) for key in sorted({k for _, _, k in events if k is not None})),
+        ]
 
     async def ingest_event(
         self,
@@ -89,7 +104,8 @@ class IngestOps(SqlStoreBase):
         idempotency_window_s: float,
     ) -> IngestResult:
         return await self._transact(
-            lambda tx: self._ingest(tx, name, data, idempotency_key, idempotency_window_s)
+            lambda tx: self._ingest(tx, name, data, idempotency_key, idempotency_window_s),
+            self._ingest_locks([(name, data, idempotency_key)]),
         )
 
     async def ingest_events(
@@ -106,81 +122,27 @@ class IngestOps(SqlStoreBase):
                 for name, data, key in events
             ]
 
-        return await self._transact(work)
+        return await self._transact(work, self._ingest_locks(events))
 
     def _ingest_many(self, tx: Tx, events: list[tuple[str, Any]]) -> list[IngestResult]:
         """:meth:`_ingest` for several events without idempotency keys, in order,
-        in two statements whatever their number (PostgreSQL): one reads the
-        functions any of them triggers and the waits parked on any of their
-        names (locked), one writes every event, run and queue row."""
-        names = sorted({name for name, _ in events})
-        patterns = sorted({pattern for name in names for pattern in _trigger_patterns(name)})
-        rows = tx.fetchall(
-            "WITH w AS (SELECT run_id, step_id, wait_match, wait_match_value, wait_event FROM steps"
-            f" WHERE status = 'waiting' AND kind = 'wait' AND wait_event IN ({_marks(len(names))})"
-            f" {tx.lock()})"
-            " SELECT 0, f.id, f.definition, NULL, NULL, NULL, NULL FROM functions f WHERE f.id IN"
-            " (SELECT t.function_id FROM function_triggers t WHERE t.pattern IN"
-            f" ({_marks(len(patterns))})) UNION ALL"
-            " SELECT 1, run_id, run_id, step_id, wait_match, wait_match_value, wait_event FROM w"
-            " ORDER BY 1, 2",
-            (*names, *patterns),
-        )
-        functions = [
-            fd for fd in (self._fdef_or_none(row[2]) for row in rows if row[0] == 0) if fd is not None
-        ]
-        waiting: dict[str, list[tuple[Any, ...]]] = {}
-        for row in rows:
-            if row[0] == 1:
-                waiting.setdefault(row[6], []).append(row[2:6])
+        in two statements whatever their number when nothing waits on their
+        names (PostgreSQL): one reads the functions any of them triggers and the
+        match paths waited on their names, one writes every event, run and
+        queue row; waits they satisfy are then resolved together (waits.py)."""
+        functions, paths = self._triggered_and_waited(tx, [name for name, _ in events])
         planned = [
             (new_id("evt"), name, data, None, [fd for fd in functions if _triggered(fd, name)])
             for name, data in events
         ]
         created = self._create_runs_with_events(tx, planned)
+        resumed = self._resolve_waits(
+            tx, [(event_id, name, data) for event_id, name, data, _, _ in planned], paths
+        )
         return [
-            IngestResult(
-                event_id, run_ids, False,
-                resumed_run_ids=self._resolve_waits(tx, event_id, name, data, waiting.get(name, [])),
-            )
-            for (event_id, name, data, _, _), run_ids in zip(planned, created, strict=True)
+            IngestResult(event_id, run_ids, False, resumed_run_ids=resumed_ids)
+            for (event_id, _, _, _, _), run_ids, resumed_ids in zip(planned, created, resumed, strict=True)
         ]
-
-    def _resolve_waits(
-        self, tx: Tx, event_id: str, name: str, data: Any,
-        waiting: list[tuple[Any, ...]] | None = None,
-    ) -> list[str]:
-        """Complete every parked ``wait_for_event`` step this event satisfies
-        (``waiting``: those steps' rows, locked, if the caller read them)."""
-        if waiting is None:
-            waiting = tx.fetchall(
-                "SELECT run_id, step_id, wait_match, wait_match_value FROM steps"
-                f" WHERE status = 'waiting' AND kind = 'wait' AND wait_event = ? {tx.lock()}",
-                (name,),
-            )
-        if not waiting:
-            return []
-        event = None
-        resumed: list[str] = []
-        for run_id, step_id, match, match_value in waiting:
-            if match is not None and lookup_path(data, match) != _dec(match_value):
-                continue
-            if event is None:
-                row = tx.fetchone("SELECT received_at FROM events WHERE id = ?", (event_id,))
-                received_at = row[0] if row else None
-                event = _enc(
-                    {"id": event_id, "name": name, "data": data, "received_at": received_at}
-                )
-            if (
-                tx.execute(
-                    "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
-                    " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
-                    (event, run_id, step_id),
-                )
-                and self._resume(tx, run_id) is not None
-            ):
-                resumed.append(run_id)
-        return resumed
 
     async def invoke_function(self, function_id: str, data: Any) -> str:
         def work(tx: Tx) -> str:
@@ -202,6 +164,13 @@ class IngestOps(SqlStoreBase):
 
     async def cancel_run(self, run_id: str, reason: str) -> CancelOutcome:
         def work(tx: Tx) -> CancelOutcome:
+            # The run's queue row and lease first, then the run: the order in
+            # which an activation (queue row, lease, run) and a completion
+            # (lease, run) take them, so a cancel racing either waits for it
+            # rather than deadlocking with it; a step write holding the lease
+            # (FOR KEY SHARE) commits before the cancel, never after it.
+            tx.fetchone(f"SELECT 1 FROM dispatch_queue WHERE run_id = ? {tx.lock_wait()}", (run_id,))
+            tx.fetchone(f"SELECT 1 FROM concurrency_leases WHERE run_id = ? {tx.lock_wait()}", (run_id,))
             run = tx.fetchone(
                 "SELECT status, current_execution_seq, parent_run_id, parent_step_id"
                 f" FROM runs WHERE id = ? {tx.lock_wait()}",

@@ -61,8 +61,9 @@ from psycopg import pq
 from psycopg.adapt import Transformer
 
 from ironflow.store import chain
+from ironflow.store.base import CommitOutcomeUnknown
 from ironflow.store.chain import chained
-from ironflow.store.core import Tx
+from ironflow.store.core import NamedLock, Tx, lock_id
 from ironflow.store.handback import hand_back
 from ironflow.store.schema import (
     SCHEMA_LOCK_KEY,
@@ -243,6 +244,12 @@ class _PgTx:
     def share_lock(self, of: str) -> str:
         return f"FOR SHARE OF {of}"
 
+    def key_share_lock(self, of: str) -> str:
+        return f"FOR KEY SHARE OF {of}"
+
+    xid_sql = "pg_current_xact_id()::text::bigint"
+    snapshot_sql = "pg_current_snapshot()::text"
+
     def notify(self) -> None:
         # One pg_notify per group, sent before COMMIT (see _commit).
         self.notify_wanted = True
@@ -261,11 +268,31 @@ class _PgTx:
         """A statement of the actor's own (BEGIN, SAVEPOINT, COMMIT…), no parameters."""
         self._check(self._pgconn.exec_(sql.encode()))
 
+    def begin(self, batch: Sequence[_Request]) -> None:
+        """BEGIN, then every named lock the group's calls asked for: sorted by
+        lock number, each in the strongest mode any call wants (exclusive over
+        shared), all in the same round trip. One global order for every group of
+        every node: a group waits for a lock only while holding smaller ones, so
+        no two groups wait for each other on them (the deadlocks of issue #21's
+        race 6, where each call took its idempotency lock when it ran)."""
+        wanted: dict[int, bool] = {}
+        for req in batch:
+            for name, exclusive in req.locks:
+                number = lock_id(name)
+                wanted[number] = wanted.get(number, False) or exclusive
+        self.raw("; ".join([
+            "BEGIN",
+            *(
+                f"SELECT pg_advisory_xact_lock{'' if exclusive else '_shared'}({number})"
+                for number, exclusive in sorted(wanted.items())
+            ),
+        ]))
+
 
 class _Request:
     """One queued store call: its closure and how to hand back its outcome."""
 
-    __slots__ = ("attempts", "chain", "deliver", "state", "token", "work")
+    __slots__ = ("attempts", "chain", "deliver", "locks", "state", "token", "work")
 
     def __init__(
         self,
@@ -273,8 +300,10 @@ class _Request:
         token: trio.lowlevel.TrioToken,
         deliver: Callable[[outcome.Outcome[Any]], None],
         chain: object | None = None,
+        locks: Sequence[NamedLock] = (),
     ) -> None:
         self.work = work
+        self.locks = locks
         self.token = token
         self.deliver = deliver
         self.state = _PENDING
@@ -351,7 +380,7 @@ class _Actor:
         values: list[outcome.Outcome[Any] | None] = []
         notify = False
         ended: list[str] = []
-        tx.raw("BEGIN")
+        tx.begin(batch)
         for req in batch:
             tx.notify_wanted = False
             tx.ended = []
@@ -374,7 +403,7 @@ class _Actor:
         retry: list[_Request] = []
         notify = False
         ended: list[str] = []
-        tx.raw("BEGIN")
+        tx.begin(batch)
         deferred: set[int] = set()  # chains with a request put off to a later group
         for req in batch:
             if req.chain is not None and id(req.chain) in deferred:
@@ -414,7 +443,11 @@ def _commit(tx: _PgTx, notify: bool, ended: list[str]) -> None:
         tx.execute("SELECT pg_notify(?, '')", (KICK_CHANNEL,))
     for payload in _id_payloads(ended):
         tx.execute("SELECT pg_notify(?, ?)", (RUN_END_CHANNEL, payload))
-    tx.raw("COMMIT")
+    try:
+        tx.raw("COMMIT")
+    except psycopg.OperationalError as exc:
+        # The connection broke during COMMIT: the server may have committed.
+        raise CommitOutcomeUnknown(f"the database connection failed while committing: {exc}") from exc
 
 
 def _id_payloads(run_ids: list[str]) -> list[str]:
@@ -629,7 +662,9 @@ class PostgresStore(SqlStore):
             return await super().in_order(calls)
         return await chain.in_order(calls, self._transact_many)
 
-    async def _transact_many(self, works: list[Callable[[Tx], Any]]) -> list[outcome.Outcome[Any]]:
+    async def _transact_many(
+        self, works: list[tuple[Callable[[Tx], Any], Sequence[NamedLock]]]
+    ) -> list[outcome.Outcome[Any]]:
         """``works`` as consecutive requests of one group, in order, each its own
         unit of work (see ``_Actor._careful`` for a retried one); their outcomes."""
         if not self._actors:
@@ -648,13 +683,15 @@ class PostgresStore(SqlStore):
         token = trio.lowlevel.current_trio_token()
         chain = object()
         # One queue item: one actor takes the whole chain into one group, in order.
-        self._requests.put([_Request(work, token, deliver_at(i), chain) for i, work in enumerate(works)])
+        self._requests.put([
+            _Request(work, token, deliver_at(i), chain, locks) for i, (work, locks) in enumerate(works)
+        ])
         with trio.CancelScope(shield=True):
             await done.wait()
         return [box[i] for i in range(len(works))]
 
-    async def _transact(self, work: Callable[[Tx], T]) -> T:
-        pending = chained(work)
+    async def _transact(self, work: Callable[[Tx], T], locks: Sequence[NamedLock] = ()) -> T:
+        pending = chained(work, locks)
         if pending is not None:
             return await pending
         if not self._actors:
@@ -666,7 +703,7 @@ class PostgresStore(SqlStore):
             box.append(result)
             done.set()
 
-        req = _Request(work, trio.lowlevel.current_trio_token(), deliver)
+        req = _Request(work, trio.lowlevel.current_trio_token(), deliver, locks=locks)
         self._requests.put(req)
         try:
             await done.wait()

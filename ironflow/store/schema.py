@@ -111,9 +111,14 @@ CREATE INDEX IF NOT EXISTS steps_wake ON steps (wake_at)
 -- The earliest sleep alone: the waker claims sleeps ahead of their wake time
 -- (waits only at it), so it needs each kind's earliest without a scan.
 CREATE INDEX IF NOT EXISTS steps_sleep_wake ON steps (wake_at) WHERE status = 'sleeping';
-CREATE INDEX IF NOT EXISTS steps_wait_event ON steps (wait_event)
-    WHERE status = 'waiting' AND kind = 'wait';
 CREATE INDEX IF NOT EXISTS steps_waking ON steps (claimed_at) WHERE status = 'waking';
+-- Every match path waited on for an event name (ironflow/store/waits.py): an
+-- ingest computes the wait keys its event satisfies from these few rows.
+CREATE TABLE IF NOT EXISTS wait_paths (
+    wait_event  TEXT NOT NULL,
+    wait_match  TEXT NOT NULL,
+    PRIMARY KEY (wait_event, wait_match)
+);
 
 CREATE TABLE IF NOT EXISTS dispatch_queue (
     run_id                  TEXT PRIMARY KEY,
@@ -256,6 +261,12 @@ _ADDED_COLUMNS = [
     ("runs", "timeout_s", "{REAL}"),
     ("runs", "deadline_at", "{REAL}"),
     ("runs", "start_at", "{REAL}"),
+    # A parked wait's key (ironflow/store/waits.py: wait_key).
+    ("steps", "wait_key", "TEXT"),
+    # The inserting transaction's id (PostgreSQL), which a wait's look-back
+    # judges against the snapshot of its segment's activation.
+    ("events", "xid", "BIGINT"),
+    ("concurrency_leases", "began_snapshot", "TEXT"),
 ]
 
 # Fills the trigger index from stored definitions, for a database whose
@@ -283,12 +294,47 @@ def added_columns(dialect: str) -> list[tuple[str, str, str]]:
 _LATE_INDEXES = [
     "CREATE INDEX IF NOT EXISTS runs_deadline ON runs (deadline_at) WHERE deadline_at IS NOT NULL"
     " AND status NOT IN ('completed', 'failed', 'cancelled')",
+    # The waits an event satisfies, by key (waits.py); the name alone was read whole.
+    "CREATE INDEX IF NOT EXISTS steps_wait_key ON steps (wait_key)"
+    " WHERE status = 'waiting' AND kind = 'wait'",
+    "DROP INDEX IF EXISTS steps_wait_event",
 ]
+# A wait's look-back: the events of its name committed after its segment began
+# (PostgreSQL: by transaction id; SQLite: by arrival, its commit order).
+_LOOKBACK_INDEX = {
+    "sqlite": "CREATE INDEX IF NOT EXISTS events_name_received ON events (name, received_at)",
+    "postgres": "CREATE INDEX IF NOT EXISTS events_name_xid ON events (name, xid)"
+    " WHERE xid IS NOT NULL",
+}
+# What the backfill of an older database computes for a wait parked before
+# wait keys existed (the value text as it was stored, "null" for a missing one).
+WAIT_KEY_BACKFILL = {
+    dialect: (
+        f"UPDATE steps SET wait_key = wait_event || {sep} || coalesce(wait_match, '') || {sep}"
+        " || CASE WHEN wait_match IS NULL THEN '' ELSE coalesce(wait_match_value, 'null') END"
+        " WHERE status = 'waiting' AND kind = 'wait' AND wait_key IS NULL"
+    )
+    for dialect, sep in (("sqlite", "char(31)"), ("postgres", "chr(31)"))
+}
+WAIT_PATHS_BACKFILL = {
+    "sqlite": "INSERT OR IGNORE INTO wait_paths (wait_event, wait_match)"
+    " SELECT DISTINCT wait_event, coalesce(wait_match, '') FROM steps"
+    " WHERE status = 'waiting' AND kind = 'wait'",
+    "postgres": "INSERT INTO wait_paths (wait_event, wait_match)"
+    " SELECT DISTINCT wait_event, coalesce(wait_match, '') FROM steps"
+    " WHERE status = 'waiting' AND kind = 'wait' ON CONFLICT DO NOTHING",
+}
+
+
+
 
 
 def backfill_statements(dialect: str) -> list[str]:
     """Statements run after the DDL and column additions, on every start."""
-    return [*_LATE_INDEXES, _BACKFILL_TRIGGERS[dialect]]
+    return [
+        *_LATE_INDEXES, _LOOKBACK_INDEX[dialect], _BACKFILL_TRIGGERS[dialect],
+        WAIT_KEY_BACKFILL[dialect], WAIT_PATHS_BACKFILL[dialect],
+    ]
 
 
 def statements(dialect: str) -> list[str]:

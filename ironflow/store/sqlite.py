@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import outcome
 import trio
 
-from ironflow.store.core import Tx
+from ironflow.store.core import NamedLock, Tx
 from ironflow.store.handback import hand_back
 from ironflow.store.schema import added_columns, backfill_statements, statements
 from ironflow.store.sql import SqlStore
@@ -88,6 +88,13 @@ class _SqliteTx:
 
     def try_advisory_lock(self, key: str) -> bool:
         return True  # one node per file
+
+    def key_share_lock(self, of: str) -> str:
+        return ""
+
+    # One writer at a time: commit order is statement order, no snapshot to record.
+    xid_sql = "NULL"
+    snapshot_sql = "NULL"
 
 
 # Files made for `:memory:` stores; the store deletes its own on close.
@@ -374,7 +381,8 @@ class SqliteStore(SqlStore):
 
     # the Trio side ----------------------------------------------------------------
 
-    async def _transact(self, work: Callable[[Tx], T]) -> T:
+    async def _transact(self, work: Callable[[Tx], T], locks: Sequence[NamedLock] = ()) -> T:
+        # ``locks`` need nothing here: the single writer runs one transaction at a time.
         if self._inline_conn is not None:
             inline_box: list[outcome.Outcome[T]] = []
             self._commit_group(

@@ -67,7 +67,7 @@ class OutcomesByTask(SqlStore):
         self.begun: dict[Any, int] = {}  # task → when its last transaction began
         self.committed: dict[Any, int] = {}  # task → when its last transaction committed
 
-    async def _transact(self, work: Callable[[Tx], Any]) -> Any:
+    async def _transact(self, work: Callable[[Tx], Any], *locks: Any) -> Any:
         task = trio.lowlevel.current_task()
 
         def observed(tx: Tx) -> Any:
@@ -88,7 +88,7 @@ class OutcomesByTask(SqlStore):
                 probe(tx)
             return result.unwrap()
 
-        return await super()._transact(observed)
+        return await super()._transact(observed, *locks)
 
     def last_begin(self) -> int:
         return self.begun.get(trio.lowlevel.current_task(), self.transactions)

@@ -255,7 +255,7 @@ async def test_a_chain_runs_in_one_transaction_in_order_on_one_of_several_connec
 
     async def chain(i: int) -> None:
         works = [insert(f"{i}-0"), sees(f"{i}-1", f"{i}-0"), sees(f"{i}-2", f"{i}-1")]
-        chains[i] = [r.unwrap() for r in await store._transact_many(works)]
+        chains[i] = [r.unwrap() for r in await store._transact_many([(w, ()) for w in works])]
 
     try:
         async with trio.open_nursery() as nursery:
@@ -283,7 +283,9 @@ async def test_a_retried_call_of_a_chain_takes_the_rest_of_its_chain_with_it(sto
         tx.execute("INSERT INTO scratch (k) VALUES (?)", ("second",))
         return tx.fetchone("SELECT 1 FROM scratch WHERE k = ?", ("first",)) is not None
 
-    results = await store._transact_many([insert("other"), serialization_failure_once, after_first])
+    results = await store._transact_many(
+        [(w, ()) for w in (insert("other"), serialization_failure_once, after_first)]
+    )
     other, first, second = (r.unwrap() for r in results)
     assert isinstance(other, int) and first is None
     assert second is True  # ran after the retried call, not before it

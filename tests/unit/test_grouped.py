@@ -82,3 +82,34 @@ async def test_an_apply_that_raises_tells_every_item_of_its_group(
         for i in range(3):
             nursery.start_soon(call, i)
     assert errors == ["database gone"] * 3
+
+
+async def test_a_caller_cancelled_while_its_group_is_applied_gets_its_committed_result(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Its item went with a group another caller applies: the write commits, so
+    the cancelled caller returns its result (then is cancelled at its next
+    checkpoint), never an error that would say the write did not happen."""
+    apply = Apply()
+    grouped: Grouped[int, int] = Grouped(apply)
+    got: dict[str, object] = {}
+    in_flight = trio.Event()
+    grouped._applied = in_flight  # another caller's group is being applied: 3 queues
+
+    async def call_3() -> None:
+        with trio.CancelScope(deadline=trio.current_time() + 0.5):  # cancelled mid-apply
+            got["3"] = await grouped(3)
+            got["after"] = "returned"
+            await trio.sleep(0)
+            got["after checkpoint"] = "not cancelled"
+
+    async def other_caller() -> None:
+        await trio.sleep(0.1)
+        await grouped._apply_next()  # takes 3's item into its group, applied 0.1 → 1.1
+        in_flight.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call_3)
+        nursery.start_soon(other_caller)
+    assert apply.groups == [[3]]
+    assert got == {"3": 30, "after": "returned"}  # its result, then its cancellation
