@@ -19,9 +19,10 @@ Checked against the database (read-only), the oracle's counter table
 7. the two recovery loops never recovered the same run (judged during the run);
 8. nothing is left behind: no lease, queue row or parked step of an ended
    run, and no wake listener of a stopped waker on the store;
-9. an event acknowledged after the segment that parks a wait began, and
-   before the wait's timeout, that matches it resolves it (and a wait is
-   resolved only by an event that matches it).
+9. an event acknowledged after the segment that parks a wait began (its
+   ingest committed after the segment's activation committed), and before
+   the wait's timeout (by the database clock), that matches it resolves it;
+   and a wait is resolved only by an event that matches it.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def check(sim: Simulation) -> None:
     for run_id, event_id in o.all("SELECT id, event_id FROM runs ORDER BY id"):
         runs_of_event.setdefault(event_id, []).append(run_id)
     emitted = {k for a in sim.schedule.actions if a.kind in ("emit", "emit_again") for k in [a.target]}
+    emitted |= {k for a in sim.schedule.actions if a.kind == "worker_stall" for k, _ in a.arg[1]}
     known_events = set()
     for k in sorted(emitted):
         event_id = sim.event_ids.get(k)
@@ -225,11 +227,19 @@ def check_waits(sim: Simulation) -> None:
         if run_status != "completed" and ended_at is not None:
             until = min(until, float(ended_at))  # nothing to resolve once the run ended
         for event_id, data_text, received_at in o.all(
-            "SELECT id, data, received_at FROM events WHERE name = ? AND received_at >= ?"
-            " AND received_at < ? ORDER BY received_at",
-            (park.event, park.segment_began, until),
+            "SELECT id, data, received_at FROM events WHERE name = ? AND received_at < ?"
+            " ORDER BY received_at",
+            (park.event, until),
         ):
-            if _matches(json.loads(data_text), park.match, park.match_value):
+            # "After the segment began": its ingest committed after the commit
+            # that activated the segment (by the clock where that is unknown).
+            ingest = o.ingests.get(event_id)
+            after = (
+                ingest[1] > park.activated
+                if ingest is not None and park.activated is not None
+                else float(received_at) >= park.segment_began
+            )
+            if after and _matches(json.loads(data_text), park.match, park.match_value):
                 o.violation(
                     f"wait {sid} of run {run_id} (parked by seq {seq}, segment began"
                     f" {park.segment_began - BASE:.3f}) ended {status}, but event {event_id}"

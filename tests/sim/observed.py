@@ -172,6 +172,7 @@ class Park:
     """A ``wait_for_event`` parked by one segment (what invariant 9 judges)."""
 
     segment_began: float  # its lease's activated_at, by the database clock
+    activated: int | None  # the number of the commit that activated it (OutcomesByTask)
     timeout_at: float
     event: str
     match: str | None
@@ -193,6 +194,7 @@ class Oracle:
         self.runs: dict[str, RunCounters] = {}
         self.parks: dict[tuple[str, int], Park] = {}  # (run_id, execution_seq) → its wait
         self.ingests: dict[str, tuple[int, int]] = {}  # event id → its transaction's numbers
+        self.activated: dict[tuple[str, int], int] = {}  # (run_id, execution_seq) → its activation's commit
         self.violations: list[str] = []
         self.counts: Counter[str] = sim.counts
 
@@ -582,6 +584,7 @@ class ObservedStore:
         c = o.run(fence.run_id)
         if method == "activate_lease" and not state["live_lease"]:
             c.activations += 1
+            o.activated[(fence.run_id, fence.execution_seq)] = self._store.last_commit()  # type: ignore[attr-defined]
         elif method == "nack_job":
             c.nacks += 1
         elif method == "yield_job":
@@ -591,7 +594,7 @@ class ObservedStore:
             if isinstance(info, WaitYield) and step_before is not None:
                 # The segment began when its lease was activated (the look-back's `since`).
                 o.parks[(fence.run_id, fence.execution_seq)] = Park(
-                    float(step_before[0]), info.timeout_at, info.event, info.match, info.match_value,
+                    float(step_before[0]), o.activated.get((fence.run_id, fence.execution_seq)), info.timeout_at, info.event, info.match, info.match_value,
                     self._store.last_begin(), self._store.last_commit(),  # type: ignore[attr-defined]
                 )
         elif method == "complete_job":

@@ -151,7 +151,7 @@ class PausingTx(_PgTx):
         super().advisory_lock(key)
 
     def raw(self, sql: str) -> None:
-        if sql == "BEGIN":
+        if sql.startswith("BEGIN"):  # and the group's named locks, if any
             super().raw(sql)
             now = self.hold.epoch_now(self.base)
             super().fetchone(f"SELECT set_config('{SIM_NOW_SETTING}', ?, true)", (repr(now),))
@@ -193,14 +193,14 @@ class SimPostgresStore(OutcomesByTask, PostgresStore):
         finally:
             self.hold.release()
 
-    async def _transact(self, work: Callable[[Any], Any]) -> Any:
+    async def _transact(self, work: Callable[[Any], Any], *locks: Any) -> Any:
         self.hold.hold()
         try:
-            return await super()._transact(work)
+            return await super()._transact(work, *locks)
         finally:
             self.hold.release()
 
-    async def _transact_many(self, works: list[Callable[[Any], Any]]) -> Any:
+    async def _transact_many(self, works: list[Any]) -> Any:
         self.hold.hold()
         try:
             return await super()._transact_many(works)

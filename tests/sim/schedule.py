@@ -187,6 +187,14 @@ def race_plan(rng: random.Random, k: int) -> dict[str, Any]:
     }
 
 
+# Worker stalls (their own RNG): the worker with the most slots freezes until
+# just past its session's expiry, while a burst of events is emitted, so it
+# is assigned several runs it acks only after its session was removed.
+STALL_CHANCE = 0.5
+STALL_PAST_EXPIRY_S = (0.2, 2.0)
+STALL_BURST = (3, 6)
+
+
 def build(seed: int) -> Schedule:
     rng = rng_for(seed, "schedule")
     timings = Timings(
@@ -264,5 +272,18 @@ def build(seed: int) -> Schedule:
         k = len(sched.events)
         sched.events.append(("r.go", race_plan(races, k)))
         sched.actions.append(Action(round(races.uniform(0.0, phase), 3), "emit", k))
+    stalls = rng_for(seed, "stalls")
+    if stalls.random() < STALL_CHANCE and max(workers) >= 3:
+        at_s = round(stalls.uniform(0.0, phase * 0.6), 3)
+        slot = workers.index(max(workers))
+        burst = []
+        for _ in range(stalls.randint(*STALL_BURST)):
+            k = len(sched.events)
+            sched.events.append(("a.go", {"k": k, "durations": [round(stalls.uniform(0.1, 1.0), 3)]}))
+            burst.append((k, round(stalls.uniform(0.5, 4.0), 3)))
+        # (how long past its session's expiry it stays frozen, [(event, seconds after the freeze)])
+        sched.actions.append(
+            Action(at_s, "worker_stall", slot, (round(stalls.uniform(*STALL_PAST_EXPIRY_S), 3), burst))
+        )
     sched.actions.sort(key=lambda a: (a.at, a.kind, str(a.target)))
     return sched

@@ -77,6 +77,11 @@ BASE = 1_800_000_000.0
 # Node slots of the PostgreSQL mode: two nodes, each its own store, one database.
 PG_NODES = 2
 IDEMPOTENCY_WINDOW_S = 24 * 3600.0
+# How long a worker stall waits for its worker to be connected, heartbeating
+# and with free slots for three of the burst's runs (the first ack of a burst
+# is applied alone, the next ones together: tests/sim/schedule.py).
+STALL_WAIT_S = 20.0
+STALL_FREE_SLOTS = 3
 
 FUNCTIONS = [
     FunctionDef(
@@ -439,6 +444,28 @@ class Simulation:
         finally:
             self.pending_emits -= 1
 
+    async def _stall(self, slot: int, past_expiry_s: float, burst: list[tuple[int, float]]) -> None:
+        """Stall the worker of ``slot`` past its session's expiry, once it is
+        connected and heartbeating (within STALL_WAIT_S); then emit the burst."""
+        self.pending_emits += len(burst)  # quiescence waits for them
+        try:
+            with trio.move_on_after(STALL_WAIT_S):
+                while (w := self.workers[slot]) is None or not w.heartbeating(STALL_FREE_SLOTS):
+                    await trio.sleep(0.1)
+            if w is not None and w.heartbeating(STALL_FREE_SLOTS):
+                self.counts["worker_stall"] += 1
+                self.trace(f"{w.name} stalls")
+                self.root.start_soon(w.stall, self.schedule.timings.session_expiry_s, past_expiry_s)
+            async with trio.open_nursery() as nursery:
+                for k, after_s in burst:
+                    nursery.start_soon(self._emit_after, k, after_s)
+        finally:
+            self.pending_emits -= len(burst)
+
+    async def _emit_after(self, k: int, after_s: float) -> None:
+        await trio.sleep(after_s)
+        await self._emit(k)
+
     def _note_event(self, k: int, result: Any) -> None:
         first = self.event_ids.get(k)
         if first is None:
@@ -489,6 +516,8 @@ class Simulation:
         elif a.kind == "conn_cut" and w is not None and w.conn is not None:
             self.counts["conn_cut"] += 1
             w.cut()
+        elif a.kind == "worker_stall":
+            self.root.start_soon(self._stall, a.target, *a.arg)
         elif a.kind == "worker_freeze" and w is not None:
             self.counts["worker_freeze"] += 1
             self.root.start_soon(w.freeze, a.arg)

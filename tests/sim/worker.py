@@ -134,6 +134,7 @@ class SimWorker:
         self.drain_deadline = math.inf
         self.drain_requested = trio.Event()
         self.heartbeat_late_s = 0.0
+        self.last_heartbeat_at = -math.inf  # virtual time of the last Heartbeat sent
         self.conn: Connection | None = None
         self.scope = trio.CancelScope()
         self.exited = trio.Event()
@@ -156,6 +157,20 @@ class SimWorker:
         self.draining = True
         self.drain_deadline = trio.current_time() + timeout
         self.drain_requested.set()
+
+    def heartbeating(self, free: int = 0) -> bool:
+        """Connected, with a heartbeat sent on this connection (and ``free`` slots)."""
+        return (
+            self.conn is not None
+            and self.last_heartbeat_at > -math.inf
+            and self.max_jobs - len(self.jobs) >= free
+        )
+
+    async def stall(self, session_expiry_s: float, past_expiry_s: float) -> None:
+        """Freeze until ``past_expiry_s`` after the session would expire, counted
+        from the last heartbeat: a stalled process, whose session expires and
+        which then acks what it was assigned meanwhile, in a burst."""
+        await self.freeze(max(0.0, self.last_heartbeat_at + session_expiry_s + past_expiry_s - trio.current_time()))
 
     async def freeze(self, seconds: float) -> None:
         self.gate.close()
@@ -193,6 +208,7 @@ class SimWorker:
             conn.up.send(msg)
 
     async def _session(self, conn: Connection) -> None:
+        self.last_heartbeat_at = -math.inf
         self._send(Register(worker_id=self.name, functions=self.functions, max_concurrent_jobs=self.max_jobs,
                             delayed_start=self.delayed_start))
         first: Any = None
@@ -272,6 +288,7 @@ class SimWorker:
                 _active(j.a) for j in self.jobs.values() if not j.abandoned
             ]
             self._send(Heartbeat(jobs=jobs))
+            self.last_heartbeat_at = trio.current_time()
 
     async def _drain_watch(self, conn: Connection) -> None:
         await self.drain_requested.wait()
