@@ -689,6 +689,7 @@ class ObservedStore:
         at = self._store.last_begin()  # type: ignore[attr-defined]
         for r in result:
             self._oracle.run(r.assignment.run_id).reserved_at[r.assignment.execution_seq] = at
+            self._sim.trace(f"reserved {r.assignment.run_id}/{r.assignment.execution_seq} for {r.session_id}")
         self._after("reserve_segments", result)
         return result
 

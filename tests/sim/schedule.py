@@ -188,11 +188,13 @@ def race_plan(rng: random.Random, k: int) -> dict[str, Any]:
 
 
 # Worker stalls (their own RNG): the worker with the most slots freezes until
-# just past its session's expiry, while a burst of events is emitted, so it
-# is assigned several runs it acks only after its session was removed.
+# just past its session's expiry, while a burst of events is emitted shortly
+# before that expiry, so it is assigned several runs and acks them only after
+# its session was removed, while their reservations still stand.
 STALL_CHANCE = 0.5
-STALL_PAST_EXPIRY_S = (0.2, 2.0)
+STALL_PAST_EXPIRY_S = (0.2, 1.0)
 STALL_BURST = (3, 6)
+STALL_BURST_BEFORE_EXPIRY_S = (1.0, 3.5)
 
 
 def build(seed: int) -> Schedule:
@@ -280,8 +282,8 @@ def build(seed: int) -> Schedule:
         for _ in range(stalls.randint(*STALL_BURST)):
             k = len(sched.events)
             sched.events.append(("a.go", {"k": k, "durations": [round(stalls.uniform(0.1, 1.0), 3)]}))
-            burst.append((k, round(stalls.uniform(0.5, 4.0), 3)))
-        # (how long past its session's expiry it stays frozen, [(event, seconds after the freeze)])
+            burst.append((k, round(stalls.uniform(*STALL_BURST_BEFORE_EXPIRY_S), 3)))
+        # (how long past its session's expiry it stays frozen, [(event, seconds before that expiry)])
         sched.actions.append(
             Action(at_s, "worker_stall", slot, (round(stalls.uniform(*STALL_PAST_EXPIRY_S), 3), burst))
         )

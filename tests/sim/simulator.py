@@ -74,6 +74,8 @@ from tests.sim.worker import RACE_EVENT, SIGNAL_EVENT, SimWorker
 
 # ``ironflow_now()`` at virtual time 0.
 BASE = 1_800_000_000.0
+# How long every unended run must stay stranded before quiescence stops waiting.
+STRANDED_FOR_S = 60.0
 # Node slots of the PostgreSQL mode: two nodes, each its own store, one database.
 PG_NODES = 2
 IDEMPOTENCY_WINDOW_S = 24 * 3600.0
@@ -452,13 +454,15 @@ class Simulation:
             with trio.move_on_after(STALL_WAIT_S):
                 while (w := self.workers[slot]) is None or not w.heartbeating(STALL_FREE_SLOTS):
                     await trio.sleep(0.1)
+            expiry = trio.current_time() + 3.0
             if w is not None and w.heartbeating(STALL_FREE_SLOTS):
                 self.counts["worker_stall"] += 1
                 self.trace(f"{w.name} stalls")
+                expiry = w.last_heartbeat_at + self.schedule.timings.session_expiry_s
                 self.root.start_soon(w.stall, self.schedule.timings.session_expiry_s, past_expiry_s)
             async with trio.open_nursery() as nursery:
-                for k, after_s in burst:
-                    nursery.start_soon(self._emit_after, k, after_s)
+                for k, before_s in burst:
+                    nursery.start_soon(self._emit_after, k, max(0.0, expiry - before_s - trio.current_time()))
         finally:
             self.pending_emits -= len(burst)
 
@@ -561,15 +565,28 @@ class Simulation:
 
     async def _quiesce(self) -> None:
         deadline = trio.current_time() + QUIESCE_LIMIT_S
+        stranded_since = math.inf
         while trio.current_time() < deadline:
             await trio.sleep(5.0)
             if self.pending_emits:
                 continue
             row = self.oracle.one(
-                "SELECT count(*) FROM runs WHERE status NOT IN ('completed', 'failed', 'cancelled')"
+                "SELECT count(*), count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM dispatch_queue q"
+                " WHERE q.run_id = r.id) AND NOT EXISTS (SELECT 1 FROM concurrency_leases l"
+                " WHERE l.run_id = r.id) AND NOT EXISTS (SELECT 1 FROM steps s WHERE s.run_id = r.id"
+                " AND s.status IN ('sleeping', 'waiting', 'waking'))) FROM runs r"
+                " WHERE status NOT IN ('completed', 'failed', 'cancelled')"
             )
             if row is not None and row[0] == 0:
                 return
+            # Every run left is stranded (nothing any loop of the engine reads
+            # can move it): no use waiting out the limit (invariant 2 says so).
+            if row is not None and row[0] == row[1]:
+                stranded_since = min(stranded_since, trio.current_time())
+                if trio.current_time() - stranded_since >= STRANDED_FOR_S:
+                    return
+            else:
+                stranded_since = math.inf
 
     async def main(self) -> None:
         self.oracle = Oracle(self, self.reader)

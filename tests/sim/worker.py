@@ -50,6 +50,8 @@ if TYPE_CHECKING:
     from tests.sim.simulator import Simulation
 
 REGISTER_TIMEOUT_S = 10.0
+# After a stall the first heartbeat comes this much after the thaw.
+STALL_HEARTBEAT_AFTER_S = 0.5
 RECONNECT_DELAY_S = 2.0
 SIGNAL_EVENT = "signal.k"
 # What a race run waits for (its matching and non-matching events: schedule.race_plan).
@@ -135,6 +137,7 @@ class SimWorker:
         self.drain_requested = trio.Event()
         self.heartbeat_late_s = 0.0
         self.last_heartbeat_at = -math.inf  # virtual time of the last Heartbeat sent
+        self.heartbeat_not_before = -math.inf  # after a stall (see stall)
         self.conn: Connection | None = None
         self.scope = trio.CancelScope()
         self.exited = trio.Event()
@@ -170,7 +173,11 @@ class SimWorker:
         """Freeze until ``past_expiry_s`` after the session would expire, counted
         from the last heartbeat: a stalled process, whose session expires and
         which then acks what it was assigned meanwhile, in a burst."""
-        await self.freeze(max(0.0, self.last_heartbeat_at + session_expiry_s + past_expiry_s - trio.current_time()))
+        frozen_s = max(0.0, self.last_heartbeat_at + session_expiry_s + past_expiry_s - trio.current_time())
+        # Its heartbeat timer fires at its next tick, after the frames it
+        # received meanwhile were handled (not at the very moment it thaws).
+        self.heartbeat_not_before = trio.current_time() + frozen_s + STALL_HEARTBEAT_AFTER_S
+        await self.freeze(frozen_s)
 
     async def freeze(self, seconds: float) -> None:
         self.gate.close()
@@ -284,6 +291,8 @@ class SimWorker:
             late, self.heartbeat_late_s = self.heartbeat_late_s, 0.0
             await trio.sleep(interval + late)
             await self.gate.wait()
+            if self.heartbeat_not_before > trio.current_time():
+                await trio.sleep_until(self.heartbeat_not_before)
             jobs = [
                 _active(j.a) for j in self.jobs.values() if not j.abandoned
             ]
