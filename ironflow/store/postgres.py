@@ -490,7 +490,7 @@ class _Actor:
                 self._discard_connection(lost=False)
             if self._conn is None or self._conn.closed:
                 self._conn = self._connect()
-            tx = _PgTx(self._conn, self._prepared)
+            tx = self._store.tx_class(self._conn, self._prepared)
             results = self._optimistic(tx, batch)
             if results is None:
                 results, retry = self._careful(tx, batch)
@@ -630,6 +630,9 @@ class PostgresStore(SqlStore):
 
     shared_by_nodes = True
     group_acks = True
+    # What the actors run each group's statements through (a test subclass
+    # may pause between statements: tests/sim/pg.py).
+    tx_class: type[_PgTx] = _PgTx
 
     def __init__(self, url: str, *, connections: int = ACTOR_CONNECTIONS) -> None:
         super().__init__()

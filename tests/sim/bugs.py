@@ -7,20 +7,38 @@ store subclasses, so the engine carries no switch for them.
   refused assignment had been tried.
 - ``held_start_dropped``: an assignment loses its start delay, so a sleep the
   waker resumed ahead of its time (look-ahead) starts at once.
+
+And on PostgreSQL (``run_seed(seed, bug=NAME, pg=...)``), issue #21's races
+with their fixes reverted, as they were at 4a4dd38: ``stranded_ack``,
+``wait_row_skipped``, ``park_and_ingest_missed``, ``false_stale``.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import msgspec
+import outcome
 
-from ironflow.protocol import ErrorInfo, JobNackReason
-from ironflow.store import Fence, JobOutcome, Reservation, Store
-from ironflow.store.core import Tx, _enc
-from ironflow.store.fence import _STEP_RESULT_UPSERT
+from ironflow.protocol import ErrorInfo, JobNackReason, RunRecord, lookup_path
+from ironflow.store import Fence, JobOutcome, Reservation, StaleExecution, Store
+from ironflow.store.core import (
+    _FENCE_SQL,
+    _RUN_COLS,
+    _TERMINAL_SQL,
+    Tx,
+    _dec,
+    _enc,
+    _marks,
+    _run_record,
+    token_hash,
+)
+from ironflow.store.fence import _STEP_AUDITED_FUNCTION, _STEP_RESULT_UPSERT
 from ironflow.store.sqlite import SqliteStore
+from ironflow.store.waits import park_locks
+from tests.sim.pg import SimPostgresStore
 
 
 class UnfencedRecordStep(SqliteStore):
@@ -103,3 +121,154 @@ def store_class(bug: str | None) -> type[SqliteStore]:
     if bug is None:
         return SqliteStore
     return BUGS[bug]
+
+
+# ── the PostgreSQL mode's known bugs: issue #21's races, each fix reverted ──
+
+
+class StrandedAck(SimPostgresStore):
+    """Race 1: ``activate_leases``' one-statement form as it was — the queue row
+    deleted without its session in view; the lease inserted only by a join on
+    the session. An ack from a session removed since its reservation deletes
+    the queue row and writes no lease: the run is stranded."""
+
+    def _activate(self, tx: Tx, fences: Sequence[Fence], lease_expiry_s: float) -> list[outcome.Outcome[RunRecord]]:
+        if not tx.combined:
+            return super()._activate(tx, fences, lease_expiry_s)
+        rows = [(f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token)) for f in fences]
+        values = ", ".join(["(?, ?, ?, ?)"] * len(rows))
+        started = {
+            row[0]: row
+            for row in tx.fetchall(
+                f"WITH v (run_id, execution_seq, session_id, digest) AS (VALUES {values}),"
+                " q AS (DELETE FROM dispatch_queue d USING v WHERE d.run_id = v.run_id"
+                " AND d.execution_seq = v.execution_seq AND d.reservation_owner = v.session_id"
+                " AND d.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
+                " WHERE id = v.run_id AND current_execution_seq = v.execution_seq"
+                f" AND status NOT IN {_TERMINAL_SQL}) RETURNING d.run_id, d.execution_seq,"
+                " d.function_id, d.concurrency_key, v.session_id, v.digest),"
+                " l AS (INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
+                " concurrency_key, session_id, node_id, lease_token_hash, expires_at,"
+                " activated_at, began_snapshot) SELECT q.run_id, q.execution_seq, q.function_id,"
+                " q.concurrency_key, s.id, s.node_id, q.digest, ironflow_now() + ?,"
+                f" ironflow_now(), {tx.snapshot_sql} FROM q JOIN worker_sessions s ON s.id = q.session_id"
+                " RETURNING run_id)"
+                " UPDATE runs r SET status = 'running', started_at = coalesce(r.started_at,"
+                " ironflow_now()), deadline_at = coalesce(r.deadline_at, ironflow_now() + r.timeout_s),"
+                f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {_RUN_COLS},"
+                " (SELECT f.audit FROM functions f WHERE f.id = function_id)",
+                (*(value for row in rows for value in row), float(lease_expiry_s)),
+            )
+        }
+        results: list[outcome.Outcome[RunRecord]] = []
+        for fence in fences:
+            run = started.get(fence.run_id)
+            if run is not None:
+                record = _run_record(run)
+                if run[-1]:
+                    self._audit(tx, "run.started", fence.run_id, record.function_id,
+                                {"execution_seq": fence.execution_seq})
+                results.append(outcome.Value(record))
+            elif self._fence_alive(tx, fence):
+                again = tx.fetchone(f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,))
+                assert again is not None
+                results.append(outcome.Value(_run_record(again)))
+            else:
+                results.append(outcome.Error(StaleExecution(f"{fence.run_id}/{fence.execution_seq} refused")))
+        return results
+
+
+class WaitRowSkipped(SimPostgresStore):
+    """Race 2: an ingest reads every wait parked on its event's name ``FOR
+    UPDATE SKIP LOCKED`` and matches in Python, as it did: a wait row another
+    ingest of the name holds (matching or not) is passed by."""
+
+    def _resolve_waits(
+        self, tx: Tx, events: Sequence[tuple[str, str, Any]], paths: dict[str, list[str]]
+    ) -> list[list[str]]:
+        resumed: list[list[str]] = [[] for _ in events]
+        names = sorted({name for _, name, _ in events})
+        waiting = tx.fetchall(
+            "SELECT run_id, step_id, wait_event, wait_match, wait_match_value FROM steps"
+            f" WHERE status = 'waiting' AND kind = 'wait' AND wait_event IN ({_marks(len(names))})"
+            f" {tx.lock()}",
+            names,
+        )
+        for place, (event_id, name, data) in enumerate(events):
+            for run_id, step_id, event, match, value in waiting:
+                if event != name or (match is not None and lookup_path(data, match) != _dec(value)):
+                    continue
+                received = tx.fetchone("SELECT received_at FROM events WHERE id = ?", (event_id,))
+                output = _enc({"id": event_id, "name": name, "data": data,
+                               "received_at": received[0] if received else None})
+                if tx.execute(
+                    "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
+                    " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
+                    (output, run_id, step_id),
+                ) and self._resume(tx, run_id) is not None:
+                    resumed[place].append(run_id)
+        return resumed
+
+
+# The name lock a park takes (exclusive) and an ingest (shared): waits.py.
+_WAIT_LOCK_PREFIX = park_locks("")[0][0]
+
+
+class ParkAndIngestUnserialised(SimPostgresStore):
+    """Race 3: no lock on the event name between a park of a wait and an
+    ingest of that name, as before: each reads before the other commits and
+    neither sees the other's row."""
+
+    async def _transact(self, work: Callable[[Any], Any], *locks: Any) -> Any:
+        kept = [[lock for lock in group if not lock[0].startswith(_WAIT_LOCK_PREFIX)] for group in locks]
+        return await super()._transact(work, *kept)
+
+    async def _transact_many(self, works: list[Any]) -> Any:
+        return await super()._transact_many([
+            (work, [lock for lock in locks if not lock[0].startswith(_WAIT_LOCK_PREFIX)]) for work, locks in works
+        ])
+
+
+class FalseStale(SimPostgresStore):
+    """Race 4: each segment's step rows written under ``WHERE EXISTS (fence)``
+    and, when fewer rows came back than were sent (replays), the fence checked
+    again by a later statement, as it was: a lease ended in between turns
+    rows already written into a StaleExecution."""
+
+    def _record_fenced(self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]) -> set[str]:
+        live: set[str] = set()
+        for run_id, fence in fences.items():
+            mine = [row for row in rows if row[0] == run_id]
+            if not mine:
+                continue
+            written = tx.fetchall(
+                "WITH v (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
+                + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(mine))
+                + ") INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
+                " duration_ms, execution_seq, created_at, seq)"
+                " SELECT v.run_id, v.step_id, v.name, 'run', v.status, v.output, v.error,"
+                " v.duration_ms, ?, ironflow_now(), v.seq FROM v"
+                f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL})"
+                + _STEP_RESULT_UPSERT
+                + f" RETURNING run_id, step_id, status, {_STEP_AUDITED_FUNCTION}",
+                (*(value for row in mine for value in row), fence.execution_seq, *self._fence_params(fence)),
+            )
+            if len(written) < len(mine) and not self._fence_alive(tx, fence):
+                continue  # "nothing was written": all refused (rows may have been)
+            live.add(run_id)
+            self._audit_steps(tx, mine, written)
+        return live
+
+
+PG_BUGS: dict[str, type[SimPostgresStore]] = {
+    "stranded_ack": StrandedAck,
+    "wait_row_skipped": WaitRowSkipped,
+    "park_and_ingest_missed": ParkAndIngestUnserialised,
+    "false_stale": FalseStale,
+}
+
+
+def pg_store_class(bug: str | None) -> type[SimPostgresStore]:
+    if bug is None:
+        return SimPostgresStore
+    return PG_BUGS[bug]

@@ -18,7 +18,11 @@ Checked against the database (read-only), the oracle's counter table
 6. the ceiling holds;
 7. the two recovery loops never recovered the same run (judged during the run);
 8. nothing is left behind: no lease, queue row or parked step of an ended
-   run, and no wake listener of a stopped waker on the store.
+   run, and no wake listener of a stopped waker on the store;
+9. an event acknowledged after the segment that parks a wait began (its
+   ingest committed after the segment's activation committed), and before
+   the wait's timeout (by the database clock), that matches it resolves it;
+   and a wait is resolved only by an event that matches it.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ import json
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from ironflow.protocol import lookup_path
 from tests.sim.worker import program, step_id
 
 if TYPE_CHECKING:
     from tests.sim.simulator import Simulation
 
-MAX_ATTEMPTS = {"sim-a": 3, "sim-b": 2}
+MAX_ATTEMPTS = {"sim-a": 3, "sim-b": 2, "sim-r": 2}
 
 
 def check(sim: Simulation) -> None:
@@ -47,6 +52,7 @@ def check(sim: Simulation) -> None:
     for run_id, event_id in o.all("SELECT id, event_id FROM runs ORDER BY id"):
         runs_of_event.setdefault(event_id, []).append(run_id)
     emitted = {k for a in sim.schedule.actions if a.kind in ("emit", "emit_again") for k in [a.target]}
+    emitted |= {k for a in sim.schedule.actions if a.kind == "worker_stall" for k, _ in a.arg[1]}
     known_events = set()
     for k in sorted(emitted):
         event_id = sim.event_ids.get(k)
@@ -81,7 +87,17 @@ def check(sim: Simulation) -> None:
         code = error["code"] if error else None
         where = f"run {run_id} ({function_id}, event k={plan['k']})"
         if status not in ("completed", "failed", "cancelled"):
-            bad(f"{where} did not end: {status} after the node went quiet")
+            held = o.one(
+                "SELECT (SELECT count(*) FROM dispatch_queue WHERE run_id = ?),"
+                " (SELECT count(*) FROM concurrency_leases WHERE run_id = ?),"
+                " (SELECT count(*) FROM steps WHERE run_id = ? AND status IN ('sleeping', 'waiting', 'waking'))",
+                (run_id, run_id, run_id),
+            )
+            stranded = held is not None and not any(held)
+            bad(
+                f"{where} did not end: {status} after the node went quiet"
+                + (" (stranded: no queue row, no lease, no parked step)" if stranded else f" (queue, lease, parked: {held})")
+            )
             continue
         steps = {
             sid: (kind, st, out)
@@ -175,6 +191,72 @@ def check(sim: Simulation) -> None:
     )
     if row and row[0]:
         bad(f"{row[0]} parked steps belong to ended runs")
-    listeners: Any = getattr(sim.real_store, "_wake_listeners", [])
-    if listeners:
-        bad(f"{len(listeners)} wake listeners of stopped wakers are still registered on the store")
+    for store in sim.real_stores:
+        listeners: Any = getattr(store, "_wake_listeners", [])
+        if listeners:
+            bad(f"{len(listeners)} wake listeners of stopped wakers are still registered on the store")
+
+    check_waits(sim)
+
+
+def _matches(data: Any, match: str | None, value: Any) -> bool:
+    return match is None or lookup_path(data, match) == value
+
+
+def check_waits(sim: Simulation) -> None:
+    """9. Every wait's last park, against the events of its name."""
+    from tests.sim.simulator import BASE
+
+    o = sim.oracle
+    for (run_id, seq), park in sorted(o.parks.items()):
+        sid = step_id(run_id, "signal")
+        row = o.one(
+            "SELECT s.status, s.execution_seq, s.output, r.status, r.ended_at FROM steps s"
+            " JOIN runs r ON r.id = s.run_id WHERE s.run_id = ? AND s.step_id = ?",
+            (run_id, sid),
+        )
+        if row is None or int(row[1]) != seq:
+            continue  # parked again by a later segment: that park is judged
+        status, _, output_text, run_status, ended_at = row
+        if status == "completed":
+            got = json.loads(output_text)
+            if not _matches(got["data"], park.match, park.match_value):
+                o.violation(f"wait {sid} (seq {seq}) resolved by {got['id']}, which does not match it")
+            continue
+        until = park.timeout_at
+        if run_status != "completed" and ended_at is not None:
+            until = min(until, float(ended_at))  # nothing to resolve once the run ended
+        for event_id, data_text, received_at in o.all(
+            "SELECT id, data, received_at FROM events WHERE name = ? AND received_at < ?"
+            " ORDER BY received_at",
+            (park.event, until),
+        ):
+            # "After the segment began": its ingest committed after the commit
+            # that activated the segment (by the clock where that is unknown).
+            ingest = o.ingests.get(event_id)
+            after = (
+                ingest[1] > park.activated
+                if ingest is not None and park.activated is not None
+                else float(received_at) >= park.segment_began
+            )
+            if after and _matches(json.loads(data_text), park.match, park.match_value):
+                o.violation(
+                    f"wait {sid} of run {run_id} (parked by seq {seq}, segment began"
+                    f" {park.segment_began - BASE:.3f}) ended {status}, but event {event_id}"
+                    f" matching it was received at {float(received_at) - BASE:.3f},"
+                    f" before its timeout {park.timeout_at - BASE:.3f}: {_how(park, o.ingests.get(event_id))}"
+                )
+                break
+
+
+def _how(park: Any, ingest: tuple[int, int] | None) -> str:
+    """Which interleaving lost the event, by the transactions' numbers."""
+    if ingest is None or not park.committed:
+        return "lost"
+    begun, committed = ingest
+    if park.committed < begun:
+        return "lost by an ingest that began after the park committed (a wait row skipped)"
+    if committed < park.begun:
+        return "lost by a park that began after the ingest committed (the look-back missed it)"
+    return "lost between a park and an ingest that overlapped"
+

@@ -22,30 +22,37 @@ touching the database (a dead process writes nothing — not even the
 
 from __future__ import annotations
 
+import functools
+import json
 import sqlite3
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import outcome
 import trio
 
-from ironflow.protocol import TERMINAL_RUN_STATUSES
-from ironflow.store import Fence, StaleExecution, Store
+from ironflow.protocol import TERMINAL_RUN_STATUSES, WaitYield
+from ironflow.store import Fence, StaleExecution, StepResult, Store
 from ironflow.store.core import Tx, token_hash
-from ironflow.store.sqlite import SqliteStore
+from ironflow.store.sql import SqlStore
 
 if TYPE_CHECKING:
     from tests.sim.simulator import Simulation
 
 
-class OutcomesByTask(SqliteStore):
+class OutcomesByTask(SqlStore):
     """Keeps the outcome of each task's last transaction, taken inside it.
 
     A cancel delivered at the inline store's checkpoint after the commit masks
     what the call returned or raised; this is how the oracle still knows
     whether a write was accepted (mixed into the store class of a run).
+
+    It also numbers transactions for the oracle: on SQLite (one at a time)
+    each transaction gets one number; on PostgreSQL (``tests/sim/pg.py``)
+    a transaction's BEGIN and its COMMIT get theirs from one counter, so a
+    commit numbered below a BEGIN was visible to that transaction.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -53,15 +60,27 @@ class OutcomesByTask(SqliteStore):
         self.outcomes: dict[Any, outcome.Outcome[Any]] = {}
         # A read to run inside the task's next transaction, after its work.
         self.probes: dict[Any, Callable[[Tx], None]] = {}
+        # Reads to run inside it before its work, and what they read.
+        self.before_probes: dict[Any, Callable[[Tx], Any]] = {}
+        self.before_results: dict[Any, Any] = {}
         self.transactions = 0  # a clock that orders every transaction
-        self.numbers: dict[Any, int] = {}  # task → the number of its last transaction
+        self.begun: dict[Any, int] = {}  # task → when its last transaction began
+        self.committed: dict[Any, int] = {}  # task → when its last transaction committed
 
     async def _transact(self, work: Callable[[Tx], Any], *locks: Any) -> Any:
         task = trio.lowlevel.current_task()
 
         def observed(tx: Tx) -> Any:
-            self.transactions += 1
-            self.numbers[task] = self.transactions
+            on_commit = getattr(tx, "on_commit", None)
+            if on_commit is None:
+                self.transactions += 1
+                self.begun[task] = self.committed[task] = self.transactions
+            else:
+                self.begun[task] = tx.begun_at  # type: ignore[attr-defined]
+                on_commit.append(lambda n: self.committed.__setitem__(task, n))
+            before = self.before_probes.get(task)
+            if before is not None:
+                self.before_results[task] = before(tx)
             result = outcome.capture(work, tx)
             self.outcomes[task] = result
             probe = self.probes.pop(task, None)
@@ -71,8 +90,11 @@ class OutcomesByTask(SqliteStore):
 
         return await super()._transact(observed, *locks)
 
-    def last_transaction(self) -> int:
-        return self.numbers.get(trio.lowlevel.current_task(), self.transactions)
+    def last_begin(self) -> int:
+        return self.begun.get(trio.lowlevel.current_task(), self.transactions)
+
+    def last_commit(self) -> int:
+        return self.committed.get(trio.lowlevel.current_task(), self.transactions)
 
     def take_outcome(self) -> outcome.Outcome[Any] | None:
         return self.outcomes.pop(trio.lowlevel.current_task(), None)
@@ -98,13 +120,81 @@ class RunCounters:
     reserved_at: dict[int, int] = field(default_factory=dict)  # execution_seq → transaction no.
 
 
+class Reader(Protocol):
+    """Read-only queries on the run's database (``?`` placeholders)."""
+
+    def one(self, sql: str, params: tuple[Any, ...] = ()) -> tuple[Any, ...] | None: ...
+
+    def all(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]: ...
+
+    def close(self) -> None: ...
+
+
+class TxReader:
+    """The oracle's reads inside a store transaction (not paused, if the
+    transaction pauses: they are the oracle's, not the engine's)."""
+
+    def __init__(self, tx: Tx) -> None:
+        self._tx = tx
+        raw = getattr(type(tx), "unpaused", None)
+        self._fetchone = functools.partial(raw.fetchone, tx) if raw else tx.fetchone
+        self._fetchall = functools.partial(raw.fetchall, tx) if raw else tx.fetchall
+
+    def one(self, sql: str, params: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
+        return self._fetchone(sql, params)  # type: ignore[no-any-return]
+
+    def all(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        return self._fetchall(sql, params)  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        pass
+
+
+class SqliteReader:
+    """A read-only connection of the oracle's own to the SQLite file."""
+
+    def __init__(self, path: str) -> None:
+        self._db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+
+    def one(self, sql: str, params: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
+        row: tuple[Any, ...] | None = self._db.execute(sql, params).fetchone()
+        return row
+
+    def all(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+        return self._db.execute(sql, params).fetchall()
+
+    def close(self) -> None:
+        self._db.close()
+
+
+@dataclass(frozen=True)
+class Park:
+    """A ``wait_for_event`` parked by one segment (what invariant 9 judges)."""
+
+    segment_began: float  # its lease's activated_at, by the database clock
+    activated: int | None  # the number of the commit that activated it (OutcomesByTask)
+    timeout_at: float
+    event: str
+    match: str | None
+    match_value: Any
+    begun: int = 0  # the park's transaction numbers (OutcomesByTask)
+    committed: int = 0
+
+
 class Oracle:
     """Judges watched store calls; keeps the counter table and the violations."""
 
-    def __init__(self, sim: Simulation, path: str) -> None:
+    def __init__(self, sim: Simulation, db: Reader) -> None:
         self.sim = sim
-        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db = db
+        # Whether transactions of other nodes may commit between the oracle's
+        # read before a call and the call's own transaction (PostgreSQL mode):
+        # then a call is judged only by what no other commit could change.
+        self.concurrent = sim.concurrent
         self.runs: dict[str, RunCounters] = {}
+        self.parks: dict[tuple[str, int], Park] = {}  # (run_id, execution_seq) → its wait
+        self.ingests: dict[str, tuple[int, int]] = {}  # event id → its transaction's numbers
+        self.activated: dict[tuple[str, int], int] = {}  # (run_id, execution_seq) → its activation's commit
         self.violations: list[str] = []
         self.counts: Counter[str] = sim.counts
 
@@ -149,18 +239,17 @@ class Oracle:
         self.sim.trace(f"VIOLATION {text}")
 
     def one(self, sql: str, params: tuple[Any, ...] = ()) -> tuple[Any, ...] | None:
-        row: tuple[Any, ...] | None = self.db.execute(sql, params).fetchone()
-        return row
+        return self.db.one(sql, params)
 
     def all(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        return self.db.execute(sql, params).fetchall()
+        return self.db.all(sql, params)
 
     # ── the fence ──────────────────────────────────────────────────────────
 
-    def fence_state(self, fence: Fence) -> dict[str, Any]:
+    def fence_state(self, fence: Fence, db: Reader | None = None) -> dict[str, Any]:
         digest = token_hash(fence.lease_token)
         key = (fence.run_id, fence.execution_seq, fence.session_id, digest)
-        row = self.one(
+        row = (db or self.db).one(
             "SELECT r.current_execution_seq, r.status, r.attempt, r.max_attempts,"
             " EXISTS (SELECT 1 FROM concurrency_leases WHERE run_id = ? AND execution_seq = ?"
             "  AND session_id = ? AND lease_token_hash = ?),"
@@ -208,7 +297,16 @@ class Oracle:
 
     def apply_recoveries(self, method: str, expected: list[str], segments: list[Any]) -> None:
         got = {seg.run_id: seg for seg in segments}
-        if sorted(got) != expected:
+        if self.concurrent:
+            # Another node's scanner may have taken some first, or held their
+            # rows (SKIP LOCKED: the next pass takes them); none it took may
+            # have been anything but due.
+            if not set(got) <= set(expected):
+                self.violation(
+                    f"{method}: recovered {sorted(set(got) - set(expected))}, whose leases were not due"
+                )
+            expected = sorted(got)
+        elif sorted(got) != expected:
             self.violation(
                 f"{method}: recovered {sorted(got)} but the leases due were {expected}"
             )
@@ -273,52 +371,191 @@ class ObservedStore:
 
     # ── fenced writes ──────────────────────────────────────────────────────
 
-    async def _fenced(self, method: str, fence: Fence, *args: Any, **kwargs: Any) -> Any:
-        self._check()
-        o = self._oracle
-        state = o.fence_state(fence)
-        live = o.live_for(method, state)
-        step_before: Any = None
+    def _steps_of(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[StepResult]:
+        """The step results a fenced call writes (none for most)."""
         if method == "record_step":
-            step_before = o.one(
-                "SELECT status, output FROM steps WHERE run_id = ? AND step_id = ?",
-                (fence.run_id, kwargs["step_id"]),
+            return [StepResult(kwargs["step_id"], kwargs["name"], kwargs["status"], kwargs.get("output"))]
+        if method == "record_steps":
+            return list(args[0])
+        if method == "complete_job":  # a grouped completion's last step results
+            return list(kwargs.get("steps") or [])
+        return []
+
+    def _before(
+        self, method: str, fence: Fence, args: tuple[Any, ...], kwargs: dict[str, Any], db: Reader | None = None
+    ) -> Any:
+        """What the oracle reads before a fenced call, beyond the fence itself."""
+        o: Any = db or self._oracle.db
+        if method == "yield_job":
+            return o.one(
+                "SELECT activated_at FROM concurrency_leases WHERE run_id = ? AND execution_seq = ?",
+                (fence.run_id, fence.execution_seq),
             )
-        elif method == "record_steps":
-            step_before = {
+        steps = self._steps_of(method, args, kwargs)
+        if method == "complete_job" and steps:
+            return self._before("record_steps", fence, (steps,), {}, db)
+        if method == "record_step":
+            return o.one(
+                "SELECT status, output FROM steps WHERE run_id = ? AND step_id = ?",
+                (fence.run_id, steps[0].step_id),
+            )
+        if method == "record_steps":
+            return {
                 s.step_id: o.one(
                     "SELECT status, output FROM steps WHERE run_id = ? AND step_id = ?",
                     (fence.run_id, s.step_id),
                 )
-                for s in args[0]
+                for s in steps
             }
+        return None
+
+    def _judge_before(
+        self, method: str, calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]], db: Reader | None = None
+    ) -> list[tuple[dict[str, Any], bool, Any]]:
+        o = self._oracle
+        judged = []
+        for fence, args, kwargs in calls:
+            state = o.fence_state(fence, db)
+            judged.append((state, o.live_for(method, state), self._before(method, fence, args, kwargs, db)))
+        return judged
+
+    def _call_judged(
+        self, method: str, calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]], call: Any
+    ) -> tuple[Any, Callable[[], list[tuple[dict[str, Any], bool, Any]] | None]]:
+        """``call()`` (to await), and how to get the oracle's reads of
+        ``calls`` before it (None: it ran no transaction). On PostgreSQL they
+        are read inside the call's own transaction, right before its work (a
+        chained call comes after its chain's earlier calls, whose writes a
+        read outside would miss); on SQLite, before the call."""
         store: Any = self._store
+        if not self._oracle.concurrent:
+            judged = self._judge_before(method, calls)
+            return call(), lambda: judged
+        task = trio.lowlevel.current_task()
+        store.before_probes[task] = lambda tx: self._judge_before(method, calls, TxReader(tx))
+
+        def judged_inside() -> list[tuple[dict[str, Any], bool, Any]] | None:
+            store.before_probes.pop(task, None)
+            return store.before_results.pop(task, None)  # type: ignore[no-any-return]
+
+        return call(), judged_inside
+
+    async def _fenced(self, method: str, fence: Fence, *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        store: Any = self._store
+        pending, judge = self._call_judged(
+            method, [(fence, args, kwargs)], lambda: getattr(store, method)(fence, *args, **kwargs)
+        )
         try:
-            result = await getattr(store, method)(fence, *args, **kwargs)
+            result = await pending
         except trio.Cancelled:
             # Cancelled at the store's checkpoint after its transaction: judge
             # by the transaction's own outcome.
-            done = store.take_outcome()
-            if isinstance(done, outcome.Value):
-                self._accepted(method, fence, state, live, step_before, done.value, args, kwargs)
-            elif done is not None and isinstance(done.error, StaleExecution):
-                self._refused(method, fence, live)
+            judged, done = judge(), store.take_outcome()
+            if judged is not None:
+                ((state, live, before),) = judged
+                if isinstance(done, outcome.Value):
+                    self._accepted(method, fence, state, live, before, done.value, args, kwargs)
+                elif done is not None and isinstance(done.error, StaleExecution):
+                    self._refused(method, fence, live, before, args, kwargs)
             raise
         except StaleExecution:
+            judged = judge()
             store.take_outcome()
-            self._refused(method, fence, live)
+            if judged is not None:
+                ((state, live, before),) = judged
+                self._refused(method, fence, live, before, args, kwargs)
             raise
+        except BaseException:
+            judge()
+            store.take_outcome()
+            raise
+        judged = judge()
         store.take_outcome()
-        self._accepted(method, fence, state, live, step_before, result, args, kwargs)
+        if judged is not None:
+            ((state, live, before),) = judged
+            self._accepted(method, fence, state, live, before, result, args, kwargs)
         return result
 
-    def _refused(self, method: str, fence: Fence, live: bool) -> None:
+    async def _fenced_many(
+        self, method: str, calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]], apply: Any
+    ) -> list[outcome.Outcome[Any]]:
+        """A session's group of fenced calls (``apply()``: the store's grouped
+        form, one transaction), each judged as :meth:`_fenced` judges one."""
+        self._check()
+        store: Any = self._store
+        pending, judge = self._call_judged(method, calls, apply)
+        try:
+            results: list[outcome.Outcome[Any]] = await pending
+        except trio.Cancelled:
+            judged, done = judge(), store.take_outcome()
+            if judged is not None and isinstance(done, outcome.Value):
+                self._judge_many(method, calls, judged, done.value)
+            raise
+        except BaseException:
+            judge()
+            store.take_outcome()
+            raise
+        judged = judge()
+        store.take_outcome()
+        if judged is not None:
+            self._judge_many(method, calls, judged, results)
+        return results
+
+    def _judge_many(
+        self,
+        method: str,
+        calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]],
+        judged: list[tuple[dict[str, Any], bool, Any]],
+        results: list[outcome.Outcome[Any]],
+    ) -> None:
+        for (fence, args, kwargs), (state, live, before), result in zip(calls, judged, results, strict=True):
+            steps = kwargs.get("steps") if method == "complete_job" else None
+            if isinstance(result, outcome.Value):
+                if steps:
+                    self._accepted("record_steps", fence, state, live, before, None, (steps,), {})
+                self._accepted(method, fence, state, live, None if steps else before, result.value, args, {})
+            elif isinstance(result.error, StaleExecution):
+                self._refused(method, fence, live, before, args, kwargs)
+
+    def _refused(
+        self, method: str, fence: Fence, live: bool, before: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        o = self._oracle
         self._sim.counts["stale_refused"] += 1
         self._sim.trace(f"{method} {fence.run_id}/{fence.execution_seq} refused")
-        if live:
-            self._oracle.violation(
+        # A fence never comes back to life: live after the refusal means live
+        # all along (the read before may have been overtaken by another node).
+        if live and (not o.concurrent or o.live_for(method, o.fence_state(fence))):
+            o.violation(
                 f"{method} from the live fence {fence.run_id}/{fence.execution_seq} refused"
             )
+        steps = self._steps_of(method, args, kwargs)
+        if steps:
+            # "Stale: nothing written." This call's outputs are its own
+            # (they name the worker and the segment).
+            prior = before if isinstance(before, dict) else {steps[0].step_id: before}
+            for s in steps:
+                if s.status != "completed":
+                    continue
+                row = o.one(
+                    "SELECT status, output FROM steps WHERE run_id = ? AND step_id = ? AND execution_seq = ?",
+                    (fence.run_id, s.step_id, fence.execution_seq),
+                )
+                was = prior.get(s.step_id)
+                if row is not None and row[1] is not None and json.loads(row[1]) == s.output and (
+                    was is None or was[1] is None or json.loads(was[1]) != s.output
+                ):
+                    if method == "complete_job":
+                        # Its steps were written under the fence, then its result
+                        # refused: the interface's order (steps, then the result).
+                        o.run(fence.run_id).steps.setdefault(s.step_id, s.output)
+                        continue
+                    o.violation(
+                        f"{method} from {fence.run_id}/{fence.execution_seq} refused as stale,"
+                        f" but it wrote step {s.step_id}"
+                    )
+                    o.run(fence.run_id).steps.setdefault(s.step_id, s.output)
 
     def _accepted(
         self,
@@ -347,11 +584,19 @@ class ObservedStore:
         c = o.run(fence.run_id)
         if method == "activate_lease" and not state["live_lease"]:
             c.activations += 1
+            o.activated[(fence.run_id, fence.execution_seq)] = self._store.last_commit()  # type: ignore[attr-defined]
         elif method == "nack_job":
             c.nacks += 1
         elif method == "yield_job":
             c.yields += 1
             c.consecutive = 0
+            info = kwargs["info"]
+            if isinstance(info, WaitYield) and step_before is not None:
+                # The segment began when its lease was activated (the look-back's `since`).
+                o.parks[(fence.run_id, fence.execution_seq)] = Park(
+                    float(step_before[0]), o.activated.get((fence.run_id, fence.execution_seq)), info.timeout_at, info.event, info.match, info.match_value,
+                    self._store.last_begin(), self._store.last_commit(),  # type: ignore[attr-defined]
+                )
         elif method == "complete_job":
             c.ended_by = "completed"
         elif method == "fail_job":
@@ -368,13 +613,13 @@ class ObservedStore:
             sid = kwargs["step_id"]
             if step_before is None or step_before[0] != "completed":
                 c.steps.setdefault(sid, kwargs.get("output"))
-                c.step_recorded_at.setdefault(sid, self._store.last_transaction())  # type: ignore[attr-defined]
+                c.step_recorded_at.setdefault(sid, self._store.last_commit())  # type: ignore[attr-defined]
         elif method == "record_steps":
             for s in args[0]:
                 before = step_before[s.step_id]
                 if s.status == "completed" and (before is None or before[0] != "completed"):
                     c.steps.setdefault(s.step_id, s.output)
-                    c.step_recorded_at.setdefault(s.step_id, self._store.last_transaction())  # type: ignore[attr-defined]
+                    c.step_recorded_at.setdefault(s.step_id, self._store.last_commit())  # type: ignore[attr-defined]
         self._after(method, result)
 
     async def activate_lease(self, fence: Fence, **kwargs: Any) -> Any:
@@ -382,9 +627,34 @@ class ObservedStore:
 
     # A session's groups (acks, step results, job results of several runs) are
     # watched one fence at a time (the interface's one-by-one forms).
-    activate_leases = Store.activate_leases
-    record_steps_many = Store.record_steps_many
-    complete_jobs = Store.complete_jobs
+    # On SQLite a session's groups (acks, step results, job results of several
+    # runs) are watched one fence at a time (the interface's one-by-one forms);
+    # on PostgreSQL the store's grouped forms run, each fence judged.
+
+    async def activate_leases(self, fences: Sequence[Fence], *, lease_expiry_s: float) -> Any:
+        if not self._oracle.concurrent:
+            return await Store.activate_leases(self, fences, lease_expiry_s=lease_expiry_s)  # type: ignore[arg-type]
+        return await self._fenced_many(
+            "activate_lease",
+            [(f, (), {"lease_expiry_s": lease_expiry_s}) for f in fences],
+            lambda: self._store.activate_leases(fences, lease_expiry_s=lease_expiry_s),
+        )
+
+    async def record_steps_many(self, items: Sequence[tuple[Fence, list[StepResult]]]) -> Any:
+        if not self._oracle.concurrent:
+            return await Store.record_steps_many(self, items)  # type: ignore[arg-type]
+        return await self._fenced_many(
+            "record_steps", [(f, (steps,), {}) for f, steps in items], lambda: self._store.record_steps_many(items)
+        )
+
+    async def complete_jobs(self, items: Sequence[tuple[Fence, Any, list[StepResult]]]) -> Any:
+        if not self._oracle.concurrent:
+            return await Store.complete_jobs(self, items)  # type: ignore[arg-type]
+        return await self._fenced_many(
+            "complete_job",
+            [(f, (output,), {"steps": steps}) for f, output, steps in items],
+            lambda: self._store.complete_jobs(items),
+        )
 
     async def record_step(self, fence: Fence, **kwargs: Any) -> Any:
         return await self._fenced("record_step", fence, **kwargs)
@@ -404,12 +674,22 @@ class ObservedStore:
     async def nack_job(self, fence: Fence, reason: Any) -> Any:
         return await self._fenced("nack_job", fence, reason)
 
+    async def ingest_event(self, *args: Any, **kwargs: Any) -> Any:
+        self._check()
+        result = await self._store.ingest_event(*args, **kwargs)
+        store: Any = self._store
+        self._oracle.ingests.setdefault(result.event_id, (store.last_begin(), store.last_commit()))
+        store.take_outcome()
+        self._after("ingest_event", result)
+        return result
+
     async def reserve_segments(self, *args: Any, **kwargs: Any) -> Any:
         self._check()
         result = await self._store.reserve_segments(*args, **kwargs)
-        at = self._store.last_transaction()  # type: ignore[attr-defined]
+        at = self._store.last_begin()  # type: ignore[attr-defined]
         for r in result:
             self._oracle.run(r.assignment.run_id).reserved_at[r.assignment.execution_seq] = at
+            self._sim.trace(f"reserved {r.assignment.run_id}/{r.assignment.execution_seq} for {r.session_id}")
         self._after("reserve_segments", result)
         return result
 
@@ -470,6 +750,16 @@ class ObservedStore:
                     continue
                 self._sim.counts["loop2_restores"] += 1
                 self._sim.trace(f"loop 2 restored {run_id}/{sid}")
+                if (leased or queued) and o.concurrent:
+                    # Read before the call; another node may have ended that
+                    # lease or taken that row since: owned still, inside the
+                    # sweeper's transaction, is owned all along.
+                    now_owned = tx.fetchone(
+                        "SELECT EXISTS (SELECT 1 FROM concurrency_leases WHERE run_id = ?),"
+                        " EXISTS (SELECT 1 FROM dispatch_queue WHERE run_id = ?)",
+                        (run_id, run_id),
+                    )
+                    leased, queued = (leased and now_owned[0], queued and now_owned[1]) if now_owned else (0, 0)
                 if leased or queued:
                     o.violation(
                         f"loop 2 restored step {sid} of run {run_id}, which loop 1 owns"

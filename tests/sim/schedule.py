@@ -155,6 +155,48 @@ def plan_for(rng: random.Random, k: int, max_attempts: int) -> dict[str, Any]:
     return plan
 
 
+# Race runs (function sim-r, event "r.go"): one step, then a wait_for_event on
+# "race.go" matching its own key. Once a worker begins the step, the run's
+# matching event and RACE_OTHERS non-matching ones of the same name are
+# emitted at once, RACE_AFTER_S (or the step's duration) later: while the
+# segment runs, at the very moment it parks the wait, or just after.
+RACE_RUNS = (1, 4)
+RACE_OTHERS = (1, 3)
+RACE_LATE_S = 0.05
+# Keys of the non-matching events: no run has them.
+RACE_STRAY_KEY = 1000
+
+
+def race_plan(rng: random.Random, k: int) -> dict[str, Any]:
+    """A race run's plan (see RACE_RUNS): its step, its wait, and when the
+    events for it are emitted after the step begins."""
+    d = round(rng.uniform(0.1, 2.5), 3)
+    when = rng.choice(["during", "at_park", "at_park", "after"])
+    after_s = {
+        "during": round(rng.uniform(0.0, d), 3),
+        "at_park": d,  # the same virtual instant as the yield: the two transactions overlap
+        "after": round(d + rng.uniform(0.0, RACE_LATE_S), 3),
+    }[when]
+    others = [RACE_STRAY_KEY + 10 * k + j for j in range(rng.randint(*RACE_OTHERS))]
+    return {
+        "k": k,
+        "durations": [d],
+        "wait": [1, round(rng.uniform(3.0, 20.0), 3)],
+        "wait_event": "race.go",
+        "race": {"when": when, "after_s": after_s, "others": others},
+    }
+
+
+# Worker stalls (their own RNG): the worker with the most slots freezes until
+# just past its session's expiry, while a burst of events is emitted shortly
+# before that expiry, so it is assigned several runs and acks them only after
+# its session was removed, while their reservations still stand.
+STALL_CHANCE = 0.5
+STALL_PAST_EXPIRY_S = (0.2, 1.0)
+STALL_BURST = (3, 6)
+STALL_BURST_BEFORE_EXPIRY_S = (1.0, 3.5)
+
+
 def build(seed: int) -> Schedule:
     rng = rng_for(seed, "schedule")
     timings = Timings(
@@ -224,6 +266,26 @@ def build(seed: int) -> Schedule:
     if rng.random() < 0.1:
         sched.node_crash_after.append(
             (rng.choice(["claim_elapsed_steps", "reserve_segments", "yield_job"]), rng.randint(1, 4))
+        )
+    # Drawn last, from an RNG of their own: the rest of a seed's schedule is
+    # what it was before race runs existed.
+    races = rng_for(seed, "races")
+    for _ in range(races.randint(*RACE_RUNS)):
+        k = len(sched.events)
+        sched.events.append(("r.go", race_plan(races, k)))
+        sched.actions.append(Action(round(races.uniform(0.0, phase), 3), "emit", k))
+    stalls = rng_for(seed, "stalls")
+    if stalls.random() < STALL_CHANCE and max(workers) >= 3:
+        at_s = round(stalls.uniform(0.0, phase * 0.6), 3)
+        slot = workers.index(max(workers))
+        burst = []
+        for _ in range(stalls.randint(*STALL_BURST)):
+            k = len(sched.events)
+            sched.events.append(("a.go", {"k": k, "durations": [round(stalls.uniform(0.1, 1.0), 3)]}))
+            burst.append((k, round(stalls.uniform(*STALL_BURST_BEFORE_EXPIRY_S), 3)))
+        # (how long past its session's expiry it stays frozen, [(event, seconds before that expiry)])
+        sched.actions.append(
+            Action(at_s, "worker_stall", slot, (round(stalls.uniform(*STALL_PAST_EXPIRY_S), 3), burst))
         )
     sched.actions.sort(key=lambda a: (a.at, a.kind, str(a.target)))
     return sched

@@ -56,10 +56,10 @@ from ironflow.ids import ids_from
 from ironflow.node import KICK_BUFFER, start_actors
 from ironflow.protocol import Cancel, Concurrency, FunctionDef, RetryPolicy, Trigger
 from ironflow.store import Conflict, RunNotFound
-from ironflow.store.sqlite import SqliteStore
 from tests.sim import invariants
 from tests.sim.net import Connection, Link
-from tests.sim.observed import NodeDown, ObservedStore, Oracle, OutcomesByTask
+from tests.sim.observed import NodeDown, ObservedStore, Oracle, OutcomesByTask, Reader, SqliteReader
+from tests.sim.pg import ClockHold, Pauses, PgReader, SimDatabases
 from tests.sim.schedule import (
     CRASH_AFTER,
     QUIESCE_LIMIT_S,
@@ -70,17 +70,32 @@ from tests.sim.schedule import (
     build,
     rng_for,
 )
-from tests.sim.worker import SIGNAL_EVENT, SimWorker
+from tests.sim.worker import RACE_EVENT, SIGNAL_EVENT, SimWorker
 
 # ``ironflow_now()`` at virtual time 0.
 BASE = 1_800_000_000.0
+# How long every unended run must stay stranded before quiescence stops waiting.
+STRANDED_FOR_S = 60.0
+# Node slots of the PostgreSQL mode: two nodes, each its own store, one database.
+PG_NODES = 2
 IDEMPOTENCY_WINDOW_S = 24 * 3600.0
+# How long a worker stall waits for its worker to be connected, heartbeating
+# and with free slots for three of the burst's runs (the first ack of a burst
+# is applied alone, the next ones together: tests/sim/schedule.py).
+STALL_WAIT_S = 20.0
+STALL_FREE_SLOTS = 3
 
 FUNCTIONS = [
     FunctionDef(
         id="sim-a",
         triggers=[Trigger("a.go"), Trigger("both.go")],
         retries=RetryPolicy(max_attempts=3, initial_delay_s=0.5),
+        audit=True,
+    ),
+    FunctionDef(
+        id="sim-r",
+        triggers=[Trigger("r.go")],
+        retries=RetryPolicy(max_attempts=2, initial_delay_s=0.5),
         audit=True,
     ),
     FunctionDef(
@@ -93,7 +108,7 @@ FUNCTIONS = [
 ]
 # What a campaign reports as "faults injected", in this order.
 FAULT_KINDS = (*TIMED_FAULTS, "frame_drop", "frame_delay", "frame_duplicate", "frame_reorder")
-TRIGGERED = {"a.go": ["sim-a"], "b.go": ["sim-b"], "both.go": ["sim-a", "sim-b"]}
+TRIGGERED = {"a.go": ["sim-a"], "b.go": ["sim-b"], "both.go": ["sim-a", "sim-b"], "r.go": ["sim-r"]}
 
 
 def deterministic_trio(seed: int) -> None:
@@ -149,13 +164,14 @@ class Result:
 
 
 class SimNode:
-    """One incarnation of the node process."""
+    """One incarnation of the node process of node slot ``slot``."""
 
-    def __init__(self, sim: Simulation, no: int) -> None:
+    def __init__(self, sim: Simulation, no: int, slot: int) -> None:
         self.sim = sim
         self.no = no
+        self.slot = slot
         self.node_id = f"node-{no}"
-        self.store = ObservedStore(sim, sim.real_store, sim.oracle, no)
+        self.store = ObservedStore(sim, sim.real_stores[slot], sim.oracle, no)
         self.directory = SessionDirectory()
         self.shutdown_requested = trio.Event()
         self.drained = trio.Event()
@@ -236,17 +252,24 @@ class SimNode:
 
 
 class Simulation:
-    def __init__(self, seed: int, *, bug: str | None = None, keep_trace: bool = False) -> None:
+    def __init__(
+        self, seed: int, *, bug: str | None = None, keep_trace: bool = False, nodes: int = 1
+    ) -> None:
         self.seed = seed
         self.bug = bug
+        # More than one node slot only on PostgreSQL (tests/sim/pg.py), whose
+        # transactions then interleave: the oracle judges accordingly.
+        self.concurrent = nodes > 1
         self.schedule: Schedule = build(seed)
         self.config = NodeConfig(timings=self.schedule.timings, idempotency_window_s=IDEMPOTENCY_WINDOW_S)
         self.counts: Counter[str] = Counter()
         self.keep_trace = keep_trace
         self._trace: list[str] = []
         self._digest = hashlib.sha256()
-        self.node: SimNode | None = None
+        self.nodes: list[SimNode | None] = [None] * nodes
         self.node_no = 0
+        # Which node an emit, a cancel, a worker's connection or a node fault goes to.
+        self.pick = rng_for(seed, "node-pick")
         self.workers: list[SimWorker | None] = [None] * len(self.schedule.workers)
         self.conn_no = 0
         self.links: list[Link] = []
@@ -257,7 +280,9 @@ class Simulation:
         self.event_runs: dict[int, list[str]] = {}
         self.pending_emits = 0
         self.rng = rng_for(seed, "sim")
-        self.real_store: SqliteStore
+        self.raced: set[str] = set()  # runs whose race events were emitted
+        self.real_stores: list[Any] = []  # one per node slot
+        self.reader: Reader
         self.oracle: Oracle
         self.root: trio.Nursery
         self.t0 = 0.0
@@ -277,22 +302,33 @@ class Simulation:
     # ── hooks from the observed store ──────────────────────────────────────
 
     def after_store_call(self, node_no: int, method: str, n: int) -> None:
-        if not self.faults_on or self.node is None or self.node.no != node_no:
+        node = next((x for x in self.nodes if x is not None and x.no == node_no), None)
+        if not self.faults_on or node is None:
             return
         if (method, n) in self.schedule.crash_after:
             actor = CRASH_AFTER[method]
-            if self.node.supervisor is not None:
+            if node.supervisor is not None:
                 self.counts["actor_crash"] += 1
                 self.trace(f"crash {actor} after {method}#{n}")
-                self.node.supervisor.crash(actor)
+                node.supervisor.crash(actor)
         if (method, n) in self.schedule.node_crash_after:
             self.trace(f"node crash after {method}#{n}")
-            self.crash_node(hard=True)
+            self.crash_node(hard=True, node=node)
 
-    # ── the node process ───────────────────────────────────────────────────
+    # ── the node processes ─────────────────────────────────────────────────
 
-    def crash_node(self, *, hard: bool) -> None:
-        node = self.node
+    @property
+    def node(self) -> SimNode | None:
+        """A node to talk to: the only one, or (several slots) one picked at
+        random among those up (else any)."""
+        if len(self.nodes) == 1:
+            return self.nodes[0]
+        up = [n for n in self.nodes if n is not None and n.up and not n.shutdown_requested.is_set()]
+        pool = up or [n for n in self.nodes if n is not None]
+        return self.pick.choice(pool) if pool else None
+
+    def crash_node(self, *, hard: bool, node: SimNode | None = None) -> None:
+        node = node or self.node
         if node is None:
             return
         self.counts["node_crash" if hard else "node_restart"] += 1
@@ -300,14 +336,14 @@ class Simulation:
             node.store.severed = True
         node.scope.cancel()
 
-    async def _node_keeper(self) -> None:
-        rng = rng_for(self.seed, "node-keeper")
+    async def _node_keeper(self, slot: int) -> None:
+        rng = rng_for(self.seed, "node-keeper", *([slot] if slot else []))
         while not self.stopping:
             self.node_no += 1
-            node = SimNode(self, self.node_no)
-            self.node = node
+            node = SimNode(self, self.node_no, slot)
+            self.nodes[slot] = node
             await node.run()
-            self.node = None
+            self.nodes[slot] = None
             self.trace(f"node {node.no} stopped")
             if self.stopping:
                 break
@@ -376,6 +412,64 @@ class Simulation:
         finally:
             self.pending_emits -= 1
 
+    def race_started(self, run_id: str, plan: dict[str, Any]) -> None:
+        """A worker began the step before a race run's wait: emit the run's
+        matching event and the non-matching ones of the same name, concurrently,
+        at the moment its plan says (see ``schedule.race_plan``)."""
+        if run_id in self.raced:
+            return
+        self.raced.add(run_id)
+        race = plan["race"]
+        for data in [{"k": plan["k"]}, *({"k": k} for k in race["others"])]:
+            self.root.start_soon(self._emit_race, data, float(race["after_s"]))
+
+    async def _emit_race(self, data: dict[str, Any], after_s: float) -> None:
+        self.pending_emits += 1
+        try:
+            await trio.sleep(after_s)
+            while True:
+                node = self.node
+                if node is not None and node.up and node.kick_send is not None:
+                    try:
+                        result = await node.store.ingest_event(
+                            RACE_EVENT, data, None, idempotency_window_s=IDEMPOTENCY_WINDOW_S
+                        )
+                    except NodeDown:
+                        result = None
+                    if result is not None:
+                        if result.resumed_run_ids:
+                            kick(node.kick_send, "event ingested")
+                        self.counts["race_events"] += 1
+                        self.trace(f"race {data} -> {result.event_id} resumed={result.resumed_run_ids}")
+                        return
+                await trio.sleep(1.0)
+        finally:
+            self.pending_emits -= 1
+
+    async def _stall(self, slot: int, past_expiry_s: float, burst: list[tuple[int, float]]) -> None:
+        """Stall the worker of ``slot`` past its session's expiry, once it is
+        connected and heartbeating (within STALL_WAIT_S); then emit the burst."""
+        self.pending_emits += len(burst)  # quiescence waits for them
+        try:
+            with trio.move_on_after(STALL_WAIT_S):
+                while (w := self.workers[slot]) is None or not w.heartbeating(STALL_FREE_SLOTS):
+                    await trio.sleep(0.1)
+            expiry = trio.current_time() + 3.0
+            if w is not None and w.heartbeating(STALL_FREE_SLOTS):
+                self.counts["worker_stall"] += 1
+                self.trace(f"{w.name} stalls")
+                expiry = w.last_heartbeat_at + self.schedule.timings.session_expiry_s
+                self.root.start_soon(w.stall, self.schedule.timings.session_expiry_s, past_expiry_s)
+            async with trio.open_nursery() as nursery:
+                for k, before_s in burst:
+                    nursery.start_soon(self._emit_after, k, max(0.0, expiry - before_s - trio.current_time()))
+        finally:
+            self.pending_emits -= len(burst)
+
+    async def _emit_after(self, k: int, after_s: float) -> None:
+        await trio.sleep(after_s)
+        await self._emit(k)
+
     def _note_event(self, k: int, result: Any) -> None:
         first = self.event_ids.get(k)
         if first is None:
@@ -426,6 +520,8 @@ class Simulation:
         elif a.kind == "conn_cut" and w is not None and w.conn is not None:
             self.counts["conn_cut"] += 1
             w.cut()
+        elif a.kind == "worker_stall":
+            self.root.start_soon(self._stall, a.target, *a.arg)
         elif a.kind == "worker_freeze" and w is not None:
             self.counts["worker_freeze"] += 1
             self.root.start_soon(w.freeze, a.arg)
@@ -439,9 +535,9 @@ class Simulation:
             self.counts["actor_crash"] += 1
             node.supervisor.crash(a.target)
         elif a.kind == "node_restart":
-            self.crash_node(hard=False)
+            self.crash_node(hard=False, node=node)
         elif a.kind == "node_crash":
-            self.crash_node(hard=True)
+            self.crash_node(hard=True, node=node)
         elif a.kind == "node_drain" and node is not None and node.up:
             self.counts["node_drain"] += 1
             node.shutdown_requested.set()
@@ -469,24 +565,41 @@ class Simulation:
 
     async def _quiesce(self) -> None:
         deadline = trio.current_time() + QUIESCE_LIMIT_S
+        stranded_since = math.inf
         while trio.current_time() < deadline:
             await trio.sleep(5.0)
             if self.pending_emits:
                 continue
             row = self.oracle.one(
-                "SELECT count(*) FROM runs WHERE status NOT IN ('completed', 'failed', 'cancelled')"
+                "SELECT count(*), count(*) FILTER (WHERE NOT EXISTS (SELECT 1 FROM dispatch_queue q"
+                " WHERE q.run_id = r.id) AND NOT EXISTS (SELECT 1 FROM concurrency_leases l"
+                " WHERE l.run_id = r.id) AND NOT EXISTS (SELECT 1 FROM steps s WHERE s.run_id = r.id"
+                " AND s.status IN ('sleeping', 'waiting', 'waking'))) FROM runs r"
+                " WHERE status NOT IN ('completed', 'failed', 'cancelled')"
             )
             if row is not None and row[0] == 0:
                 return
+            # Every run left is stranded (nothing any loop of the engine reads
+            # can move it): no use waiting out the limit (invariant 2 says so).
+            if row is not None and row[0] == row[1]:
+                stranded_since = min(stranded_since, trio.current_time())
+                if trio.current_time() - stranded_since >= STRANDED_FOR_S:
+                    return
+            else:
+                stranded_since = math.inf
 
     async def main(self) -> None:
-        self.oracle = Oracle(self, self.real_store.path)
-        await self.real_store.open()
+        self.oracle = Oracle(self, self.reader)
+        opened = []
         try:
+            for store in self.real_stores:
+                await store.open()
+                opened.append(store)
             async with trio.open_nursery() as root:
                 self.root = root
-                root.start_soon(self._node_keeper)
-                while self.node is None or not self.node.up:
+                for slot in range(len(self.nodes)):
+                    root.start_soon(self._node_keeper, slot)
+                while not all(n is not None and n.up for n in self.nodes):
                     await trio.sleep(0.001)
                 for slot in range(len(self.workers)):
                     root.start_soon(self._worker_keeper, slot)
@@ -504,7 +617,8 @@ class Simulation:
             invariants.check(self)
         finally:
             self.oracle.close()
-            await self.real_store.close()
+            for store in opened:
+                await store.close()
 
 
 
@@ -523,20 +637,35 @@ def _scratch_dir() -> str:
     return tempfile.mkdtemp(prefix="ironflow-sim-", dir=base)
 
 
-def run_seed(seed: int, *, bug: str | None = None, keep_trace: bool = False) -> Result:
-    """Run one seed to the end and check its invariants."""
-    from tests.sim.bugs import store_class
+def run_seed(
+    seed: int, *, bug: str | None = None, keep_trace: bool = False, pg: SimDatabases | None = None
+) -> Result:
+    """Run one seed to the end and check its invariants: one node on an inline
+    SQLite store, or with ``pg`` two nodes on a fresh PostgreSQL database of
+    that server (:mod:`tests.sim.pg`; ``bug`` then names one of
+    ``tests.sim.bugs.PG_BUGS``)."""
+    from tests.sim.bugs import pg_store_class, store_class
 
     started = time.perf_counter()
     cpu_started = time.process_time()
-    sim = Simulation(seed, bug=bug, keep_trace=keep_trace)
+    sim = Simulation(seed, bug=bug, keep_trace=keep_trace, nodes=PG_NODES if pg else 1)
     scratch = _scratch_dir()
     clock = trio.testing.MockClock(autojump_threshold=0)
+    url = ""
     try:
-        cls = type("SimStore", (OutcomesByTask, store_class(bug)), {})
-        sim.real_store = cls(
-            os.path.join(scratch, "sim.db"), now=lambda: BASE + clock.current_time(), inline=True
-        )
+        if pg is None:
+            cls = type("SimStore", (OutcomesByTask, store_class(bug)), {})
+            store = cls(os.path.join(scratch, "sim.db"), now=lambda: BASE + clock.current_time(), inline=True)
+            sim.real_stores = [store]
+            sim.reader = SqliteReader(store.path)
+        else:
+            url = pg.create(seed)
+            hold = ClockHold(clock)
+            pg_cls = pg_store_class(bug)
+            sim.real_stores = [
+                pg_cls(url, hold=hold, pauses=Pauses(seed, slot), base=BASE) for slot in range(PG_NODES)
+            ]
+            sim.reader = PgReader(url)
         deterministic_trio(seed)
         with _quiet_logs(), ids_from(seeded_ids(seed)):
             try:
@@ -546,6 +675,8 @@ def run_seed(seed: int, *, bug: str | None = None, keep_trace: bool = False) -> 
                 sim.crashed = f"the simulation raised {exc!r}:\n{crash}"
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        if url and pg is not None:
+            pg.drop(url)
     violations = list(sim.oracle.violations) if hasattr(sim, "oracle") else []
     if sim.crashed:
         violations.append(sim.crashed)
@@ -577,13 +708,16 @@ def campaign(
     stop_at_first: bool = False,
     deadline_s: float = math.inf,
     on_result: Callable[[Result], None] | None = None,
+    pg: SimDatabases | None = None,
 ) -> list[Result]:
-    """Run many seeds (in ``processes`` worker processes); results in seed order."""
+    """Run many seeds (in ``processes`` worker processes; with ``pg``, one
+    after another in this process: each seed's nodes are threads already);
+    results in seed order."""
     results: list[Result] = []
     started = time.perf_counter()
-    if processes <= 1:
+    if processes <= 1 or pg is not None:
         for seed in seeds:
-            r = run_seed(seed, bug=bug)
+            r = run_seed(seed, bug=bug, pg=pg)
             results.append(r)
             if on_result:
                 on_result(r)

@@ -50,8 +50,12 @@ if TYPE_CHECKING:
     from tests.sim.simulator import Simulation
 
 REGISTER_TIMEOUT_S = 10.0
+# After a stall the first heartbeat comes this much after the thaw.
+STALL_HEARTBEAT_AFTER_S = 0.5
 RECONNECT_DELAY_S = 2.0
 SIGNAL_EVENT = "signal.k"
+# What a race run waits for (its matching and non-matching events: schedule.race_plan).
+RACE_EVENT = "race.go"
 
 
 def program(plan: dict[str, Any]) -> list[tuple[str, str, Any]]:
@@ -132,6 +136,8 @@ class SimWorker:
         self.drain_deadline = math.inf
         self.drain_requested = trio.Event()
         self.heartbeat_late_s = 0.0
+        self.last_heartbeat_at = -math.inf  # virtual time of the last Heartbeat sent
+        self.heartbeat_not_before = -math.inf  # after a stall (see stall)
         self.conn: Connection | None = None
         self.scope = trio.CancelScope()
         self.exited = trio.Event()
@@ -154,6 +160,24 @@ class SimWorker:
         self.draining = True
         self.drain_deadline = trio.current_time() + timeout
         self.drain_requested.set()
+
+    def heartbeating(self, free: int = 0) -> bool:
+        """Connected, with a heartbeat sent on this connection (and ``free`` slots)."""
+        return (
+            self.conn is not None
+            and self.last_heartbeat_at > -math.inf
+            and self.max_jobs - len(self.jobs) >= free
+        )
+
+    async def stall(self, session_expiry_s: float, past_expiry_s: float) -> None:
+        """Freeze until ``past_expiry_s`` after the session would expire, counted
+        from the last heartbeat: a stalled process, whose session expires and
+        which then acks what it was assigned meanwhile, in a burst."""
+        frozen_s = max(0.0, self.last_heartbeat_at + session_expiry_s + past_expiry_s - trio.current_time())
+        # Its heartbeat timer fires at its next tick, after the frames it
+        # received meanwhile were handled (not at the very moment it thaws).
+        self.heartbeat_not_before = trio.current_time() + frozen_s + STALL_HEARTBEAT_AFTER_S
+        await self.freeze(frozen_s)
 
     async def freeze(self, seconds: float) -> None:
         self.gate.close()
@@ -191,6 +215,7 @@ class SimWorker:
             conn.up.send(msg)
 
     async def _session(self, conn: Connection) -> None:
+        self.last_heartbeat_at = -math.inf
         self._send(Register(worker_id=self.name, functions=self.functions, max_concurrent_jobs=self.max_jobs,
                             delayed_start=self.delayed_start))
         first: Any = None
@@ -266,10 +291,13 @@ class SimWorker:
             late, self.heartbeat_late_s = self.heartbeat_late_s, 0.0
             await trio.sleep(interval + late)
             await self.gate.wait()
+            if self.heartbeat_not_before > trio.current_time():
+                await trio.sleep_until(self.heartbeat_not_before)
             jobs = [
                 _active(j.a) for j in self.jobs.values() if not j.abandoned
             ]
             self._send(Heartbeat(jobs=jobs))
+            self.last_heartbeat_at = trio.current_time()
 
     async def _drain_watch(self, conn: Connection) -> None:
         await self.drain_requested.wait()
@@ -322,7 +350,7 @@ class SimWorker:
                         return
                     if kind == "wait":
                         timeout_at = self.sim.epoch_now() + float(arg)
-                        info = WaitYield(event=SIGNAL_EVENT, timeout_at=timeout_at, match="data.k",
+                        info = WaitYield(event=plan.get("wait_event", SIGNAL_EVENT), timeout_at=timeout_at, match="data.k",
                                          match_value=plan["k"])
                         self._report(job, JobYielded(*fence, step_id=sid, name=name, yield_info=info))
                         return
@@ -338,6 +366,8 @@ class SimWorker:
                         self._report(job, JobFailed(*fence, error=error))
                         return
                     self.sim.oracle.check_memo(a.run_id, a.execution_seq, sid)
+                    if "race" in plan and index == 0:
+                        self.sim.race_started(a.run_id, plan)
                     await trio.sleep(float(arg))  # the step's body, in virtual time
                     self.counts["step_bodies_run"] += 1
                     await self.gate.wait()
