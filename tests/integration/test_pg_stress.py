@@ -23,6 +23,7 @@ import json
 import os
 import statistics
 import time
+from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +62,7 @@ RACE_RUNS = 500
 # Test 2: runs cancelled at their last step; the last step body pauses up to
 # this long after its mark, so the cancel lands before or after the run ends.
 CANCEL_RUNS = 300
-LAST_STEP_JITTER_S = 0.03
+LAST_STEP_JITTER_S = 0.5
 # Test 3: idempotency keys emitted by each node, in opposite orders; parked
 # waits on the emitted name that its events resolve, and some they never do.
 KEYS = 1000
@@ -343,3 +344,116 @@ async def wait_story(db: str, run_id: str, key: str, go_sent: float, begun: floa
         f"{run_id} {key}: begin mark {begun:.4f}, go sent {go_sent:.4f}; run.started (at, commit)"
         f" {started}; go event (received_at, xid, commit) {event}; steps {steps}; trail {[t for t, in trail]}"
     )
+
+
+# ── 2. cancels at the last step ────────────────────────────────────────────
+
+
+async def test_a_cancel_at_the_last_step_ends_the_run_once_and_no_step_commits_after_it(
+    stress_db: str, tmp_path: Path, procs: list[Proc]
+) -> None:
+    cluster = await two_nodes(stress_db, tmp_path, procs)
+    driver = Driver(cluster.urls)
+    marks = Marks(cluster.effects)
+    started: dict[str, Any] = {}
+    # run id → (cancel status code, the run's steps read right after a 200)
+    cancels: dict[str, tuple[int, dict[str, str] | None]] = {}
+    marked: dict[str, float] = {}  # run id → its last step's mark
+    answered: dict[str, float] = {}  # run id → mark → its cancel's answer
+    send, receive = trio.open_memory_channel[Any](0)
+
+    async def start_runs(send: trio.MemorySendChannel[Any]) -> None:
+        async with send:
+            for i in range(CANCEL_RUNS):
+                body = {"name": "last.start", "data": {"jitter": LAST_STEP_JITTER_S}}
+                await send.send((None, "/v1/events", body, emitted(driver.failures, started, str(i))))
+
+    async def cancelled(http: httpx.AsyncClient, url: str, resp: httpx.Response, _: float) -> None:
+        run_id = resp.request.url.path.split("/")[-2]
+        answered[run_id] = time.time() - marked[run_id]
+        seen = None
+        if resp.status_code == 200:
+            # Read at once, after the cancel committed: what the run's history is.
+            detail = (await http.get(f"{url}/v1/runs/{run_id}")).json()
+            seen = {s["step_id"]: s["status"] for s in detail["steps"]}
+            seen["(run)"] = detail["run"]["status"]
+        cancels[run_id] = (resp.status_code, seen)
+
+    async def cancel_at_last_step() -> None:
+        # On the last step's mark, cancel at once (not queued behind the
+        # starts) through the node its worker is not on.
+        async with httpx.AsyncClient(timeout=30.0) as http, trio.open_nursery() as nursery:
+            asked = 0
+            while asked < CANCEL_RUNS:
+                for t, run_id, what, pid in marks.new():
+                    if what == "last":
+                        asked += 1
+                        marked[run_id] = t
+                        url = cluster.urls[1 - cluster.node_of_worker(pid)]
+                        nursery.start_soon(cancel, http, url, run_id)
+                await trio.sleep(TAIL_INTERVAL_S)
+
+    async def cancel(http: httpx.AsyncClient, url: str, run_id: str) -> None:
+        resp = await http.post(f"{url}/v1/runs/{run_id}/cancel", json={})
+        await cancelled(http, url, resp, 0.0)
+
+    t0 = time.time()
+    with trio.fail_after(DRIVE_TIMEOUT_S):
+        async with trio.open_nursery() as nursery, send:
+            nursery.start_soon(start_runs, send.clone())
+            nursery.start_soon(cancel_at_last_step)
+            nursery.start_soon(driver.serve, receive)
+    driven = time.time() - t0
+    assert driver.failures == []
+    assert len(cancels) == CANCEL_RUNS
+
+    async def ended() -> list[tuple[Any, ...]] | None:
+        rows = await query(stress_db, "SELECT id, status FROM runs WHERE function_id = 'lastcall'")
+        return rows if len(rows) == CANCEL_RUNS and all(s in TERMINAL for _, s in rows) else None
+
+    final = dict(await eventually(ended, timeout=SETTLE_TIMEOUT_S, interval=POLL_INTERVAL_S,
+                                  message="every run ended"))
+    ends = Counter(
+        run_id for run_id, in await query(
+            stress_db, "SELECT run_id FROM audit_log WHERE type IN"
+            " ('run.completed', 'run.cancelled', 'run.failed')",
+        )
+    )
+    steps: dict[str, dict[str, str]] = defaultdict(dict)
+    for run_id, step_id, status in await query(stress_db, "SELECT run_id, step_id, status FROM steps"):
+        steps[run_id][step_id] = status
+    codes = Counter(code for code, _ in cancels.values())
+    disagree = [
+        (run_id, code, final[run_id]) for run_id, (code, _) in cancels.items()
+        if (code, final[run_id]) not in ((200, "cancelled"), (409, "completed"))
+    ]
+    changed = [
+        (run_id, seen, {**steps[run_id], "(run)": final[run_id]})
+        for run_id, (code, seen) in cancels.items()
+        if code == 200 and seen != {**steps[run_id], "(run)": final[run_id]}
+    ]
+    # By commit order: a step row of a cancelled run committed after the
+    # transaction that cancelled it (its run.cancelled audit row).
+    late = await query(
+        stress_db,
+        "SELECT s.run_id, s.step_id FROM steps s JOIN audit_log a ON a.run_id = s.run_id"
+        " AND a.type = 'run.cancelled' WHERE pg_xact_commit_timestamp(s.xmin)"
+        " > pg_xact_commit_timestamp(a.xmin)",
+    ) if await commit_timestamps(stress_db) else []
+    at_the_end = sum(1 for run_id, (code, _) in cancels.items() if code == 200 and "last" in steps[run_id])
+    print(
+        f"\ncancels: {CANCEL_RUNS} runs in {driven:.1f}s; answers {dict(codes)}; {at_the_end}"
+        f" cancelled with their last step recorded; {len(changed)} histories changed after"
+        f" the cancel's 200, {len(late)} step rows committed after their run's cancel;"
+        f" last step's mark → cancel answered p50 {p50_ms(list(answered.values())):.0f} ms"
+    )
+    assert sorted(Counter(final.values())) in (["cancelled"], ["cancelled", "completed"], ["completed"])
+    assert [r for r in final if ends[r] != 1] == [], "a run ended other than exactly once"
+    assert disagree == [], f"cancel answers that disagree with the run's end: {disagree[:10]}"
+    assert changed == [], f"histories changed after the cancel's 200: {changed[:5]}"
+    assert late == [], f"step rows committed after their run's cancel: {late[:10]}"
+
+
+async def commit_timestamps(db: str) -> bool:
+    """Whether the server records commit timestamps (this module's own cluster does)."""
+    return (await query(db, "SELECT current_setting('track_commit_timestamp')"))[0][0] == "on"
