@@ -66,6 +66,12 @@ LAST_STEP_JITTER_S = 0.5
 # Test 3: idempotency keys emitted by each node, in opposite orders; parked
 # waits on the emitted name that its events resolve, and some they never do.
 KEYS = 1000
+# Keys emitted by both nodes at once before the next block: a block is where
+# the two orders cross, and small enough that the groups in flight on each
+# node hold keys the other node's groups want.
+KEY_BLOCK = 50
+# Events per POST /v1/events/batch: one transaction, its keys locked together.
+EMIT_BATCH = 5
 PARKED_MATCHED = 100
 PARKED_UNMATCHED = 20
 # Node log lines that say a reservation, a session or a lease expired.
@@ -457,3 +463,146 @@ async def test_a_cancel_at_the_last_step_ends_the_run_once_and_no_step_commits_a
 async def commit_timestamps(db: str) -> bool:
     """Whether the server records commit timestamps (this module's own cluster does)."""
     return (await query(db, "SELECT current_setting('track_commit_timestamp')"))[0][0] == "on"
+
+
+# ── 3. no deadlocks ────────────────────────────────────────────────────────
+
+
+async def deadlocks(db: str) -> int:
+    rows = await query(db, "SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()")
+    return int(rows[0][0])
+
+
+async def test_two_nodes_emitting_keys_in_opposite_orders_beside_waits_and_limits_never_deadlock(
+    stress_db: str, stress_server: StressServer, tmp_path: Path, procs: list[Proc]
+) -> None:
+    log_from = stress_server.log.stat().st_size if stress_server.log else 0
+    cluster = await two_nodes(stress_db, tmp_path, procs)
+    driver = Driver(cluster.urls)
+    keys = [f"K{i}" for i in range(KEYS)]
+    # Parked waits on the name the storm emits: some its events resolve, some never.
+    matched = keys[:: KEYS // PARKED_MATCHED]
+    parked = {k: "" for k in [*matched, *(f"Z{j}" for j in range(PARKED_UNMATCHED))]}
+    async with httpx.AsyncClient(timeout=30.0) as http:
+        for i, key in enumerate(parked):
+            body = {"name": "dl.park", "data": {"k": key, "timeout": WAIT_TIMEOUT_S}}
+            parked[key] = (await http.post(cluster.urls[i % 2] + "/v1/events", json=body)).json()["run_ids"][0]
+
+    async def all_parked() -> bool:
+        rows = await query(stress_db, "SELECT count(*) FROM steps WHERE name = 'k' AND status = 'waiting'")
+        return rows[0][0] == len(parked)
+
+    await eventually(all_parked, timeout=SETTLE_TIMEOUT_S, message="every dl.park wait parked")
+    before = await deadlocks(stress_db)
+    answers: dict[str, Any] = {}
+
+    async def emit_in_order(http: httpx.AsyncClient, node: int, order: list[str]) -> None:
+        # CLIENTS // 2 batches in flight on the node, taken in ``order``.
+        pending = iter([order[i:i + EMIT_BATCH] for i in range(0, len(order), EMIT_BATCH)])
+
+        async def client() -> None:
+            for batch in pending:
+                body = {"events": [
+                    {"name": "dl.go", "data": {"k": key}, "idempotency_key": key} for key in batch
+                ]}
+                resp = await http.post(cluster.urls[node] + "/v1/events/batch", json=body)
+                if resp.status_code not in (200, 201):
+                    driver.failures.append(f"batch on node {node}: {resp.status_code} {resp.text[:200]}")
+                    continue
+                for key, answer in zip(batch, resp.json()["events"], strict=True):
+                    answers[f"{node}{key}"] = answer
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(CLIENTS // 2):
+                nursery.start_soon(client)
+
+    t0 = time.time()
+    limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)
+    with trio.fail_after(DRIVE_TIMEOUT_S):
+        async with httpx.AsyncClient(timeout=30.0, limits=limits) as http:
+            # Block by block, both nodes at once: node a ascending, node b
+            # descending, so their groups meet on the same keys in opposite
+            # orders once per block.
+            for first in range(0, KEYS, KEY_BLOCK):
+                block = keys[first:first + KEY_BLOCK]
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(emit_in_order, http, 0, block)
+                    nursery.start_soon(emit_in_order, http, 1, block[::-1])
+    driven = time.time() - t0
+    assert driver.failures == []
+    assert len(answers) == 2 * KEYS
+    twice = [k for k in keys if answers[f"0{k}"]["event_id"] != answers[f"1{k}"]["event_id"]]
+    assert twice == [], f"keys emitted on both nodes stored as two events: {twice[:10]}"
+
+    async def done() -> bool:
+        rows = await query(
+            stress_db, "SELECT count(*) FILTER (WHERE function_id = 'tally'),"
+            " count(*) FILTER (WHERE function_id = 'parker') FROM runs WHERE status = 'completed'",
+        )
+        return rows[0] == (KEYS, len(matched))
+
+    unfinished = ""  # the figures below are read either way: they say why
+    try:
+        await eventually(done, timeout=SETTLE_TIMEOUT_S, interval=POLL_INTERVAL_S,
+                         message=f"{KEYS} tally and {len(matched)} parker runs completed")
+    except AssertionError as e:
+        unfinished = str(e)
+    took = time.time() - t0
+    # While the workers are still connected: nothing expired, nothing refused as stale.
+    expired = node_log_lines(cluster, EXPIRY_LINES)
+    stale = 0.0
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        for url in cluster.urls:
+            for line in (await http.get(url + "/metrics")).text.splitlines():
+                if line.startswith("ironflow_stale_messages_total "):
+                    stale += float(line.split()[1])
+    recovered = await query(
+        stress_db, "SELECT run_id, type FROM audit_log WHERE type IN"
+        " ('capacity.lease.expired', 'capacity.segment.recovered', 'capacity.job.nacked')",
+    )
+    starts = Counter(
+        (run_id, what) for _, run_id, what, _ in Marks(cluster.effects).new()
+        if what in ("count-start", "after")
+    )
+    recovered_runs = {run_id for run_id, _ in recovered}
+    twice_run = [(r, w, n) for (r, w), n in starts.items() if n > 1 and r not in recovered_runs]
+    resolved = dict(await query(
+        stress_db, "SELECT id, output FROM runs WHERE function_id = 'parker' AND status = 'completed'"
+    ))
+    wrong = [k for k in matched if json.loads(resolved.get(parked[k], "{}")).get("k") != k]
+    # The nodes' connections close with them: each backend flushes its
+    # statistics (deadlocks counted by the one that broke it) as it exits.
+    for proc in [*cluster.workers, *cluster.nodes]:
+        proc.stop()
+
+    async def backends_gone() -> bool:
+        rows = await query(
+            stress_db, "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+            " AND pid <> pg_backend_pid()",
+        )
+        return rows[0][0] == 0
+
+    await eventually(backends_gone, timeout=30.0, message="the nodes' database sessions closed")
+    await query(stress_db, "SELECT pg_stat_force_next_flush()")
+    found = await deadlocks(stress_db) - before
+    logged = []
+    if stress_server.log is not None:
+        with stress_server.log.open("rb") as f:
+            f.seek(log_from)
+            logged = [line for line in f.read().decode(errors="replace").splitlines()
+                      if "deadlock detected" in line]
+    print(
+        f"\ndeadlocks: {found} (pg_stat_database), {len(logged)} in the server log;"
+        f" {2 * KEYS} emits of {KEYS} keys in {driven:.1f}s, {KEYS} tally + {len(matched)}"
+        f" resolved parker runs done in {took:.1f}s; {len(expired)} expiries logged,"
+        f" {stale:.0f} stale messages, {len(recovered)} lease expiries/recoveries/nacks audited,"
+        f" {len(twice_run)} bodies run twice unexplained"
+        + (f"; {unfinished}" if unfinished else "")
+    )
+    assert found == 0 and logged == [], f"{found} deadlocks: {logged[:5]}"
+    assert unfinished == ""
+    assert expired == [], f"expiries logged by the nodes: {expired[:5]}"
+    assert stale == 0, f"{stale:.0f} messages refused as stale"
+    assert twice_run == [], f"step bodies run twice with no recovery recorded: {twice_run[:10]}"
+    assert len(starts) == KEYS + len(matched)
+    assert wrong == [], f"parked waits resolved by another key's event: {wrong[:10]}"
