@@ -3,14 +3,18 @@
 
     python scripts/chaos.py [--seconds 30 | --minutes 10] [--seed N]
                             [--backend sqlite|postgres] [--workers 3] [--rate 4]
-                            [--report FILE] [--keep]
+                            [--waits] [--report FILE] [--keep]
 
 One ``--chaos`` node on SQLite, or two on one PostgreSQL database (a
 throwaway cluster this script starts), with ``--workers`` worker processes
 (this script re-invoked with ``--worker``) under a steady load of multi-step
 runs: steps that append side-effect marks to a file, durable sleeps, waits
 for an event, invokes of a child function, and a handler that fails its
-first attempt. For the given time, at moments drawn from ``--seed``, it:
+first attempt. With ``--waits``, also the wait workload of issue #21: runs
+that do a step and then wait for the event of their own key, that event
+emitted the moment the run is seen holding its lease, beside as many events
+of the name no run waits on. For the given time, at moments drawn from
+``--seed``, it:
 
 - crashes a node actor (``POST /v1/chaos/crash`` with a platform key);
 - kills a worker with SIGKILL and starts a new one;
@@ -34,6 +38,10 @@ as a table:
   messages the nodes refused);
 - attempt, recovery_count and execution_seq of every run agree with its audit
   trail and its parked steps;
+- with ``--waits``: an event acknowledged after the segment that parks a wait
+  began, and before the wait's timeout, that matches it resolves it (each
+  event is sent once its run's detail shows that segment's lease; a wait
+  parked by a later segment, after a fault, is counted and not judged);
 - the nodes are alive, every actor restart was one we injected, and the
   nodes' RSS at start and end.
 
@@ -149,6 +157,14 @@ LOAD = {
     "chaos.flaky": ("flaky", 1),
 }
 SIGNAL_EVENT = "chaos.signal"
+# The wait workload (--waits): its runs' event name, the name they wait on, and
+# the share of the load they take (as a weight beside LOAD's).
+RACE_EVENT, GO_EVENT, RACE_WEIGHT = "chaos.race", "chaos.go", 2
+# A racer's wait outlives any fault's delay: its event (sent once the run is
+# seen started) comes well before it, so a wait that times out was lost.
+RACE_WAIT_TIMEOUT_S = 30.0
+# How long a racer's event waits for its run to be seen holding a lease.
+RACE_START_S = 30.0
 # The steps every completed run of each function must have recorded, by name and kind.
 EXPECTED_STEPS: dict[str, dict[str, str]] = {
     "chain": {"s0": "run", "s1": "run", "s2": "run", "s3": "run"},
@@ -157,6 +173,7 @@ EXPECTED_STEPS: dict[str, dict[str, str]] = {
     "parent": {"a": "run", "child": "invoke", "b": "run"},
     "child": {"c0": "run", "c1": "run"},
     "flaky": {"a": "run", "b": "run"},
+    "racer": {"a": "run", "go": "wait", "b": "run"},
 }
 # Attempts a completed run of each function takes: flaky fails its first.
 EXPECTED_ATTEMPTS = {"flaky": 2}
@@ -219,6 +236,15 @@ def worker_main(server: str, marks_path: str, max_jobs: int) -> None:
         await ctx.step.run("b", body(ctx.run.id, "b"))
         return {"signalled": got is not None}
 
+    @fn("racer", RACE_EVENT)
+    async def racer(ctx: Any) -> Any:
+        await ctx.step.run("a", body(ctx.run.id, "a"))
+        got = await ctx.step.wait_for_event(
+            "go", event=GO_EVENT, match="data.key", timeout=RACE_WAIT_TIMEOUT_S
+        )
+        await ctx.step.run("b", body(ctx.run.id, "b"))
+        return {"key": None if got is None else got.data.get("key")}
+
     @fn("child")
     async def child(ctx: Any) -> Any:
         await ctx.step.run("c0", body(ctx.run.id, "c0"))
@@ -241,7 +267,7 @@ def worker_main(server: str, marks_path: str, max_jobs: int) -> None:
         return await ctx.step.run("b", body(ctx.run.id, "b"))
 
     worker = ironflow.StreamingWorker(
-        server, [chain, nap, waiter, child, parent, flaky],
+        server, [chain, nap, waiter, racer, child, parent, flaky],
         max_concurrent_jobs=max_jobs, reconnect_delay=0.2, drain_timeout=5.0,
     )
     serve_worker_until_stopped(worker)
@@ -286,6 +312,16 @@ class WorkerProc:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+
+@dataclass
+class RaceGo:
+    """A racer run's event: the segment its run was seen holding, and when the
+    event matching its wait was acknowledged (None: never sent or acked)."""
+
+    key: str
+    seen_seq: int | None = None
+    acked_at: float | None = None
 
 
 @dataclass
@@ -354,6 +390,8 @@ class Chaos:
         # Accepted emits: idempotency key → (event id, event name).
         self.emitted: dict[str, tuple[str, str]] = {}
         self.emit_failures: list[str] = []
+        # Racer run id → its event (--waits).
+        self.races: dict[str, RaceGo] = {}
         self.violations_during: list[str] = []
         # Last /metrics of each node incarnation, and the crashes we delivered to it.
         self.metrics: dict[str, dict[tuple[str, str], float]] = {}
@@ -446,8 +484,11 @@ class Chaos:
     def live_nodes(self) -> list[NodeProc]:
         return [n for n in self.nodes if n.up()]
 
-    async def _emit(self, client: httpx.AsyncClient, name: str, data: dict[str, Any]) -> None:
-        """Emit once, whatever node dies meanwhile: retried with one idempotency key."""
+    async def _emit(
+        self, client: httpx.AsyncClient, name: str, data: dict[str, Any]
+    ) -> tuple[dict[str, Any], float] | None:
+        """Emit once, whatever node dies meanwhile: retried with one idempotency key.
+        Returns the answer and when it came (None: refused or given up)."""
         key = f"chaos-{self.rng.getrandbits(64):016x}"
         body = {"name": name, "data": data, "idempotency_key": key}
         deadline = trio.current_time() + 15.0
@@ -463,26 +504,62 @@ class Chaos:
                     # A retry whose first try did land gets that event back (the
                     # key); a second event would show as a run no emit owns.
                     self.emitted[key] = (resp.json()["event_id"], name)
-                    return
+                    return resp.json(), time.time()
                 if resp is not None and resp.status_code >= 500:
                     self.violations_during.append(f"emit {name}: {resp.status_code} {resp.text[:200]}")
                 elif resp is not None:
                     self.violations_during.append(f"emit {name} refused: {resp.status_code} {resp.text[:200]}")
-                    return
+                    return None
             await trio.sleep(0.2)
         self.emit_failures.append(key)
+        return None
 
     async def load(self, until: float) -> None:
         names = [n for n, (_, w) in LOAD.items() for _ in range(w)]
+        if self.args.waits:
+            names += [RACE_EVENT] * RACE_WEIGHT
         async with httpx.AsyncClient(timeout=10.0) as client, trio.open_nursery() as nursery:
             while trio.current_time() < until:
                 name = self.rng.choice(names)
                 data: dict[str, Any] = {"key": f"k{self.rng.getrandbits(48):x}"}
-                nursery.start_soon(self._emit, client, name, data)
+                if name != RACE_EVENT:
+                    nursery.start_soon(self._emit, client, name, data)
                 if name == "chaos.wait":
                     nursery.start_soon(self._signal_later, client, data["key"],
                                        self.rng.uniform(0.5, WAIT_TIMEOUT_S * 0.6))
+                if name == RACE_EVENT:
+                    # Its run's event, once the run is seen started, and one no run waits on.
+                    nursery.start_soon(self._race, client, data["key"])
+                    nursery.start_soon(self._emit, client, GO_EVENT, {"key": f"none{data['key']}"})
                 await trio.sleep(self.rng.expovariate(self.args.rate))
+
+    async def _race(self, client: httpx.AsyncClient, key: str) -> None:
+        """Start a racer run; once its detail shows a segment holding its lease
+        (that activation committed), emit the event its wait matches."""
+        started = await self._emit(client, RACE_EVENT, {"key": key})
+        if started is None or not started[0]["run_ids"]:
+            return
+        run_id = started[0]["run_ids"][0]
+        race = self.races[run_id] = RaceGo(key)
+        deadline = trio.current_time() + RACE_START_S
+        while race.seen_seq is None and trio.current_time() < deadline:
+            nodes = self.live_nodes()
+            if nodes:
+                node = nodes[self.rng.randrange(len(nodes))]
+                try:
+                    resp = await client.get(f"{node.url}/v1/runs/{run_id}")
+                    lease = resp.json().get("lease") if resp.status_code == 200 else None
+                except (httpx.HTTPError, ValueError):
+                    lease = None
+                if lease is not None:
+                    race.seen_seq = lease["execution_seq"]
+                    break
+            await trio.sleep(0.02)
+        if race.seen_seq is None:
+            return
+        acked = await self._emit(client, GO_EVENT, {"key": key})
+        if acked is not None:
+            race.acked_at = acked[1]
 
     async def _signal_later(self, client: httpx.AsyncClient, key: str, delay: float) -> None:
         await trio.sleep(delay)
@@ -725,7 +802,7 @@ def check_events(ev: Evidence) -> Check:
         if event is None:
             c.violations.append(f"event {event_id} ({key}) acknowledged but not stored")
             continue
-        want = 0 if name == SIGNAL_EVENT else 1
+        want = 0 if name in (SIGNAL_EVENT, GO_EVENT) else 1
         if len(event.run_ids) != want:
             c.violations.append(f"event {event_id} {name} has {len(event.run_ids)} runs, expected {want}")
         for run_id in event.run_ids:
@@ -866,6 +943,37 @@ def check_counters_against_audit(ev: Evidence) -> Check:
     return c
 
 
+def check_waits_resolved(ev: Evidence) -> Check:
+    """--waits: each racer's event, acknowledged after the segment that parked
+    its wait was seen holding its lease and before the wait's timeout, resolved
+    that wait (and no other event did)."""
+    c = Check("waits resolved by their event")
+    slack = PG_CLOCK_SLACK_S if ev.chaos.args.backend == "postgres" else 0.0
+    judged, later, unsent = 0, 0, 0
+    for run_id, race in ev.chaos.races.items():
+        if race.acked_at is None:
+            unsent += 1
+            continue
+        wait = next((s for s in ev.details[run_id].steps if s.name == "go"), None) if run_id in ev.details else None
+        if wait is None or wait.execution_seq != race.seen_seq:
+            later += 1  # parked by a later segment (a fault hit the one seen), or never
+            continue
+        if race.acked_at >= wait.created_at + RACE_WAIT_TIMEOUT_S - slack:
+            later += 1
+            continue
+        judged += 1
+        data = wait.output.get("data") if isinstance(wait.output, dict) else None
+        if wait.status != "completed" or not isinstance(data, dict) or data.get("key") != race.key:
+            c.violations.append(
+                f"run {run_id}: its wait (seq {wait.execution_seq}) is {wait.status} with"
+                f" {wait.output}, though the event of key {race.key} was acknowledged at"
+                f" {race.acked_at:.3f}, after that segment was seen started"
+            )
+    c.detail = (f"{judged} waits judged, {later} parked by a later segment or past their timeout, "
+                f"{unsent} events not sent (run never seen started)")
+    return c
+
+
 def check_nodes(ev: Evidence) -> list[Check]:
     chaos = ev.chaos
     alive = Check("nodes alive")
@@ -906,6 +1014,7 @@ def check_all(ev: Evidence) -> list[Check]:
         check_bodies_run_twice(ev),
         check_fenced_writes(ev),
         check_counters_against_audit(ev),
+        *([check_waits_resolved(ev)] if ev.chaos.args.waits else []),
         *check_nodes(ev),
     ]
 
@@ -965,6 +1074,7 @@ def report(chaos: Chaos, checks: list[Check], schedule: list[Fault], seconds: fl
         "faults_injected": dict(injected),
         "faults_not_delivered": dict(skipped),
         "events": len(chaos.emitted),
+        "races": len(chaos.races),
         "faults": [
             {"at": f.at, "kind": f.kind, "injected": f.injected, "wall": f.wall, "ended": f.ended,
              "pid": f.pid, "node": f.node, "target": f.target, "note": f.note}
@@ -1027,6 +1137,8 @@ def main() -> None:
     ap.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
     ap.add_argument("--workers", type=int, default=3, help="worker processes kept running")
     ap.add_argument("--rate", type=float, default=4.0, help="events emitted per second (mean)")
+    ap.add_argument("--waits", action="store_true",
+                    help="add the wait workload of issue #21 and check every such wait is resolved")
     ap.add_argument("--report", help="write the figures as JSON to this file")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, marks, SQLite file)")
     args = ap.parse_args()

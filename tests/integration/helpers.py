@@ -115,3 +115,19 @@ async def raw_worker(
             registered = await worker.receive_type(Registered)
             worker.session_id = registered.session_id
         yield worker
+
+
+async def eventually(
+    check: Any, *, timeout: float, interval: float = 0.05, message: str = "condition"
+) -> Any:
+    """Await ``check()`` (an async callable) until it returns a truthy value,
+    at most ``timeout`` seconds; returns that value, or fails naming ``message``
+    and the last value seen."""
+    last: Any = None
+    with trio.move_on_after(timeout):
+        while True:
+            last = await check()
+            if last:
+                return last
+            await trio.sleep(interval)
+    raise AssertionError(f"{message} not reached in {timeout:g}s (last: {last!r})")

@@ -18,6 +18,7 @@ CRASH_WORKER = ROOT / "tests" / "procs" / "crash_worker.py"
 LOAD_WORKER = ROOT / "tests" / "procs" / "load_worker.py"
 DRAIN_WORKER = ROOT / "tests" / "procs" / "drain_worker.py"
 WAKE_WORKER = ROOT / "tests" / "procs" / "wake_worker.py"
+RACE_WORKER = ROOT / "tests" / "procs" / "race_worker.py"
 
 
 def free_port() -> int:
@@ -110,6 +111,17 @@ async def start_wake_worker(procs: list[Proc], url: str, log_dir: Path, name: st
     """``tests/procs/wake_worker.py`` on ``url`` (``args`` its flags), tracked in
     ``procs``, its log in ``log_dir``; returned once it registered."""
     proc = Proc([sys.executable, str(WAKE_WORKER), url, *args], log_dir / f"{name}.log")
+    procs.append(proc)
+    await proc.wait_line("READY")
+    return proc
+
+
+async def start_race_worker(
+    procs: list[Proc], url: str, effects: Path, log_dir: Path, name: str, *args: str
+) -> Proc:
+    """``tests/procs/race_worker.py`` on ``url`` (``args`` its flags), marking
+    into ``effects``, tracked in ``procs``; returned once it registered."""
+    proc = Proc([sys.executable, str(RACE_WORKER), url, str(effects), *args], log_dir / f"{name}.log")
     procs.append(proc)
     await proc.wait_line("READY")
     return proc
