@@ -40,7 +40,7 @@ EXIT_INTERRUPTED = 130
 SWITCH_INTERVAL_S = 0.002
 # What the engine needs beyond the light install (the `server` extra of
 # pyproject.toml), by import name.
-SERVER_MODULES = ("trio", "hypercorn", "quart", "quart_trio", "psycopg", "psycopg_pool", "prometheus_client")
+SERVER_MODULES = ("trio", "hypercorn", "quart", "quart_trio", "psycopg", "prometheus_client")
 SERVER_EXTRA_HINT = "pip install 'ironflow-py[server]'"
 
 

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 # The distributions only the engine needs (the `server` extra), as pip lists them.
 SERVER_DISTRIBUTIONS = {
-    "trio", "hypercorn", "quart", "quart-trio", "psycopg", "psycopg-binary", "psycopg-pool",
+    "trio", "hypercorn", "quart", "quart-trio", "psycopg", "psycopg-binary",
     "prometheus-client",
 }
 
