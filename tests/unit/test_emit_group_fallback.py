@@ -14,7 +14,8 @@ from ironflow.store import CommitOutcomeUnknown, IngestResult
 
 
 class FailingStore:
-    """``ingest_events`` fails whole with ``error``; ``ingest_event`` records each retry."""
+    """``ingest_events`` of a whole group fails with ``error``; each retry of one
+    event alone is recorded (and succeeds)."""
 
     def __init__(self, error: Exception) -> None:
         self.error = error
@@ -25,12 +26,10 @@ class FailingStore:
 
     async def ingest_events(self, events: list[Any], *, idempotency_window_s: float) -> list[IngestResult]:
         await trio.lowlevel.checkpoint()
-        raise self.error
-
-    async def ingest_event(self, name: str, data: Any, key: Any, *, idempotency_window_s: float) -> IngestResult:
-        await trio.lowlevel.checkpoint()
-        self.one_by_one.append(name)
-        return IngestResult(f"evt_{name}", [], False)
+        if len(events) > 1:
+            raise self.error
+        self.one_by_one.append(events[0][0])
+        return [IngestResult(f"evt_{events[0][0]}", [], False)]
 
 
 def api_state(store: FailingStore) -> ApiState:
@@ -40,7 +39,7 @@ def api_state(store: FailingStore) -> ApiState:
 
 async def test_a_group_that_failed_before_committing_is_retried_event_by_event() -> None:
     store = FailingStore(ValueError("one event's data broke the statement"))
-    results = await api_state(store)._ingest_group([("a", 1), ("b", 2)])
+    results = await api_state(store)._ingest_group([("a", 1, None), ("b", 2, None)])
     assert store.one_by_one == ["a", "b"]
     assert [r.unwrap().event_id for r in results] == ["evt_a", "evt_b"]
 
@@ -48,5 +47,5 @@ async def test_a_group_that_failed_before_committing_is_retried_event_by_event()
 async def test_a_group_whose_commit_outcome_is_unknown_is_not_written_again() -> None:
     store = FailingStore(CommitOutcomeUnknown("connection lost during COMMIT"))
     with pytest.raises(CommitOutcomeUnknown):
-        await api_state(store)._ingest_group([("a", 1), ("b", 2)])
+        await api_state(store)._ingest_group([("a", 1, None), ("b", 2, None)])
     assert store.one_by_one == []  # each event may already be stored: not a second time
