@@ -32,7 +32,6 @@ from typing import Any, Self
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 from anyio.abc import TaskStatus
 
 from ironflow.dbclock import DatabaseClock

@@ -16,7 +16,6 @@ from typing import Any
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 import httpx
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus

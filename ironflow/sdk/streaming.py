@@ -16,8 +16,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import anyio
-import anyio.lowlevel
-import anyio.to_thread
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
