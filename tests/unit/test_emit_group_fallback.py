@@ -40,7 +40,7 @@ def api_state(store: FailingStore) -> ApiState:
 
 async def test_a_group_that_failed_before_committing_is_retried_event_by_event() -> None:
     store = FailingStore(ValueError("one event's data broke the statement"))
-    results = await api_state(store)._ingest_group([("a", 1), ("b", 2)])
+    results = await api_state(store)._ingest_group([("a", 1, None), ("b", 2, None)])
     assert store.one_by_one == ["a", "b"]
     assert [r.unwrap().event_id for r in results] == ["evt_a", "evt_b"]
 
@@ -48,5 +48,5 @@ async def test_a_group_that_failed_before_committing_is_retried_event_by_event()
 async def test_a_group_whose_commit_outcome_is_unknown_is_not_written_again() -> None:
     store = FailingStore(CommitOutcomeUnknown("connection lost during COMMIT"))
     with pytest.raises(CommitOutcomeUnknown):
-        await api_state(store)._ingest_group([("a", 1), ("b", 2)])
+        await api_state(store)._ingest_group([("a", 1, None), ("b", 2, None)])
     assert store.one_by_one == []  # each event may already be stored: not a second time
