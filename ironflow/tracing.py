@@ -26,6 +26,7 @@ This module imports nothing of ours: the worker SDK uses it too.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -52,8 +53,10 @@ def _tracer() -> trace.Tracer:
     return _cached[1]
 
 
+@functools.lru_cache(maxsize=4096)
 def context_of(traceparent: str | None) -> Context | None:
-    """The context a W3C ``traceparent`` names, None without one (or a bad one)."""
+    """The context a W3C ``traceparent`` names, None without one (or a bad one).
+    Memoised: a run's segments and commits parse one string again and again."""
     if not traceparent:
         return None
     ctx = _PROPAGATOR.extract({"traceparent": traceparent})
