@@ -135,7 +135,6 @@ def main() -> None:
     if args.worker:
         serve(args.worker)
         return
-    atexit.register(cleanup_all)
     if args.pg:
         sys.path.insert(0, str(REPO))
         from ironflow.testing import ThrowawayPostgres
@@ -144,6 +143,7 @@ def main() -> None:
         pg.start()
         atexit.register(pg.stop)
         args.db = pg.new_database("waits")
+    atexit.register(cleanup_all)  # before pg.stop (atexit runs last-registered first)
     state = mkdtemp("ifwaits.")
     port = free_port()
     node = spawn_dev_node(args.db or f"{state}/ironflow.db", state, port)
