@@ -56,6 +56,7 @@ from ironflow.sdk.errors import (
     StepTimeoutError,
 )
 from ironflow.sdk.function import Function
+from ironflow.sdk.traces import step_span
 
 # Inngest/Ironflow default: a wait that nobody answers gives up after a week.
 DEFAULT_WAIT_TIMEOUT_S = 7 * 24 * 3600.0
@@ -374,7 +375,8 @@ class Step:
         t0 = time.perf_counter()
         try:
             with trio.fail_after(limit) if limit is not None else contextlib.nullcontext():
-                out = await _call(fn, args)
+                with step_span(a, step_id, name):
+                    out = await _call(fn, args)
             raw, value = encode_strict(out, f"output of step {name!r}")
         except (Exception, trio.TooSlowError) as exc:
             if isinstance(exc, trio.TooSlowError):

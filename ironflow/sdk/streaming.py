@@ -38,6 +38,7 @@ from ironflow.sdk.context import JobState
 from ironflow.sdk.errors import IronflowError, RegistrationRefusedError, WorkerAuthError
 from ironflow.sdk.function import Function
 from ironflow.sdk.lifecycle import WorkerLifecycle
+from ironflow.sdk.traces import configure as configure_tracing
 
 # The reference SDKs hold 256 queued messages per connection; more means the
 # socket is not keeping up and backpressure on the jobs is the right answer.
@@ -155,6 +156,7 @@ class StreamingWorker(WorkerLifecycle):
         ``RegistrationRefusedError``, without reconnecting.
         """
         self._running = True
+        configure_tracing()  # OTEL_TRACES_EXPORTER, as for the node
         fatal: WorkerAuthError | RegistrationRefusedError | None = None
         try:
             async with trio.open_nursery() as nursery:
