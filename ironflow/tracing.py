@@ -72,6 +72,12 @@ def traceparent_of(current: Span) -> str | None:
     return carrier.get("traceparent")
 
 
+def in_span() -> bool:
+    """Whether a span with a valid context is current in this task (cheap: no
+    ``traceparent`` is formatted)."""
+    return trace.get_current_span().get_span_context().is_valid
+
+
 def current_traceparent() -> str | None:
     """The ``traceparent`` of the span current in this task, None if none is."""
     return traceparent_of(trace.get_current_span())

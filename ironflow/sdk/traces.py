@@ -16,7 +16,7 @@ import contextlib
 from collections.abc import Iterator
 
 from ironflow.protocol import JobAssignment
-from ironflow.tracing import SpanKind, configure_from_env, current_traceparent, enabled, span
+from ironflow.tracing import SpanKind, configure_from_env, enabled, in_span, span
 
 
 @contextlib.contextmanager
@@ -46,7 +46,7 @@ def step_span(a: JobAssignment, step_id: str, name: str) -> Iterator[None]:
         yield
         return
     with span(
-        "ironflow.step", None if current_traceparent() else a.event.traceparent,
+        "ironflow.step", None if in_span() else a.event.traceparent,
         {"ironflow.run_id": a.run_id, "ironflow.step_id": step_id, "ironflow.step.name": name},
     ):
         yield
