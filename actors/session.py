@@ -391,10 +391,13 @@ class _Lanes:
         await self._steps((fence, steps))
 
     async def _handle_unit(self, unit: list[WorkerMessage], *, grouped: bool = False) -> None:
-        """:meth:`_apply_unit`, in an ``ironflow.commit`` span when its run is traced."""
+        """:meth:`_apply_unit`; a unit that ends its segment (job result, yield,
+        nack) in an ``ironflow.commit`` span when its run is traced (a span per
+        step result would double the worker's own step spans, at a cost)."""
         run_id: str | None = getattr(unit[0], "run_id", None)
         traceparent = self._traceparents.get(run_id) if run_id is not None else None
-        if run_id is None or traceparent is None:
+        ends = isinstance(unit[-1], JobCompleted | JobFailed | JobYielded | JobNack)
+        if run_id is None or traceparent is None or not ends:
             await self._apply_unit(unit, grouped=grouped)
             return
         kinds = ",".join(sorted({type(m).__name__ for m in unit}))
@@ -402,8 +405,7 @@ class _Lanes:
             "ironflow.commit", traceparent, {"ironflow.run_id": run_id, "ironflow.messages": kinds}
         ):
             await self._apply_unit(unit, grouped=grouped)
-        if isinstance(unit[-1], JobCompleted | JobFailed | JobYielded | JobNack):
-            self._traceparents.pop(run_id, None)  # its next segment is assigned afresh
+        self._traceparents.pop(run_id, None)  # its next segment is assigned afresh
 
     async def _apply_unit(self, unit: list[WorkerMessage], *, grouped: bool = False) -> None:
         """Apply one unit; ``grouped``: an ack, a segment's step results, or a

@@ -26,6 +26,7 @@ This module imports nothing of ours: the worker SDK uses it too.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -52,8 +53,10 @@ def _tracer() -> trace.Tracer:
     return _cached[1]
 
 
+@functools.lru_cache(maxsize=4096)
 def context_of(traceparent: str | None) -> Context | None:
-    """The context a W3C ``traceparent`` names, None without one (or a bad one)."""
+    """The context a W3C ``traceparent`` names, None without one (or a bad one).
+    Memoised: a run's segments and commits parse one string again and again."""
     if not traceparent:
         return None
     ctx = _PROPAGATOR.extract({"traceparent": traceparent})
@@ -67,6 +70,12 @@ def traceparent_of(current: Span) -> str | None:
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(current))
     return carrier.get("traceparent")
+
+
+def in_span() -> bool:
+    """Whether a span with a valid context is current in this task (cheap: no
+    ``traceparent`` is formatted)."""
+    return trace.get_current_span().get_span_context().is_valid
 
 
 def current_traceparent() -> str | None:
@@ -108,3 +117,43 @@ def start_span(
         name, context=context_of(traceparent), kind=kind, attributes=dict(attributes or {}),
         start_time=start_time,
     )
+
+
+# The service name spans carry when OTEL_SERVICE_NAME does not say.
+DEFAULT_SERVICE = "ironflow"
+
+
+def configure_from_env(service: str = DEFAULT_SERVICE) -> str | None:
+    """Install the OpenTelemetry SDK's TracerProvider as the standard
+    ``OTEL_TRACES_EXPORTER`` variable asks (``otlp``, ``console``, or ``none``:
+    spans made, none exported), unless one is installed already. Returns what
+    it did, for a log line, or None when nothing was asked.
+
+    ``otlp`` sends OTLP over HTTP to ``OTEL_EXPORTER_OTLP_ENDPOINT`` (default
+    ``http://localhost:4318``). Needs the ``otel`` extra; without it the
+    returned text says so and tracing stays off."""
+    import os
+
+    wanted = os.environ.get("OTEL_TRACES_EXPORTER", "").strip().lower()
+    if not wanted or enabled():
+        return None
+    try:
+        from opentelemetry.sdk.resources import Resource
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+    except ImportError:
+        return f"OTEL_TRACES_EXPORTER={wanted} but the OpenTelemetry SDK is not installed (pip install 'ironflow-py[otel]'): tracing off"
+    name = os.environ.get("OTEL_SERVICE_NAME", service)
+    provider = TracerProvider(resource=Resource.create({"service.name": name}))
+    if wanted == "console":
+        provider.add_span_processor(BatchSpanProcessor(ConsoleSpanExporter()))
+    elif wanted == "otlp":
+        try:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+        except ImportError:
+            return "OTEL_TRACES_EXPORTER=otlp but the OTLP exporter is not installed (pip install 'ironflow-py[otel]'): tracing off"
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+    elif wanted != "none":
+        return f"OTEL_TRACES_EXPORTER={wanted} is not one of otlp, console, none: tracing off"
+    trace.set_tracer_provider(provider)
+    return f"tracing on: service {name}, exporter {wanted}"

@@ -53,6 +53,26 @@ class _Headers:
         return default
 
 
+async def _serve_lifespan(receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+    """Answer the ASGI lifespan protocol: startup and shutdown complete at once.
+
+    The node is the application's lifecycle (its nursery starts the store and
+    every actor before hypercorn serves, and stops them after), and the quart
+    app registers no serving hooks and runs no background tasks
+    (tests/api/test_lifespan.py holds that), so quart-trio's lifespan handler
+    has nothing to do here. Serving it here means hypercorn never logs "ASGI
+    Framework Lifespan error, continuing without Lifespan support" (which it
+    did when that handler raised before its startup completed).
+    """
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
 class HotRoutes:
     """ASGI app: ``POST /v1/events`` here, everything else to ``app`` (the quart app)."""
 
@@ -76,6 +96,9 @@ class HotRoutes:
             }
             await send(start)
             await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        if scope["type"] == "lifespan":
+            await _serve_lifespan(receive, send)
             return
         await self.app(scope, receive, send)
 

@@ -119,8 +119,16 @@ class ApiState:
             if len(events) == 1:
                 raise
         # One event's failure must not fail the others': each alone.
-        alone = [await outcome.acapture(self._ingest, [(name, data, None, tp)]) for name, data, tp in events]
-        return [o if isinstance(o, outcome.Error) else outcome.Value(o.unwrap()[0]) for o in alone]
+        return [await outcome.acapture(self._ingest_alone, name, data, tp) for name, data, tp in events]
+
+    async def _ingest_alone(self, name: str, data: Any, traceparent: str | None) -> IngestResult:
+        window = self.config.idempotency_window_s
+        if traceparent is None:
+            return await self.store.ingest_event(name, data, None, idempotency_window_s=window)
+        [result] = await self.store.ingest_traced_events(
+            [(name, data, None, traceparent)], idempotency_window_s=window
+        )
+        return result
 
 
 def state() -> ApiState:

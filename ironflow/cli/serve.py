@@ -116,9 +116,12 @@ def _serve_node(config: NodeConfig) -> None:
     """Run the node until it drains (imported late: the node pulls in the web stack)."""
     import trio
 
-    from ironflow import logs, node
+    from ironflow import logs, node, tracing
 
     logs.setup(config.log_level)
+    traced = tracing.configure_from_env("ironflow-node")
+    if traced is not None:
+        click.echo(f"ironflow: {traced}", err=True)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
         trio.run(node.serve, config)

@@ -80,8 +80,14 @@ class Answer(msgspec.Struct, Generic[T], frozen=True):
     content: bytes
 
 
-def emit(name: str, data: Any = None, idempotency_key: str | None = None) -> Call[EmitResponse]:
-    body = EmitRequest(name=name, data={} if data is None else data, idempotency_key=idempotency_key)
+def emit(
+    name: str, data: Any = None, idempotency_key: str | None = None, traceparent: str | None = None
+) -> Call[EmitResponse]:
+    """``traceparent``: the producer's span (W3C), which the run's trace joins."""
+    body = EmitRequest(
+        name=name, data={} if data is None else data, idempotency_key=idempotency_key,
+        traceparent=traceparent,
+    )
     return Call("POST", "/v1/events", EmitResponse, body)
 
 

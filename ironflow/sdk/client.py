@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import httpx
 import msgspec
+import anyio
 
 from ironflow.config import DEFAULT_SERVER_URL
 from ironflow.protocol import (
@@ -28,9 +29,10 @@ from ironflow.protocol import (
     RunRecord,
     RunResult,
 )
-from ironflow.sdk import calls
+from ironflow.sdk import calls, outage
 from ironflow.sdk.calls import Answer, Call
 from ironflow.sdk.errors import IronflowAPIError, RunFailedError
+from ironflow.tracing import current_traceparent
 
 # REST calls are short; a slow node should surface as an error, not a hang.
 DEFAULT_TIMEOUT_S = 30.0
@@ -156,17 +158,33 @@ class Ironflow:
 
     async def request(self, call: Call[T]) -> Answer[T]:
         """Send ``call`` (see :mod:`ironflow.sdk.calls`); its decoded answer and raw JSON."""
-        resp = await self._http.request(
+        return _answer(call, await self._send(call))
+
+    async def _send(self, call: Call[Any]) -> httpx.Response:
+        return await self._http.request(
             call.method, call.path, content=call.content(), params=call.query() or None,
             timeout=call.timeout if call.timeout is not None else httpx.USE_CLIENT_DEFAULT,
         )
-        return _answer(call, resp)
 
     async def emit(
         self, name: str, data: Any = None, idempotency_key: str | None = None
     ) -> EmitResponse:
-        """Emit event ``name`` with ``data``; returns the event id and the runs it started."""
-        return (await self.request(calls.emit(name, data, idempotency_key))).value
+        """Emit event ``name`` with ``data``; returns the event id and the runs it started.
+
+        The current OpenTelemetry span (if any) is sent as the event's
+        ``traceparent``: the run's trace joins it. An outage of the engine's
+        database (503/507) is waited out: the emit is sent again, bounded and
+        backing off, each time logged (:mod:`ironflow.sdk.outage`)."""
+        call = calls.emit(name, data, idempotency_key, current_traceparent())
+        attempt = 1
+        while True:
+            resp = await self._send(call)
+            delay = outage.retry_delay(resp, attempt, keyed=idempotency_key is not None)
+            if delay is None:
+                return _answer(call, resp).value
+            outage.log_retry(name, resp, attempt, delay)
+            await anyio.sleep(delay)
+            attempt += 1
 
     async def get_run(self, run_id: str) -> RunDetail:
         """The run with its steps, queue entry, lease and why it waits."""
@@ -256,15 +274,26 @@ class IronflowSync:
 
     def request(self, call: Call[T]) -> Answer[T]:
         """Send ``call`` (see :mod:`ironflow.sdk.calls`); its decoded answer and raw JSON."""
-        resp = self._http.request(
+        return _answer(call, self._send(call))
+
+    def _send(self, call: Call[Any]) -> httpx.Response:
+        return self._http.request(
             call.method, call.path, content=call.content(), params=call.query() or None,
             timeout=call.timeout if call.timeout is not None else httpx.USE_CLIENT_DEFAULT,
         )
-        return _answer(call, resp)
 
     def emit(self, name: str, data: Any = None, idempotency_key: str | None = None) -> EmitResponse:
-        """Emit event ``name`` with ``data``; returns the event id and the runs it started."""
-        return self.request(calls.emit(name, data, idempotency_key)).value
+        """As :meth:`Ironflow.emit`, blocking (its outage retries too)."""
+        call = calls.emit(name, data, idempotency_key, current_traceparent())
+        attempt = 1
+        while True:
+            resp = self._send(call)
+            delay = outage.retry_delay(resp, attempt, keyed=idempotency_key is not None)
+            if delay is None:
+                return _answer(call, resp).value
+            outage.log_retry(name, resp, attempt, delay)
+            time.sleep(delay)
+            attempt += 1
 
     send = emit
 

@@ -59,6 +59,7 @@ from ironflow.sdk.errors import (
 )
 from ironflow.sdk.function import Function
 from ironflow.sdk.loops import current_loop
+from ironflow.sdk.traces import step_span
 
 # Inngest/Ironflow default: a wait that nobody answers gives up after a week.
 DEFAULT_WAIT_TIMEOUT_S = 7 * 24 * 3600.0
@@ -472,17 +473,18 @@ class Step:
         t0 = time.perf_counter()
         try:
             timed_out = False
-            if limit is None:
-                out = await _call(fn, args, name)
-            else:
-                # A scope of its own rather than fail_after: a TimeoutError the
-                # body raises itself is the body's error, not the step's timeout.
-                # Only for a step with a limit (a scope costs on asyncio).
-                with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
+            with step_span(a, step_id, name):
+                if limit is None:
                     out = await _call(fn, args, name)
-                if scope.cancelled_caught:
-                    timed_out = True
-                    raise StepTimeoutError(f"step {name!r} timed out after {limit:g} s")
+                else:
+                    # A scope of its own rather than fail_after: a TimeoutError the
+                    # body raises itself is the body's error, not the step's timeout.
+                    # Only for a step with a limit (a scope costs on asyncio).
+                    with anyio.CancelScope(deadline=anyio.current_time() + limit) as scope:
+                        out = await _call(fn, args, name)
+            if limit is not None and scope.cancelled_caught:
+                timed_out = True
+                raise StepTimeoutError(f"step {name!r} timed out after {limit:g} s")
             raw, value = encode_strict(out, f"output of step {name!r}")
         except Exception as exc:
             exc = _wrong_loop(exc, name) or exc

@@ -40,6 +40,7 @@ from ironflow.protocol import JobAssignment, JobLeaseStatus, JobNack, JobNackRea
 from ironflow.sdk.context import Context, JobState, Reporter, execute_job
 from ironflow.sdk.function import Function
 from ironflow.sdk.loops import current_loop
+from ironflow.sdk.traces import segment_span
 
 _log = logging.getLogger("ironflow.worker")
 
@@ -481,7 +482,8 @@ class WorkerLifecycle:
                         job, JobNack(a.job_id, a.run_id, a.execution_seq, a.lease_token, reason="DRAINING")
                     )
                     return
-                await execute_job(function, job, reporter, ctx)
+                with segment_span(job.assignment):
+                    await execute_job(function, job, reporter, ctx)
         finally:
             job.done = True
             if self._jobs.get(job.assignment.job_id) is job:

@@ -38,6 +38,7 @@ from ironflow.sdk.context import JobState
 from ironflow.sdk.errors import IronflowError, RegistrationRefusedError, WorkerAuthError
 from ironflow.sdk.function import Function
 from ironflow.sdk.lifecycle import WorkerLifecycle
+from ironflow.sdk.traces import configure as configure_tracing
 
 # Backoff for a terminal result that did not get through (reference SDK: 1, 2, 4, 8 s).
 RESULT_RETRY_DELAYS_S = (1.0, 2.0, 4.0, 8.0)
@@ -179,6 +180,7 @@ class PullWorker(WorkerLifecycle):
         ``WorkerAuthError``; other failures are retried with backoff.
         """
         self._running = True
+        configure_tracing()  # OTEL_TRACES_EXPORTER, as for the node
         fatal: WorkerAuthError | RegistrationRefusedError | None = None
         try:
             async with httpx.AsyncClient(

@@ -39,6 +39,7 @@ from ironflow.sdk.context import JobState
 from ironflow.sdk.errors import IronflowError, RegistrationRefusedError, WorkerAuthError
 from ironflow.sdk.function import Function
 from ironflow.sdk.lifecycle import WorkerLifecycle
+from ironflow.sdk.traces import configure as configure_tracing
 from ironflow.sdk.ws import ConnectionClosed, ConnectionRejected, HandshakeError, WebSocket, connect
 
 # The reference SDKs hold 256 queued messages per connection; more means the
@@ -152,6 +153,7 @@ class StreamingWorker(WorkerLifecycle):
         ``RegistrationRefusedError``, without reconnecting.
         """
         self._running = True
+        configure_tracing()  # OTEL_TRACES_EXPORTER, as for the node
         fatal: WorkerAuthError | RegistrationRefusedError | None = None
         try:
             async with anyio.create_task_group() as nursery:

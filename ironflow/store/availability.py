@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import outcome
 import trio
 
 from ironflow import logs
-
-if TYPE_CHECKING:
-    from ironflow.store.base import StoreUnavailable
+from ironflow.store.errors import StorageFull, StoreUnavailable
 
 T = TypeVar("T")
 
@@ -71,8 +69,6 @@ class Availability:
         thread hop (the monitor's probes find the end of it)."""
         if self.up or not self.monitored:
             return
-        from ironflow.store.base import StorageFull, StoreUnavailable
-
         raise (StorageFull if self.code == StorageFull.code else StoreUnavailable)(self.cause)
 
     def reached(self) -> None:
@@ -142,8 +138,6 @@ def _outage(
 ) -> StoreUnavailable | None:
     """``error`` as an outage: itself if the store already raised one (e.g.
     CommitOutcomeUnknown), else what ``classify`` makes of a driver error."""
-    from ironflow.store.base import StoreUnavailable
-
     if isinstance(error, StoreUnavailable):
         return error
     return classify(error)

@@ -39,83 +39,23 @@ from ironflow.protocol import (
     YieldInfo,
 )
 from ironflow.store.availability import Availability
+from ironflow.store.errors import (  # noqa: F401  (re-exported: the store's errors)
+    CommitOutcomeUnknown,
+    Conflict,
+    FunctionNotFound,
+    LimitExceeded,
+    NotFound,
+    RunNotFound,
+    SessionNotFound,
+    StaleExecution,
+    StorageFull,
+    StoreError,
+    StoreReadOnly,
+    StoreUnavailable,
+)
 
 # The records the store returns are the HTTP contract's (ironflow.protocol.http);
 # ``ironflow.store`` re-exports them for the store's callers.
-
-# ── exceptions ──────────────────────────────────────────────────────────────
-
-
-class StoreError(Exception):
-    """Base of every error the store raises on purpose. ``code`` is API-stable."""
-
-    code = "STORE_ERROR"
-
-
-class StaleExecution(StoreError):
-    """The fence ``(run_id, execution_seq, lease_token)`` is not the live one."""
-
-    code = "STALE_EXECUTION"
-
-
-class NotFound(StoreError):
-    code = "NOT_FOUND"
-
-
-class FunctionNotFound(NotFound):
-    code = "FUNCTION_NOT_FOUND"
-
-
-class RunNotFound(NotFound):
-    code = "RUN_NOT_FOUND"
-
-
-class SessionNotFound(NotFound):
-    """The worker session expired or was closed; the worker must re-register."""
-
-    code = "SESSION_NOT_FOUND"
-
-
-class Conflict(StoreError):
-    code = "CONFLICT"
-
-
-class LimitExceeded(StoreError):
-    """A request would exceed one of the node's configured resource limits."""
-
-    code = "LIMIT_EXCEEDED"
-
-
-class StoreUnavailable(StoreError):
-    """The database cannot be reached or cannot write (an outage, not a fault):
-    the call did not take effect, or its commit is unknown; the same call may
-    be made again once the store is back (``ironflow/store/availability.py``).
-    The message names the cause."""
-
-    code = "STORE_UNAVAILABLE"
-
-
-class CommitOutcomeUnknown(StoreUnavailable):
-    """The connection failed while the transaction committed: it may have
-    committed or not. Never retried as if it had not (a write without an
-    idempotency key would be written twice). An outage like any other for
-    the node's availability (the connection broke), but its own code."""
-
-    code = "COMMIT_OUTCOME_UNKNOWN"
-
-
-class StorageFull(StoreUnavailable):
-    """The database's disk (or its configured size limit) is full."""
-
-    code = "STORAGE_FULL"
-
-
-class StoreReadOnly(StoreError):
-    """The database only reads (a standby, ``default_transaction_read_only``):
-    raised by :meth:`Store.open`, which a node must not start on."""
-
-    code = "STORE_READ_ONLY"
-
 
 # ── records ─────────────────────────────────────────────────────────────────
 

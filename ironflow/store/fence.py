@@ -42,6 +42,7 @@ from ironflow.store.core import (
     _RUN_COLS,
     _TERMINAL_SQL,
     INVOKED_EVENT,
+    MAX_STATEMENT_PARAMS,
     RUN_END_FIGURES,
     Tx,
     _enc,
@@ -63,11 +64,6 @@ _STEP_AUDITED_FUNCTION = (
 
 # Bind parameters of one step row in the step-result INSERT.
 _STEP_ROW_PARAMS = 8
-# Most bind parameters one statement carries (PostgreSQL's protocol allows
-# 65,535): a larger batch goes in several statements of one transaction.
-MAX_STATEMENT_PARAMS = 30_000
-
-
 def _statement_chunks(rows: list[tuple[Any, ...]], per_row: int) -> list[list[tuple[Any, ...]]]:
     """``rows`` (run id, step id first) in order, cut into statements of at most
     :data:`MAX_STATEMENT_PARAMS` parameters in which no (run, step) repeats:

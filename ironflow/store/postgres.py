@@ -61,18 +61,17 @@ import trio
 from psycopg import pq
 from psycopg.adapt import Transformer
 
-from ironflow.config import redact_url
 from ironflow.store import chain
 from ironflow.store.availability import Availability, settle, translated
 from ironflow.store.base import (
     CommitOutcomeUnknown,
-    StorageFull,
-    StoreReadOnly,
     StoreUnavailable,
 )
 from ironflow.store.chain import chained
 from ironflow.store.core import NamedLock, Tx, lock_id
 from ironflow.store.handback import hand_back
+from ironflow.store.pg_connect import connect, refuse_read_only, unavailable
+from ironflow.store.pg_sql import numbered, pg_sql
 from ironflow.store.schema import (
     SCHEMA_LOCK_KEY,
     added_columns,
@@ -85,93 +84,6 @@ from ironflow.store.sql import SqlStore
 __all__ = ["PostgresStore"]
 
 T = TypeVar("T")
-
-_sql_cache: dict[str, str] = {}
-
-
-def _pg_sql(sql: str) -> str:
-    """``?`` placeholders → psycopg's ``%s`` (every literal ``%`` escaped), memoised."""
-    out = _sql_cache.get(sql)
-    if out is None:
-        out = _sql_cache[sql] = _rewrite(sql.replace("%", "%%"), lambda _: "%s")
-    return out
-
-
-# Words after which a ``?`` is a value (a placeholder), although a word before
-# a ``?`` otherwise makes it the jsonb operator (``data ? 'key'``).
-_VALUE_AFTER = frozenset(
-    "select limit offset then else when and or not in is like by set where on as values"
-    " returning distinct case between".split()
-)
-
-
-def _placeholders(sql: str) -> list[int]:
-    """Offsets of the ``?`` placeholders of ``sql``: not those inside a string
-    literal, a quoted identifier, a dollar-quoted body or a comment, nor the
-    jsonb operators ``?``, ``?|`` and ``?&`` (a ``?`` right after an operand:
-    a name that is not a keyword, a closing bracket, a literal)."""
-    found: list[int] = []
-    i, n = 0, len(sql)
-    last = ""  # the last significant token before i: a word, or one character
-    while i < n:
-        c = sql[i]
-        if c in "'\"":
-            end = i + 1
-            while end < n:
-                if sql[end] == c:
-                    if end + 1 < n and sql[end + 1] == c:  # '' or "" inside
-                        end += 2
-                        continue
-                    break
-                end += 1
-            i, last = end + 1, "literal"
-            continue
-        if c == "-" and sql.startswith("--", i):
-            end = sql.find("\n", i)
-            i = n if end < 0 else end + 1
-            continue
-        if c == "/" and sql.startswith("/*", i):
-            end = sql.find("*/", i + 2)
-            i = n if end < 0 else end + 2
-            continue
-        if c == "$":
-            tag_end = sql.find("$", i + 1)
-            tag = sql[i : tag_end + 1] if tag_end > 0 else ""
-            if tag and (tag == "$$" or tag[1:-1].replace("_", "a").isalnum() and not tag[1].isdigit()):
-                end = sql.find(tag, tag_end + 1)
-                i, last = (n if end < 0 else end + len(tag)), "literal"
-                continue
-        if c.isalnum() or c == "_":
-            end = i
-            while end < n and (sql[end].isalnum() or sql[end] == "_"):
-                end += 1
-            last, i = sql[i:end].lower(), end
-            continue
-        if c == "?":
-            operand = last in ("literal", ")", "]") or (
-                last[:1].isalnum() or last[:1] == "_"
-            ) and last not in _VALUE_AFTER
-            if not operand and sql[i + 1 : i + 2] not in ("|", "&"):
-                found.append(i)
-            last, i = "?", i + 1
-            continue
-        if not c.isspace():
-            last = c
-        i += 1
-    return found
-
-
-def _rewrite(sql: str, mark: Callable[[int], str]) -> str:
-    """``sql`` with its n-th placeholder (from 1) replaced by ``mark(n)``."""
-    out: list[str] = []
-    start = 0
-    for number, at in enumerate(_placeholders(sql), start=1):
-        out.append(sql[start:at])
-        out.append(mark(number))
-        start = at + 1
-    out.append(sql[start:])
-    return "".join(out)
-
 
 # A call PostgreSQL aborted as a deadlock victim (or serialization failure) is
 # run this many times in all, each retry in a later group than the last.
@@ -207,60 +119,6 @@ LISTEN_READY_POLL_S = 0.01
 _RETRYABLE = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
 
 _PENDING, _TAKEN, _WITHDRAWN = 0, 1, 2
-
-# SQLSTATE classes that mean the server is unreachable or cannot serve now,
-# not that the statement was wrong: connection exception (08), insufficient
-# resources (53: disk full, out of memory, too many connections), operator
-# intervention (57: shutting down, starting up, in recovery), system error (58).
-_OUTAGE_CLASSES = ("08", "53", "57", "58")
-# ...except a statement cancelled on purpose (57014: statement_timeout, cancel).
-_NOT_OUTAGES = ("57014",)
-# Seconds a connection attempt may take (unless the URL sets connect_timeout):
-# a partitioned server then fails a call within the API's 5 s instead of
-# hanging it for the operating system's TCP timeout.
-CONNECT_TIMEOUT_S = 3
-
-
-def _unavailable(exc: BaseException) -> StoreUnavailable | None:
-    """The outage ``exc`` (a psycopg error) means, or None for any other error."""
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if isinstance(exc, psycopg.errors.DiskFull):
-        return StorageFull(f"PostgreSQL storage full: {first}")
-    if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):
-        return StoreUnavailable(
-            f"PostgreSQL is read-only (a standby, or a primary being demoted): {first}"
-        )
-    if isinstance(exc, psycopg.InterfaceError):
-        return StoreUnavailable(f"PostgreSQL connection lost: {first}")
-    if isinstance(exc, psycopg.OperationalError):
-        state = exc.sqlstate
-        if state is None or (state[:2] in _OUTAGE_CLASSES and state not in _NOT_OUTAGES):
-            return StoreUnavailable(f"PostgreSQL unavailable: {first}")
-    if type(exc) is psycopg.DatabaseError and exc.sqlstate is None:
-        # libpq's own failure with no server answer ("server closed the
-        # connection unexpectedly" from a statement on a dead connection).
-        return StoreUnavailable(f"PostgreSQL unavailable: {first}")
-    return None
-
-
-def _connect(url: str) -> psycopg.Connection[Any]:
-    """An autocommit connection to ``url`` (any libpq URL, multi-host included)."""
-    extra: dict[str, Any] = {}
-    if "connect_timeout" not in url:
-        extra["connect_timeout"] = CONNECT_TIMEOUT_S
-    return psycopg.connect(url, autocommit=True, **extra)
-
-
-_numbered_cache: dict[str, bytes] = {}
-
-
-def _numbered(sql: str) -> bytes:
-    """``?`` placeholders → libpq's ``$1, $2, …`` (see :func:`_placeholders`), memoised."""
-    out = _numbered_cache.get(sql)
-    if out is None:
-        out = _numbered_cache[sql] = _rewrite(sql, lambda n: f"${n}").encode()
-    return out
-
 
 # Parameter type OIDs sent with the text-format values (0: let the server infer).
 _OID_UNKNOWN, _OID_BOOL, _OID_INT8, _OID_FLOAT8 = 0, 16, 20, 701
@@ -323,7 +181,7 @@ class _PgTx:
         """Run one statement; keep its rows for fetch*; return its row count."""
         adapted = _text_params(params)
         if adapted is None:
-            self._cur.execute(_pg_sql(sql), params, prepare=True)
+            self._cur.execute(pg_sql(sql), params, prepare=True)
             self._rows = self._cur.fetchall() if self._cur.description is not None else []
             return self._cur.rowcount
         values, oids = adapted
@@ -331,9 +189,9 @@ class _PgTx:
         name = self._prepared.get(key)
         if name is None:
             if len(self._prepared) >= PREPARED_MAX:
-                return self._check(self._pgconn.exec_params(_numbered(sql), values, oids))
+                return self._check(self._pgconn.exec_params(numbered(sql), values, oids))
             name = f"ironflow_{len(self._prepared)}".encode()
-            self._check(self._pgconn.prepare(name, _numbered(sql), oids))
+            self._check(self._pgconn.prepare(name, numbered(sql), oids))
             self._prepared[key] = name
         # libpq takes None as NULL (psycopg's own calls pass it); its stub says bytes only.
         return self._check(self._pgconn.exec_prepared(name, values))  # type: ignore[arg-type]
@@ -352,7 +210,7 @@ class _PgTx:
         return self._run(sql, params)
 
     def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        self._cur.executemany(_pg_sql(sql), list(rows))
+        self._cur.executemany(pg_sql(sql), list(rows))
 
     def fetchone(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
         self._run(sql, params)
@@ -460,7 +318,7 @@ class _Actor:
 
     def _connect(self) -> psycopg.Connection[Any]:
         self._losses = self._store.connection_losses
-        conn = _connect(self._store.url)
+        conn = connect(self._store.url)
         conn.prepared_max = PREPARED_MAX
         self._prepared = {}  # statements are prepared per connection
         return conn
@@ -604,23 +462,6 @@ def _id_payloads(run_ids: list[str]) -> list[str]:
     return payloads
 
 
-def _refuse_read_only(conn: psycopg.Connection[Any], url: str) -> None:
-    """Raise StoreReadOnly if ``conn`` reached a server that only reads."""
-    row = conn.execute(
-        "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')"
-    ).fetchone()
-    if row is None:
-        return
-    in_recovery, read_only = bool(row[0]), row[1] == "on"
-    if in_recovery or read_only:
-        why = "a standby in recovery" if in_recovery else "default_transaction_read_only is on"
-        raise StoreReadOnly(
-            f"the database at {redact_url(url)} is read-only ({why}): a node must write;"
-            " point --db at the primary, or list every host in the URL with"
-            " target_session_attrs=read-write"
-        )
-
-
 class PostgresStore(SqlStore):
     """Engine state in PostgreSQL at ``url`` (``postgresql://…``).
 
@@ -654,7 +495,7 @@ class PostgresStore(SqlStore):
         try:
             await trio.to_thread.run_sync(self._create_schema)
         except psycopg.Error as exc:
-            gone = _unavailable(exc)
+            gone = unavailable(exc)
             if gone is None:
                 raise
             raise gone from exc
@@ -677,8 +518,8 @@ class PostgresStore(SqlStore):
         want = fingerprint("postgres")
         for attempt in range(1, SCHEMA_ATTEMPTS + 1):
             try:
-                with _connect(self.url) as conn:
-                    _refuse_read_only(conn, self.url)
+                with connect(self.url) as conn:
+                    refuse_read_only(conn, self.url)
                     with conn.transaction(), conn.cursor() as cur:
                         # Two nodes starting together must not race on CREATE … IF NOT EXISTS.
                         cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
@@ -709,7 +550,7 @@ class PostgresStore(SqlStore):
         as a standby."""
 
         def run() -> T:
-            with _connect(self.url) as conn:
+            with connect(self.url) as conn:
                 row = conn.execute(
                     "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')"
                 ).fetchone()
@@ -726,7 +567,7 @@ class PostgresStore(SqlStore):
         # Abandoned on cancel (the monitor's probe timeout): connect_timeout
         # bounds the thread, and its connection is its own.
         result = await outcome.acapture(partial(trio.to_thread.run_sync, run, abandon_on_cancel=True))
-        return settle(self.availability, result, _unavailable)
+        return settle(self.availability, result, unavailable)
 
     @staticmethod
     def _schema_fingerprint(cur: psycopg.Cursor[Any]) -> str | None:
@@ -774,7 +615,7 @@ class PostgresStore(SqlStore):
         token = trio.lowlevel.current_trio_token()
 
         def listen() -> None:
-            with _connect(self.url) as conn:
+            with connect(self.url) as conn:
                 conn.execute(f"LISTEN {KICK_CHANNEL}")
                 conn.execute(f"LISTEN {RUN_END_CHANNEL}")
                 listening.set()
@@ -794,7 +635,7 @@ class PostgresStore(SqlStore):
                     # Raised as an outage (the supervisor waits rather than
                     # counting a crash) but not marked as one: this one long
                     # connection can die alone; the store monitor judges.
-                    gone = _unavailable(result.error)
+                    gone = unavailable(result.error)
                     if gone is not None:
                         raise gone from result.error
                 result.unwrap()
@@ -875,7 +716,7 @@ class PostgresStore(SqlStore):
         ])
         with trio.CancelScope(shield=True):
             await done.wait()
-        return translated(self.availability, [box[i] for i in range(len(works))], _unavailable)
+        return translated(self.availability, [box[i] for i in range(len(works))], unavailable)
 
     async def _transact(self, work: Callable[[Tx], T], locks: Sequence[NamedLock] = ()) -> T:
         self.availability.check()
@@ -906,4 +747,4 @@ class PostgresStore(SqlStore):
             # must reach the caller (the cancellation comes at the next checkpoint).
             with trio.CancelScope(shield=True):
                 await done.wait()
-        return settle(self.availability, box[0], _unavailable)
+        return settle(self.availability, box[0], unavailable)

@@ -1,10 +1,12 @@
 """OpenTelemetry traces of a run: a real node and an SDK worker in-process,
 spans collected by the OpenTelemetry SDK's in-memory exporter.
 
-A producer span emits (its W3C ``traceparent`` in the request); the run's
-spans — the node's ``ironflow.ingest``, ``ironflow.dispatch`` (one per
-segment) and ``ironflow.commit`` — are all in the producer's trace, and the
-event keeps the ingest span's ``traceparent`` for every later segment.
+A producer span sends the event with ``client.send`` (which carries its W3C
+``traceparent``); the run's spans — the node's ``ironflow.ingest``,
+``ironflow.dispatch`` (one per segment) and ``ironflow.commit``, the worker's
+``ironflow.segment`` and ``ironflow.step`` — are all in the producer's
+trace: producer → ingest → segments → steps. The event keeps the ingest
+span's ``traceparent`` for every later segment.
 """
 
 from __future__ import annotations
@@ -68,10 +70,9 @@ async def test_a_run_with_a_sleep_is_one_trace_under_the_producers_span(
     await nursery.start(worker.run)
     producer_tracer = trace.get_tracer("producer")
     with producer_tracer.start_as_current_span("checkout") as producer:
-        traceparent = tracing.current_traceparent()
-        assert traceparent is not None
-        r = await http.post("/v1/events", json={"name": "traced.go"}, headers={"traceparent": traceparent})
-    run_id = r.json()["run_ids"][0]
+        async with ironflow.Ironflow(node.url) as client:
+            sent = await client.send("traced.go")  # carries the current span's traceparent
+    run_id = sent.run_ids[0]
     assert (await wait_for_run(http, run_id))["run"]["status"] == "completed"
     await trio.sleep(0.1)  # the last commit span ends after the run's end is visible
 
@@ -88,9 +89,20 @@ async def test_a_run_with_a_sleep_is_one_trace_under_the_producers_span(
     for span in [*dispatches, *commits]:
         assert span.parent is not None and span.parent.span_id == ingest.context.span_id
     assert all(d.attributes["ironflow.run_id"] == run_id for d in dispatches)  # type: ignore[index]
+    # The worker's side: a segment span per segment (the sleep ends the
+    # first), a step span per step run, each under its segment, one trace.
+    segments = _by_name(finished, "ironflow.segment")
+    assert sorted(g.attributes["ironflow.execution_seq"] for g in segments) == [1, 2]  # type: ignore[index]
+    steps = _by_name(finished, "ironflow.step")
+    assert sorted(str(t.attributes["ironflow.step.name"]) for t in steps) == ["a", "b", "c"]  # type: ignore[index]
+    segment_ids = {g.context.span_id for g in segments}
+    for span in [*segments, *steps]:
+        assert span.context.trace_id == trace_id, span.name
+    assert all(g.parent is not None and g.parent.span_id == ingest.context.span_id for g in segments)
+    assert all(t.parent is not None and t.parent.span_id in segment_ids for t in steps)
     # The event keeps the ingest span's context for every segment.
     [(stored,)] = db_rows(node.config.database_url, "SELECT traceparent FROM events WHERE id = ?",
-                          (r.json()["event_id"],))
+                          (sent.event_id,))
     assert stored == tracing.traceparent_of(_as_span(ingest))
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from ironflow.store.core import Tx
-from ironflow.store.postgres import PostgresStore, _numbered, _pg_sql
+from ironflow.store.pg_sql import numbered as _numbered
+from ironflow.store.pg_sql import pg_sql as _pg_sql
+from ironflow.store.postgres import PostgresStore
 
 
 def test_placeholders_are_numbered_in_order() -> None:
