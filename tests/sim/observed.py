@@ -9,6 +9,15 @@ terms — is this fence live? which leases are due? which claims are stale? —
 then lets the real call run and compares. Nothing interleaves between the
 read and the call's transaction, so the judgement is exact.
 
+On PostgreSQL (two nodes, ``Oracle.concurrent``) another node's transaction
+may commit between any two statements. The fence is then read inside the
+call's own transaction, right before its work; a refusal is a violation only
+if the fence is still live after it (a fence never comes back to life); a
+recovery only if it took a lease that was not due; a session's grouped calls
+(acks, step results, job results) run in the store's grouped forms, each
+fence judged. "Stale: nothing written" is checked after every refused step
+write, on both backends.
+
 The oracle's **counter table** (per run): activations, nacks, retries,
 recoveries (with the consecutive count the ceiling applies to), yields,
 cancels, the first accepted output of every step. The final invariants
