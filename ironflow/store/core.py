@@ -61,6 +61,10 @@ SCAN_BATCH = 500
 # skip some rows, so read a few more than we hope to reserve.
 RESERVE_OVERSCAN = 4
 
+# Most bind parameters one statement carries (PostgreSQL's protocol allows
+# 65,535): a larger batch goes in several statements of one transaction.
+MAX_STATEMENT_PARAMS = 30_000
+
 # Advisory lock under which one node at a time deletes history (PostgreSQL).
 JANITOR_LOCK = "ironflow:janitor"
 # Audit type of one history purge pass.
@@ -494,8 +498,16 @@ class SqlStoreBase(Store):
         self, tx: Tx, events: Sequence[tuple[str, str, Any, str | None, list[FunctionDef]]]
     ) -> list[list[str]]:
         """:meth:`_create_runs_with_event` for several events (``(event_id, name,
-        data, key, functions)`` each), all in one statement (PostgreSQL); each
-        event's run ids."""
+        data, key, functions)`` each), all in one statement (PostgreSQL) unless
+        that would carry more than :data:`MAX_STATEMENT_PARAMS` parameters (then
+        halves, in order); each event's run ids."""
+        params = sum(5 + 9 * len(fds) for *_, fds in events)
+        if params > MAX_STATEMENT_PARAMS and len(events) > 1:
+            half = len(events) // 2
+            return [
+                *self._create_runs_with_events(tx, events[:half]),
+                *self._create_runs_with_events(tx, events[half:]),
+            ]
         event_rows: list[Any] = []
         run_rows: list[Any] = []
         queue_rows: list[Any] = []

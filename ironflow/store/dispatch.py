@@ -105,7 +105,9 @@ class DispatchOps(CapacityLoop):
                 return []
             tx.executemany(
                 "UPDATE dispatch_queue SET reservation_owner = ?,"
-                " reservation_expires_at = ironflow_now() + ?, lease_token_hash = ?"
+                " reservation_expires_at = ironflow_now() + ?, lease_token_hash = ?,"
+                # The segment begins here for a wait's look-back (waits.py).
+                f" reserved_at = ironflow_now(), reservation_snapshot = {tx.snapshot_sql}"
                 " WHERE run_id = ? AND execution_seq = ?",
                 [
                     (sid, float(reservation_expiry_s), token_hash(tok), rid, seq)

@@ -42,6 +42,7 @@ from ironflow.store.core import (
     _RUN_COLS,
     _TERMINAL_SQL,
     INVOKED_EVENT,
+    MAX_STATEMENT_PARAMS,
     RUN_END_FIGURES,
     Tx,
     _enc,
@@ -63,11 +64,6 @@ _STEP_AUDITED_FUNCTION = (
 
 # Bind parameters of one step row in the step-result INSERT.
 _STEP_ROW_PARAMS = 8
-# Most bind parameters one statement carries (PostgreSQL's protocol allows
-# 65,535): a larger batch goes in several statements of one transaction.
-MAX_STATEMENT_PARAMS = 30_000
-
-
 def _statement_chunks(rows: list[tuple[Any, ...]], per_row: int) -> list[list[tuple[Any, ...]]]:
     """``rows`` (run id, step id first) in order, cut into statements of at most
     :data:`MAX_STATEMENT_PARAMS` parameters in which no (run, step) repeats:
@@ -121,10 +117,12 @@ class FenceOps(WaitOps):
 
     def _take_lease(self, tx: Tx, fence: Fence) -> tuple[float, str | None]:
         """Delete the fenced lease and free its credit; return when the segment
-        started (its ``activated_at``) and the snapshot of its activation
-        (PostgreSQL; waits.py). StaleExecution if it is not live."""
+        began (its reservation, or its activation for a lease an older version
+        wrote) and the snapshot of its reservation (PostgreSQL; waits.py).
+        StaleExecution if it is not live."""
         row = tx.fetchone(
-            f"DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING activated_at, began_snapshot",
+            f"DELETE FROM concurrency_leases WHERE {_FENCE_SQL}"
+            " RETURNING coalesce(began_at, activated_at), began_snapshot",
             self._fence_params(fence),
         )
         if row is None:
@@ -181,12 +179,14 @@ class FenceOps(WaitOps):
                 " AND d.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
                 " WHERE id = v.run_id AND current_execution_seq = v.execution_seq"
                 f" AND status NOT IN {_TERMINAL_SQL}) RETURNING d.run_id, d.execution_seq,"
-                " d.function_id, d.concurrency_key, v.session_id, s.node_id, v.digest),"
+                " d.function_id, d.concurrency_key, v.session_id, s.node_id, v.digest,"
+                " d.reserved_at, d.reservation_snapshot),"
                 " l AS (INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
                 " concurrency_key, session_id, node_id, lease_token_hash, expires_at,"
-                " activated_at, began_snapshot) SELECT q.run_id, q.execution_seq, q.function_id,"
-                " q.concurrency_key, q.session_id, q.node_id, q.digest, ironflow_now() + ?,"
-                f" ironflow_now(), {tx.snapshot_sql} FROM q RETURNING run_id)"
+                " activated_at, began_at, began_snapshot) SELECT q.run_id, q.execution_seq,"
+                " q.function_id, q.concurrency_key, q.session_id, q.node_id, q.digest,"
+                " ironflow_now() + ?, ironflow_now(), q.reserved_at, q.reservation_snapshot"
+                " FROM q RETURNING run_id)"
                 " UPDATE runs r SET status = 'running', started_at = coalesce(r.started_at,"
                 " ironflow_now()), deadline_at = coalesce(r.deadline_at, ironflow_now() + r.timeout_s),"
                 f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {_RUN_COLS},"
@@ -215,7 +215,7 @@ class FenceOps(WaitOps):
                 " AND current_execution_seq = dispatch_queue.execution_seq"
                 f" AND status NOT IN {_TERMINAL_SQL})"
                 " RETURNING run_id, execution_seq, function_id, concurrency_key,"
-                " reservation_owner, lease_token_hash",
+                " reservation_owner, lease_token_hash, reserved_at",
                 tuple(value for row in live for value in row),
             )
             if not taken:
@@ -223,14 +223,14 @@ class FenceOps(WaitOps):
             tx.execute(
                 "INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
                 " concurrency_key, session_id, node_id, lease_token_hash, expires_at,"
-                " activated_at) VALUES "
-                + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ironflow_now() + ?, ironflow_now())"] * len(taken)),
+                " activated_at, began_at) VALUES "
+                + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ironflow_now() + ?, ironflow_now(), ?)"] * len(taken)),
                 tuple(
                     value
-                    for run_id, seq, function_id, key, session_id, digest in taken
+                    for run_id, seq, function_id, key, session_id, digest, reserved_at in taken
                     for value in (
                         run_id, seq, function_id, key, session_id, nodes[session_id], digest,
-                        float(lease_expiry_s),
+                        float(lease_expiry_s), reserved_at,
                     )
                 ),
             )

@@ -264,8 +264,14 @@ _ADDED_COLUMNS = [
     # A parked wait's key (ironflow/store/waits.py: wait_key).
     ("steps", "wait_key", "TEXT"),
     # The inserting transaction's id (PostgreSQL), which a wait's look-back
-    # judges against the snapshot of its segment's activation.
+    # judges against the snapshot of its segment's reservation.
     ("events", "xid", "BIGINT"),
+    # When the segment began: its reservation, after which the worker may start
+    # the handler (it need not wait for its JobAck to commit). The look-back of
+    # a wait parked by the segment starts there (waits.py).
+    ("dispatch_queue", "reserved_at", "{REAL}"),
+    ("dispatch_queue", "reservation_snapshot", "TEXT"),
+    ("concurrency_leases", "began_at", "{REAL}"),
     ("concurrency_leases", "began_snapshot", "TEXT"),
 ]
 

@@ -35,17 +35,21 @@ Locks, in the order they are taken:
 3. The run row, by :meth:`SqlStoreBase._resume` (an UPDATE), after its step.
 
 The **look-back** of a park finds an event that arrived while the segment
-ran, before the wait existed. "While the segment ran" is judged by commit
-order, not clocks: the segment's lease records the snapshot of the statement
-that activated it (``concurrency_leases.began_snapshot``), every event its
-transaction id (``events.xid``), and the look-back takes the events of the
-name that snapshot did not see — exactly those committed after the segment
-began (or so close before that the worker could not have known), whatever
-their ``received_at``. An event whose transaction began before the segment
-and committed after it is therefore found; by ``received_at`` it was not.
-SQLite commits one transaction at a time in the order they run, so there the
-look-back is ``received_at >= activated_at``. It reads events a page at a time
-until one matches: no row limit can hide a matching event behind others.
+ran, before the wait existed. The segment began when it was *reserved*: the
+worker gets its assignment once the reservation commits and may start the
+handler before its JobAck commits, so an event sent after the handler's first
+step can commit before the activation. "After it began" is judged by commit
+order, not clocks: the reservation records its statement's snapshot
+(``dispatch_queue.reservation_snapshot``, carried to the lease as
+``began_snapshot``), every event its transaction id (``events.xid``), and the
+look-back takes the events of the name that snapshot did not see — exactly
+those committed after the reservation (or so close before that the worker
+could not have known), whatever their ``received_at``. An event whose
+transaction began before the segment and committed after it is therefore
+found; by ``received_at`` it was not. SQLite commits one transaction at a time
+in the order they run, so there the look-back is ``received_at >=`` the
+reservation's time (``began_at``). It reads events a page at a time until one
+matches: no row limit can hide a matching event behind others.
 
 The **timeout** is the waker's: ``loop2.py`` claims waits whose ``wake_at``
 passed (``waking``) and resolves them ``timed_out``; an ingest that locks the

@@ -490,3 +490,16 @@ async def test_an_ingest_waits_only_for_a_park_of_its_own_event_name(store, pg_u
         assert waited is blocks
     finally:
         holder.close()
+
+
+async def test_a_group_of_emits_whose_runs_exceed_one_statements_parameters_goes_through(store):
+    """300 events each starting 12 runs: 33,900 parameters in one INSERT would
+    pass the chunk bound; written in halves, every run is created once."""
+    functions = [FunctionDef(id=f"fan{i}", triggers=[Trigger("fan.out")]) for i in range(12)]
+    await session_of(store, functions)
+    results = await store.ingest_events(
+        [("fan.out", {"n": i}, None) for i in range(300)], idempotency_window_s=60
+    )
+    assert [len(r.run_ids) for r in results] == [12] * 300
+    assert len({run_id for r in results for run_id in r.run_ids}) == 3600
+    assert len(await store.list_queue()) == 3600

@@ -811,6 +811,36 @@ async def test_wait_for_event_resolved_by_matching_event(store):
     assert detail.queue.reason == "resume" and detail.steps[0].output["data"] == {"order": 7}
 
 
+async def test_a_wait_receives_an_event_committed_between_its_segments_reservation_and_ack(store):
+    """The worker may start the handler once it has the assignment, before its
+    JobAck commits: an event its first step caused, committed before the ack,
+    came while the segment ran, and the wait the segment parks receives it."""
+    s = await worker(store, fn("f", "order.created"), slots=1)
+    await emit(store)
+    (res,) = await reserve(store, s, limit=1)
+    await store.ingest_event("payment.done", {"order": 7}, None, idempotency_window_s=1)
+    f = fence_of(res)
+    await store.activate_lease(f, lease_expiry_s=LEASE)
+    now = await store.db_now()
+    info = WaitYield(event="payment.done", timeout_at=now + 100, match="data.order", match_value=7)
+    await store.yield_job(f, step_id="w", name="w", info=info)
+    detail = await store.get_run(f.run_id)
+    assert detail.steps[0].status == "completed" and detail.steps[0].output["data"] == {"order": 7}
+
+
+async def test_a_wait_does_not_receive_an_event_committed_before_its_segment_was_reserved(store):
+    s = await worker(store, fn("f", "order.created"), slots=1)
+    await emit(store)
+    await store.ingest_event("payment.done", {"order": 7}, None, idempotency_window_s=1)
+    (res,) = await reserve(store, s, limit=1)
+    f = fence_of(res)
+    await store.activate_lease(f, lease_expiry_s=LEASE)
+    now = await store.db_now()
+    info = WaitYield(event="payment.done", timeout_at=now + 100, match="data.order", match_value=7)
+    await store.yield_job(f, step_id="w", name="w", info=info)
+    assert (await store.get_run(f.run_id)).steps[0].status == "waiting"
+
+
 async def test_ingest_events_creates_each_events_runs_in_order_and_resolves_parked_waits(store):
     """Several events without keys at once (two statements on PostgreSQL, however
     many): each gets the runs of the functions its name triggers, in order; an
