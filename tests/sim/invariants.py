@@ -20,9 +20,10 @@ Checked against the database (read-only), the oracle's counter table
 8. nothing is left behind: no lease, queue row or parked step of an ended
    run, and no wake listener of a stopped waker on the store;
 9. an event acknowledged after the segment that parks a wait began (its
-   ingest committed after the segment's activation committed), and before
-   the wait's timeout (by the database clock), that matches it resolves it;
-   and a wait is resolved only by an event that matches it.
+   ingest committed after the segment's reservation committed: the worker
+   may start once it has the assignment), and before the wait's timeout (by
+   the database clock), that matches it resolves it; and a wait is resolved
+   only by an event that matches it.
 """
 
 from __future__ import annotations
@@ -232,11 +233,11 @@ def check_waits(sim: Simulation) -> None:
             (park.event, until),
         ):
             # "After the segment began": its ingest committed after the commit
-            # that activated the segment (by the clock where that is unknown).
+            # that reserved the segment (by the clock where that is unknown).
             ingest = o.ingests.get(event_id)
             after = (
-                ingest[1] > park.activated
-                if ingest is not None and park.activated is not None
+                ingest[1] > park.began
+                if ingest is not None and park.began is not None
                 else float(received_at) >= park.segment_began
             )
             if after and _matches(json.loads(data_text), park.match, park.match_value):
