@@ -95,9 +95,22 @@ def check(sim: Simulation) -> None:
                 (run_id, run_id, run_id),
             )
             stranded = held is not None and not any(held)
+            queued = o.one(
+                "SELECT q.execution_seq, r.current_execution_seq, q.eligible_at, q.reason,"
+                " q.reservation_owner, q.reservation_expires_at,"
+                " EXISTS (SELECT 1 FROM worker_sessions s WHERE s.id = q.reservation_owner)"
+                " FROM dispatch_queue q JOIN runs r ON r.id = q.run_id WHERE q.run_id = ?",
+                (run_id,),
+            )
+            now = sim.epoch_now()
+            detail = "" if queued is None else (
+                f"; queue row: seq {queued[0]} (run's {queued[1]}), eligible {float(queued[2]) - now:+.1f} s,"
+                f" reason {queued[3]}, reserved by {queued[4]} (session exists: {bool(queued[6])}),"
+                f" expiring {'-' if queued[5] is None else f'{float(queued[5]) - now:+.1f} s'}"
+            )
             bad(
                 f"{where} did not end: {status} after the node went quiet"
-                + (" (stranded: no queue row, no lease, no parked step)" if stranded else f" (queue, lease, parked: {held})")
+                + (" (stranded: no queue row, no lease, no parked step)" if stranded else f" (queue, lease, parked: {held}{detail})")
             )
             continue
         steps = {
