@@ -140,19 +140,21 @@ class StrandedAck(SimPostgresStore):
         started = {
             row[0]: row
             for row in tx.fetchall(
+                # The engine's statement (fence.py) without the session in the DELETE's view.
                 f"WITH v (run_id, execution_seq, session_id, digest) AS (VALUES {values}),"
                 " q AS (DELETE FROM dispatch_queue d USING v WHERE d.run_id = v.run_id"
                 " AND d.execution_seq = v.execution_seq AND d.reservation_owner = v.session_id"
                 " AND d.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
                 " WHERE id = v.run_id AND current_execution_seq = v.execution_seq"
                 f" AND status NOT IN {_TERMINAL_SQL}) RETURNING d.run_id, d.execution_seq,"
-                " d.function_id, d.concurrency_key, v.session_id, v.digest),"
+                " d.function_id, d.concurrency_key, v.session_id, v.digest,"
+                " d.reserved_at, d.reservation_snapshot),"
                 " l AS (INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
                 " concurrency_key, session_id, node_id, lease_token_hash, expires_at,"
-                " activated_at, began_snapshot) SELECT q.run_id, q.execution_seq, q.function_id,"
-                " q.concurrency_key, s.id, s.node_id, q.digest, ironflow_now() + ?,"
-                f" ironflow_now(), {tx.snapshot_sql} FROM q JOIN worker_sessions s ON s.id = q.session_id"
-                " RETURNING run_id)"
+                " activated_at, began_at, began_snapshot) SELECT q.run_id, q.execution_seq,"
+                " q.function_id, q.concurrency_key, s.id, s.node_id, q.digest,"
+                " ironflow_now() + ?, ironflow_now(), q.reserved_at, q.reservation_snapshot"
+                " FROM q JOIN worker_sessions s ON s.id = q.session_id RETURNING run_id)"
                 " UPDATE runs r SET status = 'running', started_at = coalesce(r.started_at,"
                 " ironflow_now()), deadline_at = coalesce(r.deadline_at, ironflow_now() + r.timeout_s),"
                 f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {_RUN_COLS},"

@@ -20,9 +20,10 @@ Checked against the database (read-only), the oracle's counter table
 8. nothing is left behind: no lease, queue row or parked step of an ended
    run, and no wake listener of a stopped waker on the store;
 9. an event acknowledged after the segment that parks a wait began (its
-   ingest committed after the segment's activation committed), and before
-   the wait's timeout (by the database clock), that matches it resolves it;
-   and a wait is resolved only by an event that matches it.
+   ingest committed after the segment's reservation committed: the worker
+   may start once it has the assignment), and before the wait's timeout (by
+   the database clock), that matches it resolves it; and a wait is resolved
+   only by an event that matches it.
 """
 
 from __future__ import annotations
@@ -94,9 +95,22 @@ def check(sim: Simulation) -> None:
                 (run_id, run_id, run_id),
             )
             stranded = held is not None and not any(held)
+            queued = o.one(
+                "SELECT q.execution_seq, r.current_execution_seq, q.eligible_at, q.reason,"
+                " q.reservation_owner, q.reservation_expires_at,"
+                " EXISTS (SELECT 1 FROM worker_sessions s WHERE s.id = q.reservation_owner)"
+                " FROM dispatch_queue q JOIN runs r ON r.id = q.run_id WHERE q.run_id = ?",
+                (run_id,),
+            )
+            now = sim.epoch_now()
+            detail = "" if queued is None else (
+                f"; queue row: seq {queued[0]} (run's {queued[1]}), eligible {float(queued[2]) - now:+.1f} s,"
+                f" reason {queued[3]}, reserved by {queued[4]} (session exists: {bool(queued[6])}),"
+                f" expiring {'-' if queued[5] is None else f'{float(queued[5]) - now:+.1f} s'}"
+            )
             bad(
                 f"{where} did not end: {status} after the node went quiet"
-                + (" (stranded: no queue row, no lease, no parked step)" if stranded else f" (queue, lease, parked: {held})")
+                + (" (stranded: no queue row, no lease, no parked step)" if stranded else f" (queue, lease, parked: {held}{detail})")
             )
             continue
         steps = {
@@ -232,11 +246,11 @@ def check_waits(sim: Simulation) -> None:
             (park.event, until),
         ):
             # "After the segment began": its ingest committed after the commit
-            # that activated the segment (by the clock where that is unknown).
+            # that reserved the segment (by the clock where that is unknown).
             ingest = o.ingests.get(event_id)
             after = (
-                ingest[1] > park.activated
-                if ingest is not None and park.activated is not None
+                ingest[1] > park.began
+                if ingest is not None and park.began is not None
                 else float(received_at) >= park.segment_began
             )
             if after and _matches(json.loads(data_text), park.match, park.match_value):

@@ -9,6 +9,15 @@ terms — is this fence live? which leases are due? which claims are stale? —
 then lets the real call run and compares. Nothing interleaves between the
 read and the call's transaction, so the judgement is exact.
 
+On PostgreSQL (two nodes, ``Oracle.concurrent``) another node's transaction
+may commit between any two statements. The fence is then read inside the
+call's own transaction, right before its work; a refusal is a violation only
+if the fence is still live after it (a fence never comes back to life); a
+recovery only if it took a lease that was not due; a session's grouped calls
+(acks, step results, job results) run in the store's grouped forms, each
+fence judged. "Stale: nothing written" is checked after every refused step
+write, on both backends.
+
 The oracle's **counter table** (per run): activations, nacks, retries,
 recoveries (with the consecutive count the ceiling applies to), yields,
 cancels, the first accepted output of every step. The final invariants
@@ -172,7 +181,9 @@ class Park:
     """A ``wait_for_event`` parked by one segment (what invariant 9 judges)."""
 
     segment_began: float  # its lease's activated_at, by the database clock
-    activated: int | None  # the number of the commit that activated it (OutcomesByTask)
+    # The number of the commit that reserved the segment (OutcomesByTask): a
+    # worker may start the handler once it has the assignment, before its ack.
+    began: int | None
     timeout_at: float
     event: str
     match: str | None
@@ -194,7 +205,7 @@ class Oracle:
         self.runs: dict[str, RunCounters] = {}
         self.parks: dict[tuple[str, int], Park] = {}  # (run_id, execution_seq) → its wait
         self.ingests: dict[str, tuple[int, int]] = {}  # event id → its transaction's numbers
-        self.activated: dict[tuple[str, int], int] = {}  # (run_id, execution_seq) → its activation's commit
+        self.reserved: dict[tuple[str, int], int] = {}  # (run_id, execution_seq) → its last reservation's commit
         self.violations: list[str] = []
         self.counts: Counter[str] = sim.counts
 
@@ -584,7 +595,6 @@ class ObservedStore:
         c = o.run(fence.run_id)
         if method == "activate_lease" and not state["live_lease"]:
             c.activations += 1
-            o.activated[(fence.run_id, fence.execution_seq)] = self._store.last_commit()  # type: ignore[attr-defined]
         elif method == "nack_job":
             c.nacks += 1
         elif method == "yield_job":
@@ -594,7 +604,7 @@ class ObservedStore:
             if isinstance(info, WaitYield) and step_before is not None:
                 # The segment began when its lease was activated (the look-back's `since`).
                 o.parks[(fence.run_id, fence.execution_seq)] = Park(
-                    float(step_before[0]), o.activated.get((fence.run_id, fence.execution_seq)), info.timeout_at, info.event, info.match, info.match_value,
+                    float(step_before[0]), o.reserved.get((fence.run_id, fence.execution_seq)), info.timeout_at, info.event, info.match, info.match_value,
                     self._store.last_begin(), self._store.last_commit(),  # type: ignore[attr-defined]
                 )
         elif method == "complete_job":
@@ -687,8 +697,10 @@ class ObservedStore:
         self._check()
         result = await self._store.reserve_segments(*args, **kwargs)
         at = self._store.last_begin()  # type: ignore[attr-defined]
+        committed = self._store.last_commit()  # type: ignore[attr-defined]
         for r in result:
             self._oracle.run(r.assignment.run_id).reserved_at[r.assignment.execution_seq] = at
+            self._oracle.reserved[(r.assignment.run_id, r.assignment.execution_seq)] = committed
             self._sim.trace(f"reserved {r.assignment.run_id}/{r.assignment.execution_seq} for {r.session_id}")
         self._after("reserve_segments", result)
         return result

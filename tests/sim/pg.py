@@ -77,19 +77,32 @@ _numbers = itertools.count(1)
 
 
 class ClockHold:
-    """Stops ``clock``'s autojump while store calls are in flight (Trio thread only)."""
+    """Stops ``clock``'s autojump while store calls are in flight (Trio thread only).
+
+    A *flowing* hold also lets virtual time pass at the rate of real time: for
+    a wait on a thread that sleeps on Trio's clock meanwhile (the kick
+    listener's start, which polls, and its stop, which its thread notices
+    within ``LISTEN_POLL_S``). Without it, virtual time would leap ahead of
+    every timer in the simulation while the thread works."""
 
     def __init__(self, clock: trio.testing.MockClock) -> None:
         self.clock = clock
         self._held = 0
+        self._flowing = 0
 
-    def hold(self) -> None:
+    def hold(self, *, flowing: bool = False) -> None:
         self._held += 1
+        self._flowing += flowing
         if self._held == 1:
             self.clock.autojump_threshold = math.inf
+        if flowing and self._flowing == 1:
+            self.clock.rate = 1.0
 
-    def release(self) -> None:
+    def release(self, *, flowing: bool = False) -> None:
         self._held -= 1
+        self._flowing -= flowing
+        if flowing and self._flowing == 0:
+            self.clock.rate = 0.0
         if self._held == 0:
             self.clock.autojump_threshold = 0
 
@@ -192,6 +205,47 @@ class SimPostgresStore(OutcomesByTask, PostgresStore):
             await super().open()
         finally:
             self.hold.release()
+
+    async def watch_kicks(
+        self, on_kick: Callable[[], None], *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """The store's, with the clock held (flowing) while its listener thread
+        starts and while it stops (see :class:`ClockHold`)."""
+        holds = 0
+
+        def hold() -> None:
+            nonlocal holds
+            holds += 1
+            self.hold.hold(flowing=True)
+
+        def release() -> None:
+            nonlocal holds
+            holds -= 1
+            self.hold.release(flowing=True)
+
+        class Started:
+            done = False
+
+            def started(self, value: None = None) -> None:
+                if not self.done:
+                    self.done = True
+                    release()
+                task_status.started(value)
+
+        async def hold_once_cancelled() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                hold()
+
+        hold()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(hold_once_cancelled)
+                await super().watch_kicks(on_kick, task_status=Started())  # type: ignore[arg-type]
+        finally:
+            while holds:
+                release()
 
     async def _transact(self, work: Callable[[Any], Any], *locks: Any) -> Any:
         self.hold.hold()

@@ -24,6 +24,14 @@ tasks is sorted by task creation order, then shuffled) and the module RNG
 A run's trace digest is therefore a function of its seed, which
 ``tests/sim/test_simulator.py`` checks across processes with different
 ``PYTHONHASHSEED`` values.
+
+The PostgreSQL mode (``run_seed(seed, pg=SimDatabases(server))``,
+:mod:`tests.sim.pg`) runs two node slots, each with its own
+``PostgresStore``, on one fresh database: the same schedule, workers, faults
+and oracle, but real database threads whose transactions interleave, so it
+does not replay exactly (the seed still drives every fault and pause).
+Emits, cancels, worker connections and node faults go to a node picked by a
+seeded RNG.
 """
 
 from __future__ import annotations
