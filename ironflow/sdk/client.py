@@ -16,9 +16,9 @@ import time
 from types import TracebackType
 from typing import Any, TypeVar
 
+import anyio
 import httpx
 import msgspec
-import anyio
 
 from ironflow.config import DEFAULT_SERVER_URL
 from ironflow.protocol import (
