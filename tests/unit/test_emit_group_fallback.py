@@ -31,6 +31,9 @@ class FailingStore:
         self.one_by_one.append(events[0][0])
         return [IngestResult(f"evt_{events[0][0]}", [], False)]
 
+    async def ingest_event(self, name: str, data: Any, key: Any, *, idempotency_window_s: float) -> IngestResult:
+        return (await self.ingest_events([(name, data, key)], idempotency_window_s=idempotency_window_s))[0]
+
 
 def api_state(store: FailingStore) -> ApiState:
     deps: Any = SimpleNamespace(store=store, config=SimpleNamespace(idempotency_window_s=60.0))
