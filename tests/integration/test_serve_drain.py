@@ -112,7 +112,13 @@ async def outlive_the_node_deadline(node: ServedNode, old: Proc, effects: Path) 
     """SIGTERM a node whose two jobs (streaming, pull) run past its 1 s drain.
 
     The node exits 0 at its deadline, having recovered both runs at once
-    (waiting, recovery_count 1, attempt 1), not at lease expiry.
+    (waiting, recovery_count 1, attempt 1), not at lease expiry. The worker's
+    deadline (the node's Shutdown) falls at the same instant, and the seed
+    lets either side act on it: the node's drain recovery
+    (``node.drain.recovered`` beside the recovery's ``capacity.*`` events) or
+    the worker cancelling and closing its stream first, which the node
+    recovers as a lost socket (``capacity.*`` alone). Which one wins is timing; that the run
+    is recovered once, at once, is not.
     """
     runs = await emit_runs(node.url, 2)
     for run_id in runs:
@@ -126,7 +132,7 @@ async def outlive_the_node_deadline(node: ServedNode, old: Proc, effects: Path) 
         run = stored[run_id]
         assert run.status == "waiting" and run.recovery_count == 1 and run.attempt == 1, run
         types = [a.type for a in await stored_audit(node.db, run_id)]
-        assert "node.drain.recovered" in types
+        assert types.count("capacity.segment.recovered") == 1, types  # either path writes it
     # The old worker outlives its node; a deploy stops it too.
     old.signal(signal.SIGTERM)
     assert await old.wait_exit(timeout=10) == 0, old.tail()
