@@ -41,7 +41,7 @@ from ironflow.protocol import (
     job_id_for,
     lookup_path,
 )
-from ironflow.store.base import CancelOutcome, RecoveredSegment, Store
+from ironflow.store.base import CancelOutcome, Fence, RecoveredSegment, Store
 
 T = TypeVar("T")
 
@@ -305,6 +305,28 @@ class SqlStoreBase(Store):
         self._run_end_listeners: list[Callable[[list[str]], None]] = []
         # Called (in Trio, after commit) with the wake time of a step just parked.
         self._wake_listeners: list[Callable[[float], None]] = []
+
+    def _fence_alive(self, tx: Tx, fence: Fence) -> bool:
+        """Whether ``fence`` is the live lease (:data:`_FENCE_SQL`)."""
+        return (
+            tx.fetchone(
+                f"SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL}",
+                self._fence_params(fence),
+            )
+            is not None
+        )
+
+    @staticmethod
+    def _fence_params(fence: Fence) -> tuple[Any, ...]:
+        """The parameters of :data:`_FENCE_SQL` for ``fence``, in its order."""
+        return (
+            fence.run_id,
+            fence.execution_seq,
+            fence.session_id,
+            token_hash(fence.lease_token),
+            fence.run_id,
+            fence.execution_seq,
+        )
 
     @abc.abstractmethod
     async def _transact(self, work: Callable[[Tx], T], locks: Sequence[NamedLock] = ()) -> T:

@@ -19,6 +19,7 @@ from ironflow.protocol import (
 from ironflow.store.base import (
     Reservation,
 )
+from ironflow.store.capacity_scan import CapacityLoop
 from ironflow.store.core import (
     RESERVE_OVERSCAN,
     Tx,
@@ -27,7 +28,6 @@ from ironflow.store.core import (
     _marks,
     token_hash,
 )
-from ironflow.store.loop1 import CapacityLoop
 
 
 class DispatchOps(CapacityLoop):

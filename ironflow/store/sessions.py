@@ -18,6 +18,7 @@ from ironflow.store.base import (
     RecoveredSegment,
     SessionInfo,
 )
+from ironflow.store.capacity_scan import CapacityLoop
 from ironflow.store.core import (
     Tx,
     _dec,
@@ -26,7 +27,6 @@ from ironflow.store.core import (
     _marks,
     token_hash,
 )
-from ironflow.store.loop1 import CapacityLoop
 
 
 class SessionOps(CapacityLoop):

@@ -2,10 +2,12 @@
 from one module per concern so each seed mechanism reads on its own:
 
 - ``core``: the transaction surface (``Tx``), shared helpers and machinery;
-- ``fence``: the fence and a segment's life (ack, steps, complete/fail/yield,
+- ``fence``: the fence and a segment's life (ack, complete/fail/yield,
   nack, heartbeat);
-- ``loop1``: the capacity scanner's expiries and recovery;
-- ``loop2``: the waker's claims and the stale-claim sweeper;
+- ``steps``: a segment's step results, under its fence;
+- ``waits``: ``wait_for_event`` parked, looked back, resolved, and its lock order;
+- ``capacity_scan``: loop 1, the capacity scanner's expiries and recovery;
+- ``wake_claims``: the waker's claims and loop 2, the stale-claim sweeper;
 - ``dispatch``: reservations and assignments;
 - ``ingest``: events, runs, invocations, cancellation;
 - ``sessions``: worker registration, functions, pull-session ownership;
@@ -17,6 +19,7 @@ from one module per concern so each seed mechanism reads on its own:
 
 from __future__ import annotations
 
+from ironflow.store.capacity_scan import CapacityLoop
 from ironflow.store.dispatch import DispatchOps
 from ironflow.store.event_reads import EventReadOps
 from ironflow.store.fence import FenceOps
@@ -24,13 +27,12 @@ from ironflow.store.gauges import GaugeOps
 from ironflow.store.history import RetentionOps
 from ironflow.store.ingest import IngestOps
 from ironflow.store.keys import KeyOps
-from ironflow.store.loop1 import CapacityLoop
-from ironflow.store.loop2 import WakeLoop
 from ironflow.store.outage import OutageOps
 from ironflow.store.reads import ReadOps
 from ironflow.store.sessions import SessionOps
 from ironflow.store.stats import StatsOps
 from ironflow.store.traces import TraceOps
+from ironflow.store.wake_claims import WakeLoop
 
 
 class SqlStore(

@@ -30,7 +30,7 @@ Locks, in the order they are taken:
    meanwhile is left alone). Never ``SKIP LOCKED`` here: a wait row locked by a
    concurrent timeout or cancel must be waited for, not skipped, or the
    matching event passes it by (race 2). ``SKIP LOCKED`` stays where any free
-   row will do: the waker's claim of elapsed waits (``loop2.py``), whose
+   row will do: the waker's claim of elapsed waits (``wake_claims.py``), whose
    skipped rows are claimed on its next pass.
 3. The run row, by :meth:`SqlStoreBase._resume` (an UPDATE), after its step.
 
@@ -51,7 +51,7 @@ in the order they run, so there the look-back is ``received_at >=`` the
 reservation's time (``began_at``). It reads events a page at a time until one
 matches: no row limit can hide a matching event behind others.
 
-The **timeout** is the waker's: ``loop2.py`` claims waits whose ``wake_at``
+The **timeout** is the waker's: ``wake_claims.py`` claims waits whose ``wake_at``
 passed (``waking``) and resolves them ``timed_out``; an ingest that locks the
 row after such a claim sees its status changed and leaves it. A wait is
 therefore resolved exactly once: by one event, or by its timeout, or failed

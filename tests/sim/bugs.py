@@ -35,8 +35,8 @@ from ironflow.store.core import (
     _run_record,
     token_hash,
 )
-from ironflow.store.fence import _STEP_AUDITED_FUNCTION, _STEP_RESULT_UPSERT
 from ironflow.store.sqlite import SqliteStore
+from ironflow.store.steps import _STEP_AUDITED_FUNCTION, _STEP_RESULT_UPSERT
 from ironflow.store.waits import park_locks
 from tests.sim.pg import SimPostgresStore
 
