@@ -281,10 +281,12 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def give_back_blind_time(self, node_id: str, blind_s: float) -> int:
-        """Push out by ``blind_s`` the expiry of the leases, reservations and
-        worker sessions of ``node_id`` that were live ``blind_s`` ago (the node
-        could not reach the database that long: nobody could heartbeat them).
-        Audited; returns how many leases it extended."""
+        """Push out the expiry of every node's leases, reservations and worker
+        sessions that were live ``blind_s`` ago, by the part of those
+        ``blind_s`` seconds no give-back covered yet (``node_id`` could not
+        reach the database that long: nobody could heartbeat them, and no other
+        node's scanner may expire them for it). Audited; returns how many
+        leases it extended."""
 
     # nodes ----------------------------------------------------------------
 

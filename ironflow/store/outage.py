@@ -9,9 +9,18 @@ them. Without this, a lease whose worker heartbeated faithfully through a
 10 s outage would be fenced and its segment recovered by the first scan after
 it, for nothing but the outage. The node measures how long it could not reach
 the database (since its last call that did, so the whole blind time and not
-just the part after the first error) and pushes out the expiry of what its own
-sessions hold by that much — only what was still live when it went blind: a
-lease that had already expired stays expired.
+just the part after the first error) and pushes out the expiry of every
+lease, reservation and worker session by that much — only what was still
+live when it went blind: a lease that had already expired stays expired.
+
+Every node's, not only its own: in an outage of the database every node is
+blind, and the first back must not let its scanner expire the leases of a
+node still reconnecting (that node's give-back would come too late). The
+interval given back is recorded (``blind_time.given_until``, its row locked):
+a second node back from the same outage extends only the part of its own
+blind interval after it, so one outage is given back once. A node blind
+alone (partitioned) extends everyone's by its blind time too: harmless, the
+leases of workers that died meanwhile expire that much later.
 """
 
 from __future__ import annotations
@@ -53,27 +62,41 @@ class OutageOps(SqlStoreBase):
 
     async def give_back_blind_time(self, node_id: str, blind_s: float) -> int:
         def work(tx: Tx) -> int:
-            # Only what was live when the node went blind (expires_at after
-            # now - blind_s): an expiry already passed before stays passed.
+            # One give-back at a time, and what the last one covered.
+            given = tx.fetchone(f"SELECT given_until FROM blind_time WHERE id = 1 {tx.lock_wait()}")
+            row = tx.fetchone("SELECT ironflow_now()")
+            assert row is not None
+            now = float(row[0])
+            start = now - blind_s
+            if given is not None:
+                start = max(start, float(given[0]))
+            extend = now - start
+            tx.execute(
+                "INSERT INTO blind_time (id, given_until) VALUES (1, ?)"
+                " ON CONFLICT (id) DO UPDATE SET given_until = excluded.given_until",
+                (now,),
+            )
+            if extend <= 0:
+                return 0
+            # Only what was live when the blind interval began (expires_at
+            # after it): an expiry already passed before stays passed.
             leases = tx.execute(
-                "UPDATE concurrency_leases SET expires_at = expires_at + ?"
-                " WHERE node_id = ? AND expires_at > ironflow_now() - ?",
-                (blind_s, node_id, blind_s),
+                "UPDATE concurrency_leases SET expires_at = expires_at + ? WHERE expires_at > ?",
+                (extend, start),
             )
             tx.execute(
                 "UPDATE dispatch_queue SET reservation_expires_at = reservation_expires_at + ?"
-                " WHERE reservation_owner IN (SELECT id FROM worker_sessions WHERE node_id = ?)"
-                " AND reservation_expires_at > ironflow_now() - ?",
-                (blind_s, node_id, blind_s),
+                " WHERE reservation_owner IS NOT NULL AND reservation_expires_at > ?",
+                (extend, start),
             )
             tx.execute(
-                "UPDATE worker_sessions SET expires_at = expires_at + ?"
-                " WHERE node_id = ? AND expires_at > ironflow_now() - ?",
-                (blind_s, node_id, blind_s),
+                "UPDATE worker_sessions SET expires_at = expires_at + ? WHERE expires_at > ?",
+                (extend, start),
             )
             self._audit(
                 tx, "store.outage.blind_time_given_back", None, None,
-                {"node_id": node_id, "blind_s": round(blind_s, 3), "leases": leases},
+                {"node_id": node_id, "blind_s": round(blind_s, 3), "given_s": round(extend, 3),
+                 "leases": leases},
             )
             return leases
 

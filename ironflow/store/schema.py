@@ -202,6 +202,14 @@ CREATE TABLE IF NOT EXISTS store_probe (
     pad  TEXT NOT NULL
 );
 
+-- How far every node's blind time has been given back (ironflow/store/outage.py):
+-- one row. A node back from an outage extends only the part of its blind
+-- interval after it, so two nodes blind through one outage extend it once.
+CREATE TABLE IF NOT EXISTS blind_time (
+    id           INTEGER PRIMARY KEY CHECK (id = 1),
+    given_until  {REAL} NOT NULL
+);
+
 CREATE TABLE IF NOT EXISTS api_keys (
     id          TEXT PRIMARY KEY,
     kind        TEXT NOT NULL,

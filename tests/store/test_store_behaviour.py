@@ -1345,3 +1345,27 @@ async def test_record_steps_writes_several_results_in_order_or_none_when_stale(s
     with pytest.raises(StaleExecution):
         await store.record_steps(f, [StepResult("s8", "eight", "completed"), StepResult("s9", "nine", "completed")])
     assert [s.step_id for s in (await store.get_run(f.run_id)).steps] == ["s1", "s2", "s3", "s6", "s7"]
+
+
+async def test_a_give_back_after_an_outage_extends_every_nodes_leases_once(store):
+    """Two nodes blind through one outage: the first back extends the second's
+    leases too (its scanner must not expire them while the second reconnects),
+    and the second, back just after, extends only what was not given back."""
+    s1 = await worker(store, fn("f", "order.created"), slots=1, node="n1")
+    s2 = await worker(store, fn("f", "order.created"), slots=1, node="n2")
+    f1 = await running(store, s1)
+    f2 = await running(store, s2)
+
+    async def expiry(run_id: str) -> float:
+        return next(lease.expires_at for lease in await store.list_leases() if lease.run_id == run_id)
+
+    before = {r: await expiry(r) for r in (f1.run_id, f2.run_id)}
+    extended = await store.give_back_blind_time("n1", 10.0)
+    assert extended == 2  # node n2's lease too
+    first = {r: await expiry(r) for r in before}
+    assert all(first[r] - before[r] == pytest.approx(10.0, abs=0.5) for r in before)
+    await store.give_back_blind_time("n2", 10.0)  # the same outage, seen from n2
+    second = {r: await expiry(r) for r in before}
+    assert all(second[r] - first[r] < 0.5 for r in before)  # not given twice
+    audit = [a for a in await store.list_audit(type="store.outage.blind_time_given_back")]
+    assert [a.data["node_id"] for a in audit].count("n1") == 1
