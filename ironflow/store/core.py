@@ -98,6 +98,20 @@ _FENCE_SQL = (
 # A shared holder waits only for an exclusive one (see :func:`lock_id`).
 NamedLock = tuple[str, bool]
 
+
+
+def fence_join(lease: str, fence: str) -> str:
+    """:data:`_FENCE_SQL` for many fences at once: lease rows ``lease`` (an alias
+    of ``concurrency_leases``) matching the rows of ``fence`` (a VALUES alias
+    with run_id, execution_seq, session_id, digest) whose run is still at that seq."""
+    return (
+        f"{lease}.run_id = {fence}.run_id AND {lease}.execution_seq = {fence}.execution_seq"
+        f" AND {lease}.session_id = {fence}.session_id AND {lease}.lease_token_hash = {fence}.digest"
+        f" AND EXISTS (SELECT 1 FROM runs WHERE id = {fence}.run_id"
+        f" AND current_execution_seq = {fence}.execution_seq)"
+    )
+
+
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
 _error_decode = msgspec.json.Decoder(ErrorInfo).decode

@@ -47,6 +47,7 @@ from ironflow.store.core import (
     Tx,
     _enc,
     _run_record,
+    fence_join,
     token_hash,
 )
 from ironflow.store.steps import StepResultOps
@@ -320,10 +321,7 @@ class FenceOps(StepResultOps, WaitOps):
         ended = tx.fetchall(
             "WITH v (run_id, execution_seq, session_id, digest, output) AS (VALUES "
             + ", ".join(["(?, ?, ?, ?, ?)"] * len(rows))
-            + "), l AS (DELETE FROM concurrency_leases c USING v WHERE c.run_id = v.run_id"
-            " AND c.execution_seq = v.execution_seq AND c.session_id = v.session_id"
-            " AND c.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
-            " WHERE id = v.run_id AND current_execution_seq = v.execution_seq)"
+            + f"), l AS (DELETE FROM concurrency_leases c USING v WHERE {fence_join('c', 'v')}"
             " RETURNING c.run_id, c.execution_seq, c.session_id, v.output),"
             " k AS (UPDATE worker_credits w SET claimed_run_id = NULL,"
             " claimed_execution_seq = NULL, held = 0 FROM l WHERE w.session_id = l.session_id"

@@ -17,7 +17,7 @@ import outcome
 
 from ironflow.protocol import ErrorInfo
 from ironflow.store.base import Fence, StaleExecution, StepResult
-from ironflow.store.core import MAX_STATEMENT_PARAMS, SqlStoreBase, Tx, _enc, token_hash
+from ironflow.store.core import MAX_STATEMENT_PARAMS, SqlStoreBase, Tx, _enc, fence_join, token_hash
 
 # A step's run's function id when that function records ordinary audit
 # events, else NULL: read in the statement that writes the step.
@@ -177,11 +177,7 @@ class StepResultOps(SqlStoreBase):
                 "WITH f (run_id, execution_seq, session_id, digest) AS (VALUES "
                 + ", ".join(["(?, ?, ?, ?)"] * len(heads))
                 + "), live AS (SELECT c.run_id, c.execution_seq FROM concurrency_leases c, f"
-                " WHERE c.run_id = f.run_id AND c.execution_seq = f.execution_seq"
-                " AND c.session_id = f.session_id AND c.lease_token_hash = f.digest"
-                " AND EXISTS (SELECT 1 FROM runs WHERE id = f.run_id"
-                " AND current_execution_seq = f.execution_seq)"
-                f" ORDER BY c.run_id {tx.key_share_lock('c')}),"
+                f" WHERE {fence_join('c', 'f')} ORDER BY c.run_id {tx.key_share_lock('c')}),"
                 " v (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
                 + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
                 + "), i AS (INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
