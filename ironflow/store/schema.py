@@ -209,6 +209,9 @@ CREATE TABLE IF NOT EXISTS blind_time (
     id           INTEGER PRIMARY KEY CHECK (id = 1),
     given_until  {REAL} NOT NULL
 );
+-- The row exists before any give-back, so its FOR UPDATE always has a row to
+-- lock: two nodes back from one outage take turns.
+INSERT INTO blind_time (id, given_until) VALUES (1, 0) ON CONFLICT (id) DO NOTHING;
 
 CREATE TABLE IF NOT EXISTS api_keys (
     id          TEXT PRIMARY KEY,

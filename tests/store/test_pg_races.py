@@ -503,3 +503,32 @@ async def test_a_group_of_emits_whose_runs_exceed_one_statements_parameters_goes
     assert [len(r.run_ids) for r in results] == [12] * 300
     assert len({run_id for r in results for run_id in r.run_ids}) == 3600
     assert len(await store.list_queue()) == 3600
+
+
+async def test_two_nodes_giving_back_one_outages_blind_time_take_turns(store, pg_url):
+    """Another node is giving back the same outage (its transaction holds the
+    blind_time row, has recorded how far it gave back, and has not committed):
+    this node's give-back waits for it and then extends nothing twice."""
+    [fence] = await running(store, 1)
+    before = next(lease.expires_at for lease in await store.list_leases() if lease.run_id == fence.run_id)
+    other = psycopg.connect(pg_url)
+    try:
+        other.execute("SELECT given_until FROM blind_time WHERE id = 1 FOR UPDATE")
+        other.execute("UPDATE blind_time SET given_until = ironflow_now() WHERE id = 1")
+        other.execute("UPDATE concurrency_leases SET expires_at = expires_at + 10")
+        done: list[int] = []
+
+        async def give_back() -> None:
+            done.append(await store.give_back_blind_time("n-late", 10.0))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(give_back)
+            settled = await trio.to_thread.run_sync(
+                lambda: wait_until(lambda: bool(done) or lock_waiters(pg_url) > 0)
+            )
+            assert settled and not done, "the give-back did not wait for the other node's"
+            other.commit()
+    finally:
+        other.close()
+    after = next(lease.expires_at for lease in await store.list_leases() if lease.run_id == fence.run_id)
+    assert after - before == pytest.approx(10.0, abs=0.5)  # the other node's 10 s, not 20
