@@ -111,6 +111,10 @@ CREATE INDEX IF NOT EXISTS steps_wake ON steps (wake_at)
 -- The earliest sleep alone: the waker claims sleeps ahead of their wake time
 -- (waits only at it), so it needs each kind's earliest without a scan.
 CREATE INDEX IF NOT EXISTS steps_sleep_wake ON steps (wake_at) WHERE status = 'sleeping';
+-- ... and the earliest wait or invoke timeout, which steps_wake reached only
+-- after passing every sleeping row ahead of it (20k sleeps: 13 ms a call).
+CREATE INDEX IF NOT EXISTS steps_wait_wake ON steps (wake_at)
+    WHERE status = 'waiting' AND wake_at IS NOT NULL;
 CREATE INDEX IF NOT EXISTS steps_waking ON steps (claimed_at) WHERE status = 'waking';
 -- Every match path waited on for an event name (ironflow/store/waits.py): an
 -- ingest computes the wait keys its event satisfies from these few rows.

@@ -188,14 +188,14 @@ class WakeLoop(SqlStoreBase):
 
     async def seconds_until_next_wake(self, lookahead_s: float = 0.0) -> float | None:
         def work(tx: Tx) -> float | None:
-            # Each kind's earliest from an index: a sleep is claimable
-            # ``lookahead_s`` early (steps_sleep_wake), a wait or invoke at its
-            # timeout (steps_wake, whose predicate is spelled out so SQLite
-            # uses it: the scan stops at the first waiting row).
+            # Each kind's earliest from its own index, one entry read: a sleep
+            # is claimable ``lookahead_s`` early (steps_sleep_wake), a wait or
+            # invoke at its timeout (steps_wait_wake, whose predicate is
+            # spelled out so SQLite uses it).
             row = tx.fetchone(
                 "SELECT (SELECT min(wake_at) FROM steps WHERE status = 'sleeping') - ?,"
-                " (SELECT min(wake_at) FROM steps WHERE status IN ('sleeping', 'waiting')"
-                " AND wake_at IS NOT NULL AND status = 'waiting'), ironflow_now()",
+                " (SELECT min(wake_at) FROM steps WHERE status = 'waiting'"
+                " AND wake_at IS NOT NULL), ironflow_now()",
                 (float(max(lookahead_s, 0.0)),),
             )
             assert row is not None
