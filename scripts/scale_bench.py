@@ -81,17 +81,25 @@ def serve(url: str) -> None:
     serve_worker_until_stopped(worker)
 
 
-def _cpu_s(pid: int) -> float:
-    """CPU seconds of every live thread of ``pid``, in nanoseconds' resolution
-    (schedstat; /proc/PID/stat counts 10 ms ticks, too coarse for idle CPU)."""
-    total = 0
+def _threads_ns(pid: int) -> dict[str, int]:
+    """CPU nanoseconds of each live thread of ``pid`` (schedstat: /proc/PID/stat
+    counts 10 ms ticks, too coarse for an idle node's few ms a second)."""
+    out: dict[str, int] = {}
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{task}/schedstat") as fh:
-                total += int(fh.read().split()[0])
+                out[task] = int(fh.read().split()[0])
         except FileNotFoundError:  # a thread that just ended
             pass
-    return total / 1e9
+    return out
+
+
+def _cpu_since(pid: int, before: dict[str, int]) -> float:
+    """CPU seconds of ``pid`` since the :func:`_threads_ns` snapshot ``before``:
+    each thread's growth (a new thread counts whole; a thread that ended in
+    between loses its last moments, which an idle store thread spends idle)."""
+    after = _threads_ns(pid)
+    return sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9
 
 
 def _counts(http: httpx.Client, function_id: str) -> dict[str, int]:
@@ -155,14 +163,14 @@ def _measure_state(state: str, args: argparse.Namespace, db: str | None) -> list
             time.sleep(2.0)  # let the build's tail (acks, janitor) settle
             done = 0
             for round_no in range(args.repeat):
-                c0 = _cpu_s(node.pid)
+                c0 = _threads_ns(node.pid)
                 time.sleep(args.idle_seconds)
-                idle = (_cpu_s(node.pid) - c0) * 1000 / args.idle_seconds
-                c0 = _cpu_s(node.pid)
+                idle = _cpu_since(node.pid, c0) * 1000 / args.idle_seconds
+                c0 = _threads_ns(node.pid)
                 trio.run(_offer, url, round_no * PROBE_RUNS)
                 done += PROBE_RUNS
                 _wait_for(http, "probe", "completed", done, 300)
-                per_run = (_cpu_s(node.pid) - c0) * 1000 / PROBE_RUNS
+                per_run = _cpu_since(node.pid, c0) * 1000 / PROBE_RUNS
                 rows.append({"idle_ms_per_s": idle, "cpu_ms_per_run": per_run})
                 print(f"  {state:>9} round {round_no + 1}: idle {idle:6.2f} CPU-ms/s,"
                       f" probe {per_run:5.2f} CPU-ms per run", flush=True)
