@@ -102,20 +102,44 @@ def _cpu_since(pid: int, before: dict[str, int]) -> float:
     return sum(ns - before.get(tid, 0) for tid, ns in after.items()) / 1e9
 
 
-def _counts(http: httpx.Client, function_id: str) -> dict[str, int]:
-    stats = http.get("/v1/stats/runs", params={"window_s": DAY_S, "bucket_s": 3600}).json()
-    return {f["status"]: f["count"] for f in stats["functions"] if f["function_id"] == function_id}
+class Counter:
+    """Counts runs by function and status straight from the database, so that
+    the node under measurement spends nothing on the script's polling (its
+    stats route reads every run of its window: 100k finished runs made it the
+    biggest cost of the state it measures)."""
+
+    def __init__(self, db: str):
+        self.db = db
+        self._conn: Any = None
+
+    def count(self, function_id: str, status: str) -> int:
+        sql = "SELECT count(*) FROM runs WHERE function_id = %s AND status = %s"
+        if self._conn is None:
+            if self.db.startswith("postgresql"):
+                import psycopg
+
+                self._conn = psycopg.connect(self.db, autocommit=True)
+            else:
+                import sqlite3
+
+                self._conn = sqlite3.connect(f"file:{self.db}?mode=ro", uri=True, isolation_level=None)
+        if not self.db.startswith("postgresql"):
+            sql = sql.replace("%s", "?")
+        return int(self._conn.execute(sql, (function_id, status)).fetchone()[0])
+
+    def wait_for(self, function_id: str, status: str, n: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while (have := self.count(function_id, status)) < n:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{function_id}: {have} {status} after {timeout_s:g} s, want {n}")
+            time.sleep(0.25)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
 
 
-def _wait_for(http: httpx.Client, function_id: str, status: str, n: int, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while _counts(http, function_id).get(status, 0) < n:
-        if time.monotonic() > deadline:
-            raise SystemExit(f"{function_id}: {_counts(http, function_id)} after {timeout_s:g} s, want {n} {status}")
-        time.sleep(0.25)
-
-
-def _fill(http: httpx.Client, name: str, n: int, function_id: str, status: str) -> None:
+def _fill(http: httpx.Client, counter: Counter, name: str, n: int, function_id: str, status: str) -> None:
     """``n`` ``name`` events in batches (keys 0..n-1); wait until ``n`` runs of
     ``function_id`` are ``status``."""
     t0 = time.monotonic()
@@ -123,8 +147,8 @@ def _fill(http: httpx.Client, name: str, n: int, function_id: str, status: str) 
         events = [{"name": name, "data": {"k": i}} for i in range(first, min(n, first + BATCH))]
         http.post("/v1/events/batch", json={"events": events}).raise_for_status()
         # Keep the queue short so the worker never holds the node's writer for long.
-        _wait_for(http, function_id, status, min(n, first + BATCH) - BATCH // 2, 600)
-    _wait_for(http, function_id, status, n, 1800)
+        counter.wait_for(function_id, status, min(n, first + BATCH) - BATCH // 2, 600)
+    counter.wait_for(function_id, status, n, 1800)
     print(f"    built {n:,} {function_id} runs {status} in {time.monotonic() - t0:.0f} s", flush=True)
 
 
@@ -147,7 +171,9 @@ async def _offer(url: str, first_key: int) -> None:
 def _measure_state(state: str, args: argparse.Namespace, db: str | None) -> list[dict[str, float]]:
     tmp = mkdtemp("ifscale.")
     port = free_port()
-    node = spawn_dev_node(db or f"{tmp}/ironflow.db", tmp, port)
+    db = db or f"{tmp}/ironflow.db"
+    node = spawn_dev_node(db, tmp, port)
+    counter = Counter(db)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, node)
     worker = start_script_worker(__file__, url)
@@ -155,11 +181,11 @@ def _measure_state(state: str, args: argparse.Namespace, db: str | None) -> list
     try:
         with httpx.Client(base_url=url, timeout=120) as http:
             if state == "waits":
-                _fill(http, "park.go", args.waits, "parker", "waiting")
+                _fill(http, counter, "park.go", args.waits, "parker", "waiting")
             elif state == "sleeping":
-                _fill(http, "sleep.go", args.sleeping, "sleeper", "waiting")
+                _fill(http, counter, "sleep.go", args.sleeping, "sleeper", "waiting")
             elif state == "finished":
-                _fill(http, "quick.go", args.finished, "quick", "completed")
+                _fill(http, counter, "quick.go", args.finished, "quick", "completed")
             time.sleep(2.0)  # let the build's tail (acks, janitor) settle
             done = 0
             for round_no in range(args.repeat):
@@ -169,14 +195,15 @@ def _measure_state(state: str, args: argparse.Namespace, db: str | None) -> list
                 c0 = _threads_ns(node.pid)
                 trio.run(_offer, url, round_no * PROBE_RUNS)
                 done += PROBE_RUNS
-                _wait_for(http, "probe", "completed", done, 300)
+                counter.wait_for("probe", "completed", done, 300)
                 per_run = _cpu_since(node.pid, c0) * 1000 / PROBE_RUNS
                 rows.append({"idle_ms_per_s": idle, "cpu_ms_per_run": per_run})
                 print(f"  {state:>9} round {round_no + 1}: idle {idle:6.2f} CPU-ms/s,"
                       f" probe {per_run:5.2f} CPU-ms per run", flush=True)
-            if state == "waits" and _counts(http, "parker").get("waiting", 0) != args.waits:
-                raise SystemExit(f"a probe emit resolved a wait: {_counts(http, 'parker')}")
+            if state == "waits" and (parked := counter.count("parker", "waiting")) != args.waits:
+                raise SystemExit(f"a probe emit resolved a wait: {parked} of {args.waits} still waiting")
     finally:
+        counter.close()
         stop(worker)
         stop(node)
     return rows
