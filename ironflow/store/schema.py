@@ -224,7 +224,7 @@ CREATE TABLE IF NOT EXISTS api_keys (
 -- ── cron triggers (ironflow/store/cron.py, docs/schedules.md) ──
 -- One row per cron trigger of a function. next_at is the one "last tick
 -- considered" every node agrees on: the earliest tick not yet fired or
--- skipped; a tick is due when next_at <= ironflow_now().
+-- skipped. A tick is due when next_at <= ironflow_now().
 CREATE TABLE IF NOT EXISTS cron_schedules (
     function_id       TEXT NOT NULL,
     cron              TEXT NOT NULL,
@@ -240,8 +240,8 @@ CREATE INDEX IF NOT EXISTS cron_schedules_next ON cron_schedules (next_at);
 CREATE TABLE IF NOT EXISTS cron_ticks (
     function_id   TEXT NOT NULL,
     scheduled_at  {REAL} NOT NULL,
+    -- The tick's ironflow.cron event: its run is the run of that event.
     event_id      TEXT NOT NULL,
-    run_id        TEXT NOT NULL,
     node_id       TEXT NOT NULL,
     claimed_at    {REAL} NOT NULL,
     PRIMARY KEY (function_id, scheduled_at)
