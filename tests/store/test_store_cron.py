@@ -4,6 +4,8 @@ once per backend; the PostgreSQL interleavings with a second connection."""
 from __future__ import annotations
 
 import threading
+from datetime import datetime
+from zoneinfo import ZoneInfo
 
 import psycopg
 import pytest
@@ -256,3 +258,40 @@ async def test_pg_a_schedule_another_node_is_firing_is_skipped_not_waited_for(
         other.rollback()
     [fired] = await fire(pg_store)
     assert fired.scheduled_at == tick
+
+
+# ── a DST day, in database time (Europe/Paris, 2027) ────────────────────────
+
+PARIS = ZoneInfo("Europe/Paris")
+
+
+def paris(*args: int, fold: int = 0) -> float:
+    return datetime(*args, tzinfo=PARIS, fold=fold).timestamp()  # type: ignore[misc]
+
+
+async def test_a_dst_day_fires_a_skipped_time_once_and_a_repeated_time_once(store: SkewedStore) -> None:
+    """02:30 does not exist on 28 March 2027 (02:00 → 03:00): it fires once, at
+    03:00. It exists twice on 31 October 2027 (03:00 → 02:00): it fires once."""
+    await register(store, cron_fn("dst", "30 2 * * *", timezone="Europe/Paris", catchup="none"))
+    await advance_to(store, paris(2027, 3, 28, 1, 0))
+    await fire(store)  # the ticks missed to here: none, by the policy
+    spring = paris(2027, 3, 28, 3, 0)
+    assert await next_at(store, "dst") == spring
+    await advance_to(store, spring + 0.5)
+    assert [f.scheduled_at for f in await fire(store)] == [spring]
+    assert await next_at(store, "dst") == paris(2027, 3, 29, 2, 30)
+
+    await advance_to(store, paris(2027, 10, 31, 1, 0))
+    await fire(store)
+    first_pass = paris(2027, 10, 31, 2, 30)  # 02:30 CEST (+02:00)
+    second_pass = paris(2027, 10, 31, 2, 30, fold=1)  # 02:30 CET (+01:00), an hour later
+    assert second_pass - first_pass == 3600
+    assert await next_at(store, "dst") == first_pass
+    await advance_to(store, first_pass + 0.5)
+    [fired] = await fire(store)
+    assert fired.scheduled_at == first_pass
+    assert await next_at(store, "dst") == paris(2027, 11, 1, 2, 30)
+    await advance_to(store, second_pass + 0.5)
+    assert await fire(store) == []
+    event = await store.get_event((await store.get_run_record(fired.run_id)).event_id)
+    assert event.data["scheduled_at"] == "2027-10-31T02:30:00+02:00"
