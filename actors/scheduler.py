@@ -8,8 +8,9 @@ passing at the same instant start one run per tick, by construction, not by
 timing. Between passes the scheduler sleeps until the earliest next tick, in
 the waker's exact-deadline style, at most ``scheduler_recheck_s`` (a schedule
 registered through another node is seen within it); a registration through
-this node wakes it at once. With nothing scheduled a pass is one read of an
-empty index.
+this node wakes it at once. A pass reads the earliest ``next_at`` (one index
+lookup, off the write path) and opens the firing transaction only when a
+tick is due: with nothing scheduled, or nothing due, it writes nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ BATCH = 200
 # Wake this long after a tick: the claim is `next_at <= ironflow_now()` in
 # SQL, and the database clock must have reached it.
 TICK_SLACK_S = 0.005
+# A due schedule another node is firing is looked at again after this: its
+# transaction is short, and the next pass then finds it no longer due.
+BUSY_RETRY_S = 0.05
 
 
 async def run(
@@ -68,15 +72,21 @@ async def run(
     try:
         task_status.started()
         while True:
-            fired = await store.fire_due_ticks(node_id, limit=BATCH, missed_after_s=missed_after)
-            if fired:
-                kick(kicks, "cron ticks fired")
-                for tick in fired:
-                    logs.event(log, logging.DEBUG, "scheduler: tick fired",
-                               function_id=tick.function_id, scheduled_at=tick.scheduled_at,
-                               run_id=tick.run_id)
-            next_tick = await store.seconds_until_next_tick()
-            delay = recheck if next_tick is None else min(recheck, max(next_tick, 0.0) + TICK_SLACK_S)
+            until = await store.seconds_until_next_tick()
+            if until is not None and until <= 0:
+                fired = await store.fire_due_ticks(node_id, limit=BATCH, missed_after_s=missed_after)
+                if fired:
+                    kick(kicks, "cron ticks fired")
+                    for tick in fired:
+                        logs.event(log, logging.DEBUG, "scheduler: tick fired",
+                                   function_id=tick.function_id, scheduled_at=tick.scheduled_at,
+                                   run_id=tick.run_id)
+                until = await store.seconds_until_next_tick()
+                if until is not None and until <= 0 and not fired:
+                    # Still due, nothing fired: another node holds the schedule
+                    # (SKIP LOCKED) and is firing it. Look again shortly.
+                    until = BUSY_RETRY_S
+            delay = recheck if until is None else min(recheck, max(until, 0.0) + TICK_SLACK_S)
             with trio.move_on_after(delay):
                 await changed.wait()
             if changed.is_set():
