@@ -46,6 +46,7 @@ from ironflow.protocol import (
     StepFailed,
     WorkerMessage,
 )
+from ironflow.protocol.cron import trigger_problem
 from ironflow.store import (
     Fence,
     JobOutcome,
@@ -98,6 +99,11 @@ def check_register(msg: Register, limits: Limits) -> None:
         if fd.id in seen:
             raise RegistrationRefused(f"function id {fd.id!r} is registered twice")
         seen.add(fd.id)
+        # Cron triggers and the one-of event/cron rule (ironflow/protocol/cron.py).
+        for i, trigger in enumerate(fd.triggers):
+            problem = trigger_problem(trigger)
+            if problem is not None:
+                raise RegistrationRefused(f"function {fd.id!r}: {problem} - at `$.triggers[{i}]`")
 
 
 async def register(

@@ -86,6 +86,15 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True):
     # about this of an outage and 200 within about this of the recovery
     # (both well under a second; one read each time is nothing).
     store_probe_s: float = 0.25
+    # ── cron triggers (actors/scheduler.py, docs/schedules.md) ──
+    # The scheduler's longest sleep: a schedule registered through another
+    # node is seen within it, so a tick fires within about this of its time
+    # while any node is up (the node's own registrations wake it at once).
+    scheduler_recheck_s: float = 1.0
+    # A due tick older than this was missed (no node was up to fire it), not
+    # merely late: its schedule's catch-up policy decides whether it fires.
+    # Under a 2 s schedule's period, so a return from an outage fires one tick.
+    cron_missed_after_s: float = 1.5
 
 
 # Timings where 0 means "off" rather than "unsafe".

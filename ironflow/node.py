@@ -15,6 +15,7 @@ parses them) — runs :func:`serve` under ``trio.run`` once::
         ├── dispatcher          segments → sessions with free credits
         ├── capacity-scanner    loop 1
         ├── waker               elapsed sleeps, timed-out waits/invokes
+        ├── scheduler           cron ticks claimed and fired (docs/schedules.md)
         ├── stale-claim-sweeper loop 2
         ├── janitor             finished history past retention → deleted
         ├── metrics-sampler     capacity gauges of /metrics (queue, leases, sessions)
@@ -47,6 +48,7 @@ from actors import (
     kick_listener,
     metrics_sampler,
     node_heartbeat,
+    scheduler,
     stale_claim_sweeper,
     store_monitor,
     waker,
@@ -230,6 +232,7 @@ async def start_actors(
     await supervisor.start("kick-listener", kick_listener.run, store, kick_send)
     await supervisor.start("capacity-scanner", capacity_scanner.run, store, config, kick_send)
     await supervisor.start("waker", waker.run, store, config, node_id, kick_send)
+    await supervisor.start("scheduler", scheduler.run, store, config, node_id, kick_send)
     await supervisor.start("stale-claim-sweeper", stale_claim_sweeper.run, store, config)
     await supervisor.start("janitor", janitor.run, store, config, node_id)
     await supervisor.start(

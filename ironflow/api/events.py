@@ -73,7 +73,7 @@ async def _ingested(
         log, logging.DEBUG, "event: ingested",
         event_id=result.event_id, runs=len(result.run_ids), duplicate=result.duplicate,
     )
-    answer = EmitResponse(result.event_id, result.run_ids, result.duplicate)
+    answer = EmitResponse(result.event_id, result.run_ids, result.duplicate, result.paused_function_ids)
     return answer, 200 if result.duplicate else 201
 
 
@@ -90,5 +90,5 @@ async def emit_batch() -> Response:
     metrics.EVENTS_EMITTED.inc(len(fresh))
     if any(r.run_ids or r.resumed_run_ids for r in fresh):
         kick(st.deps.kicks, "events ingested")
-    answers = [EmitResponse(r.event_id, r.run_ids, r.duplicate) for r in results]
+    answers = [EmitResponse(r.event_id, r.run_ids, r.duplicate, r.paused_function_ids) for r in results]
     return json_response(EmitBatchResponse(answers), 201)

@@ -1,4 +1,4 @@
-"""Functions: the live ones workers registered, and direct invocation."""
+"""Functions: the live ones workers registered, direct invocation, pause/resume."""
 
 from __future__ import annotations
 
@@ -8,7 +8,14 @@ from actors.messages import kick
 from ironflow.api.auth import require_org
 from ironflow.api.errors import json_response, optional_body
 from ironflow.api.state import state
-from ironflow.protocol import FunctionList, InvokeRequest, InvokeResponse
+from ironflow.protocol import (
+    FunctionList,
+    InvokeRequest,
+    InvokeResponse,
+    PauseResponse,
+    ResumeFunctionRequest,
+)
+from ironflow.store import Principal
 
 bp = Blueprint("functions", __name__)
 
@@ -30,3 +37,33 @@ async def invoke(function_id: str) -> Response:
     run_id = await state().store.invoke_function(function_id, body.data)
     kick(state().deps.kicks, "function invoked")
     return json_response(InvokeResponse(run_id), 201)
+
+
+# ── function pause/resume (docs/schedules.md) ──
+
+
+def _by(principal: Principal | None) -> str:
+    """Who did it, for the audit record: the key's id (``dev`` without a key)."""
+    return "dev" if principal is None else principal.key_id
+
+
+@bp.post("/v1/functions/<function_id>/pause")
+async def pause(function_id: str) -> Response:
+    principal = await require_org()
+    changed = await state().store.pause_function(function_id, by=_by(principal))
+    return json_response(PauseResponse(function_id, paused=True, changed=changed))
+
+
+@bp.post("/v1/functions/<function_id>/resume")
+async def resume(function_id: str) -> Response:
+    principal = await require_org()
+    body = await optional_body(ResumeFunctionRequest)
+    st = state()
+    was_paused, run_id = await st.store.resume_function(
+        function_id, catchup=body.catchup, by=_by(principal), node_id=st.deps.node_id
+    )
+    if run_id is not None:
+        kick(st.deps.kicks, "function resumed with catch-up")
+    return json_response(
+        PauseResponse(function_id, paused=False, changed=was_paused, catchup_run_id=run_id)
+    )

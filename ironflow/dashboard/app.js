@@ -487,7 +487,7 @@
         }
       }
       fill(live, el("table", { id: "functions-table" },
-        el("thead", {}, el("tr", {}, ["function", "triggers", "retries", "concurrency", "runs (1 h)", "failed (1 h)", "last seen", "invoke"].map((h) => el("th", { text: h })))),
+        el("thead", {}, el("tr", {}, ["function", "triggers", "retries", "concurrency", "runs (1 h)", "failed (1 h)", "last seen", "state", "invoke"].map((h) => el("th", { text: h })))),
         el("tbody", {}, functions.length ? functions.map((f) => {
           if (!forms.has(f.id)) forms.set(f.id, invokeForm(f.id));
           const d = f.definition;
@@ -495,15 +495,38 @@
           return el("tr", { dataset: { functionId: f.id } },
             el("td", {}, el("a", { href: `#/runs?function=${encodeURIComponent(f.id)}`, class: "mono", text: f.id }),
               f.live ? null : el("div", { class: "muted", text: "not live" })),
-            el("td", { class: "mono", text: d.triggers.map((t) => t.event).join(", ") || "—" }),
+            el("td", { class: "mono" }, d.triggers.map((t) => t.event).filter(Boolean).join(", ") || null,
+              scheduleLines(f)),
             el("td", { text: `${r.max_attempts} attempts, ${r.initial_delay_s}s ×${r.backoff_factor} ≤ ${r.max_delay_s}s` }),
             el("td", { text: d.concurrency ? `${d.concurrency.limit}${d.concurrency.key ? ` per ${d.concurrency.key}` : ""}` : "unlimited" }),
             el("td", { class: "runs-1h", text: (counts.get(f.id) || { runs: 0 }).runs }),
             el("td", { class: "failed-1h", text: failureRate(counts.get(f.id)) }),
             el("td", { text: fmtTime(f.last_seen_at) }),
+            el("td", {}, pauseButton(f)),
             el("td", {}, forms.get(f.id)));
-        }) : el("tr", {}, el("td", { colspan: 8, class: "muted", text: "No functions registered: start a worker." })))));
+        }) : el("tr", {}, el("td", { colspan: 9, class: "muted", text: "No functions registered: start a worker." })))));
     };
+  }
+
+  // Cron triggers and pause/resume (docs/schedules.md).
+  function scheduleLines(f) {
+    return (f.schedules || []).map((sc) =>
+      el("div", { class: "schedule", text: `cron ${sc.cron}${sc.timezone === "UTC" ? "" : ` (${sc.timezone})`} · next ${fmtTime(sc.next_at)}` }));
+  }
+
+  function pauseButton(f) {
+    const paused = f.paused_at != null;
+    const result = el("div", { class: "result" });
+    const button = el("button", { type: "button", class: paused ? "primary pause-toggle" : "danger pause-toggle",
+      text: paused ? "Resume" : "Pause" });
+    button.addEventListener("click", async () => {
+      button.disabled = true;
+      try {
+        await post(`/v1/functions/${encodeURIComponent(f.id)}/${paused ? "resume" : "pause"}`, paused ? { catchup: false } : undefined);
+        result.textContent = paused ? "resumed" : "paused";
+      } catch (err) { result.textContent = `failed: ${err.message}`; button.disabled = false; }
+    });
+    return el("div", {}, el("div", { class: paused ? "badge failed" : "muted", text: paused ? `paused ${fmtTime(f.paused_at)}` : "active" }), button, result);
   }
 
   function failureRate(count) {
@@ -537,7 +560,8 @@
       try { body = { name: name.value.trim(), data: jsonInput(data) }; } catch (err) { result.textContent = `invalid JSON: ${err.message}`; return; }
       try {
         const answer = await post("/v1/events", body);
-        fill(result, `event ${answer.event_id} `, answer.run_ids.length ? ["started ", answer.run_ids.map((id) => [runLink(id), " "])] : "started no run");
+        fill(result, `event ${answer.event_id} `, answer.run_ids.length ? ["started ", answer.run_ids.map((id) => [runLink(id), " "])] : "started no run",
+          (answer.paused_function_ids || []).length ? ` (paused, not started: ${answer.paused_function_ids.join(", ")})` : "");
         refreshNow();
       } catch (err) { result.textContent = `send failed: ${err.message}`; }
     };

@@ -44,6 +44,8 @@ class EmitResponse(msgspec.Struct, frozen=True):
     event_id: str
     run_ids: list[str]
     duplicate: bool = False
+    # Functions the event would have started but that are paused (docs/schedules.md).
+    paused_function_ids: list[str] = []
 
 
 # One batch is one transaction; this bounds how long it holds the writer.
@@ -251,6 +253,15 @@ class AuditRecord(msgspec.Struct, frozen=True):
     data: Any
 
 
+class FunctionSchedule(msgspec.Struct, frozen=True):
+    """One cron trigger of a function and its next fire time (epoch seconds)."""
+
+    cron: str
+    timezone: str
+    catchup: str
+    next_at: float
+
+
 class FunctionRecord(msgspec.Struct, frozen=True):
     id: str
     definition: FunctionDef
@@ -260,6 +271,10 @@ class FunctionRecord(msgspec.Struct, frozen=True):
     last_seen_at: float | None = None
     # Registered by some worker within the node's ``function_live_s``.
     live: bool = True
+    # ── cron triggers and pause (docs/schedules.md) ──
+    # When it was paused (None: not paused): no run starts from events or ticks.
+    paused_at: float | None = None
+    schedules: list[FunctionSchedule] = []
 
 
 # ── response envelopes (one struct per endpoint answer) ─────────────────────
@@ -285,6 +300,24 @@ class CancelResponse(msgspec.Struct, frozen=True):
 
 class FunctionList(msgspec.Struct, frozen=True):
     functions: list[FunctionRecord]
+
+
+class ResumeFunctionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Body of ``POST /v1/functions/{id}/resume``: ``catchup`` starts a run for
+    the latest tick skipped while paused (none by default)."""
+
+    catchup: bool = False
+
+
+class PauseResponse(msgspec.Struct, frozen=True):
+    """Answer of ``POST /v1/functions/{id}/pause`` and ``/resume``."""
+
+    function_id: str
+    paused: bool
+    # False when the function already was in that state (nothing changed).
+    changed: bool
+    # resume with catchup: the run started for the latest skipped tick.
+    catchup_run_id: str | None = None
 
 
 class InvokeResponse(msgspec.Struct, frozen=True):

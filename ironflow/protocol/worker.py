@@ -41,10 +41,27 @@ TERMINAL_RUN_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cance
 # ── function definitions (registered by workers) ───────────────────────────
 
 
-class Trigger(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """An event trigger: an exact name (``order.created``) or ``prefix.*``."""
+# Cron triggers (docs/schedules.md): what a schedule does about ticks missed
+# while no node was up — none, the latest one, or all within the window.
+CatchupPolicy = Literal["none", "latest", "all"]
 
-    event: Name
+
+class Trigger(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """An event trigger: an exact name (``order.created``) or ``prefix.*``;
+    or (cron triggers) a schedule: ``cron`` in ``timezone`` (IANA name).
+
+    Exactly one of ``event`` / ``cron``: the SDK and the engine check it, and
+    the cron text and timezone, with ``ironflow.protocol.cron.trigger_problem``.
+    Defaults are left out of the JSON: an event trigger encodes as it always did.
+    """
+
+    event: Name | None = None
+    # ── cron triggers (ironflow/protocol/cron.py, ironflow/store/cron.py) ──
+    cron: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    timezone: Annotated[str, Meta(min_length=1, max_length=64)] = "UTC"
+    catchup: CatchupPolicy = "latest"
+    # How far back ``catchup="all"`` looks (``latest`` fires one tick within it).
+    catchup_window_s: Annotated[float, Meta(gt=0, le=MAX_DURATION_S)] = 86_400.0
 
 
 class RetryPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

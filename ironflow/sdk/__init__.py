@@ -21,7 +21,7 @@ from ironflow.sdk.errors import (
     StepTimeoutError,
     WorkerAuthError,
 )
-from ironflow.sdk.function import Function, event, function
+from ironflow.sdk.function import Function, cron, event, function
 from ironflow.sdk.pull import PullWorker
 from ironflow.sdk.streaming import StreamingWorker
 
@@ -50,6 +50,7 @@ __all__ = [
     "Trigger",
     "RegistrationRefusedError",
     "WorkerAuthError",
+    "cron",
     "event",
     "function",
     "step_info",

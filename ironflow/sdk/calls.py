@@ -26,9 +26,11 @@ from ironflow.protocol import (
     KeyCreateRequest,
     KeyCreateResponse,
     LeaseList,
+    PauseResponse,
     PurgeRequest,
     PurgeResponse,
     QueueList,
+    ResumeFunctionRequest,
     RunDetail,
     RunList,
     RunResult,
@@ -137,6 +139,15 @@ def list_functions(*, include_stale: bool = False) -> Call[FunctionList]:
 def invoke(function_id: str, data: Any = None) -> Call[InvokeResponse]:
     body = InvokeRequest(data={} if data is None else data)
     return Call("POST", f"/v1/functions/{function_id}/invoke", InvokeResponse, body)
+
+
+def pause_function(function_id: str) -> Call[PauseResponse]:
+    return Call("POST", f"/v1/functions/{function_id}/pause", PauseResponse)
+
+
+def resume_function(function_id: str, *, catchup: bool = False) -> Call[PauseResponse]:
+    body = ResumeFunctionRequest(catchup=catchup)
+    return Call("POST", f"/v1/functions/{function_id}/resume", PauseResponse, body)
 
 
 def list_audit(

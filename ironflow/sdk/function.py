@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from ironflow.protocol import Concurrency, FunctionDef, RetryPolicy, Trigger
+from ironflow.protocol.cron import trigger_problem
+from ironflow.protocol.worker import CatchupPolicy
 
 if TYPE_CHECKING:
     from ironflow.sdk.context import Context
@@ -26,6 +28,38 @@ def event(name: str) -> Trigger:
     if not name:
         raise ValueError("an event trigger needs a name")
     return Trigger(event=name)
+
+
+def cron(
+    schedule: str,
+    *,
+    timezone: str = "UTC",
+    catchup: CatchupPolicy = "latest",
+    catchup_window: float | timedelta = 86_400.0,
+) -> Trigger:
+    """A schedule trigger (docs/schedules.md): a run per tick of ``schedule``.
+
+    ``schedule`` is 5-field cron (``0 3 * * *``) or 6 fields, seconds first
+    (``*/2 * * * * *``), read in ``timezone`` (an IANA name). ``catchup`` is
+    what the engine does about ticks missed while no node was up: ``"latest"``
+    (default) one run for the latest, ``"none"`` nothing, ``"all"`` one per
+    missed tick within ``catchup_window`` (seconds or a timedelta; at most
+    1,000). Each run's event is ``ironflow.cron`` with ``data = {"scheduled_at",
+    "scheduled_at_epoch", "cron", "timezone"}``. A bad field is a ValueError
+    naming it.
+    """
+    window = catchup_window.total_seconds() if isinstance(catchup_window, timedelta) else catchup_window
+    try:
+        trigger = msgspec.convert(
+            {"cron": schedule, "timezone": timezone, "catchup": catchup, "catchup_window_s": window},
+            Trigger,
+        )
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"ironflow.cron: {exc}") from exc
+    problem = trigger_problem(trigger)
+    if problem is not None:
+        raise ValueError(f"ironflow.cron: {problem}")
+    return trigger
 
 
 class Function:
@@ -86,9 +120,14 @@ def _checked(definition: FunctionDef) -> FunctionDef:
     here turns a refused worker at start-up into an error at the decorator.
     """
     try:
-        return msgspec.convert(msgspec.to_builtins(definition), FunctionDef)
+        checked = msgspec.convert(msgspec.to_builtins(definition), FunctionDef)
     except msgspec.ValidationError as exc:
         raise ValueError(f"@ironflow.function {definition.id!r}: {exc}") from exc
+    for i, trigger in enumerate(checked.triggers):
+        problem = trigger_problem(trigger)
+        if problem is not None:
+            raise ValueError(f"@ironflow.function {definition.id!r}: {problem} - at `$.triggers[{i}]`")
+    return checked
 
 
 def function(
@@ -105,7 +144,7 @@ def function(
     """Declare ``async def handler(ctx)`` as a durable function.
 
     ``id`` defaults to the handler's name. ``triggers`` are ``event(...)``
-    triggers (a bare string is accepted); ``retries`` a ``RetryPolicy``, a
+    and ``cron(...)`` triggers (a bare string is an event name); ``retries`` a ``RetryPolicy``, a
     dict of its fields or a max attempt count; ``concurrency`` a
     ``Concurrency``, a dict or a limit. ``timeout`` (seconds or a timedelta)
     bounds a run from its first start to its end: past it the engine fails

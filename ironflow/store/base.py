@@ -27,6 +27,7 @@ from ironflow.protocol import (
     EventRecord,
     FunctionDef,
     FunctionRecord,
+    FunctionSchedule,
     JobAssignment,
     JobLeaseStatus,
     JobNackReason,
@@ -161,6 +162,16 @@ class IngestResult(msgspec.Struct, frozen=True):
     duplicate: bool
     # Parked runs whose wait_for_event this event matched (the caller kicks).
     resumed_run_ids: list[str] = []
+    # Paused functions the event would have started (ironflow/store/cron.py).
+    paused_function_ids: list[str] = []
+
+
+class CronFired(msgspec.Struct, frozen=True):
+    """A tick claimed and its run started (ironflow/store/cron.py)."""
+
+    function_id: str
+    scheduled_at: float
+    run_id: str
 
 
 class SessionInfo(msgspec.Struct, frozen=True):
@@ -759,3 +770,39 @@ class Store(abc.ABC):
         """Until cancelled, call ``on_kick`` whenever ANOTHER node (or this one)
         committed work that became claimable (PostgreSQL ``LISTEN/NOTIFY``; a
         no-op on SQLite, which has one node)."""
+
+    # cron triggers and function pause/resume (ironflow/store/cron.py) -------
+
+    @abc.abstractmethod
+    async def fire_due_ticks(self, node_id: str, *, limit: int, missed_after_s: float) -> list[CronFired]:
+        """Fire the schedules due by the database clock (at most ``limit``): each
+        tick that starts a run is claimed (once per function and scheduled time,
+        across nodes) and its run created in this one transaction; every due
+        schedule's next tick moves past now. Ticks older than ``missed_after_s``
+        are missed, handled by the schedule's catch-up policy."""
+
+    @abc.abstractmethod
+    def on_schedules_changed(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call ``listener()`` after a registration through this store that may
+        have changed cron schedules; returns the call that unregisters it."""
+
+    @abc.abstractmethod
+    async def seconds_until_next_tick(self) -> float | None:
+        """Seconds from the database clock to the earliest scheduled tick (None: no schedule)."""
+
+    @abc.abstractmethod
+    async def list_schedules(self) -> dict[str, list[FunctionSchedule]]:
+        """Every function's cron schedules with their next fire time."""
+
+    @abc.abstractmethod
+    async def pause_function(self, function_id: str, *, by: str) -> bool:
+        """Pause a function: no run starts from its events or ticks. Audited;
+        False if it was paused already. Raises FunctionNotFound."""
+
+    @abc.abstractmethod
+    async def resume_function(
+        self, function_id: str, *, catchup: bool, by: str, node_id: str
+    ) -> tuple[bool, str | None]:
+        """Resume a paused function; with ``catchup``, start a run for the latest
+        tick skipped while paused. Returns whether it was paused and the run
+        started (or None). Audited (when it was paused). Raises FunctionNotFound."""

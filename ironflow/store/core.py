@@ -227,6 +227,8 @@ def _concurrency_key(fd: FunctionDef, data: Any) -> str | None:
 
 def _triggered(fd: FunctionDef, name: str) -> bool:
     for trigger in fd.triggers:
+        if trigger.event is None:  # a cron trigger (ironflow/store/cron.py)
+            continue
         if trigger.event == name:
             return True
         if trigger.event.endswith(".*") and name.startswith(trigger.event[:-1]):
@@ -319,6 +321,9 @@ class SqlStoreBase(Store):
         self._run_end_listeners: list[Callable[[list[str]], None]] = []
         # Called (in Trio, after commit) with the wake time of a step just parked.
         self._wake_listeners: list[Callable[[float], None]] = []
+        # Called (in Trio, after commit) when a registration may have changed
+        # cron schedules (ironflow/store/cron.py): the scheduler re-reads.
+        self._schedule_listeners: list[Callable[[], None]] = []
 
     def _fence_alive(self, tx: Tx, fence: Fence) -> bool:
         """Whether ``fence`` is the live lease (:data:`_FENCE_SQL`)."""

@@ -47,22 +47,29 @@ class IngestOps(WaitOps):
             if seen is not None:
                 return IngestResult(seen[0], _dec(seen[1]), True)
         event_id = new_id("evt")
-        fds, paths = self._triggered_and_waited(tx, [name])
+        fds, paths, paused = self._triggered_and_waited(tx, [name])
         run_ids = self._create_runs_with_event(
-            tx, [fd for fd in fds if _triggered(fd, name)], event_id, name, data, idempotency_key
+            tx, [fd for fd in fds if _triggered(fd, name) and fd.id not in paused], event_id, name, data,
+            idempotency_key,
         )
         resumed = self._resolve_waits(tx, [(event_id, name, data)], paths)[0]
-        return IngestResult(event_id, run_ids, False, resumed_run_ids=resumed)
+        return IngestResult(
+            event_id, run_ids, False, resumed_run_ids=resumed,
+            paused_function_ids=[fd.id for fd in fds if fd.id in paused and _triggered(fd, name)],
+        )
 
     def _triggered_and_waited(
         self, tx: Tx, names: list[str]
-    ) -> tuple[list[FunctionDef], dict[str, list[str]]]:
-        """The functions any of ``names`` may trigger, and the match paths waited
-        on per name (waits.py): on PostgreSQL in one round trip."""
+    ) -> tuple[list[FunctionDef], dict[str, list[str]], set[str]]:
+        """The functions any of ``names`` may trigger, the match paths waited
+        on per name (waits.py), and which of those functions are paused
+        (ironflow/store/cron.py): on PostgreSQL in one round trip."""
         names = sorted(set(names))
         patterns = sorted({pattern for name in names for pattern in _trigger_patterns(name)})
+        # The third column says whether the function is paused (ironflow/store/cron.py).
         functions_sql = (
-            "SELECT 0, f.definition, NULL FROM functions f WHERE f.id IN (SELECT t.function_id"
+            "SELECT 0, f.definition, CASE WHEN f.paused_at IS NULL THEN NULL ELSE 'paused' END"
+            " FROM functions f WHERE f.id IN (SELECT t.function_id"
             f" FROM function_triggers t WHERE t.pattern IN ({_marks(len(patterns))}))"
         )
         if tx.combined:
@@ -75,15 +82,20 @@ class IngestOps(WaitOps):
             rows = tx.fetchall(functions_sql + " ORDER BY 2", patterns) + [
                 (1, *row) for row in tx.fetchall(self._wait_paths_sql(len(names)), names)
             ]
-        fds = [
-            fd for fd in (self._fdef_or_none(row[1]) for row in rows if row[0] == 0) if fd is not None
-        ]
+        fds: list[FunctionDef] = []
+        paused: set[str] = set()
+        for row in rows:
+            fd = self._fdef_or_none(row[1]) if row[0] == 0 else None
+            if fd is not None:
+                fds.append(fd)
+                if row[2] is not None:
+                    paused.add(fd.id)
         fds.sort(key=lambda fd: fd.id)
         paths: dict[str, list[str]] = {}
         for kind, event, path in rows:
             if kind == 1:
                 paths.setdefault(event, []).append(path)
-        return fds, paths
+        return fds, paths, paused
 
     @staticmethod
     def _ingest_locks(events: list[tuple[str, Any, str | None]]) -> list[NamedLock]:
@@ -130,9 +142,10 @@ class IngestOps(WaitOps):
         names (PostgreSQL): one reads the functions any of them triggers and the
         match paths waited on their names, one writes every event, run and
         queue row; waits they satisfy are then resolved together (waits.py)."""
-        functions, paths = self._triggered_and_waited(tx, [name for name, _ in events])
+        functions, paths, paused = self._triggered_and_waited(tx, [name for name, _ in events])
         planned = [
-            (new_id("evt"), name, data, None, [fd for fd in functions if _triggered(fd, name)])
+            (new_id("evt"), name, data, None,
+             [fd for fd in functions if _triggered(fd, name) and fd.id not in paused])
             for name, data in events
         ]
         created = self._create_runs_with_events(tx, planned)
@@ -140,8 +153,11 @@ class IngestOps(WaitOps):
             tx, [(event_id, name, data) for event_id, name, data, _, _ in planned], paths
         )
         return [
-            IngestResult(event_id, run_ids, False, resumed_run_ids=resumed_ids)
-            for (event_id, _, _, _, _), run_ids, resumed_ids in zip(planned, created, resumed, strict=True)
+            IngestResult(
+                event_id, run_ids, False, resumed_run_ids=resumed_ids,
+                paused_function_ids=[fd.id for fd in functions if fd.id in paused and _triggered(fd, name)],
+            )
+            for (event_id, name, _, _, _), run_ids, resumed_ids in zip(planned, created, resumed, strict=True)
         ]
 
     async def invoke_function(self, function_id: str, data: Any) -> str:

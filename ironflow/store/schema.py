@@ -224,6 +224,32 @@ CREATE TABLE IF NOT EXISTS api_keys (
     key_hash    TEXT NOT NULL UNIQUE,
     created_at  {REAL} NOT NULL
 );
+
+-- ── cron triggers (ironflow/store/cron.py, docs/schedules.md) ──
+-- One row per cron trigger of a function. next_at is the one "last tick
+-- considered" every node agrees on: the earliest tick not yet fired or
+-- skipped. A tick is due when next_at <= ironflow_now().
+CREATE TABLE IF NOT EXISTS cron_schedules (
+    function_id       TEXT NOT NULL,
+    cron              TEXT NOT NULL,
+    timezone          TEXT NOT NULL,
+    catchup           TEXT NOT NULL,
+    catchup_window_s  {REAL} NOT NULL,
+    next_at           {REAL} NOT NULL,
+    PRIMARY KEY (function_id, cron, timezone)
+);
+CREATE INDEX IF NOT EXISTS cron_schedules_next ON cron_schedules (next_at);
+-- The claim of a tick: its primary key makes one run per function and
+-- scheduled time, whatever the nodes, restarts or clocks.
+CREATE TABLE IF NOT EXISTS cron_ticks (
+    function_id   TEXT NOT NULL,
+    scheduled_at  {REAL} NOT NULL,
+    -- The tick's ironflow.cron event: its run is the run of that event.
+    event_id      TEXT NOT NULL,
+    node_id       TEXT NOT NULL,
+    claimed_at    {REAL} NOT NULL,
+    PRIMARY KEY (function_id, scheduled_at)
+);
 """
 
 _PG_EXTRA = """
@@ -291,6 +317,8 @@ _ADDED_COLUMNS = [
     ("concurrency_leases", "began_snapshot", "TEXT"),
     # The W3C traceparent its runs' spans descend from (ironflow/store/traces.py).
     ("events", "traceparent", "TEXT"),
+    # Function pause (ironflow/store/cron.py): when it was paused, NULL = not paused.
+    ("functions", "paused_at", "{REAL}"),
 ]
 
 # Fills the trigger index from stored definitions, for a database whose

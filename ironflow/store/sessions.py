@@ -12,6 +12,7 @@ from ironflow.ids import new_id
 from ironflow.protocol import (
     FunctionDef,
     FunctionRecord,
+    FunctionSchedule,
 )
 from ironflow.store.base import (
     LimitExceeded,
@@ -27,6 +28,7 @@ from ironflow.store.core import (
     _marks,
     token_hash,
 )
+from ironflow.store.cron import sync_schedules
 
 
 class SessionOps(CapacityLoop):
@@ -81,7 +83,11 @@ class SessionOps(CapacityLoop):
                 session_id, worker_id, node_id, mode, max_concurrent_jobs, function_ids, secret
             )
 
-        return await self._transact(work)
+        info = await self._transact(work)
+        if any(t.cron is not None for fd in functions for t in fd.triggers):
+            for listener in self._schedule_listeners:  # ironflow/store/cron.py
+                listener()
+        return info
 
     def _upsert_function(self, tx: Tx, fd: FunctionDef, max_per_trigger: int | None) -> None:
         """Store ``fd``; when its definition changed, rewrite its trigger index rows."""
@@ -95,7 +101,8 @@ class SessionOps(CapacityLoop):
         )
         if changed is None:
             return
-        patterns = sorted({t.event for t in fd.triggers})
+        sync_schedules(tx, fd, self._now(tx))  # its cron triggers (ironflow/store/cron.py)
+        patterns = sorted({t.event for t in fd.triggers if t.event is not None})
         if patterns and max_per_trigger is not None:
             crowded = tx.fetchone(
                 "SELECT pattern, count(*) FROM function_triggers"
@@ -132,8 +139,14 @@ class SessionOps(CapacityLoop):
         def work(tx: Tx) -> list[FunctionRecord]:
             now = self._now(tx)
             records = []
-            for fid, text, version, updated_at, seen in tx.fetchall(
-                "SELECT id, definition, version, updated_at, last_seen_at FROM functions"
+            schedules: dict[str, list[FunctionSchedule]] = {}
+            for fid, cron, tz, catchup, next_at in tx.fetchall(
+                "SELECT function_id, cron, timezone, catchup, next_at FROM cron_schedules"
+                " ORDER BY 1, 2, 3"
+            ):
+                schedules.setdefault(fid, []).append(FunctionSchedule(cron, tz, catchup, next_at))
+            for fid, text, version, updated_at, seen, paused_at in tx.fetchall(
+                "SELECT id, definition, version, updated_at, last_seen_at, paused_at FROM functions"
                 " ORDER BY id"
             ):
                 fd = self._fdef_or_none(text)
@@ -141,7 +154,9 @@ class SessionOps(CapacityLoop):
                     continue  # stored by an older version under looser rules
                 last = seen if seen is not None else updated_at
                 live = live_within_s is None or last > now - live_within_s
-                records.append(FunctionRecord(fid, fd, version, updated_at, seen, live))
+                records.append(FunctionRecord(
+                    fid, fd, version, updated_at, seen, live, paused_at, schedules.get(fid, [])
+                ))
             return records
 
         return await self._transact(work)

@@ -13,6 +13,7 @@ from one module per concern so each seed mechanism reads on its own:
 - ``sessions``: worker registration, functions, pull-session ownership;
 - ``traces``: events ingested with a trace's ``traceparent``;
 - ``outage``: the probe and the blind time given back after an outage;
+- ``cron``: cron ticks claimed and fired, functions paused and resumed;
 - ``reads``, ``event_reads`` (events, re-runs), ``gauges`` (for /metrics), ``stats`` (the dashboard's counts), ``history``
   (retention), ``keys``.
 """
@@ -20,6 +21,7 @@ from one module per concern so each seed mechanism reads on its own:
 from __future__ import annotations
 
 from ironflow.store.capacity_scan import CapacityLoop
+from ironflow.store.cron import CronOps
 from ironflow.store.dispatch import DispatchOps
 from ironflow.store.event_reads import EventReadOps
 from ironflow.store.fence import FenceOps
@@ -37,6 +39,6 @@ from ironflow.store.wake_claims import WakeLoop
 
 class SqlStore(
     TraceOps, SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
-    EventReadOps, GaugeOps, StatsOps, OutageOps,
+    EventReadOps, GaugeOps, StatsOps, OutageOps, CronOps,
 ):
     """Every Store method, written once. Backends supply ``_transact`` and lifecycle."""

@@ -252,6 +252,17 @@ async def test_dashboard_shows_live_runs_steps_waits_recoveries_and_capacity_and
             assert (await http.get(f"/v1/runs/{invoked}")).json()["run"]["output"] == {
                 "rendered": {"via": "the form"}, "count": 1}
 
+            # 5c. Pause and resume a function from its row (docs/schedules.md).
+            _click(browser, f"{echo_row} button.pause-toggle")
+            _wait(browser, "the paused state", lambda d: "paused" in _text(d, f"{echo_row} td:nth-child(8)"))
+            listed = (await http.get("/v1/functions")).json()["functions"]
+            assert [f["paused_at"] is not None for f in listed if f["id"] == "echo"] == [True]
+            _wait(browser, "the resume button", lambda d: _text(d, f"{echo_row} button.pause-toggle") == "Resume")
+            _click(browser, f"{echo_row} button.pause-toggle")
+            _wait(browser, "the active state", lambda d: _text(d, f"{echo_row} td:nth-child(8)").startswith("active"))
+            listed = (await http.get("/v1/functions")).json()["functions"]
+            assert [f["paused_at"] for f in listed if f["id"] == "echo"] == [None]
+
             # 6. Capacity needs a platform key: refused without, shown with one.
             browser.get(base + "/#/workers")
             _wait(browser, "the platform-key notice", lambda d: "platform key" in _text(d, "#view-error"))
