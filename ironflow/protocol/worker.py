@@ -41,10 +41,20 @@ TERMINAL_RUN_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cance
 # ── function definitions (registered by workers) ───────────────────────────
 
 
+# Longest expression (trigger filter, key, cancel-on condition) a definition may carry.
+MAX_EXPRESSION = 4096
+Expression = Annotated[str, Meta(min_length=1, max_length=MAX_EXPRESSION)]
+
+
 class Trigger(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """An event trigger: an exact name (``order.created``) or ``prefix.*``."""
+    """An event trigger: an exact name (``order.created``) or ``prefix.*``.
+
+    ``expression`` (trigger filters, docs/triggers.md): a CEL condition on the
+    event (``event.data.amount > 100``); the run starts only when it is true.
+    """
 
     event: Name
+    expression: Expression | None = None
 
 
 class RetryPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -67,12 +77,36 @@ class RetryPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Concurrency(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """At most ``limit`` segments execute at once, per value of ``key`` if given.
 
-    ``key`` is a dotted path into the event data (``customer.id``); a leading
-    ``event.data.`` or ``data.`` is accepted and ignored.
+    ``key`` is a dotted path into the event data (``customer.id``; a leading
+    ``event.data.`` or ``data.`` is accepted and ignored) or a CEL expression
+    over ``event`` (``event.data.region + ':' + event.data.tier``):
+    ironflow/expressions.py ``compile_key``, docs/triggers.md.
     """
 
     limit: Annotated[int, Meta(ge=1, le=1_000_000)]
-    key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    key: Annotated[str, Meta(min_length=1, max_length=MAX_EXPRESSION)] | None = None
+
+
+# ── cancel on an event (docs/triggers.md#cancel-on-an-event) ─────────────────
+
+# Most cancel_on entries one function may declare.
+MAX_CANCEL_ON = 16
+
+
+class CancelOn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Cancel a run that has not ended when event ``event`` arrives.
+
+    ``match``: a dotted path that must hold the same value in the incoming
+    event as in the run's triggering event (as ``wait_for_event``'s match);
+    ``expression``: a CEL condition over ``event`` (the run's triggering
+    event) and ``async`` (the incoming one); ``timeout_s``: seconds after the
+    run's creation past which this no longer applies.
+    """
+
+    event: Name
+    match: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    expression: Expression | None = None
+    timeout_s: Annotated[float, Meta(gt=0, le=MAX_DURATION_S)] | None = None
 
 
 class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -85,6 +119,8 @@ class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, Meta(gt=0, le=MAX_DURATION_S)] | None = None
     audit: bool = False
     name: Annotated[str, Meta(max_length=256)] | None = None
+    # Cancel on an event (docs/triggers.md).
+    cancel_on: Annotated[list[CancelOn], Meta(max_length=MAX_CANCEL_ON)] = []
 
 
 # ── pieces carried inside messages ──────────────────────────────────────────

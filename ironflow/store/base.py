@@ -43,6 +43,7 @@ from ironflow.store.errors import (  # noqa: F401  (re-exported: the store's err
     CommitOutcomeUnknown,
     Conflict,
     FunctionNotFound,
+    KeyEvaluationFailed,
     LimitExceeded,
     NotFound,
     RunNotFound,
@@ -155,12 +156,24 @@ class CancelOutcome(msgspec.Struct, frozen=True):
     duration_s: float | None = None
 
 
+class CancelNotice(msgspec.Struct, frozen=True):
+    """A job whose run was cancelled while a worker held it: the node serving
+    that session sends it ``Cancel`` (Store.on_jobs_cancelled)."""
+
+    run_id: str
+    session_id: str
+    job_id: str
+    reason: str
+
+
 class IngestResult(msgspec.Struct, frozen=True):
     event_id: str
     run_ids: list[str]
     duplicate: bool
     # Parked runs whose wait_for_event this event matched (the caller kicks).
     resumed_run_ids: list[str] = []
+    # Runs this event cancelled (cancel_on, docs/triggers.md).
+    cancelled: list[CancelOutcome] = []
 
 
 class SessionInfo(msgspec.Struct, frozen=True):
@@ -644,6 +657,12 @@ class Store(abc.ABC):
         store object ended runs: completed, failed, cancelled, timed out, or
         failed at the recovery ceiling. Runs ended by another node are not
         announced here; waiters re-read the store as a backstop."""
+
+    @abc.abstractmethod
+    def on_jobs_cancelled(self, listener: Callable[[list[CancelNotice]], None]) -> None:
+        """Call ``listener(notices)`` on every node, after commit, for the jobs
+        of runs an event cancelled (cancel_on) while a worker held them: the
+        node serving the session tells its worker (ironflow/store/cancel_on.py)."""
 
     @abc.abstractmethod
     async def expire_run_deadlines(self) -> list[CancelOutcome]:

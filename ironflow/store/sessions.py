@@ -18,6 +18,7 @@ from ironflow.store.base import (
     RecoveredSegment,
     SessionInfo,
 )
+from ironflow.store.cancel_on import register_cancel_paths
 from ironflow.store.capacity_scan import CapacityLoop
 from ironflow.store.core import (
     Tx,
@@ -95,6 +96,7 @@ class SessionOps(CapacityLoop):
         )
         if changed is None:
             return
+        register_cancel_paths(tx, fd)  # cancel on an event (cancel_on.py)
         patterns = sorted({t.event for t in fd.triggers})
         if patterns and max_per_trigger is not None:
             crowded = tx.fetchone(
