@@ -20,6 +20,8 @@ from ironflow.expressions import (
     Expression,
     ExpressionError,
     KeyExpression,
+    Variables,
+    bind,
     compile_expression,
     compile_key,
     event_variables,
@@ -29,6 +31,7 @@ from ironflow.protocol import CancelOn, FunctionDef
 __all__ = [
     "CompiledDefinition",
     "DefinitionRefused",
+    "EventBinding",
     "compile_definition",
     "start_verdict",
     "triggers_name",
@@ -147,23 +150,40 @@ def compile_definition(fd: FunctionDef) -> CompiledDefinition:
     return CompiledDefinition(fd, filters, key, conditions)
 
 
+class EventBinding:
+    """One event's ``event`` variable, converted to CEL at most once however
+    many filters judge it (ironflow/expressions.py ``bind``)."""
+
+    __slots__ = ("name", "data", "event_id", "_bound")
+
+    def __init__(self, name: str, data: Any, event_id: str) -> None:
+        self.name, self.data, self.event_id = name, data, event_id
+        self._bound: Variables | None = None
+
+    def variables(self) -> Variables:
+        if self._bound is None:
+            self._bound = bind(event_variables(self.name, self.data, self.event_id))
+        return self._bound
+
+
 def start_verdict(
-    compiled: CompiledDefinition, name: str, data: Any, event_id: str
+    compiled: CompiledDefinition, name: str, data: Any, event_id: str,
+    binding: EventBinding | None = None,
 ) -> tuple[bool, str | None, bool]:
     """Whether event ``name`` starts a run of the function: ``(starts, reason,
     error)``. It starts when any trigger covering the name has no filter or a
     filter that is true. Otherwise ``reason`` says why not: the first filter
-    that failed to evaluate (``error`` True) or, all being false, the filters."""
+    that failed to evaluate (``error`` True) or, all being false, the filters.
+    ``binding``: the event's variables, shared by every function it triggers."""
     failure: str | None = None
     false: list[str] = []
-    variables: dict[str, Any] | None = None
+    binding = binding or EventBinding(name, data, event_id)
     for trigger, condition in zip(compiled.fd.triggers, compiled.filters, strict=True):
         if not triggers_name(trigger.event, name):
             continue
         if condition is None:
             return True, None, False
-        if variables is None:
-            variables = event_variables(name, data, event_id)
+        variables = binding.variables()
         try:
             if condition.test(variables):
                 return True, None, False

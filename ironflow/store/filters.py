@@ -21,6 +21,7 @@ import msgspec
 
 from ironflow.definitions import (
     CompiledDefinition,
+    EventBinding,
     compile_definition,
     start_verdict,
     triggers_name,
@@ -90,13 +91,14 @@ class FilterOps(SqlStoreBase):
         triggers but does not start (filter false, filter or key failed)."""
         starting: list[FunctionDef] = []
         notes: list[FilterNote] = []
+        binding = EventBinding(name, data, event_id)  # converted once for all the filters
         for fd in fds:
             compiled = self._compiled(fd)
             if compiled is None:
                 notes.append(FilterNote(fd.id, "its stored definition no longer compiles", True))
                 continue
             if compiled.has_filters:
-                starts, reason, error = start_verdict(compiled, name, data, event_id)
+                starts, reason, error = start_verdict(compiled, name, data, event_id, binding)
                 if not starts:
                     if reason != "no trigger covers this event":
                         notes.append(FilterNote(fd.id, reason or "filtered", error))
