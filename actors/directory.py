@@ -71,10 +71,12 @@ class SessionDirectory:
 
     def send_cancel(self, session_id: str, job_id: str, run_id: str, reason: str) -> bool:
         """Send ``Cancel`` to session ``session_id`` if it is attached here
-        (cancel-on, docs/triggers.md); False if it is not, or its outbox is
-        full or closed (the fence refuses whatever the job still sends)."""
+        (a manual cancel, cancel-on: docs/triggers.md); False if it is not, is
+        a pull poll (whose channel carries assignments only: a pull worker
+        learns from its heartbeat's STALE), or its outbox is full or closed.
+        The fence refuses whatever the job still sends either way."""
         local = self._sessions.get(session_id)
-        if local is None:
+        if local is None or local.mode != "stream":
             return False
         try:
             local.outbox.send_nowait(Cancel(job_id, run_id, reason))
