@@ -14,7 +14,7 @@ import msgspec
 import trio
 
 from ironflow.dbclock import DatabaseClock
-from ironflow.protocol import EngineMessage, JobAssignment
+from ironflow.protocol import Cancel, EngineMessage, JobAssignment
 
 
 class LocalSession:
@@ -68,6 +68,21 @@ class SessionDirectory:
 
     def get(self, session_id: str) -> LocalSession | None:
         return self._sessions.get(session_id)
+
+    def send_cancel(self, session_id: str, job_id: str, run_id: str, reason: str) -> bool:
+        """Send ``Cancel`` to session ``session_id`` if it is attached here
+        (a manual cancel, cancel-on: docs/triggers.md); False if it is not, is
+        a pull poll (whose channel carries assignments only: a pull worker
+        learns from its heartbeat's STALE), or its outbox is full or closed.
+        The fence refuses whatever the job still sends either way."""
+        local = self._sessions.get(session_id)
+        if local is None or local.mode != "stream":
+            return False
+        try:
+            local.outbox.send_nowait(Cancel(job_id, run_id, reason))
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        return True
 
     def offers(self) -> dict[str, frozenset[str]]:
         """What the dispatcher may offer work to: non-draining sessions and their functions."""

@@ -29,6 +29,7 @@ from actors.grouped import Grouped
 from actors.messages import Kick, kick
 from ironflow import logs, metrics, tracing
 from ironflow.config import Limits, NodeConfig
+from ironflow.definitions import DefinitionRefused, compile_definition
 from ironflow.protocol import (
     EngineMessage,
     FencedMessage,
@@ -104,6 +105,11 @@ def check_register(msg: Register, limits: Limits) -> None:
             problem = trigger_problem(trigger)
             if problem is not None:
                 raise RegistrationRefused(f"function {fd.id!r}: {problem} - at `$.triggers[{i}]`")
+        # Trigger filters, key and cancel-on expressions compile (docs/triggers.md).
+        try:
+            compile_definition(fd)
+        except DefinitionRefused as exc:
+            raise RegistrationRefused(str(exc)) from None
 
 
 async def register(

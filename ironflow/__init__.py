@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "CancelOn",
     "Concurrency",
     "Context",
     "Event",
@@ -45,6 +46,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from ironflow.sdk import (
+        CancelOn,
         Concurrency,
         Context,
         Event,

@@ -38,6 +38,8 @@ __all__ = [
     "Expression",
     "ExpressionError",
     "KeyExpression",
+    "Variables",
+    "bind",
     "compile_expression",
     "compile_key",
     "event_variables",
@@ -81,6 +83,21 @@ def _cel() -> Any:
     return cel
 
 
+class Variables:
+    """Variables converted to CEL once, for several evaluations (one event
+    judged by many filters: a plain dict is converted again by each)."""
+
+    __slots__ = ("context",)
+
+    def __init__(self, context: Any):
+        self.context = context
+
+
+def bind(variables: Mapping[str, Any]) -> Variables:
+    """``variables`` converted once (:class:`Variables`)."""
+    return Variables(_cel().Context(dict(variables)))
+
+
 class Expression:
     """A compiled CEL expression (see the module docstring)."""
 
@@ -90,13 +107,16 @@ class Expression:
         self.source = source
         self._program = program
 
-    def evaluate(self, variables: Mapping[str, Any]) -> Any:
-        """The expression's value with ``variables`` bound.
+    def evaluate(self, variables: Mapping[str, Any] | Variables) -> Any:
+        """The expression's value with ``variables`` bound (a mapping, or
+        :func:`bind`'s conversion of one, shared by several evaluations).
 
         Raises:
           EvaluationError: a missing field, a wrong type, any failure.
         """
         try:
+            if isinstance(variables, Variables):
+                return self._program.execute(variables.context)
             return self._program.execute(dict(variables))
         except KeyError as exc:
             raise EvaluationError(f"{self.source!r}: no such key: {exc.args[0] if exc.args else '?'}") from None
@@ -104,7 +124,7 @@ class Expression:
             text = str(exc).split(". ", 1)[0] if isinstance(exc, TypeError) else str(exc)
             raise EvaluationError(f"{self.source!r}: {text}") from None
 
-    def test(self, variables: Mapping[str, Any]) -> bool:
+    def test(self, variables: Mapping[str, Any] | Variables) -> bool:
         """A filter's verdict: True only for a boolean true.
 
         Raises:

@@ -60,7 +60,7 @@ from ironflow import hypercorn_patch, logs, metrics
 from ironflow.api import ApiDeps, HotRoutes, create_app
 from ironflow.config import NodeConfig, redact_url
 from ironflow.ids import new_id
-from ironflow.store import Store, StoreReadOnly, StoreUnavailable, open_store
+from ironflow.store import CancelNotice, Store, StoreReadOnly, StoreUnavailable, open_store
 
 log = logging.getLogger("ironflow.node")
 
@@ -87,6 +87,9 @@ class Node:
             else open_store(config.database_url, sqlite_auto_vacuum=config.sqlite_auto_vacuum)
         )
         self.directory = SessionDirectory()
+        # Cancel-on: the worker holding a run an event cancelled (on any node)
+        # is told by the node its session is attached to (store/cancel_on.py).
+        self.store.on_jobs_cancelled(self._send_cancels)
         self.shutdown_requested = trio.Event()
         self.ready = trio.Event()
         self.supervisor: Supervisor | None = None
@@ -94,6 +97,10 @@ class Node:
         self.url = ""
         self.bootstrap_key: str | None = None
         self._stop = trio.Event()
+
+    def _send_cancels(self, notices: list[CancelNotice]) -> None:
+        for n in notices:
+            self.directory.send_cancel(n.session_id, n.job_id, n.run_id, n.reason)
 
     def request_shutdown(self) -> None:
         """Begin a graceful drain (what the first SIGTERM/SIGINT does)."""

@@ -34,6 +34,8 @@ STATUS_FOR_CODE = {
     "RUN_NOT_FOUND": 404,
     "SESSION_NOT_FOUND": 404,
     "LIMIT_EXCEEDED": 422,
+    # A key expression that fails on an invocation's input (docs/triggers.md).
+    "KEY_EVALUATION_FAILED": 422,
     # An outage of the database (ironflow/store/availability.py): try again.
     "STORE_UNAVAILABLE": 503,
     "STORAGE_FULL": 507,

@@ -12,6 +12,7 @@ from ironflow.api.auth import require_org
 from ironflow.api.errors import decode, json_response
 from ironflow.api.state import ApiState, state
 from ironflow.protocol import EmitBatchRequest, EmitBatchResponse, EmitRequest, EmitResponse
+from ironflow.store import IngestResult
 
 log = logging.getLogger("ironflow.api")
 bp = Blueprint("events", __name__)
@@ -69,12 +70,26 @@ async def _ingested(
         # New runs, and parked runs whose wait_for_event this event matched.
         if result.run_ids or result.resumed_run_ids:
             kick(st.deps.kicks, "event ingested")
+        cancelled_by_event(st, result)
     logs.event(
         log, logging.DEBUG, "event: ingested",
         event_id=result.event_id, runs=len(result.run_ids), duplicate=result.duplicate,
     )
     answer = EmitResponse(result.event_id, result.run_ids, result.duplicate, result.paused_function_ids)
     return answer, 200 if result.duplicate else 201
+
+
+def cancelled_by_event(st: ApiState, result: IngestResult) -> None:
+    """Runs the event cancelled (cancel_on): counted, logged, a slot freed (the
+    store told their workers: ironflow/store/cancel_on.py)."""
+    for outcome in result.cancelled:
+        metrics.run_ended("cancelled", outcome.function_id, outcome.duration_s)
+        logs.event(
+            log, logging.INFO, "run: cancelled by event",
+            run_id=outcome.run_id, event_id=result.event_id, session_id=outcome.session_id,
+        )
+    if result.cancelled:
+        kick(st.deps.kicks, "run cancelled by event")
 
 
 @bp.post("/v1/events/batch")
@@ -88,6 +103,8 @@ async def emit_batch() -> Response:
     )
     fresh = [r for r in results if not r.duplicate]
     metrics.EVENTS_EMITTED.inc(len(fresh))
+    for result in fresh:
+        cancelled_by_event(st, result)
     if any(r.run_ids or r.resumed_run_ids for r in fresh):
         kick(st.deps.kicks, "events ingested")
     answers = [EmitResponse(r.event_id, r.run_ids, r.duplicate, r.paused_function_ids) for r in results]

@@ -14,7 +14,6 @@ from ironflow.api.errors import decode, json_response, optional_body, query_floa
 from ironflow.api.state import state
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
-    Cancel,
     CancelRequest,
     CancelResponse,
     PurgeRequest,
@@ -75,12 +74,9 @@ async def cancel_run(run_id: str) -> Response:
     st = state()
     outcome = await st.store.cancel_run(run_id, body.reason)
     if outcome.session_id is not None and outcome.job_id is not None:
-        local = st.deps.directory.get(outcome.session_id)
-        if local is not None:
-            try:
-                local.outbox.send_nowait(Cancel(outcome.job_id, run_id, body.reason))
-            except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                pass  # the fence refuses anything the segment still sends
+        # A streaming worker attached here is told; the fence refuses anything
+        # the segment still sends, wherever its worker is.
+        st.deps.directory.send_cancel(outcome.session_id, outcome.job_id, run_id, body.reason)
     metrics.run_ended("cancelled", outcome.function_id, outcome.duration_s)
     logs.event(log, logging.INFO, "run: cancelled", run_id=run_id, session_id=outcome.session_id)
     kick(st.deps.kicks, "run cancelled")  # a parent waiting on this run may resume

@@ -576,7 +576,10 @@
         el("thead", {}, el("tr", {}, ["event", "name", "received", "runs", "data"].map((h) => el("th", { text: h })))),
         el("tbody", {}, events.length ? events.map((e) => el("tr", {},
           el("td", { class: "mono", text: e.id }), el("td", { text: e.name }), el("td", { text: fmtTime(e.received_at) }),
-          el("td", {}, e.run_ids.length ? e.run_ids.map((id) => [runLink(id), el("br")]) : el("span", { class: "muted", text: "none" })),
+          el("td", {}, e.run_ids.length ? e.run_ids.map((id) => [runLink(id), el("br")]) : el("span", { class: "muted", text: "none" }),
+            // Trigger filters and cancel-on (docs/triggers.md): who it did not start and why, what it cancelled.
+            (e.filtered || []).map((f) => el("div", { class: f.error ? "filtered error" : "filtered muted", text: `not started: ${f.function_id}: ${f.reason}` })),
+            (e.cancelled_run_ids || []).map((id) => el("div", {}, "cancelled ", runLink(id)))),
           el("td", { class: "mono", text: JSON.stringify(e.data).slice(0, 200) })))
           : el("tr", {}, el("td", { colspan: 5, class: "muted", text: "No events yet." })))));
     };

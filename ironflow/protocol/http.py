@@ -354,6 +354,16 @@ class RunResult(msgspec.Struct, frozen=True):
 # ── events and re-runs (read by the dashboard and the CLI) ──────────────────
 
 
+class FilterNote(msgspec.Struct, frozen=True):
+    """A function an event triggers but did not start (docs/triggers.md): its
+    filter was false (``error`` False), or a filter or key could not be
+    evaluated on the event (``error`` True); ``reason`` says which and why."""
+
+    function_id: str
+    reason: str
+    error: bool = False
+
+
 class EventRecord(msgspec.Struct, frozen=True):
     """A stored event and the runs it started (or an invocation's run)."""
 
@@ -363,6 +373,10 @@ class EventRecord(msgspec.Struct, frozen=True):
     received_at: float
     run_ids: list[str]
     idempotency_key: str | None = None
+    # Trigger filters and cancel-on (docs/triggers.md): the functions it did
+    # not start and why, and the runs it cancelled.
+    filtered: list[FilterNote] = []
+    cancelled_run_ids: list[str] = []
 
 
 class EventList(msgspec.Struct, frozen=True):

@@ -44,6 +44,9 @@ TERMINAL_RUN_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cance
 # Cron triggers (docs/schedules.md): what a schedule does about ticks missed
 # while no node was up — none, the latest one, or all within the window.
 CatchupPolicy = Literal["none", "latest", "all"]
+# Longest expression (trigger filter, key, cancel-on condition) a definition may carry.
+MAX_EXPRESSION = 4096
+Expression = Annotated[str, Meta(min_length=1, max_length=MAX_EXPRESSION)]
 
 
 class Trigger(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -53,9 +56,13 @@ class Trigger(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defa
     Exactly one of ``event`` / ``cron``: the SDK and the engine check it, and
     the cron text and timezone, with ``ironflow.protocol.cron.trigger_problem``.
     Defaults are left out of the JSON: an event trigger encodes as it always did.
+
+    ``expression`` (trigger filters, docs/triggers.md): a CEL condition on the
+    event (``event.data.amount > 100``); the run starts only when it is true.
     """
 
     event: Name | None = None
+    expression: Expression | None = None
     # ── cron triggers (ironflow/protocol/cron.py, ironflow/store/cron.py) ──
     cron: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
     timezone: Annotated[str, Meta(min_length=1, max_length=64)] = "UTC"
@@ -84,12 +91,36 @@ class RetryPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class Concurrency(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """At most ``limit`` segments execute at once, per value of ``key`` if given.
 
-    ``key`` is a dotted path into the event data (``customer.id``); a leading
-    ``event.data.`` or ``data.`` is accepted and ignored.
+    ``key`` is a dotted path into the event data (``customer.id``; a leading
+    ``event.data.`` or ``data.`` is accepted and ignored) or a CEL expression
+    over ``event`` (``event.data.region + ':' + event.data.tier``):
+    ironflow/expressions.py ``compile_key``, docs/triggers.md.
     """
 
     limit: Annotated[int, Meta(ge=1, le=1_000_000)]
-    key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    key: Annotated[str, Meta(min_length=1, max_length=MAX_EXPRESSION)] | None = None
+
+
+# ── cancel on an event (docs/triggers.md#cancel-on-an-event) ─────────────────
+
+# Most cancel_on entries one function may declare.
+MAX_CANCEL_ON = 16
+
+
+class CancelOn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Cancel a run that has not ended when event ``event`` arrives.
+
+    ``match``: a dotted path that must hold the same value in the incoming
+    event as in the run's triggering event (as ``wait_for_event``'s match);
+    ``expression``: a CEL condition over ``event`` (the run's triggering
+    event) and ``async`` (the incoming one); ``timeout_s``: seconds after the
+    run's creation past which this no longer applies.
+    """
+
+    event: Name
+    match: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    expression: Expression | None = None
+    timeout_s: Annotated[float, Meta(gt=0, le=MAX_DURATION_S)] | None = None
 
 
 class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -102,6 +133,8 @@ class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, Meta(gt=0, le=MAX_DURATION_S)] | None = None
     audit: bool = False
     name: Annotated[str, Meta(max_length=256)] | None = None
+    # Cancel on an event (docs/triggers.md).
+    cancel_on: Annotated[list[CancelOn], Meta(max_length=MAX_CANCEL_ON)] = []
 
 
 # ── pieces carried inside messages ──────────────────────────────────────────

@@ -21,11 +21,12 @@ from ironflow.sdk.errors import (
     StepTimeoutError,
     WorkerAuthError,
 )
-from ironflow.sdk.function import Function, cron, event, function
+from ironflow.sdk.function import CancelOn, Function, cron, event, function
 from ironflow.sdk.pull import PullWorker
 from ironflow.sdk.streaming import StreamingWorker
 
 __all__ = [
+    "CancelOn",
     "Concurrency",
     "Context",
     "Event",

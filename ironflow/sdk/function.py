@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ironflow.protocol import CancelOn as CancelOnSpec
 from ironflow.protocol import Concurrency, FunctionDef, RetryPolicy, Trigger
 from ironflow.protocol.cron import trigger_problem
 from ironflow.protocol.worker import CatchupPolicy
@@ -23,11 +24,74 @@ if TYPE_CHECKING:
 Handler = Callable[["Context"], Awaitable[Any]]
 
 
-def event(name: str) -> Trigger:
-    """A trigger on event ``name``: an exact name (``order.created``) or ``prefix.*``."""
+def event(name: str, expression: str | None = None) -> Trigger:
+    """A trigger on event ``name``: an exact name (``order.created``) or ``prefix.*``.
+
+    ``expression``: a CEL filter on the event (``event.data.amount > 100``);
+    the run starts only when it is true (docs/triggers.md). The engine compiles
+    it when the worker registers (a bad one refuses the registration); this
+    SDK compiles it here too when the expression library is installed.
+    """
     if not name:
         raise ValueError("an event trigger needs a name")
-    return Trigger(event=name)
+    if expression is not None and not isinstance(expression, str):
+        raise TypeError(f"ironflow.event expression= takes a CEL string, got {expression!r}")
+    if expression is not None and not expression.strip():
+        raise ValueError("ironflow.event expression= cannot be empty")
+    return Trigger(event=name, expression=expression)
+
+
+# ── cancel on an event (docs/triggers.md) ────────────────────────────────────
+
+
+def CancelOn(  # noqa: N802 (reads as the declaration it builds)
+    event: str,
+    match: str | None = None,
+    expression: str | None = None,
+    timeout: float | timedelta | None = None,
+) -> CancelOnSpec:
+    """Cancel a run that has not ended when event ``event`` arrives.
+
+    ``match``: a dotted path (``data.user_id``) that must hold the same value in
+    the incoming event as in the run's triggering event; ``expression``: a CEL
+    condition over ``event`` (the run's triggering event) and ``async`` (the
+    incoming one); ``timeout`` (seconds or a timedelta): after that long from
+    the run's creation, this no longer applies.
+    """
+    if not isinstance(event, str) or not event:
+        raise ValueError("ironflow.CancelOn needs an event name: CancelOn(event='user.unsubscribed')")
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    return CancelOnSpec(event=event, match=match, expression=expression, timeout_s=timeout)
+
+
+def _cancel_on(entries: Iterable[CancelOnSpec | Mapping[str, Any]]) -> list[CancelOnSpec]:
+    out = []
+    for entry in entries:
+        if isinstance(entry, CancelOnSpec):
+            out.append(entry)
+        elif isinstance(entry, Mapping):
+            if "event" not in entry:
+                raise ValueError(f"a cancel_on entry needs an event: {dict(entry)!r}")
+            out.append(CancelOn(**entry))
+        else:
+            raise TypeError(f"cancel_on takes ironflow.CancelOn(...) entries, got {entry!r}")
+    return out
+
+
+def _compile_locally(definition: FunctionDef) -> None:
+    """Compile ``definition``'s expressions here when the expression library is
+    installed (the light install has none: the engine checks at registration)."""
+    try:
+        import cel  # type: ignore[import-not-found]  # noqa: F401
+    except ImportError:
+        return
+    from ironflow.definitions import DefinitionRefused, compile_definition
+
+    try:
+        compile_definition(definition)
+    except DefinitionRefused as exc:
+        raise ValueError(f"@ironflow.function: {exc}") from None
 
 
 def cron(
@@ -140,6 +204,7 @@ def function(
     timeout_s: float | None = None,
     audit: bool = False,
     name: str | None = None,
+    cancel_on: Iterable[CancelOnSpec | Mapping[str, Any]] = (),
 ) -> Callable[[Handler], Function]:
     """Declare ``async def handler(ctx)`` as a durable function.
 
@@ -153,6 +218,8 @@ def function(
     value outside the engine's bounds (``max_attempts`` 1..1000,
     ``backoff_factor`` 1..100, delays and ``timeout_s`` up to a year, ids and
     event names up to 256 characters) is a ``ValueError`` naming the field.
+    ``cancel_on``: ``ironflow.CancelOn(...)`` entries, the events that cancel a
+    run that has not ended (docs/triggers.md).
     """
 
     def decorate(handler: Handler) -> Function:
@@ -169,8 +236,10 @@ def function(
                 timeout_s=_timeout(timeout, timeout_s),
                 audit=audit,
                 name=name,
+                cancel_on=_cancel_on(cancel_on),
             )
         )
+        _compile_locally(definition)
         return Function(definition, handler)
 
     return decorate

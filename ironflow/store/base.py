@@ -44,6 +44,7 @@ from ironflow.store.errors import (  # noqa: F401  (re-exported: the store's err
     CommitOutcomeUnknown,
     Conflict,
     FunctionNotFound,
+    KeyEvaluationFailed,
     LimitExceeded,
     NotFound,
     RunNotFound,
@@ -156,6 +157,16 @@ class CancelOutcome(msgspec.Struct, frozen=True):
     duration_s: float | None = None
 
 
+class CancelNotice(msgspec.Struct, frozen=True):
+    """A job whose run was cancelled while a worker held it: the node serving
+    that session sends it ``Cancel`` (Store.on_jobs_cancelled)."""
+
+    run_id: str
+    session_id: str
+    job_id: str
+    reason: str
+
+
 class IngestResult(msgspec.Struct, frozen=True):
     event_id: str
     run_ids: list[str]
@@ -164,6 +175,8 @@ class IngestResult(msgspec.Struct, frozen=True):
     resumed_run_ids: list[str] = []
     # Paused functions the event would have started (ironflow/store/cron.py).
     paused_function_ids: list[str] = []
+    # Runs this event cancelled (cancel_on, docs/triggers.md).
+    cancelled: list[CancelOutcome] = []
 
 
 class CronFired(msgspec.Struct, frozen=True):
@@ -655,6 +668,12 @@ class Store(abc.ABC):
         store object ended runs: completed, failed, cancelled, timed out, or
         failed at the recovery ceiling. Runs ended by another node are not
         announced here; waiters re-read the store as a backstop."""
+
+    @abc.abstractmethod
+    def on_jobs_cancelled(self, listener: Callable[[list[CancelNotice]], None]) -> None:
+        """Call ``listener(notices)`` on every node, after commit, for the jobs
+        of runs an event cancelled (cancel_on) while a worker held them: the
+        node serving the session tells its worker (ironflow/store/cancel_on.py)."""
 
     @abc.abstractmethod
     async def expire_run_deadlines(self) -> list[CancelOutcome]:

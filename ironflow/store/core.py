@@ -503,7 +503,7 @@ class SqlStoreBase(Store):
         parent_step_id: str | None = None,
     ) -> str:
         run_id = new_id("run")
-        ckey = _concurrency_key(fd, data)
+        ckey = self._run_key(fd, INVOKED_EVENT, data, event_id)
         tx.execute(
             "INSERT INTO runs (id, function_id, event_id, parent_run_id, parent_step_id, status,"
             " attempt, max_attempts, recovery_count, current_execution_seq, concurrency_key,"
@@ -521,51 +521,67 @@ class SqlStoreBase(Store):
             ),
         )
         self._enqueue(tx, run_id, 1, fd.id, ckey, 0.0, "new")
+        self._subscribe_cancels(tx, [(run_id, fd, data)])
         return run_id
 
+    # Trigger filters, expression keys and cancel-on (ironflow/store/filters.py,
+    # cancel_on.py) override these two hooks.
+    def _run_key(self, fd: FunctionDef, name: str, data: Any, event_id: str) -> str | None:
+        """The concurrency key of a new run of ``fd`` for this event."""
+        return _concurrency_key(fd, data)
+
+    def _subscribe_cancels(self, tx: Tx, runs: list[tuple[str, FunctionDef, Any]]) -> None:
+        """New runs ``(run_id, definition, event data)``: record their cancel-on subscriptions."""
+
     def _create_runs_with_event(
-        self, tx: Tx, fds: list[FunctionDef], event_id: str, name: str, data: Any, key: str | None
+        self, tx: Tx, fds: list[FunctionDef], event_id: str, name: str, data: Any, key: str | None,
+        notes: dict[str, str] | None = None,
     ) -> list[str]:
         """Create a run of each of ``fds`` for event ``event_id`` and record the
         event with their ids (:meth:`_create_run` + :meth:`_insert_event`); with
-        :attr:`Tx.combined`, the event, the runs and their queue rows in one statement."""
+        :attr:`Tx.combined`, the event, the runs and their queue rows in one
+        statement. ``notes``: event id → its ``events.notes`` (filters.py)."""
         if not tx.combined or not fds:
             run_ids = [self._create_run(tx, fd, event_id, data) for fd in fds]
-            self._insert_event(tx, event_id, name, data, key, run_ids)
+            self._insert_event(tx, event_id, name, data, key, run_ids, (notes or {}).get(event_id))
             return run_ids
-        return self._create_runs_with_events(tx, [(event_id, name, data, key, fds)])[0]
+        return self._create_runs_with_events(tx, [(event_id, name, data, key, fds)], notes)[0]
 
     def _create_runs_with_events(
-        self, tx: Tx, events: Sequence[tuple[str, str, Any, str | None, list[FunctionDef]]]
+        self, tx: Tx, events: Sequence[tuple[str, str, Any, str | None, list[FunctionDef]]],
+        notes: dict[str, str] | None = None,
     ) -> list[list[str]]:
         """:meth:`_create_runs_with_event` for several events (``(event_id, name,
         data, key, functions)`` each), all in one statement (PostgreSQL) unless
         that would carry more than :data:`MAX_STATEMENT_PARAMS` parameters (then
         halves, in order); each event's run ids."""
-        params = sum(5 + 9 * len(fds) for *_, fds in events)
+        params = sum(6 + 9 * len(fds) for *_, fds in events)
         if params > MAX_STATEMENT_PARAMS and len(events) > 1:
             half = len(events) // 2
             return [
-                *self._create_runs_with_events(tx, events[:half]),
-                *self._create_runs_with_events(tx, events[half:]),
+                *self._create_runs_with_events(tx, events[:half], notes),
+                *self._create_runs_with_events(tx, events[half:], notes),
             ]
         event_rows: list[Any] = []
         run_rows: list[Any] = []
         queue_rows: list[Any] = []
         all_run_ids: list[list[str]] = []
+        subscribing: list[tuple[str, FunctionDef, Any]] = []
         for event_id, name, data, key, fds in events:
             run_ids: list[str] = []
             for fd in fds:
-                run_id, ckey = new_id("run"), _concurrency_key(fd, data)
+                run_id, ckey = new_id("run"), self._run_key(fd, name, data, event_id)
                 run_ids.append(run_id)
                 run_rows += [run_id, fd.id, event_id, max(1, fd.retries.max_attempts), ckey, fd.timeout_s]
                 queue_rows += [run_id, fd.id, ckey]
-            event_rows += [event_id, name, _enc(data), key, _enc(run_ids)]
+                if fd.cancel_on:
+                    subscribing.append((run_id, fd, data))
+            event_rows += [event_id, name, _enc(data), key, _enc(run_ids), (notes or {}).get(event_id)]
             all_run_ids.append(run_ids)
         runs = len(run_rows) // 6
         events_sql = (
-            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids, xid) VALUES "
-            + ", ".join([f"(?, ?, ?, ?, ironflow_now(), ?, {tx.xid_sql})"] * len(events))
+            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids, notes, xid)"
+            " VALUES " + ", ".join([f"(?, ?, ?, ?, ironflow_now(), ?, ?, {tx.xid_sql})"] * len(events))
         )
         if not runs:
             tx.execute(events_sql, event_rows)
@@ -583,6 +599,7 @@ class SqlStoreBase(Store):
             + ", ".join(["(?, 1, ?, ?, ironflow_now(), 'new', ironflow_now())"] * runs),
             (*event_rows, *run_rows, *queue_rows),
         )
+        self._subscribe_cancels(tx, subscribing)
         return all_run_ids
 
     def _end_run(
@@ -638,15 +655,17 @@ class SqlStoreBase(Store):
 
     @staticmethod
     def _insert_event(
-        tx: Tx, event_id: str, name: str, data: Any, key: str | None, run_ids: list[str]
+        tx: Tx, event_id: str, name: str, data: Any, key: str | None, run_ids: list[str],
+        notes: str | None = None,
     ) -> None:
-        """Record an event with the runs it started. Callers create the runs
-        first under a pre-made ``event_id`` (no foreign key ties them), so the
-        event is written once rather than inserted and then updated."""
+        """Record an event with the runs it started (and ``notes``: filters.py).
+        Callers create the runs first under a pre-made ``event_id`` (no foreign
+        key ties them), so the event is written once rather than inserted and
+        then updated."""
         tx.execute(
-            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids, xid)"
-            f" VALUES (?, ?, ?, ?, ironflow_now(), ?, {tx.xid_sql})",
-            (event_id, name, _enc(data), key, _enc(run_ids)),
+            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids, notes, xid)"
+            f" VALUES (?, ?, ?, ?, ironflow_now(), ?, ?, {tx.xid_sql})",
+            (event_id, name, _enc(data), key, _enc(run_ids), notes),
         )
 
     def _resume(self, tx: Tx, run_id: str) -> tuple[int, float] | None:

@@ -45,6 +45,13 @@ class LimitExceeded(StoreError):
     code = "LIMIT_EXCEEDED"
 
 
+class KeyEvaluationFailed(StoreError):
+    """A function's key expression failed on the event that would start a run
+    (docs/triggers.md): the run is not created; the message says why."""
+
+    code = "KEY_EVALUATION_FAILED"
+
+
 class StoreUnavailable(StoreError):
     """The database cannot be reached or cannot write (an outage, not a fault):
     the call did not take effect, or its commit is unknown; the same call may

@@ -34,6 +34,7 @@ from ironflow.store.base import (
     Fence,
     FunctionNotFound,
     JobOutcome,
+    KeyEvaluationFailed,
     SessionNotFound,
     StaleExecution,
     StepResult,
@@ -433,14 +434,25 @@ class FenceOps(StepResultOps, WaitOps):
                     assert resumed is not None
                     return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
                 event_id = new_id("evt")
-                invoke_run_id = self._create_run(
-                    tx,
-                    self._fdef(row[0]),
-                    event_id,
-                    info.input,
-                    parent_run_id=fence.run_id,
-                    parent_step_id=step_id,
-                )
+                try:
+                    invoke_run_id = self._create_run(
+                        tx,
+                        self._fdef(row[0]),
+                        event_id,
+                        info.input,
+                        parent_run_id=fence.run_id,
+                        parent_step_id=step_id,
+                    )
+                except KeyEvaluationFailed as exc:
+                    # The child's key expression fails on this input (docs/triggers.md):
+                    # no child; the invoke step fails, not retried.
+                    error = ErrorInfo(message=str(exc), code=exc.code, retryable=False)
+                    self._park_step(
+                        tx, fence, step_id, name, kind, "failed", None, error=_enc(error)
+                    )
+                    resumed = self._resume(tx, fence.run_id)
+                    assert resumed is not None
+                    return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
                 self._insert_event(tx, event_id, INVOKED_EVENT, info.input, None, [invoke_run_id])
                 kicked.append(invoke_run_id)
             self._park_step(

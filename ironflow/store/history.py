@@ -65,6 +65,8 @@ class RetentionOps(SqlStoreBase):
                 marks = _marks(len(run_ids))
                 steps = tx.execute(f"DELETE FROM steps WHERE run_id IN ({marks})", run_ids)
                 audit = tx.execute(f"DELETE FROM audit_log WHERE run_id IN ({marks})", run_ids)
+                # Cancel-on subscriptions no event came to clean up (cancel_on.py).
+                tx.execute(f"DELETE FROM cancel_subscriptions WHERE run_id IN ({marks})", run_ids)
                 runs = tx.execute(f"DELETE FROM runs WHERE id IN ({marks})", run_ids)
             # After the runs: an event only they referenced can go in this batch.
             events = tx.execute(

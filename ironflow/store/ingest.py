@@ -1,24 +1,25 @@
-"""Ingest: events in (idempotency window, the trigger index, runs created),
-parked ``wait_for_event`` steps resolved, direct invocations, cancellation.
+"""Ingest: events in (idempotency window, the trigger index, trigger filters,
+cancel-on, runs created), parked ``wait_for_event`` steps resolved, direct
+invocations, cancellation.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ironflow.ids import new_id
 from ironflow.protocol import (
-    TERMINAL_RUN_STATUSES,
     ErrorInfo,
     FunctionDef,
 )
 from ironflow.store.base import (
+    CancelNotice,
     CancelOutcome,
-    Conflict,
     FunctionNotFound,
     IngestResult,
-    RunNotFound,
 )
+from ironflow.store.cancel_on import CancelOnOps, cancel_paths_sql, cancel_reason
 from ironflow.store.core import (
     INVOKED_EVENT,
     NamedLock,
@@ -26,12 +27,18 @@ from ironflow.store.core import (
     _dec,
     _marks,
     _trigger_patterns,
-    _triggered,
 )
+from ironflow.store.filters import notes_text
 from ironflow.store.waits import WaitOps, ingest_locks
 
+R = TypeVar("R")
 
-class IngestOps(WaitOps):
+
+def _cancelled_ids(results: list[IngestResult]) -> list[str]:
+    return [o.run_id for r in results for o in r.cancelled]
+
+
+class IngestOps(CancelOnOps, WaitOps):
     """Events in, runs created, waits resolved, invocations, cancellation."""
 
     def _ingest(
@@ -47,22 +54,30 @@ class IngestOps(WaitOps):
             if seen is not None:
                 return IngestResult(seen[0], _dec(seen[1]), True)
         event_id = new_id("evt")
-        fds, paths, paused = self._triggered_and_waited(tx, [name])
+        fds, paths, cancel_paths, paused = self._triggered_and_waited(tx, [name])
+        # Cancel first: the event never cancels a run it starts (cancel_on.py).
+        cancelled = self._cancel_on_events(tx, [(event_id, name, data)], cancel_paths)
+        # A paused function starts nothing; the answer names it (ironflow/store/cron.py).
+        starting, filtered = self._judge([fd for fd in fds if fd.id not in paused], event_id, name, data)
+        note = notes_text(filtered, [o.run_id for o in cancelled[0]])
         run_ids = self._create_runs_with_event(
-            tx, [fd for fd in fds if _triggered(fd, name) and fd.id not in paused], event_id, name, data,
-            idempotency_key,
+            tx, starting, event_id, name, data, idempotency_key,
+            None if note is None else {event_id: note},
         )
         resumed = self._resolve_waits(tx, [(event_id, name, data)], paths)[0]
         return IngestResult(
-            event_id, run_ids, False, resumed_run_ids=resumed,
+            event_id, run_ids, False,
+            resumed_run_ids=[*resumed, *(r for o in cancelled[0] for r in o.kicked_run_ids)],
+            cancelled=cancelled[0],
             paused_function_ids=[fd.id for fd in fds if fd.id in paused and _triggered(fd, name)],
         )
 
     def _triggered_and_waited(
         self, tx: Tx, names: list[str]
-    ) -> tuple[list[FunctionDef], dict[str, list[str]], set[str]]:
+    ) -> tuple[list[FunctionDef], dict[str, list[str]], dict[str, list[str]], set[str]]:
         """The functions any of ``names`` may trigger, the match paths waited
-        on per name (waits.py), and which of those functions are paused
+        on per name (waits.py), those cancel-on entries name per name
+        (cancel_on.py), and which of the functions are paused
         (ironflow/store/cron.py): on PostgreSQL in one round trip."""
         names = sorted(set(names))
         patterns = sorted({pattern for name in names for pattern in _trigger_patterns(name)})
@@ -75,13 +90,16 @@ class IngestOps(WaitOps):
         if tx.combined:
             rows = tx.fetchall(
                 f"{functions_sql} UNION ALL SELECT 1, w.wait_event, w.wait_match FROM"
-                f" ({self._wait_paths_sql(len(names))}) w ORDER BY 1, 2, 3",
-                (*patterns, *names),
+                f" ({self._wait_paths_sql(len(names))}) w UNION ALL SELECT 2, c.event_name,"
+                f" c.match_path FROM ({cancel_paths_sql(len(names))}) c ORDER BY 1, 2, 3",
+                (*patterns, *names, *names),
             )
         else:
-            rows = tx.fetchall(functions_sql + " ORDER BY 2", patterns) + [
-                (1, *row) for row in tx.fetchall(self._wait_paths_sql(len(names)), names)
-            ]
+            rows = (
+                tx.fetchall(functions_sql + " ORDER BY 2", patterns)
+                + [(1, *row) for row in tx.fetchall(self._wait_paths_sql(len(names)), names)]
+                + [(2, *row) for row in tx.fetchall(cancel_paths_sql(len(names)), names)]
+            )
         fds: list[FunctionDef] = []
         paused: set[str] = set()
         for row in rows:
@@ -92,10 +110,28 @@ class IngestOps(WaitOps):
                     paused.add(fd.id)
         fds.sort(key=lambda fd: fd.id)
         paths: dict[str, list[str]] = {}
+        cancel_paths: dict[str, list[str]] = {}
         for kind, event, path in rows:
             if kind == 1:
                 paths.setdefault(event, []).append(path)
-        return fds, paths, paused
+            elif kind == 2:
+                cancel_paths.setdefault(event, []).append(path)
+        return fds, paths, cancel_paths, paused
+
+    async def _transact_ingest(
+        self, work: Callable[[Tx], R], results: Callable[[R], list[IngestResult]], locks: list[NamedLock]
+    ) -> R:
+        """Run an ingest: the runs it cancelled are announced as ended and
+        (SQLite; PostgreSQL notified every node at commit) the jobs it took from
+        workers are announced after commit (cancel_on.py)."""
+        result = await self._transact_ending(work, lambda r: _cancelled_ids(results(r)), locks)
+        if not self._notifies_cancels:
+            self._announce_cancels([
+                CancelNotice(o.run_id, o.session_id, o.job_id, cancel_reason(r.event_id))
+                for r in results(result) for o in r.cancelled
+                if o.session_id is not None and o.job_id is not None
+            ])
+        return result
 
     @staticmethod
     def _ingest_locks(events: list[tuple[str, Any, str | None]]) -> list[NamedLock]:
@@ -115,8 +151,9 @@ class IngestOps(WaitOps):
         *,
         idempotency_window_s: float,
     ) -> IngestResult:
-        return await self._transact(
+        return await self._transact_ingest(
             lambda tx: self._ingest(tx, name, data, idempotency_key, idempotency_window_s),
+            lambda result: [result],
             self._ingest_locks([(name, data, idempotency_key)]),
         )
 
@@ -134,7 +171,7 @@ class IngestOps(WaitOps):
                 for name, data, key in events
             ]
 
-        return await self._transact(work, self._ingest_locks(events))
+        return await self._transact_ingest(work, lambda results: results, self._ingest_locks(events))
 
     def _ingest_many(self, tx: Tx, events: list[tuple[str, Any]]) -> list[IngestResult]:
         """:meth:`_ingest` for several events without idempotency keys, in order,
@@ -142,13 +179,21 @@ class IngestOps(WaitOps):
         names (PostgreSQL): one reads the functions any of them triggers and the
         match paths waited on their names, one writes every event, run and
         queue row; waits they satisfy are then resolved together (waits.py)."""
-        functions, paths, paused = self._triggered_and_waited(tx, [name for name, _ in events])
-        planned = [
-            (new_id("evt"), name, data, None,
-             [fd for fd in functions if _triggered(fd, name) and fd.id not in paused])
-            for name, data in events
-        ]
-        created = self._create_runs_with_events(tx, planned)
+        functions, paths, cancel_paths, paused = self._triggered_and_waited(tx, [name for name, _ in events])
+        if cancel_paths:
+            # One by one, in order: a run one of them starts may be cancelled by a later one.
+            return [self._ingest(tx, name, data, None, 0.0) for name, data in events]
+        live = [fd for fd in functions if fd.id not in paused]  # a paused function starts nothing
+        planned = []
+        notes: dict[str, str] = {}
+        for name, data in events:
+            event_id = new_id("evt")
+            starting, filtered = self._judge(live, event_id, name, data)
+            note = notes_text(filtered, [])
+            if note is not None:
+                notes[event_id] = note
+            planned.append((event_id, name, data, None, starting))
+        created = self._create_runs_with_events(tx, planned, notes)
         resumed = self._resolve_waits(
             tx, [(event_id, name, data) for event_id, name, data, _, _ in planned], paths
         )
@@ -180,25 +225,7 @@ class IngestOps(WaitOps):
 
     async def cancel_run(self, run_id: str, reason: str) -> CancelOutcome:
         def work(tx: Tx) -> CancelOutcome:
-            # The run's queue row and lease first, then the run: the order in
-            # which an activation (queue row, lease, run) and a completion
-            # (lease, run) take them, so a cancel racing either waits for it
-            # rather than deadlocking with it; a step write holding the lease
-            # (FOR KEY SHARE) commits before the cancel, never after it.
-            tx.fetchone(f"SELECT 1 FROM dispatch_queue WHERE run_id = ? {tx.lock_wait()}", (run_id,))
-            tx.fetchone(f"SELECT 1 FROM concurrency_leases WHERE run_id = ? {tx.lock_wait()}", (run_id,))
-            run = tx.fetchone(
-                "SELECT status, current_execution_seq, parent_run_id, parent_step_id"
-                f" FROM runs WHERE id = ? {tx.lock_wait()}",
-                (run_id,),
-            )
-            if run is None:
-                raise RunNotFound(f"run {run_id} not found")
-            if run[0] in TERMINAL_RUN_STATUSES:
-                raise Conflict(f"run {run_id} already {run[0]}")
             error = ErrorInfo(message=reason, code="CANCELLED", retryable=False)
-            outcome = self._end_run(tx, run_id, "cancelled", error, run[2], run[3])
-            self._audit_if_enabled(tx, "run.cancelled", run_id, {"reason": reason})
-            return outcome
+            return self._cancel(tx, run_id, error, {"reason": reason})
 
         return await self._transact_ending(work, lambda _: [run_id])

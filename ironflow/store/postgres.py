@@ -67,6 +67,7 @@ from ironflow.store.base import (
     CommitOutcomeUnknown,
     StoreUnavailable,
 )
+from ironflow.store.cancel_on import CANCEL_CHANNEL
 from ironflow.store.chain import chained
 from ironflow.store.core import NamedLock, Tx, lock_id
 from ironflow.store.handback import hand_back
@@ -471,6 +472,8 @@ class PostgresStore(SqlStore):
 
     shared_by_nodes = True
     group_acks = True
+    # Cancel-on: the jobs an event took from workers reach every node by NOTIFY.
+    _notifies_cancels = True
     # What the actors run each group's statements through (a test subclass
     # may pause between statements: tests/sim/pg.py).
     tx_class: type[_PgTx] = _PgTx
@@ -618,11 +621,14 @@ class PostgresStore(SqlStore):
             with connect(self.url) as conn:
                 conn.execute(f"LISTEN {KICK_CHANNEL}")
                 conn.execute(f"LISTEN {RUN_END_CHANNEL}")
+                conn.execute(f"LISTEN {CANCEL_CHANNEL}")
                 listening.set()
                 while not stop.is_set():
                     for note in conn.notifies(timeout=LISTEN_POLL_S, stop_after=1):
                         if note.channel == RUN_END_CHANNEL:
                             token.run_sync_soon(self._announce_ended, note.payload.split(","))
+                        elif note.channel == CANCEL_CHANNEL:
+                            token.run_sync_soon(self._announce_cancel_payload, note.payload)
                         else:
                             token.run_sync_soon(on_kick)
 

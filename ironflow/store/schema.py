@@ -250,6 +250,28 @@ CREATE TABLE IF NOT EXISTS cron_ticks (
     claimed_at    {REAL} NOT NULL,
     PRIMARY KEY (function_id, scheduled_at)
 );
+
+-- Cancel on an event (ironflow/store/cancel_on.py): one row per live run and
+-- cancel_on entry, keyed by what cancels it (event name, match path, the
+-- canonical value its triggering event holds there): an emit looks up exactly
+-- the keys its event carries. A row whose run ended is deleted by the next
+-- event that finds it, or with its run.
+CREATE TABLE IF NOT EXISTS cancel_subscriptions (
+    cancel_key  TEXT NOT NULL,
+    run_id      TEXT NOT NULL,
+    spec        INTEGER NOT NULL,
+    condition   TEXT,
+    expires_at  {REAL},
+    PRIMARY KEY (cancel_key, run_id, spec)
+);
+CREATE INDEX IF NOT EXISTS cancel_subscriptions_run ON cancel_subscriptions (run_id);
+-- Every match path a cancel_on of a registered function names, per event name:
+-- an emit computes the cancel keys of its event from these few rows.
+CREATE TABLE IF NOT EXISTS cancel_paths (
+    event_name  TEXT NOT NULL,
+    match_path  TEXT NOT NULL,
+    PRIMARY KEY (event_name, match_path)
+);
 """
 
 _PG_EXTRA = """
@@ -319,6 +341,9 @@ _ADDED_COLUMNS = [
     ("events", "traceparent", "TEXT"),
     # Function pause (ironflow/store/cron.py): when it was paused, NULL = not paused.
     ("functions", "paused_at", "{REAL}"),
+    # Trigger filters and cancel-on: the functions an event did not start and
+    # why, the runs it cancelled (ironflow/store/filters.py); NULL for neither.
+    ("events", "notes", "TEXT"),
 ]
 
 # Fills the trigger index from stored definitions, for a database whose

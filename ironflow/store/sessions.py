@@ -19,6 +19,7 @@ from ironflow.store.base import (
     RecoveredSegment,
     SessionInfo,
 )
+from ironflow.store.cancel_on import register_cancel_paths
 from ironflow.store.capacity_scan import CapacityLoop
 from ironflow.store.core import (
     Tx,
@@ -102,6 +103,7 @@ class SessionOps(CapacityLoop):
         if changed is None:
             return
         sync_schedules(tx, fd, self._now(tx))  # its cron triggers (ironflow/store/cron.py)
+        register_cancel_paths(tx, fd)  # cancel on an event (cancel_on.py)
         patterns = sorted({t.event for t in fd.triggers if t.event is not None})
         if patterns and max_per_trigger is not None:
             crowded = tx.fetchone(

@@ -43,4 +43,4 @@ class TraceOps(IngestOps):
                     )
             return results
 
-        return await self._transact(work, self._ingest_locks(plain))
+        return await self._transact_ingest(work, lambda results: results, self._ingest_locks(plain))

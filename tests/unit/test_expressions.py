@@ -79,3 +79,13 @@ def test_a_key_is_one_value() -> None:
     with pytest.raises(EvaluationError, match="got a list"):
         compile_key("has(event.data.tags) ? event.data.tags : 'none'").key("e", {"tags": ["a"]})
     assert key_text(True) == "true" and key_text(1.5) == "1.5" and key_text(None) is None
+
+
+def test_variables_bound_once_evaluate_like_a_mapping() -> None:
+    from ironflow.expressions import bind
+
+    bound = bind(on({"amount": 150}))
+    assert compile_expression("event.data.amount > 100").test(bound) is True
+    assert compile_expression("event.data.amount < 100").test(bound) is False
+    with pytest.raises(EvaluationError, match="no such key: region"):
+        compile_expression("event.data.region == 'eu'").test(bound)
