@@ -27,6 +27,7 @@ from ironflow.store.core import (
     _dec,
     _marks,
     _trigger_patterns,
+    _triggered,
 )
 from ironflow.store.filters import notes_text
 from ironflow.store.waits import WaitOps, ingest_locks
