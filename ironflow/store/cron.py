@@ -194,9 +194,6 @@ class CronOps(SqlStoreBase):
 
         return await self._read(work)
 
-    async def list_schedules(self) -> dict[str, list[FunctionSchedule]]:
-        return await self._read(read_schedules)
-
     async def pause_function(self, function_id: str, *, by: str) -> bool:
         def work(tx: Tx) -> bool:
             row = tx.fetchone(
