@@ -18,7 +18,7 @@ engine compares them with the database clock (``ironflow_now()``).
 from __future__ import annotations
 
 import math
-from datetime import UTC, datetime
+from datetime import datetime
 from functools import lru_cache
 from typing import Any
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
@@ -118,8 +118,3 @@ def tick_data(cron: str, timezone: str, scheduled_at: float) -> dict[str, Any]:
         "cron": cron,
         "timezone": timezone,
     }
-
-
-def iso_utc(epoch: float) -> str:
-    """``epoch`` as ISO-8601 UTC (for listings)."""
-    return datetime.fromtimestamp(epoch, UTC).isoformat()

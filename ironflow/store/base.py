@@ -27,7 +27,6 @@ from ironflow.protocol import (
     EventRecord,
     FunctionDef,
     FunctionRecord,
-    FunctionSchedule,
     JobAssignment,
     JobLeaseStatus,
     JobNackReason,
@@ -794,34 +793,26 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def fire_due_ticks(self, node_id: str, *, limit: int, missed_after_s: float) -> list[CronFired]:
-        """Fire the schedules due by the database clock (at most ``limit``): each
-        tick that starts a run is claimed (once per function and scheduled time,
-        across nodes) and its run created in this one transaction; every due
-        schedule's next tick moves past now. Ticks older than ``missed_after_s``
-        are missed, handled by the schedule's catch-up policy."""
+        """Fire up to ``limit`` schedules due by the database clock, in one
+        transaction: each tick that starts a run is claimed (once per function
+        and scheduled time) with its run; ticks older than ``missed_after_s``
+        follow the catch-up policy; every next tick moves past now."""
 
     @abc.abstractmethod
     def on_schedules_changed(self, listener: Callable[[], None]) -> Callable[[], None]:
-        """Call ``listener()`` after a registration through this store that may
-        have changed cron schedules; returns the call that unregisters it."""
+        """Call ``listener()`` after a registration that may have changed schedules; returns the unregister."""
 
     @abc.abstractmethod
     async def seconds_until_next_tick(self) -> float | None:
-        """Seconds from the database clock to the earliest scheduled tick (None: no schedule)."""
-
-    @abc.abstractmethod
-    async def list_schedules(self) -> dict[str, list[FunctionSchedule]]:
-        """Every function's cron schedules with their next fire time."""
+        """Seconds from the database clock to the earliest tick (None: no schedule)."""
 
     @abc.abstractmethod
     async def pause_function(self, function_id: str, *, by: str) -> bool:
-        """Pause a function: no run starts from its events or ticks. Audited;
-        False if it was paused already. Raises FunctionNotFound."""
+        """No run starts from its events or ticks; audited; False if paused already."""
 
     @abc.abstractmethod
     async def resume_function(
         self, function_id: str, *, catchup: bool, by: str, node_id: str
     ) -> tuple[bool, str | None]:
-        """Resume a paused function; with ``catchup``, start a run for the latest
-        tick skipped while paused. Returns whether it was paused and the run
-        started (or None). Audited (when it was paused). Raises FunctionNotFound."""
+        """(whether it was paused, the run started for the latest tick skipped
+        while paused when ``catchup``). Audited. Both raise FunctionNotFound."""

@@ -79,6 +79,16 @@ def sync_schedules(tx: Tx, fd: FunctionDef, now: float) -> bool:
     return bool(wanted)
 
 
+def read_schedules(tx: Tx) -> dict[str, list[FunctionSchedule]]:
+    """Every function's schedules with their next fire time, by function id."""
+    out: dict[str, list[FunctionSchedule]] = {}
+    for fid, cron, tz, catchup, _, next_at in tx.fetchall(
+        f"SELECT {_SCHEDULE_COLS} FROM cron_schedules s ORDER BY 1, 2, 3"
+    ):
+        out.setdefault(fid, []).append(FunctionSchedule(cron, tz, catchup, next_at))
+    return out
+
+
 def _due(catchup: str, cron: str, tz: str, window_s: float, next_at: float, now: float,
          missed_after_s: float) -> list[float]:
     """The due ticks (``next_at`` .. ``now``) that start a run under ``catchup``.
@@ -181,17 +191,6 @@ class CronOps(SqlStoreBase):
                 "SELECT min(next_at) - ironflow_now() FROM cron_schedules"
             )
             return None if row is None or row[0] is None else float(row[0])
-
-        return await self._read(work)
-
-    async def list_schedules(self) -> dict[str, list[FunctionSchedule]]:
-        def work(tx: Tx) -> dict[str, list[FunctionSchedule]]:
-            out: dict[str, list[FunctionSchedule]] = {}
-            for fid, cron, tz, catchup, _, next_at in tx.fetchall(
-                f"SELECT {_SCHEDULE_COLS} FROM cron_schedules s ORDER BY 1, 2, 3"
-            ):
-                out.setdefault(fid, []).append(FunctionSchedule(cron, tz, catchup, next_at))
-            return out
 
         return await self._read(work)
 

@@ -12,7 +12,6 @@ from ironflow.ids import new_id
 from ironflow.protocol import (
     FunctionDef,
     FunctionRecord,
-    FunctionSchedule,
 )
 from ironflow.store.base import (
     LimitExceeded,
@@ -29,7 +28,7 @@ from ironflow.store.core import (
     _marks,
     token_hash,
 )
-from ironflow.store.cron import sync_schedules
+from ironflow.store.cron import read_schedules, sync_schedules
 
 
 class SessionOps(CapacityLoop):
@@ -141,12 +140,7 @@ class SessionOps(CapacityLoop):
         def work(tx: Tx) -> list[FunctionRecord]:
             now = self._now(tx)
             records = []
-            schedules: dict[str, list[FunctionSchedule]] = {}
-            for fid, cron, tz, catchup, next_at in tx.fetchall(
-                "SELECT function_id, cron, timezone, catchup, next_at FROM cron_schedules"
-                " ORDER BY 1, 2, 3"
-            ):
-                schedules.setdefault(fid, []).append(FunctionSchedule(cron, tz, catchup, next_at))
+            schedules = read_schedules(tx)  # ironflow/store/cron.py
             for fid, text, version, updated_at, seen, paused_at in tx.fetchall(
                 "SELECT id, definition, version, updated_at, last_seen_at, paused_at FROM functions"
                 " ORDER BY id"
