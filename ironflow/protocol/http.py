@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from ironflow.protocol.bounds import MAX_DURATION_S, Name, ShortText
+from ironflow.protocol.flow import FlowNote
 from ironflow.protocol.worker import (
     ErrorInfo,
     FunctionDef,
@@ -44,6 +45,12 @@ class EmitResponse(msgspec.Struct, frozen=True):
     event_id: str
     run_ids: list[str]
     duplicate: bool = False
+    # Ingest-side flow control (protocol/flow.py): the functions this event
+    # started no run of, the debounced runs it moved, the batches it joined.
+    # New optional fields: an older client reads the answer it always did.
+    skipped: list[FlowNote] = []
+    debounced: list[FlowNote] = []
+    batched: list[FlowNote] = []
 
 
 # One batch is one transaction; this bounds how long it holds the writer.
@@ -330,6 +337,8 @@ class EventRecord(msgspec.Struct, frozen=True):
     received_at: float
     run_ids: list[str]
     idempotency_key: str | None = None
+    # What flow control did with it, per function (protocol/flow.py).
+    flow: list[FlowNote] = []
 
 
 class EventList(msgspec.Struct, frozen=True):

@@ -26,6 +26,7 @@ from ironflow.protocol.bounds import (
     StepName,
     Token,
 )
+from ironflow.protocol.flow import Batch, Debounce, RateLimit, Singleton
 
 SDK_VERSION = "0.1.0"
 
@@ -85,6 +86,11 @@ class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, Meta(gt=0, le=MAX_DURATION_S)] | None = None
     audit: bool = False
     name: Annotated[str, Meta(max_length=256)] | None = None
+    # Ingest-side flow control (ironflow/protocol/flow.py, docs/flow-control.md).
+    rate_limit: RateLimit | None = None
+    debounce: Debounce | None = None
+    singleton: Singleton | None = None
+    batch: Batch | None = None
 
 
 # ── pieces carried inside messages ──────────────────────────────────────────
@@ -283,6 +289,9 @@ class JobAssignment(msgspec.Struct, frozen=True, tag="job"):
     # bound when it is tighter than the delay from receipt (the time the job
     # spent in queues and transit is then not added to its start).
     db_now: float | None = None
+    # A batch run (FunctionDef.batch): every event of its batch in arrival
+    # order (``event`` is the first); None for any other run.
+    events: list[EventInfo] | None = None
 
 
 class LeaseStatus(msgspec.Struct, frozen=True, tag="lease_status"):

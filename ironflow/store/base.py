@@ -23,8 +23,10 @@ from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
     ActiveJob,
     AuditRecord,
+    DebounceRecord,
     ErrorInfo,
     EventRecord,
+    FlowNote,
     FunctionDef,
     FunctionRecord,
     JobAssignment,
@@ -161,6 +163,10 @@ class IngestResult(msgspec.Struct, frozen=True):
     duplicate: bool
     # Parked runs whose wait_for_event this event matched (the caller kicks).
     resumed_run_ids: list[str] = []
+    # Ingest-side flow control (store/flow.py): what it did per function, and
+    # the singleton runs it cancelled (the caller tells their workers).
+    flow: list[FlowNote] = []
+    cancelled: list[CancelOutcome] = []
 
 
 class SessionInfo(msgspec.Struct, frozen=True):
@@ -271,6 +277,14 @@ class Store(abc.ABC):
         """:meth:`ingest_events` of ``(name, data, idempotency_key, traceparent)``:
         each new event also records its W3C ``traceparent`` (None: none), which
         every assignment of its runs carries (ironflow/store/traces.py)."""
+
+    # ingest-side flow control (ironflow/store/flow.py) -----------------------
+
+    @abc.abstractmethod
+    async def list_debounces(
+        self, *, function_id: str | None = None, limit: int = 100
+    ) -> list[DebounceRecord]:
+        """Pending debounces (not yet dispatched), soonest first."""
 
     # outages (ironflow/store/outage.py) ---------------------------------------
 

@@ -9,15 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from ironflow.protocol import EventRecord
+import msgspec
+
+from ironflow.protocol import EventRecord, FlowNote
 from ironflow.store.base import NotFound, RunNotFound
 from ironflow.store.core import SqlStoreBase, Tx, _dec, _enc, _where
 
-_EVENT_COLS = "id, name, data, received_at, run_ids, idempotency_key"
+_EVENT_COLS = "id, name, data, received_at, run_ids, idempotency_key, flow"
+_flow_decode = msgspec.json.Decoder(list[FlowNote]).decode
 
 
 def _event_record(row: Any) -> EventRecord:
-    return EventRecord(row[0], row[1], _dec(row[2]), row[3], _dec(row[4]) or [], row[5])
+    flow = _flow_decode(row[6]) if row[6] else []  # store/flow.py: what flow control did
+    return EventRecord(row[0], row[1], _dec(row[2]), row[3], _dec(row[4]) or [], row[5], flow)
 
 
 class EventReadOps(SqlStoreBase):

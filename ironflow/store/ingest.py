@@ -8,16 +8,12 @@ from typing import Any
 
 from ironflow.ids import new_id
 from ironflow.protocol import (
-    TERMINAL_RUN_STATUSES,
-    ErrorInfo,
     FunctionDef,
 )
 from ironflow.store.base import (
     CancelOutcome,
-    Conflict,
     FunctionNotFound,
     IngestResult,
-    RunNotFound,
 )
 from ironflow.store.core import (
     INVOKED_EVENT,
@@ -28,10 +24,11 @@ from ironflow.store.core import (
     _trigger_patterns,
     _triggered,
 )
+from ironflow.store.flow import FlowOps, has_flow
 from ironflow.store.waits import WaitOps, ingest_locks
 
 
-class IngestOps(WaitOps):
+class IngestOps(WaitOps, FlowOps):
     """Events in, runs created, waits resolved, invocations, cancellation."""
 
     def _ingest(
@@ -48,11 +45,21 @@ class IngestOps(WaitOps):
                 return IngestResult(seen[0], _dec(seen[1]), True)
         event_id = new_id("evt")
         fds, paths = self._triggered_and_waited(tx, [name])
+        fds = [fd for fd in fds if _triggered(fd, name)]
+        # Ingest-side flow control (store/flow.py) decides for the functions declaring it.
+        flow = self._flow(tx, fds, event_id, name, data) if any(has_flow(fd) for fd in fds) else None
         run_ids = self._create_runs_with_event(
-            tx, [fd for fd in fds if _triggered(fd, name)], event_id, name, data, idempotency_key
+            tx, fds if flow is None else flow.plain, event_id, name, data, idempotency_key
         )
+        if flow is not None:
+            run_ids = [*run_ids, *flow.run_ids]
+            self._record_flow(tx, event_id, run_ids, flow)
         resumed = self._resolve_waits(tx, [(event_id, name, data)], paths)[0]
-        return IngestResult(event_id, run_ids, False, resumed_run_ids=resumed)
+        if flow is None:
+            return IngestResult(event_id, run_ids, False, resumed_run_ids=resumed)
+        return IngestResult(
+            event_id, run_ids, False, resumed_run_ids=resumed, flow=flow.notes, cancelled=flow.cancelled
+        )
 
     def _triggered_and_waited(
         self, tx: Tx, names: list[str]
@@ -131,6 +138,9 @@ class IngestOps(WaitOps):
         match paths waited on their names, one writes every event, run and
         queue row; waits they satisfy are then resolved together (waits.py)."""
         functions, paths = self._triggered_and_waited(tx, [name for name, _ in events])
+        if any(has_flow(fd) for fd in functions):
+            # Flow control decides event by event, in order (store/flow.py).
+            return [self._ingest(tx, name, data, None, 0.0) for name, data in events]
         planned = [
             (new_id("evt"), name, data, None, [fd for fd in functions if _triggered(fd, name)])
             for name, data in events
@@ -164,25 +174,6 @@ class IngestOps(WaitOps):
 
     async def cancel_run(self, run_id: str, reason: str) -> CancelOutcome:
         def work(tx: Tx) -> CancelOutcome:
-            # The run's queue row and lease first, then the run: the order in
-            # which an activation (queue row, lease, run) and a completion
-            # (lease, run) take them, so a cancel racing either waits for it
-            # rather than deadlocking with it; a step write holding the lease
-            # (FOR KEY SHARE) commits before the cancel, never after it.
-            tx.fetchone(f"SELECT 1 FROM dispatch_queue WHERE run_id = ? {tx.lock_wait()}", (run_id,))
-            tx.fetchone(f"SELECT 1 FROM concurrency_leases WHERE run_id = ? {tx.lock_wait()}", (run_id,))
-            run = tx.fetchone(
-                "SELECT status, current_execution_seq, parent_run_id, parent_step_id"
-                f" FROM runs WHERE id = ? {tx.lock_wait()}",
-                (run_id,),
-            )
-            if run is None:
-                raise RunNotFound(f"run {run_id} not found")
-            if run[0] in TERMINAL_RUN_STATUSES:
-                raise Conflict(f"run {run_id} already {run[0]}")
-            error = ErrorInfo(message=reason, code="CANCELLED", retryable=False)
-            outcome = self._end_run(tx, run_id, "cancelled", error, run[2], run[3])
-            self._audit_if_enabled(tx, "run.cancelled", run_id, {"reason": reason})
-            return outcome
+            return self._cancel(tx, run_id, reason)  # store/flow.py: shared with a singleton's cancel
 
         return await self._transact_ending(work, lambda _: [run_id])

@@ -220,6 +220,51 @@ CREATE TABLE IF NOT EXISTS api_keys (
     key_hash    TEXT NOT NULL UNIQUE,
     created_at  {REAL} NOT NULL
 );
+
+-- Ingest-side flow control (ironflow/store/flow.py, docs/flow-control.md).
+-- Each table is keyed by (function, key): an ingest's upsert of that row is
+-- the lock two nodes ingesting the same key take turns on.
+-- A rate limit's GCRA state: the theoretical arrival time of the next event.
+CREATE TABLE IF NOT EXISTS rate_limits (
+    function_id  TEXT NOT NULL,
+    key          TEXT NOT NULL,
+    tat          {REAL} NOT NULL,
+    PRIMARY KEY (function_id, key)
+);
+-- A debounce's pending run: its queue row is due at fire_at (first_at bounds
+-- it by max_wait). The run carries the last event.
+CREATE TABLE IF NOT EXISTS debounces (
+    function_id  TEXT NOT NULL,
+    key          TEXT NOT NULL,
+    run_id       TEXT NOT NULL,
+    event_id     TEXT NOT NULL,
+    first_at     {REAL} NOT NULL,
+    fire_at      {REAL} NOT NULL,
+    PRIMARY KEY (function_id, key)
+);
+-- A singleton key's run in flight (or its last one, ended).
+CREATE TABLE IF NOT EXISTS singletons (
+    function_id  TEXT NOT NULL,
+    key          TEXT NOT NULL,
+    run_id       TEXT NOT NULL,
+    PRIMARY KEY (function_id, key)
+);
+-- A batch being filled: its run, due at first_at + timeout, and its size.
+CREATE TABLE IF NOT EXISTS batches (
+    function_id  TEXT NOT NULL,
+    key          TEXT NOT NULL,
+    run_id       TEXT NOT NULL,
+    first_at     {REAL} NOT NULL,
+    size         INTEGER NOT NULL,
+    PRIMARY KEY (function_id, key)
+);
+-- The events of a batch run, in arrival order.
+CREATE TABLE IF NOT EXISTS batch_events (
+    run_id    TEXT NOT NULL,
+    position  INTEGER NOT NULL,
+    event_id  TEXT NOT NULL,
+    PRIMARY KEY (run_id, position)
+);
 """
 
 _PG_EXTRA = """
@@ -287,6 +332,10 @@ _ADDED_COLUMNS = [
     ("concurrency_leases", "began_snapshot", "TEXT"),
     # The W3C traceparent its runs' spans descend from (ironflow/store/traces.py).
     ("events", "traceparent", "TEXT"),
+    # Ingest-side flow control (ironflow/store/flow.py): what it did with an
+    # event (JSON FlowNotes), and a batch run's size (its events: batch_events).
+    ("events", "flow", "TEXT"),
+    ("runs", "batch_size", "INTEGER"),
 ]
 
 # Fills the trigger index from stored definitions, for a database whose
