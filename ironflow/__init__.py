@@ -16,6 +16,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "Batch",
+    "Debounce",
+    "RateLimit",
+    "Singleton",
     "Concurrency",
     "Context",
     "Event",
@@ -44,8 +48,10 @@ __all__ = [
 
 if TYPE_CHECKING:
     from ironflow.sdk import (
+        Batch,
         Concurrency,
         Context,
+        Debounce,
         Event,
         Function,
         InvokeError,
@@ -55,10 +61,12 @@ if TYPE_CHECKING:
         IronflowSync,
         NonRetryableError,
         PullWorker,
+        RateLimit,
         RegistrationRefusedError,
         RetryPolicy,
         RunFailedError,
         SerializationError,
+        Singleton,
         StepError,
         StepInfo,
         StepTimeoutError,

@@ -21,11 +21,16 @@ from ironflow.sdk.errors import (
     StepTimeoutError,
     WorkerAuthError,
 )
+from ironflow.sdk.flow import Batch, Debounce, RateLimit, Singleton
 from ironflow.sdk.function import Function, event, function
 from ironflow.sdk.pull import PullWorker
 from ironflow.sdk.streaming import StreamingWorker
 
 __all__ = [
+    "Batch",
+    "Debounce",
+    "RateLimit",
+    "Singleton",
     "Concurrency",
     "Context",
     "Event",

@@ -13,7 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ironflow.protocol import Concurrency, FunctionDef, RetryPolicy, Trigger
+from ironflow.protocol import (
+    Batch,
+    Concurrency,
+    Debounce,
+    FunctionDef,
+    RateLimit,
+    RetryPolicy,
+    Singleton,
+    Trigger,
+)
 
 if TYPE_CHECKING:
     from ironflow.sdk.context import Context
@@ -86,9 +95,18 @@ def _checked(definition: FunctionDef) -> FunctionDef:
     here turns a refused worker at start-up into an error at the decorator.
     """
     try:
-        return msgspec.convert(msgspec.to_builtins(definition), FunctionDef)
+        checked = msgspec.convert(msgspec.to_builtins(definition), FunctionDef)
     except msgspec.ValidationError as exc:
         raise ValueError(f"@ironflow.function {definition.id!r}: {exc}") from exc
+    try:  # flow control's keys and combinations (ironflow/flow_checks.py)
+        from ironflow.flow_checks import flow_problem
+
+        problem = flow_problem(checked)
+    except RuntimeError:
+        problem = None  # the light install: the engine checks at registration
+    if problem is not None:
+        raise ValueError(f"@ironflow.function {definition.id!r}: {problem}")
+    return checked
 
 
 def function(
@@ -101,6 +119,11 @@ def function(
     timeout_s: float | None = None,
     audit: bool = False,
     name: str | None = None,
+    # Ingest-side flow control (ironflow/sdk/flow.py, docs/flow-control.md).
+    rate_limit: RateLimit | None = None,
+    debounce: Debounce | None = None,
+    singleton: Singleton | None = None,
+    batch: Batch | None = None,
 ) -> Callable[[Handler], Function]:
     """Declare ``async def handler(ctx)`` as a durable function.
 
@@ -114,6 +137,8 @@ def function(
     value outside the engine's bounds (``max_attempts`` 1..1000,
     ``backoff_factor`` 1..100, delays and ``timeout_s`` up to a year, ids and
     event names up to 256 characters) is a ``ValueError`` naming the field.
+    ``rate_limit``, ``debounce``, ``singleton`` and ``batch`` shape which
+    events start runs and when (``ironflow.RateLimit(...)`` etc.).
     """
 
     def decorate(handler: Handler) -> Function:
@@ -130,6 +155,10 @@ def function(
                 timeout_s=_timeout(timeout, timeout_s),
                 audit=audit,
                 name=name,
+                rate_limit=rate_limit,
+                debounce=debounce,
+                singleton=singleton,
+                batch=batch,
             )
         )
         return Function(definition, handler)
