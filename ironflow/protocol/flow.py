@@ -67,6 +67,7 @@ class Batch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 FlowOutcome = Literal["skipped", "debounced", "batched", "cancelled"]
+FlowMechanism = Literal["rate_limit", "debounce", "singleton", "batch"]
 
 
 class FlowNote(msgspec.Struct, frozen=True, omit_defaults=True):
@@ -76,10 +77,11 @@ class FlowNote(msgspec.Struct, frozen=True, omit_defaults=True):
     failed), ``debounced`` (``run_id`` starts at ``until`` unless a later
     event moves it), ``batched`` (joined ``run_id``'s batch, ``size`` events so
     far), ``cancelled`` (a singleton's running ``run_id`` was cancelled for the
-    new one). ``reason`` is the human text.
+    new one). ``mechanism`` names which decided; ``reason`` is the human text.
     """
 
     function_id: str
+    mechanism: FlowMechanism
     outcome: FlowOutcome
     reason: str
     run_id: str | None = None

@@ -53,6 +53,7 @@ from ironflow.protocol import (
     FlowNote,
     FunctionDef,
 )
+from ironflow.protocol.flow import FlowMechanism
 from ironflow.store.base import CancelOutcome, Conflict, RunNotFound
 from ironflow.store.core import SqlStoreBase, Tx, _dec, _enc, _iso, _marks
 
@@ -117,36 +118,47 @@ class FlowOps(SqlStoreBase):
         """Apply each function's ingest-side flow control to event ``event_id``."""
         result = FlowResult([], [], [], [])
         for fd in fds:
-            if not has_flow(fd):
-                result.plain.append(fd)
-                continue
-            try:
+            if has_flow(fd):
                 self._flow_one(tx, fd, event_id, name, data, result)
-            except EvaluationError as exc:
-                result.notes.append(FlowNote(fd.id, "skipped", f"key: {exc}"))
+            else:
+                result.plain.append(fd)
         return result
 
     def _flow_one(
         self, tx: Tx, fd: FunctionDef, event_id: str, name: str, data: Any, result: FlowResult
     ) -> None:
+        # Every key first: one that fails skips the event before any state moves.
+        decider: tuple[FlowMechanism, str | None] | None = (
+            ("singleton", fd.singleton.key) if fd.singleton is not None
+            else ("debounce", fd.debounce.key) if fd.debounce is not None
+            else ("batch", fd.batch.key) if fd.batch is not None else None
+        )
+        sources: list[tuple[FlowMechanism, str | None]] = [] if decider is None else [decider]
         if fd.rate_limit is not None:
-            key = _key(fd.rate_limit.key, name, data, event_id)
-            if not self._rate_limit_passes(tx, fd, key):
-                limit = fd.rate_limit
-                result.notes.append(FlowNote(
-                    fd.id, "skipped",
-                    f"rate limit: {limit.limit} per {limit.period_s:g}s"
-                    + (f" for key {key!r}" if limit.key is not None else "") + " reached",
-                ))
+            sources.insert(0, ("rate_limit", fd.rate_limit.key))
+        keys: dict[FlowMechanism, str] = {}
+        for mechanism, source in sources:
+            try:
+                keys[mechanism] = _key(source, name, data, event_id)
+            except EvaluationError as exc:
+                result.notes.append(FlowNote(fd.id, mechanism, "skipped", f"{mechanism} key: {exc}"))
                 return
-        if fd.singleton is not None:
-            self._singleton(tx, fd, _key(fd.singleton.key, name, data, event_id), event_id, data, result)
-        elif fd.debounce is not None:
-            self._debounce(tx, fd, _key(fd.debounce.key, name, data, event_id), event_id, data, result)
-        elif fd.batch is not None:
-            self._batch(tx, fd, _key(fd.batch.key, name, data, event_id), event_id, data, result)
-        else:
+        limit = fd.rate_limit
+        if limit is not None and not self._rate_limit_passes(tx, fd, keys["rate_limit"]):
+            keyed = f" for key {keys['rate_limit']!r}" if limit.key is not None else ""
+            result.notes.append(FlowNote(
+                fd.id, "rate_limit", "skipped",
+                f"rate limit: {limit.limit} per {limit.period_s:g}s{keyed} reached",
+            ))
+            return
+        if decider is None:
             result.plain.append(fd)
+        elif decider[0] == "singleton":
+            self._singleton(tx, fd, keys["singleton"], event_id, data, result)
+        elif decider[0] == "debounce":
+            self._debounce(tx, fd, keys["debounce"], event_id, data, result)
+        else:
+            self._batch(tx, fd, keys["batch"], event_id, data, result)
 
     # ── rate limit ───────────────────────────────────────────────────────────
 
@@ -196,7 +208,7 @@ class FlowOps(SqlStoreBase):
             if status is not None and status[0] not in TERMINAL_RUN_STATUSES:
                 if single.mode == "skip":
                     result.notes.append(FlowNote(
-                        fd.id, "skipped", f"singleton: run {holder} of key {key!r} is in flight",
+                        fd.id, "singleton", "skipped", f"singleton: run {holder} of key {key!r} is in flight",
                         run_id=holder,
                     ))
                     return
@@ -205,7 +217,7 @@ class FlowOps(SqlStoreBase):
                     tx.runs_ended([holder])
                     result.cancelled.append(outcome)
                     result.notes.append(FlowNote(
-                        fd.id, "cancelled", f"singleton: cancelled run {holder} of key {key!r}",
+                        fd.id, "singleton", "cancelled", f"singleton: cancelled run {holder} of key {key!r}",
                         run_id=holder,
                     ))
         run_id = self._create_run(tx, fd, event_id, data)
@@ -318,7 +330,7 @@ class FlowOps(SqlStoreBase):
     def _debounce_note(fd: FunctionDef, key: str, run_id: str, until: float) -> FlowNote:
         keyed = f" of key {key!r}" if fd.debounce is not None and fd.debounce.key is not None else ""
         return FlowNote(
-            fd.id, "debounced", f"debounced{keyed} until {_iso(until)}", run_id=run_id, until=until
+            fd.id, "debounce", "debounced", f"debounced{keyed} until {_iso(until)}", run_id=run_id, until=until
         )
 
     def _batch(
@@ -343,7 +355,7 @@ class FlowOps(SqlStoreBase):
             if until is not None:
                 self._join_batch(tx, fd, key, filling, size, event_id)
                 result.notes.append(FlowNote(
-                    fd.id, "batched", f"batch of run {filling}: {size + 1} of {batch.max_size}"
+                    fd.id, "batch", "batched", f"batch of run {filling}: {size + 1} of {batch.max_size}"
                     + (" (full, due now)" if full else f" until {_iso(until)}"),
                     run_id=filling, until=until, size=size + 1,
                 ))
@@ -357,7 +369,7 @@ class FlowOps(SqlStoreBase):
         )
         self._join_batch(tx, fd, key, run_id, 0, event_id)
         result.notes.append(FlowNote(
-            fd.id, "batched", f"batch of run {run_id}: 1 of {batch.max_size} until {_iso(until)}",
+            fd.id, "batch", "batched", f"batch of run {run_id}: 1 of {batch.max_size} until {_iso(until)}",
             run_id=run_id, until=until, size=1,
         ))
 

@@ -58,7 +58,7 @@ async def test_a_key_that_fails_to_evaluate_skips_the_event_and_says_why(store):
     await worker(store, fn("keyed", rate_limit=RateLimit(5, 10.0, key="string(event.data.user.id)")))
     result = await emit(store, {"user": 7})
     assert result.run_ids == []
-    assert result.flow[0].outcome == "skipped" and result.flow[0].reason.startswith("key:")
+    assert result.flow[0].outcome == "skipped" and result.flow[0].reason.startswith("rate_limit key:")
 
 
 async def test_a_debounce_keeps_one_pending_run_with_the_last_event_and_moves_its_start(store):
