@@ -265,6 +265,8 @@ CREATE TABLE IF NOT EXISTS batch_events (
     event_id  TEXT NOT NULL,
     PRIMARY KEY (run_id, position)
 );
+-- Retention keeps an event a kept batch run still holds (ironflow/store/history.py).
+CREATE INDEX IF NOT EXISTS batch_events_event ON batch_events (event_id);
 """
 
 _PG_EXTRA = """

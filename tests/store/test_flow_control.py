@@ -154,3 +154,18 @@ async def test_functions_without_flow_control_beside_one_with_it_are_started_as_
     first = await store.ingest_events([(EVENT, {}, None), (EVENT, {}, None)], idempotency_window_s=60)
     assert [len(r.run_ids) for r in first] == [2, 1]
     assert first[1].flow[0].function_id == "limited"
+
+
+async def test_retention_keeps_the_events_of_a_kept_batch_run_and_purges_them_with_it(store):
+    session = await worker(store, fn("ingest", batch=Batch(max_size=2, timeout_s=5.0)))
+    results = [await emit(store, {"n": i}) for i in range(2)]
+    [res] = await reserve(store, session)
+    await store.advance_clock(7200)  # type: ignore[attr-defined]
+    # Past the idempotency window, the run not ended: both events stay.
+    await store.purge_history(older_than_s=60, idempotency_window_s=60, batch=100)
+    for r in results:
+        await store.get_event(r.event_id)
+    await store.cancel_run(res.assignment.run_id, "done")
+    await store.advance_clock(7200)  # type: ignore[attr-defined]
+    counts = await store.purge_history(older_than_s=60, idempotency_window_s=60, batch=100)
+    assert counts.runs == 1 and counts.events == 2
