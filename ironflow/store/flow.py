@@ -43,7 +43,7 @@ from typing import Any
 
 import msgspec
 
-from ironflow.expressions import EvaluationError, compile_key
+from ironflow.expressions import EvaluationError, ExpressionError, compile_key
 from ironflow.ids import new_id
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
@@ -140,7 +140,7 @@ class FlowOps(SqlStoreBase):
         for mechanism, source in sources:
             try:
                 keys[mechanism] = _key(source, name, data, event_id)
-            except EvaluationError as exc:
+            except (EvaluationError, ExpressionError) as exc:  # a stored key today's rules refuse, too
                 result.notes.append(FlowNote(fd.id, mechanism, "skipped", f"{mechanism} key: {exc}"))
                 return
         limit = fd.rate_limit
