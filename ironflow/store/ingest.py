@@ -110,10 +110,12 @@ class IngestOps(WaitOps, FlowOps):
         *,
         idempotency_window_s: float,
     ) -> IngestResult:
-        return await self._transact(
+        result = await self._transact(
             lambda tx: self._ingest(tx, name, data, idempotency_key, idempotency_window_s),
             self._ingest_locks([(name, data, idempotency_key)]),
         )
+        self._announce_cancelled([result])
+        return result
 
     async def ingest_events(
         self,
@@ -129,7 +131,14 @@ class IngestOps(WaitOps, FlowOps):
                 for name, data, key in events
             ]
 
-        return await self._transact(work, self._ingest_locks(events))
+        results = await self._transact(work, self._ingest_locks(events))
+        self._announce_cancelled(results)
+        return results
+
+    def _announce_cancelled(self, results: list[IngestResult]) -> None:
+        """This node's listeners hear of the singleton runs an ingest cancelled
+        (other nodes by the transaction's ``runs_ended``: store/flow.py)."""
+        self._announce_ended([c.run_id for r in results for c in r.cancelled])
 
     def _ingest_many(self, tx: Tx, events: list[tuple[str, Any]]) -> list[IngestResult]:
         """:meth:`_ingest` for several events without idempotency keys, in order,

@@ -43,4 +43,6 @@ class TraceOps(IngestOps):
                     )
             return results
 
-        return await self._transact(work, self._ingest_locks(plain))
+        results = await self._transact(work, self._ingest_locks(plain))
+        self._announce_cancelled(results)
+        return results
