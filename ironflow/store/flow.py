@@ -363,11 +363,15 @@ class FlowOps(SqlStoreBase):
         delay = 0.0 if batch.max_size == 1 else batch.timeout_s
         run_id, until = self._create_held_run(tx, fd, event_id, data, delay, "batch")
         tx.execute(
-            "UPDATE batches SET run_id = ?, first_at = ironflow_now(), size = 0"
+            "UPDATE batches SET run_id = ?, first_at = ironflow_now(), size = 1"
             " WHERE function_id = ? AND key = ?",
             (run_id, fd.id, key),
         )
-        self._join_batch(tx, fd, key, run_id, 0, event_id)
+        tx.execute(
+            "INSERT INTO batch_events (run_id, position, event_id) VALUES (?, 0, ?)", (run_id, event_id)
+        )
+        # Marks a batch run: its assignments carry batch_events (dispatch.py).
+        tx.execute("UPDATE runs SET batch_size = 1 WHERE id = ?", (run_id,))
         result.notes.append(FlowNote(
             fd.id, "batch", "batched", f"batch of run {run_id}: 1 of {batch.max_size} until {_iso(until)}",
             run_id=run_id, until=until, size=1,
@@ -382,7 +386,6 @@ class FlowOps(SqlStoreBase):
         tx.execute(
             "UPDATE batches SET size = ? WHERE function_id = ? AND key = ?", (size + 1, fd.id, key)
         )
-        tx.execute("UPDATE runs SET batch_size = ? WHERE id = ?", (size + 1, run_id))
 
     # ── the event record and the reads ──────────────────────────────────────
 

@@ -43,15 +43,23 @@ class IngestOps(WaitOps, FlowOps):
             )
             if seen is not None:
                 return IngestResult(seen[0], _dec(seen[1]), True)
-        event_id = new_id("evt")
         fds, paths = self._triggered_and_waited(tx, [name])
-        fds = [fd for fd in fds if _triggered(fd, name)]
+        return self._ingest_new(tx, name, data, idempotency_key, fds, paths)
+
+    def _ingest_new(
+        self, tx: Tx, name: str, data: Any, idempotency_key: str | None,
+        functions: list[FunctionDef], paths: dict[str, list[str]],
+    ) -> IngestResult:
+        """A new event in, given the functions its name (or its group's names)
+        may trigger and the match paths waited on (:meth:`_triggered_and_waited`)."""
+        event_id = new_id("evt")
+        fds = [fd for fd in functions if _triggered(fd, name)]
         # Ingest-side flow control (store/flow.py) decides for the functions declaring it.
         flow = self._flow(tx, fds, event_id, name, data) if any(has_flow(fd) for fd in fds) else None
         run_ids = self._create_runs_with_event(
             tx, fds if flow is None else flow.plain, event_id, name, data, idempotency_key
         )
-        if flow is not None:
+        if flow is not None and (flow.run_ids or flow.notes):
             run_ids = [*run_ids, *flow.run_ids]
             self._record_flow(tx, event_id, run_ids, flow)
         resumed = self._resolve_waits(tx, [(event_id, name, data)], paths)[0]
@@ -149,7 +157,7 @@ class IngestOps(WaitOps, FlowOps):
         functions, paths = self._triggered_and_waited(tx, [name for name, _ in events])
         if any(has_flow(fd) for fd in functions):
             # Flow control decides event by event, in order (store/flow.py).
-            return [self._ingest(tx, name, data, None, 0.0) for name, data in events]
+            return [self._ingest_new(tx, name, data, None, functions, paths) for name, data in events]
         planned = [
             (new_id("evt"), name, data, None, [fd for fd in functions if _triggered(fd, name)])
             for name, data in events

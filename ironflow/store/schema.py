@@ -335,7 +335,7 @@ _ADDED_COLUMNS = [
     # The W3C traceparent its runs' spans descend from (ironflow/store/traces.py).
     ("events", "traceparent", "TEXT"),
     # Ingest-side flow control (ironflow/store/flow.py): what it did with an
-    # event (JSON FlowNotes), and a batch run's size (its events: batch_events).
+    # event (JSON FlowNotes), and 1 on a batch run (its events: batch_events).
     ("events", "flow", "TEXT"),
     ("runs", "batch_size", "INTEGER"),
 ]
