@@ -66,13 +66,17 @@ _NO_KEY = ""
 class FlowResult(msgspec.Struct):
     """What :meth:`FlowOps._flow` did with one event."""
 
-    # Functions without ingest-side flow control, or whose rate limit passed
-    # and nothing else applies: the caller creates their runs as usual.
+    # Functions without ingest-side flow control, whose rate limit passed and
+    # nothing else applies, or whose singleton key is free: the caller creates
+    # their runs as usual (PostgreSQL: with the event, in one statement).
     plain: list[FunctionDef]
-    # Runs created here (a singleton's new run, a new debounce or batch).
+    # Runs created here (a new debounce or batch).
     run_ids: list[str]
     notes: list[FlowNote]
     cancelled: list[CancelOutcome]
+    # Singleton keys whose new run the caller creates: (function id, key),
+    # named by :meth:`FlowOps._singletons_started` once it has.
+    singletons: list[tuple[str, str]] = []
 
 
 def has_flow(fd: FunctionDef) -> bool:
@@ -116,7 +120,7 @@ class FlowOps(SqlStoreBase):
         self, tx: Tx, fds: list[FunctionDef], event_id: str, name: str, data: Any
     ) -> FlowResult:
         """Apply each function's ingest-side flow control to event ``event_id``."""
-        result = FlowResult([], [], [], [])
+        result = FlowResult([], [], [], [], [])
         for fd in fds:
             if has_flow(fd):
                 self._flow_one(tx, fd, event_id, name, data, result)
@@ -220,11 +224,20 @@ class FlowOps(SqlStoreBase):
                         fd.id, "singleton", "cancelled", f"singleton: cancelled run {holder} of key {key!r}",
                         run_id=holder,
                     ))
-        run_id = self._create_run(tx, fd, event_id, data)
-        tx.execute(
-            "UPDATE singletons SET run_id = ? WHERE function_id = ? AND key = ?", (run_id, fd.id, key)
-        )
-        result.run_ids.append(run_id)
+        # The run is created with the event's other runs; its row names it then.
+        result.plain.append(fd)
+        result.singletons.append((fd.id, key))
+
+    @staticmethod
+    def _singletons_started(tx: Tx, result: FlowResult, run_ids: list[str]) -> None:
+        """Name the new run of each singleton key (``run_ids``: those of
+        ``result.plain``, in its order), still under the row lock of its upsert."""
+        run_of = {fd.id: run_id for fd, run_id in zip(result.plain, run_ids, strict=True)}
+        for function_id, key in result.singletons:
+            tx.execute(
+                "UPDATE singletons SET run_id = ? WHERE function_id = ? AND key = ?",
+                (run_of[function_id], function_id, key),
+            )
 
     def _cancel_in(self, tx: Tx, run_id: str, reason: str) -> CancelOutcome | None:
         """Cancel ``run_id`` in this transaction (``cancel_run``'s path and lock

@@ -59,6 +59,8 @@ class IngestOps(WaitOps, FlowOps):
         run_ids = self._create_runs_with_event(
             tx, fds if flow is None else flow.plain, event_id, name, data, idempotency_key
         )
+        if flow is not None and flow.singletons:
+            self._singletons_started(tx, flow, run_ids)
         if flow is not None and (flow.run_ids or flow.notes):
             run_ids = [*run_ids, *flow.run_ids]
             self._record_flow(tx, event_id, run_ids, flow)
