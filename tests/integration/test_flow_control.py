@@ -79,36 +79,51 @@ async def _rate_limit(clients: list[httpx.AsyncClient], db: str) -> None:
     assert len(_runs(db, "welcome")) == 1
 
 
+async def _received(client: httpx.AsyncClient, answers: list[dict[str, Any]]) -> list[float]:
+    return [(await client.get(f"/v1/events/{a['event_id']}")).json()["received_at"] for a in answers]
+
+
+def _quiet_periods(received: list[float], period: float) -> int:
+    """How many quiet periods events received at these times (database clock)
+    make: a loaded machine may delay an emit past the period."""
+    return 1 + sum(1 for a, b in zip(received, received[1:], strict=False) if b - a >= period)
+
+
 async def _debounce(clients: list[httpx.AsyncClient], db: str) -> None:
     answers = []
     for n in range(10):
         answers.append(await _emit(clients[n % len(clients)], "flow.edit", {"user": "bob", "n": n}))
         await trio.sleep(0.1)
-    [run_id] = {a["debounced"][0]["run_id"] for a in answers}
+    received = await _received(clients[0], answers)
+    runs = list(dict.fromkeys(a["debounced"][0]["run_id"] for a in answers))
+    assert len(runs) == _quiet_periods(received, 2.0)  # one, unless the machine stalled an emit 2 s
+    run_id = runs[-1]
     pending = (await clients[0].get("/v1/debounces")).json()["debounces"]
-    assert [d["run_id"] for d in pending if d["function_id"] == "digest"] == [run_id]
-    detail = (await clients[-1].get(f"/v1/runs/{run_id}")).json()
-    assert detail["waiting_reason"].startswith("debounced until")
+    if pending:  # not yet fired (it fires 2 s after the last event)
+        assert [d["run_id"] for d in pending if d["function_id"] == "digest"] == [run_id]
+        detail = (await clients[-1].get(f"/v1/runs/{run_id}")).json()
+        assert detail["waiting_reason"].startswith("debounced until")
     done = await wait_for_run(clients[0], run_id, timeout=30)
     assert done["run"]["output"] == {"n": 9}
-    last = (await clients[0].get(f"/v1/events/{answers[-1]['event_id']}")).json()
-    assert done["run"]["started_at"] - last["received_at"] >= 1.9  # 2 s after the last event
-    assert len(_runs(db, "digest")) == 1
+    assert done["run"]["started_at"] - received[-1] >= 1.9  # 2 s after the last event
+    assert len(_runs(db, "digest")) == len(runs)
 
 
 async def _debounce_max_wait(clients: list[httpx.AsyncClient], db: str) -> None:
     t0 = trio.current_time()
-    n = 0
+    answers = []
     while trio.current_time() - t0 < 6.0:  # a steady stream: the 2 s period never elapses
-        await _emit(clients[n % len(clients)], "flow.tick", {"n": n})
-        n += 1
+        answers.append(await _emit(clients[len(answers) % len(clients)], "flow.tick", {"n": len(answers)}))
         await trio.sleep(0.1)
+    n = len(answers)
     runs = await _until(
         lambda: (r := _runs(db, "stream")) and all(x["status"] == "completed" for x in r)
         and r[-1]["output"] == {"n": n - 1} and r, "the stream's last debounced run",
     )
-    # max_wait=3: a run about every 3 s of the 6 s stream, the last with its last event.
-    assert 2 <= len(runs) <= 3, runs
+    # max_wait=3: a run about every 3 s of the 6 s stream (more only if the
+    # machine stalled an emit past the period), the last with its last event.
+    stalls = _quiet_periods(await _received(clients[0], answers), 2.0) - 1
+    assert 2 <= len(runs) <= 3 + stalls, runs
     ns = [r["output"]["n"] for r in runs]
     assert ns == sorted(ns) and len(set(ns)) == len(ns)
 
