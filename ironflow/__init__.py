@@ -16,7 +16,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __all__ = [
+    "Batch",
     "CancelOn",
+    "Debounce",
+    "RateLimit",
+    "Singleton",
     "Concurrency",
     "Context",
     "Event",
@@ -46,9 +50,11 @@ __all__ = [
 
 if TYPE_CHECKING:
     from ironflow.sdk import (
+        Batch,
         CancelOn,
         Concurrency,
         Context,
+        Debounce,
         Event,
         Function,
         InvokeError,
@@ -58,10 +64,12 @@ if TYPE_CHECKING:
         IronflowSync,
         NonRetryableError,
         PullWorker,
+        RateLimit,
         RegistrationRefusedError,
         RetryPolicy,
         RunFailedError,
         SerializationError,
+        Singleton,
         StepError,
         StepInfo,
         StepTimeoutError,

@@ -80,6 +80,23 @@ LOAD_FN = "bench-load"
 IDLE_FN = "bench-idle"
 LAT_EVENT = "bench.latency"
 LAT_FN = "bench-latency"
+# ``--flow``: the load function with one ingest-side flow control (docs/flow-control.md),
+# keyed per event so every event still starts its own run: what the mechanism's
+# bookkeeping costs a run, not what it saves by skipping or batching.
+FLOW_CHOICES = ("none", "rate_limit", "debounce", "singleton", "batch")
+
+
+def _flow_kwargs(flow: str) -> dict[str, Any]:
+    import ironflow
+
+    key = "event.data.i"
+    return {
+        "none": {},
+        "rate_limit": {"rate_limit": ironflow.RateLimit(1_000_000, "1s", key=key)},
+        "debounce": {"debounce": ironflow.Debounce("1s", key=key)},
+        "singleton": {"singleton": ironflow.Singleton(key=key)},
+        "batch": {"batch": ironflow.Batch(1, "1s", key=key)},
+    }[flow]
 
 
 # ═══════════════════════════════════════════════════════════════════════════
@@ -87,7 +104,7 @@ LAT_FN = "bench-latency"
 # ═══════════════════════════════════════════════════════════════════════════
 
 
-def worker_main(server: str, out: str, concurrency: int, loop: str) -> None:
+def worker_main(server: str, out: str, concurrency: int, loop: str, flow: str = "none") -> None:
     """The worker process: serve the bench functions on ``loop`` (asyncio | trio)."""
     import anyio
 
@@ -116,7 +133,7 @@ def worker_main(server: str, out: str, concurrency: int, loop: str) -> None:
         )
         return {"ok": True}
 
-    @ironflow.function(LOAD_FN, triggers=[ironflow.event(LOAD_EVENT)])
+    @ironflow.function(LOAD_FN, triggers=[ironflow.event(LOAD_EVENT)], **_flow_kwargs(flow))
     async def bench_load(ctx: Any) -> dict[str, Any]:
         return await body(ctx)
 
@@ -357,11 +374,17 @@ async def _wait_worker_ready(out: Path, proc: subprocess.Popen[bytes], log: Path
     raise RuntimeError(f"worker not ready within {timeout}s; log:\n{log.read_text()[-3000:]}")
 
 
+def _started(answer: dict[str, Any]) -> list[str]:
+    """The runs an emit started or holds (a debounced or batched run: ``--flow``)."""
+    held = [note["run_id"] for note in answer.get("debounced", []) + answer.get("batched", [])]
+    return list(answer["run_ids"]) + held
+
+
 async def _emit(client: Any, url: str, name: str, i: int, sent: dict[str, float]) -> None:
     t = time.time()
     r = await client.post(f"{url}/v1/events", json={"name": name, "data": {"i": i}})
     r.raise_for_status()
-    run_ids = r.json()["run_ids"]
+    run_ids = _started(r.json())
     if len(run_ids) != 1:
         raise RuntimeError(f"emit {name} started {len(run_ids)} runs, expected 1: {r.text}")
     sent[run_ids[0]] = t
@@ -416,9 +439,10 @@ async def _emit_batch(client: Any, url: str, name: str, first: int, count: int,
     r = await client.post(f"{url}/v1/events/batch", json={"events": events})
     r.raise_for_status()
     for result in r.json()["events"]:
-        if len(result["run_ids"]) != 1:
-            raise RuntimeError(f"emit {name} started {len(result['run_ids'])} runs, expected 1")
-        sent[result["run_ids"][0]] = t
+        run_ids = _started(result)
+        if len(run_ids) != 1:
+            raise RuntimeError(f"emit {name} started {len(run_ids)} runs, expected 1")
+        sent[run_ids[0]] = t
 
 
 async def _step_commit_latency(client: Any, url: str, run_ids: list[str],
@@ -539,7 +563,7 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             workers.append(_spawn([sys.executable, str(Path(__file__).resolve()), "--worker",
                                    "--server", node_url, "--out", str(outs[k]),
                                    "--concurrency", str(args.concurrency),
-                                   "--worker-loop", args.worker_loop], worker_log))
+                                   "--worker-loop", args.worker_loop, "--flow", args.flow], worker_log))
             await _wait_worker_ready(outs[k], workers[k], worker_log)
         url, node, worker = urls[0], nodes[0], workers[0]
         if args.dashboards:
@@ -810,7 +834,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                    "inflight": args.inflight, "steps_per_run": STEPS_PER_RUN, "nodes": args.nodes,
                    "idle_events": args.idle_events, "idle_gap_s": args.idle_gap,
                    "cpus": os.cpu_count(), "python": sys.version.split()[0],
-                   "worker_loop": args.worker_loop},
+                   "worker_loop": args.worker_loop, "flow": args.flow},
         "backends": {},
     }
     pg: ThrowawayPostgres | None = None
@@ -885,13 +909,15 @@ def main() -> None:
                     help="--wake: each worker's max_concurrent_jobs (default: N, one slot per sleep)")
     ap.add_argument("--worker-loop", choices=["asyncio", "trio", "uvloop"], default="asyncio",
                     help="the event loop the worker process runs on (uvloop: if installed)")
+    ap.add_argument("--flow", choices=FLOW_CHOICES, default="none",
+                    help="the load function with this ingest-side flow control, keyed per event")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--server", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.worker:
-        worker_main(args.server, args.out, args.concurrency, args.worker_loop)
+        worker_main(args.server, args.out, args.concurrency, args.worker_loop, args.flow)
         return
     if args.wake:
         import wake_bench

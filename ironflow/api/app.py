@@ -12,6 +12,7 @@ from ironflow.api import (
     errors,
     event_reads,
     events,
+    flow,
     functions,
     health,
     keys,
@@ -26,7 +27,7 @@ from ironflow.api.state import EXTENSION, ApiDeps, ApiState
 # Every surface, one module each (see the package docstring).
 SURFACES = (
     health, openapi, dashboard, events, event_reads, runs, stats, functions, audit, keys, capacity,
-    pull, worker_socket, chaos,
+    pull, worker_socket, chaos, flow,
 )
 
 

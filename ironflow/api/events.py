@@ -8,6 +8,7 @@ from quart import Blueprint, Response, request
 
 from actors.messages import kick
 from ironflow import logs, metrics, tracing
+from ironflow.api import flow
 from ironflow.api.auth import require_org
 from ironflow.api.errors import decode, json_response
 from ironflow.api.state import ApiState, state
@@ -75,7 +76,9 @@ async def _ingested(
         log, logging.DEBUG, "event: ingested",
         event_id=result.event_id, runs=len(result.run_ids), duplicate=result.duplicate,
     )
-    answer = EmitResponse(result.event_id, result.run_ids, result.duplicate, result.paused_function_ids)
+    if result.flow:
+        flow.after_ingest(st, [result])
+    answer = flow.emit_response(result)
     return answer, 200 if result.duplicate else 201
 
 
@@ -107,5 +110,6 @@ async def emit_batch() -> Response:
         cancelled_by_event(st, result)
     if any(r.run_ids or r.resumed_run_ids for r in fresh):
         kick(st.deps.kicks, "events ingested")
-    answers = [EmitResponse(r.event_id, r.run_ids, r.duplicate, r.paused_function_ids) for r in results]
+    flow.after_ingest(st, results)
+    answers = [flow.emit_response(r) for r in results]
     return json_response(EmitBatchResponse(answers), 201)

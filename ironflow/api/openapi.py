@@ -84,6 +84,10 @@ ROUTES: tuple[Route, ...] = (
           tags=("events",)),
     Route("get", "/v1/events/{event_id}", "One stored event", "org", {200: p.EventRecord},
           tags=("events",)),
+    # Ingest-side flow control (ironflow/api/flow.py).
+    Route("get", "/v1/debounces", "Pending debounces, soonest first", "org", {200: p.DebounceList},
+          query=(Query("function", {"type": "string"}, "only debounces of this function id"),
+                 _LIMIT), tags=("events",)),
     Route("post", "/v1/runs/{run_id}/rerun", "A new run of the same function with the same event",
           "org", {201: p.RerunResponse}, tags=("runs",)),
     Route("get", "/v1/runs", "Runs, newest first", "org", {200: p.RunList},

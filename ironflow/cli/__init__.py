@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from ironflow.cli import audit, capacity, emit, functions, keys, runs, serve
+from ironflow.cli import audit, capacity, debounce, emit, functions, keys, runs, serve
 from ironflow.cli.options import api_key_option, server_option
 
 # Shared with ``python -m ironflow.node`` (``ironflow/node.py``), so its help is this one's.
@@ -44,7 +44,7 @@ def main(ctx: click.Context, server: str, api_key: str | None) -> None:
 
 main.add_command(serve.serve)
 main.add_command(emit.emit)
-for _module in (runs, functions, capacity, audit, keys):
+for _module in (runs, functions, capacity, audit, keys, debounce):
     main.add_command(_module.group)
 
 __all__ = ["CONTEXT_SETTINGS", "main"]

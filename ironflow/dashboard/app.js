@@ -571,17 +571,24 @@
         el("div", { class: "toolbar" }, el("button", { type: "button", id: "send-event", class: "primary", text: "Send", onclick: send })), result),
       el("h2", { text: "Recent events" }), live);
     return async () => {
-      const events = (await get("/v1/events?limit=50")).events;
+      // Ingest-side flow control (docs/flow-control.md): pending debounces, and per event what it did.
+      const [events, debounces] = await Promise.all([
+        get("/v1/events?limit=50").then((d) => d.events), get("/v1/debounces").then((d) => d.debounces)]);
+      const flow = (e) => (e.flow || []).map((n) => [el("span", { class: "muted", text: `${n.function_id}: ${n.reason}` }), el("br")]);
       fill(live, el("table", { id: "events-table" },
-        el("thead", {}, el("tr", {}, ["event", "name", "received", "runs", "data"].map((h) => el("th", { text: h })))),
+        el("thead", {}, el("tr", {}, ["event", "name", "received", "runs", "flow control", "data"].map((h) => el("th", { text: h })))),
         el("tbody", {}, events.length ? events.map((e) => el("tr", {},
           el("td", { class: "mono", text: e.id }), el("td", { text: e.name }), el("td", { text: fmtTime(e.received_at) }),
           el("td", {}, e.run_ids.length ? e.run_ids.map((id) => [runLink(id), el("br")]) : el("span", { class: "muted", text: "none" }),
             // Trigger filters and cancel-on (docs/triggers.md): who it did not start and why, what it cancelled.
             (e.filtered || []).map((f) => el("div", { class: f.error ? "filtered error" : "filtered muted", text: `not started: ${f.function_id}: ${f.reason}` })),
             (e.cancelled_run_ids || []).map((id) => el("div", {}, "cancelled ", runLink(id)))),
+          el("td", {}, flow(e)),
           el("td", { class: "mono", text: JSON.stringify(e.data).slice(0, 200) })))
-          : el("tr", {}, el("td", { colspan: 5, class: "muted", text: "No events yet." })))));
+          : el("tr", {}, el("td", { colspan: 6, class: "muted", text: "No events yet." })))),
+        el("h2", { text: `Pending debounces (${debounces.length})` }),
+        table("debounces-table", ["function", "key", "run", "last event", "fires"],
+          debounces.map((d) => [d.function_id, d.key || "—", runLink(d.run_id), el("span", { class: "mono", text: d.event_id }), countdown(d.fire_in_s)])));
     };
   }
 

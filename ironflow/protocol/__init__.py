@@ -36,6 +36,17 @@ from ironflow.protocol.bounds import (
     Token,
     check_json_depth,
 )
+from ironflow.protocol.flow import (
+    MAX_BATCH_SIZE,
+    MIN_DEBOUNCE_S,
+    Batch,
+    Debounce,
+    DebounceList,
+    DebounceRecord,
+    FlowNote,
+    RateLimit,
+    Singleton,
+)
 from ironflow.protocol.http import (
     MAX_BATCH_EVENTS,
     SESSION_SECRET_HEADER,
@@ -139,6 +150,16 @@ from ironflow.protocol.worker import (
 )
 
 __all__ = [
+    # ingest-side flow control (protocol/flow.py)
+    "MAX_BATCH_SIZE",
+    "MIN_DEBOUNCE_S",
+    "Batch",
+    "Debounce",
+    "DebounceList",
+    "DebounceRecord",
+    "FlowNote",
+    "RateLimit",
+    "Singleton",
     "ActiveJob",
     "ActorList",
     "ActorRecord",

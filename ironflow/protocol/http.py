@@ -13,6 +13,7 @@ import msgspec
 from msgspec import Meta
 
 from ironflow.protocol.bounds import MAX_DURATION_S, Name, ShortText
+from ironflow.protocol.flow import FlowNote
 from ironflow.protocol.worker import (
     ErrorInfo,
     FunctionDef,
@@ -46,6 +47,12 @@ class EmitResponse(msgspec.Struct, frozen=True):
     duplicate: bool = False
     # Functions the event would have started but that are paused (docs/schedules.md).
     paused_function_ids: list[str] = []
+    # Ingest-side flow control (protocol/flow.py): the functions this event
+    # started no run of, the debounced runs it moved, the batches it joined.
+    # New optional fields: an older client reads the answer it always did.
+    skipped: list[FlowNote] = []
+    debounced: list[FlowNote] = []
+    batched: list[FlowNote] = []
 
 
 # One batch is one transaction; this bounds how long it holds the writer.
@@ -377,6 +384,8 @@ class EventRecord(msgspec.Struct, frozen=True):
     # not start and why, and the runs it cancelled.
     filtered: list[FilterNote] = []
     cancelled_run_ids: list[str] = []
+    # What flow control did with it, per function (protocol/flow.py).
+    flow: list[FlowNote] = []
 
 
 class EventList(msgspec.Struct, frozen=True):

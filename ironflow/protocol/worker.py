@@ -26,6 +26,7 @@ from ironflow.protocol.bounds import (
     StepName,
     Token,
 )
+from ironflow.protocol.flow import Batch, Debounce, RateLimit, Singleton
 
 SDK_VERSION = "0.1.0"
 
@@ -135,6 +136,11 @@ class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     name: Annotated[str, Meta(max_length=256)] | None = None
     # Cancel on an event (docs/triggers.md).
     cancel_on: Annotated[list[CancelOn], Meta(max_length=MAX_CANCEL_ON)] = []
+    # Ingest-side flow control (ironflow/protocol/flow.py, docs/flow-control.md).
+    rate_limit: RateLimit | None = None
+    debounce: Debounce | None = None
+    singleton: Singleton | None = None
+    batch: Batch | None = None
 
 
 # ── pieces carried inside messages ──────────────────────────────────────────
@@ -333,6 +339,9 @@ class JobAssignment(msgspec.Struct, frozen=True, tag="job"):
     # bound when it is tighter than the delay from receipt (the time the job
     # spent in queues and transit is then not added to its start).
     db_now: float | None = None
+    # A batch run (FunctionDef.batch): every event of its batch in arrival
+    # order (``event`` is the first); None for any other run.
+    events: list[EventInfo] | None = None
 
 
 class LeaseStatus(msgspec.Struct, frozen=True, tag="lease_status"):

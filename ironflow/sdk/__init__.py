@@ -21,12 +21,17 @@ from ironflow.sdk.errors import (
     StepTimeoutError,
     WorkerAuthError,
 )
+from ironflow.sdk.flow import Batch, Debounce, RateLimit, Singleton
 from ironflow.sdk.function import CancelOn, Function, cron, event, function
 from ironflow.sdk.pull import PullWorker
 from ironflow.sdk.streaming import StreamingWorker
 
 __all__ = [
+    "Batch",
     "CancelOn",
+    "Debounce",
+    "RateLimit",
+    "Singleton",
     "Concurrency",
     "Context",
     "Event",

@@ -17,6 +17,7 @@ from ironflow.protocol import (
     AuditList,
     CancelRequest,
     CancelResponse,
+    DebounceList,
     EmitRequest,
     EmitResponse,
     FinishedRunStatus,
@@ -155,6 +156,11 @@ def list_audit(
 ) -> Call[AuditList]:
     params = {"run_id": run_id, "type": type, "limit": limit}
     return Call("GET", "/v1/audit", AuditList, params=params)
+
+
+def list_debounces(*, function_id: str | None = None, limit: int | None = None) -> Call[DebounceList]:
+    """Pending debounces, soonest first (ingest-side flow control)."""
+    return Call("GET", "/v1/debounces", DebounceList, params={"function": function_id, "limit": limit})
 
 
 def list_leases(*, include_expired: bool = False) -> Call[LeaseList]:

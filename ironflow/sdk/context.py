@@ -625,13 +625,19 @@ class Step:
 
 
 class Context:
-    """What a handler receives: ``event``, ``run``, ``step`` and a run-scoped ``logger``."""
+    """What a handler receives: ``event``, ``run``, ``step`` and a run-scoped ``logger``.
 
-    __slots__ = ("event", "run", "step", "logger")
+    ``events``: every event of the run, in arrival order — a batch's events
+    (``batch=ironflow.Batch(...)``), of which ``event`` is the first; any
+    other run's one event.
+    """
+
+    __slots__ = ("event", "events", "run", "step", "logger")
 
     def __init__(self, job: JobState, reporter: Reporter):
         a = job.assignment
         self.event: EventInfo = a.event
+        self.events: list[EventInfo] = a.events if a.events is not None else [a.event]
         self.run = RunInfo(
             id=a.run_id, function_id=a.function_id, attempt=a.attempt, max_attempts=a.max_attempts
         )

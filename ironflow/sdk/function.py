@@ -13,8 +13,17 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ironflow.protocol import (
+    Batch,
+    Concurrency,
+    Debounce,
+    FunctionDef,
+    RateLimit,
+    RetryPolicy,
+    Singleton,
+    Trigger,
+)
 from ironflow.protocol import CancelOn as CancelOnSpec
-from ironflow.protocol import Concurrency, FunctionDef, RetryPolicy, Trigger
 from ironflow.protocol.cron import trigger_problem
 from ironflow.protocol.worker import CatchupPolicy
 
@@ -191,6 +200,14 @@ def _checked(definition: FunctionDef) -> FunctionDef:
         problem = trigger_problem(trigger)
         if problem is not None:
             raise ValueError(f"@ironflow.function {definition.id!r}: {problem} - at `$.triggers[{i}]`")
+    try:  # flow control's keys and combinations (ironflow/flow_checks.py)
+        from ironflow.flow_checks import flow_problem
+
+        problem = flow_problem(checked)
+    except RuntimeError:
+        problem = None  # the light install: the engine checks at registration
+    if problem is not None:
+        raise ValueError(f"@ironflow.function {definition.id!r}: {problem}")
     return checked
 
 
@@ -205,6 +222,11 @@ def function(
     audit: bool = False,
     name: str | None = None,
     cancel_on: Iterable[CancelOnSpec | Mapping[str, Any]] = (),
+    # Ingest-side flow control (ironflow/sdk/flow.py, docs/flow-control.md).
+    rate_limit: RateLimit | None = None,
+    debounce: Debounce | None = None,
+    singleton: Singleton | None = None,
+    batch: Batch | None = None,
 ) -> Callable[[Handler], Function]:
     """Declare ``async def handler(ctx)`` as a durable function.
 
@@ -220,6 +242,8 @@ def function(
     event names up to 256 characters) is a ``ValueError`` naming the field.
     ``cancel_on``: ``ironflow.CancelOn(...)`` entries, the events that cancel a
     run that has not ended (docs/triggers.md).
+    ``rate_limit``, ``debounce``, ``singleton`` and ``batch`` shape which
+    events start runs and when (``ironflow.RateLimit(...)`` etc.).
     """
 
     def decorate(handler: Handler) -> Function:
@@ -237,6 +261,10 @@ def function(
                 audit=audit,
                 name=name,
                 cancel_on=_cancel_on(cancel_on),
+                rate_limit=rate_limit,
+                debounce=debounce,
+                singleton=singleton,
+                batch=batch,
             )
         )
         _compile_locally(definition)

@@ -23,8 +23,10 @@ from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
     ActiveJob,
     AuditRecord,
+    DebounceRecord,
     ErrorInfo,
     EventRecord,
+    FlowNote,
     FunctionDef,
     FunctionRecord,
     JobAssignment,
@@ -174,8 +176,11 @@ class IngestResult(msgspec.Struct, frozen=True):
     resumed_run_ids: list[str] = []
     # Paused functions the event would have started (ironflow/store/cron.py).
     paused_function_ids: list[str] = []
-    # Runs this event cancelled (cancel_on, docs/triggers.md).
+    # Runs this event cancelled: by cancel_on (docs/triggers.md) or by a
+    # singleton's mode="cancel" (store/flow.py); the caller tells their workers.
     cancelled: list[CancelOutcome] = []
+    # Ingest-side flow control (store/flow.py): what it did per function.
+    flow: list[FlowNote] = []
 
 
 class CronFired(msgspec.Struct, frozen=True):
@@ -294,6 +299,14 @@ class Store(abc.ABC):
         """:meth:`ingest_events` of ``(name, data, idempotency_key, traceparent)``:
         each new event also records its W3C ``traceparent`` (None: none), which
         every assignment of its runs carries (ironflow/store/traces.py)."""
+
+    # ingest-side flow control (ironflow/store/flow.py) -----------------------
+
+    @abc.abstractmethod
+    async def list_debounces(
+        self, *, function_id: str | None = None, limit: int = 100
+    ) -> list[DebounceRecord]:
+        """Pending debounces (not yet dispatched), soonest first."""
 
     # outages (ironflow/store/outage.py) ---------------------------------------
 

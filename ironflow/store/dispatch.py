@@ -28,6 +28,7 @@ from ironflow.store.core import (
     _marks,
     token_hash,
 )
+from ironflow.store.flow import batch_events
 
 
 class DispatchOps(CapacityLoop):
@@ -164,7 +165,7 @@ class DispatchOps(CapacityLoop):
             for row in tx.fetchall(
                 "SELECT r.id, r.function_id, r.attempt, r.max_attempts, e.id, e.name, e.data,"
                 " e.received_at, e.idempotency_key, r.start_at - ironflow_clock(), q.reason,"
-                " ironflow_clock(), e.traceparent"
+                " ironflow_clock(), e.traceparent, r.batch_size"
                 " FROM runs r LEFT JOIN events e ON e.id = r.event_id"
                 f" LEFT JOIN dispatch_queue q ON q.run_id = r.id WHERE r.id IN ({marks})",
                 run_ids,
@@ -180,6 +181,8 @@ class DispatchOps(CapacityLoop):
             memo[run_id].append(
                 MemoStep(step_id, name, kind, status, _dec(output), _dec_error(error))
             )
+        # A batch run's events (store/flow.py), only read when one is among them.
+        batches = batch_events(tx, [rid for rid in run_ids if runs[rid][13]])
         out = []
         for run_id, seq, session_id, token in chosen:
             r = runs[run_id]
@@ -210,6 +213,7 @@ class DispatchOps(CapacityLoop):
                         lease_token=token,
                         start_delay_ms=delay_ms,
                         db_now=float(r[11]) if delay_ms else None,
+                        events=batches.get(run_id),
                     ),
                     wake_lateness_s=-ahead if ahead is not None and r[10] == "resume" else None,
                 )

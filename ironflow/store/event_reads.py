@@ -9,20 +9,24 @@ from __future__ import annotations
 
 from typing import Any
 
-from ironflow.protocol import EventRecord
+import msgspec
+
+from ironflow.protocol import EventRecord, FlowNote
 from ironflow.store.base import NotFound, RunNotFound
 from ironflow.store.core import SqlStoreBase, Tx, _dec, _enc, _where
 from ironflow.store.filters import EventNotes, notes_decode
 
-_EVENT_COLS = "id, name, data, received_at, run_ids, idempotency_key, notes"
+_EVENT_COLS = "id, name, data, received_at, run_ids, idempotency_key, notes, flow"
+_flow_decode = msgspec.json.Decoder(list[FlowNote]).decode
 
 
 def _event_record(row: Any) -> EventRecord:
     # ``notes``: the functions it did not start and the runs it cancelled (filters.py).
     notes = EventNotes() if row[6] is None else notes_decode(row[6])
+    flow = _flow_decode(row[7]) if row[7] else []  # store/flow.py: what flow control did
     return EventRecord(
         row[0], row[1], _dec(row[2]), row[3], _dec(row[4]) or [], row[5],
-        filtered=notes.filtered, cancelled_run_ids=notes.cancelled_run_ids,
+        filtered=notes.filtered, cancelled_run_ids=notes.cancelled_run_ids, flow=flow,
     )
 
 

@@ -67,12 +67,15 @@ class RetentionOps(SqlStoreBase):
                 audit = tx.execute(f"DELETE FROM audit_log WHERE run_id IN ({marks})", run_ids)
                 # Cancel-on subscriptions no event came to clean up (cancel_on.py).
                 tx.execute(f"DELETE FROM cancel_subscriptions WHERE run_id IN ({marks})", run_ids)
+                tx.execute(f"DELETE FROM batch_events WHERE run_id IN ({marks})", run_ids)  # store/flow.py
                 runs = tx.execute(f"DELETE FROM runs WHERE id IN ({marks})", run_ids)
             # After the runs: an event only they referenced can go in this batch.
             events = tx.execute(
                 "DELETE FROM events WHERE id IN (SELECT e.id FROM events e"
                 " WHERE e.received_at < ironflow_now() - ?"
                 " AND NOT EXISTS (SELECT 1 FROM runs r WHERE r.event_id = e.id)"
+                # An event of a batch run that is kept (store/flow.py).
+                " AND NOT EXISTS (SELECT 1 FROM batch_events b WHERE b.event_id = e.id)"
                 f" ORDER BY e.received_at LIMIT ? {tx.lock()})",
                 (float(idempotency_window_s), batch),
             )

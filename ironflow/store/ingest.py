@@ -19,7 +19,7 @@ from ironflow.store.base import (
     FunctionNotFound,
     IngestResult,
 )
-from ironflow.store.cancel_on import CancelOnOps, cancel_paths_sql, cancel_reason
+from ironflow.store.cancel_on import cancel_paths_sql, cancel_reason
 from ironflow.store.core import (
     INVOKED_EVENT,
     NamedLock,
@@ -30,16 +30,18 @@ from ironflow.store.core import (
     _triggered,
 )
 from ironflow.store.filters import notes_text
+from ironflow.store.flow import FlowOps, has_flow
 from ironflow.store.waits import WaitOps, ingest_locks
 
 R = TypeVar("R")
+
 
 
 def _cancelled_ids(results: list[IngestResult]) -> list[str]:
     return [o.run_id for r in results for o in r.cancelled]
 
 
-class IngestOps(CancelOnOps, WaitOps):
+class IngestOps(WaitOps, FlowOps):
     """Events in, runs created, waits resolved, invocations, cancellation."""
 
     def _ingest(
@@ -54,23 +56,45 @@ class IngestOps(CancelOnOps, WaitOps):
             )
             if seen is not None:
                 return IngestResult(seen[0], _dec(seen[1]), True)
-        event_id = new_id("evt")
         fds, paths, cancel_paths, paused = self._triggered_and_waited(tx, [name])
+        return self._ingest_new(tx, name, data, idempotency_key, fds, paths, cancel_paths, paused)
+
+    def _ingest_new(
+        self, tx: Tx, name: str, data: Any, idempotency_key: str | None,
+        functions: list[FunctionDef], paths: dict[str, list[str]],
+        cancel_paths: dict[str, list[str]], paused: set[str],
+    ) -> IngestResult:
+        """A new event in, given the functions its name (or its group's names)
+        may trigger, the match paths waited on, the cancel-on paths and the
+        paused functions (:meth:`_triggered_and_waited`)."""
+        event_id = new_id("evt")
         # Cancel first: the event never cancels a run it starts (cancel_on.py).
-        cancelled = self._cancel_on_events(tx, [(event_id, name, data)], cancel_paths)
+        cancelled = self._cancel_on_events(tx, [(event_id, name, data)], cancel_paths)[0]
         # A paused function starts nothing; the answer names it (ironflow/store/cron.py).
-        starting, filtered = self._judge([fd for fd in fds if fd.id not in paused], event_id, name, data)
-        note = notes_text(filtered, [o.run_id for o in cancelled[0]])
+        live = [fd for fd in functions if fd.id not in paused and _triggered(fd, name)]
+        # Trigger filters and key expressions (filters.py), then ingest-side flow
+        # control (store/flow.py) for the functions declaring it.
+        fds, filtered = self._judge(live, event_id, name, data)
+        flow = self._flow(tx, fds, event_id, name, data) if any(has_flow(fd) for fd in fds) else None
+        note = notes_text(filtered, [o.run_id for o in cancelled])
         run_ids = self._create_runs_with_event(
-            tx, starting, event_id, name, data, idempotency_key,
+            tx, fds if flow is None else flow.plain, event_id, name, data, idempotency_key,
             None if note is None else {event_id: note},
         )
+        if flow is not None and flow.singletons:
+            self._singletons_started(tx, flow, run_ids)
+        if flow is not None and (flow.run_ids or flow.notes):
+            run_ids = [*run_ids, *flow.run_ids]
+            self._record_flow(tx, event_id, run_ids, flow)
         resumed = self._resolve_waits(tx, [(event_id, name, data)], paths)[0]
+        if flow is not None:
+            cancelled = [*cancelled, *flow.cancelled]
         return IngestResult(
             event_id, run_ids, False,
-            resumed_run_ids=[*resumed, *(r for o in cancelled[0] for r in o.kicked_run_ids)],
-            cancelled=cancelled[0],
-            paused_function_ids=[fd.id for fd in fds if fd.id in paused and _triggered(fd, name)],
+            resumed_run_ids=[*resumed, *(r for o in cancelled for r in o.kicked_run_ids)],
+            cancelled=cancelled,
+            paused_function_ids=[fd.id for fd in functions if fd.id in paused and _triggered(fd, name)],
+            flow=[] if flow is None else flow.notes,
         )
 
     def _triggered_and_waited(
@@ -181,9 +205,14 @@ class IngestOps(CancelOnOps, WaitOps):
         match paths waited on their names, one writes every event, run and
         queue row; waits they satisfy are then resolved together (waits.py)."""
         functions, paths, cancel_paths, paused = self._triggered_and_waited(tx, [name for name, _ in events])
-        if cancel_paths:
-            # One by one, in order: a run one of them starts may be cancelled by a later one.
-            return [self._ingest(tx, name, data, None, 0.0) for name, data in events]
+        if cancel_paths or any(has_flow(fd) for fd in functions):
+            # One by one, in order: a run one of them starts may be cancelled by
+            # a later one (cancel_on.py); flow control decides event by event
+            # (store/flow.py).
+            return [
+                self._ingest_new(tx, name, data, None, functions, paths, cancel_paths, paused)
+                for name, data in events
+            ]
         live = [fd for fd in functions if fd.id not in paused]  # a paused function starts nothing
         planned = []
         notes: dict[str, str] = {}

@@ -59,6 +59,10 @@ class ReadOps(SqlStoreBase):
                     reason = f"recovery grace until {_iso(queue.eligible_at)}"
                 elif queue.reason == "retry" and queue.eligible_at > now:
                     reason = f"retry delay until {_iso(queue.eligible_at)}"
+                elif queue.reason == "debounce" and queue.eligible_at > now:  # store/flow.py
+                    reason = f"debounced until {_iso(queue.eligible_at)}"
+                elif queue.reason == "batch" and queue.eligible_at > now:
+                    reason = f"batch filling until {_iso(queue.eligible_at)}"
                 elif queue.reason == "nack":
                     reason = "requeued after nack"
                 else:

@@ -272,6 +272,52 @@ CREATE TABLE IF NOT EXISTS cancel_paths (
     match_path  TEXT NOT NULL,
     PRIMARY KEY (event_name, match_path)
 );
+-- Ingest-side flow control (ironflow/store/flow.py, docs/flow-control.md).
+-- Each table is keyed by (function, key): an ingest's upsert of that row is
+-- the lock two nodes ingesting the same key take turns on.
+-- A rate limit's GCRA state: the theoretical arrival time of the next event.
+CREATE TABLE IF NOT EXISTS rate_limits (
+    function_id  TEXT NOT NULL,
+    key          TEXT NOT NULL,
+    tat          {REAL} NOT NULL,
+    PRIMARY KEY (function_id, key)
+);
+-- A debounce's pending run: its queue row is due at fire_at (first_at bounds
+-- it by max_wait). The run carries the last event.
+CREATE TABLE IF NOT EXISTS debounces (
+    function_id  TEXT NOT NULL,
+    key          TEXT NOT NULL,
+    run_id       TEXT NOT NULL,
+    event_id     TEXT NOT NULL,
+    first_at     {REAL} NOT NULL,
+    fire_at      {REAL} NOT NULL,
+    PRIMARY KEY (function_id, key)
+);
+-- A singleton key's run in flight (or its last one, ended).
+CREATE TABLE IF NOT EXISTS singletons (
+    function_id  TEXT NOT NULL,
+    key          TEXT NOT NULL,
+    run_id       TEXT NOT NULL,
+    PRIMARY KEY (function_id, key)
+);
+-- A batch being filled: its run, due at first_at + timeout, and its size.
+CREATE TABLE IF NOT EXISTS batches (
+    function_id  TEXT NOT NULL,
+    key          TEXT NOT NULL,
+    run_id       TEXT NOT NULL,
+    first_at     {REAL} NOT NULL,
+    size         INTEGER NOT NULL,
+    PRIMARY KEY (function_id, key)
+);
+-- The events of a batch run, in arrival order.
+CREATE TABLE IF NOT EXISTS batch_events (
+    run_id    TEXT NOT NULL,
+    position  INTEGER NOT NULL,
+    event_id  TEXT NOT NULL,
+    PRIMARY KEY (run_id, position)
+);
+-- Retention keeps an event a kept batch run still holds (ironflow/store/history.py).
+CREATE INDEX IF NOT EXISTS batch_events_event ON batch_events (event_id);
 """
 
 _PG_EXTRA = """
@@ -344,6 +390,10 @@ _ADDED_COLUMNS = [
     # Trigger filters and cancel-on: the functions an event did not start and
     # why, the runs it cancelled (ironflow/store/filters.py); NULL for neither.
     ("events", "notes", "TEXT"),
+    # Ingest-side flow control (ironflow/store/flow.py): what it did with an
+    # event (JSON FlowNotes), and 1 on a batch run (its events: batch_events).
+    ("events", "flow", "TEXT"),
+    ("runs", "batch_size", "INTEGER"),
 ]
 
 # Fills the trigger index from stored definitions, for a database whose

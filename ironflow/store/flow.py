@@ -1,0 +1,416 @@
+"""Ingest-side flow control: rate limit, debounce, singleton, event batches
+(ironflow/protocol/flow.py; docs/flow-control.md).
+
+An ingest hands the functions an event triggers to :meth:`FlowOps._flow`;
+those that declare none of the four come back untouched and are created the
+usual way (``core._create_runs_with_event``); for the others this module
+decides, in the ingest's own transaction, by the database clock:
+
+* **rate limit**: GCRA over ``rate_limits.tat`` (the theoretical arrival time
+  of the next event): an event passes when ``max(tat, now) + period/limit``
+  is no later than ``now + period``, and moves ``tat`` there. ``limit``
+  events may pass at once, then one every ``period/limit``.
+* **debounce**: one pending run per key (``debounces``), created with its
+  queue row due ``period`` ahead (reason ``debounce``); a later event moves
+  that row's ``eligible_at`` (bounded by ``first_at + max_wait``) and the
+  run's event to itself. The dispatcher fires it like any queue row — on
+  whichever node, once (``SKIP LOCKED`` claims), after any node's death (the
+  row is in the database): the timer is the queue.
+* **singleton**: ``singletons`` names the key's last run; while it has not
+  ended, a new event's run is skipped (``skip``) or the old run is
+  cancelled through :meth:`_cancel_in` (``cancel``).
+* **batch**: one filling run per key (``batches``), due ``timeout`` after
+  its first event; each event joins it (``batch_events``) until
+  ``max_size``, which makes it due at once.
+
+Concurrency (PostgreSQL, READ COMMITTED): every decision starts with an
+upsert of the ``(function_id, key)`` row of its table (``INSERT … ON CONFLICT
+DO UPDATE``/``DO NOTHING`` then ``UPDATE``): the row lock (or, for the first
+event of a key, the primary key's unique index, on which a concurrent insert
+waits for the first to commit) is what two nodes ingesting one key take
+turns on; the second then reads the first's committed row. A filling
+debounce or batch is only joined while its queue row is unreserved and not
+yet due, checked by an UPDATE of that row (which waits for a reservation in
+progress and re-checks): an event never joins a run a worker may already
+hold. These locks are taken per event in the order of its functions; a
+group of ingests that cross two keys in opposite orders is a deadlock the
+backend retries (ironflow/store/postgres.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ironflow.expressions import EvaluationError, ExpressionError, compile_key
+from ironflow.ids import new_id
+from ironflow.protocol import (
+    TERMINAL_RUN_STATUSES,
+    DebounceRecord,
+    ErrorInfo,
+    EventInfo,
+    FlowNote,
+    FunctionDef,
+)
+from ironflow.protocol.flow import FlowMechanism
+from ironflow.store.base import CancelNotice, CancelOutcome, Conflict, RunNotFound
+from ironflow.store.cancel_on import CancelOnOps
+from ironflow.store.core import Tx, _dec, _enc, _iso, _marks
+
+# Slack on the rate limit's comparison: period/limit * limit may round above period.
+_GCRA_EPSILON = 1e-6
+# The key of events whose key expression gives null (or of a function with no key).
+_NO_KEY = ""
+
+
+class FlowResult(msgspec.Struct):
+    """What :meth:`FlowOps._flow` did with one event."""
+
+    # Functions without ingest-side flow control, whose rate limit passed and
+    # nothing else applies, or whose singleton key is free: the caller creates
+    # their runs as usual (PostgreSQL: with the event, in one statement).
+    plain: list[FunctionDef]
+    # Runs created here (a new debounce or batch).
+    run_ids: list[str]
+    notes: list[FlowNote]
+    cancelled: list[CancelOutcome]
+    # Singleton keys whose new run the caller creates: (function id, key),
+    # named by :meth:`FlowOps._singletons_started` once it has.
+    singletons: list[tuple[str, str]] = []
+
+
+def has_flow(fd: FunctionDef) -> bool:
+    """Whether ``fd`` declares any ingest-side flow control."""
+    return (
+        fd.rate_limit is not None
+        or fd.debounce is not None
+        or fd.singleton is not None
+        or fd.batch is not None
+    )
+
+
+def batch_events(tx: Tx, run_ids: list[str]) -> dict[str, list[EventInfo]]:
+    """The events of each batch run of ``run_ids``, in arrival order."""
+    if not run_ids:
+        return {}
+    out: dict[str, list[EventInfo]] = {}
+    for run_id, eid, name, data, received_at, key, traceparent in tx.fetchall(
+        "SELECT b.run_id, e.id, e.name, e.data, e.received_at, e.idempotency_key, e.traceparent"
+        " FROM batch_events b JOIN events e ON e.id = b.event_id"
+        f" WHERE b.run_id IN ({_marks(len(run_ids))}) ORDER BY b.run_id, b.position",
+        run_ids,
+    ):
+        out.setdefault(run_id, []).append(
+            EventInfo(eid, name, _dec(data), received_at, key, traceparent)
+        )
+    return out
+
+
+def _key(source: str | None, name: str, data: Any, event_id: str) -> str:
+    if source is None:
+        return _NO_KEY
+    text = compile_key(source).key(name, data, event_id)
+    return _NO_KEY if text is None else text
+
+
+class FlowOps(CancelOnOps):
+    """Rate limit, debounce, singleton and batch decisions of an ingest."""
+
+    def _flow(
+        self, tx: Tx, fds: list[FunctionDef], event_id: str, name: str, data: Any
+    ) -> FlowResult:
+        """Apply each function's ingest-side flow control to event ``event_id``."""
+        result = FlowResult([], [], [], [], [])
+        for fd in fds:
+            if has_flow(fd):
+                self._flow_one(tx, fd, event_id, name, data, result)
+            else:
+                result.plain.append(fd)
+        return result
+
+    def _flow_one(
+        self, tx: Tx, fd: FunctionDef, event_id: str, name: str, data: Any, result: FlowResult
+    ) -> None:
+        # Every key first: one that fails skips the event before any state moves.
+        decider: tuple[FlowMechanism, str | None] | None = (
+            ("singleton", fd.singleton.key) if fd.singleton is not None
+            else ("debounce", fd.debounce.key) if fd.debounce is not None
+            else ("batch", fd.batch.key) if fd.batch is not None else None
+        )
+        sources: list[tuple[FlowMechanism, str | None]] = [] if decider is None else [decider]
+        if fd.rate_limit is not None:
+            sources.insert(0, ("rate_limit", fd.rate_limit.key))
+        keys: dict[FlowMechanism, str] = {}
+        for mechanism, source in sources:
+            try:
+                keys[mechanism] = _key(source, name, data, event_id)
+            except (EvaluationError, ExpressionError) as exc:  # a stored key today's rules refuse, too
+                result.notes.append(FlowNote(fd.id, mechanism, "skipped", f"{mechanism} key: {exc}"))
+                return
+        limit = fd.rate_limit
+        if limit is not None and not self._rate_limit_passes(tx, fd, keys["rate_limit"]):
+            keyed = f" for key {keys['rate_limit']!r}" if limit.key is not None else ""
+            result.notes.append(FlowNote(
+                fd.id, "rate_limit", "skipped",
+                f"rate limit: {limit.limit} per {limit.period_s:g}s{keyed} reached",
+            ))
+            return
+        if decider is None:
+            result.plain.append(fd)
+        elif decider[0] == "singleton":
+            self._singleton(tx, fd, keys["singleton"], event_id, data, result)
+        elif decider[0] == "debounce":
+            self._debounce(tx, fd, keys["debounce"], event_id, data, result)
+        else:
+            self._batch(tx, fd, keys["batch"], event_id, data, result)
+
+    # ── rate limit ───────────────────────────────────────────────────────────
+
+    @staticmethod
+    def _rate_limit_passes(tx: Tx, fd: FunctionDef, key: str) -> bool:
+        """GCRA: the first event of a key inserts its row (a concurrent first
+        insert waits on the primary key, then finds the row); later ones move
+        ``tat`` under the row lock of the UPDATE, whose condition PostgreSQL
+        re-checks on the row as the lock holder committed it."""
+        limit = fd.rate_limit
+        assert limit is not None
+        interval = limit.period_s / limit.limit
+        if tx.fetchone(
+            "INSERT INTO rate_limits (function_id, key, tat) VALUES (?, ?, ironflow_now() + ?)"
+            " ON CONFLICT (function_id, key) DO NOTHING RETURNING 1",
+            (fd.id, key, interval),
+        ):
+            return True
+        return bool(tx.execute(
+            "UPDATE rate_limits SET tat = (CASE WHEN tat > ironflow_now() THEN tat"
+            " ELSE ironflow_now() END) + ? WHERE function_id = ? AND key = ?"
+            " AND (CASE WHEN tat > ironflow_now() THEN tat ELSE ironflow_now() END) + ?"
+            " <= ironflow_now() + ?",
+            (interval, fd.id, key, interval, limit.period_s + _GCRA_EPSILON),
+        ))
+
+    # ── singleton ────────────────────────────────────────────────────────────
+
+    def _singleton(
+        self, tx: Tx, fd: FunctionDef, key: str, event_id: str, data: Any, result: FlowResult
+    ) -> None:
+        """At most one run of ``(fd, key)`` not ended: the ``singletons`` row,
+        locked by its upsert, names it; a new run is only created under that lock."""
+        single = fd.singleton
+        assert single is not None
+        placeholder = new_id("run")
+        row = tx.fetchone(
+            "INSERT INTO singletons (function_id, key, run_id) VALUES (?, ?, ?)"
+            " ON CONFLICT (function_id, key) DO UPDATE SET run_id = singletons.run_id"
+            " RETURNING run_id",
+            (fd.id, key, placeholder),
+        )
+        assert row is not None
+        holder = row[0]
+        if holder != placeholder:
+            status = tx.fetchone("SELECT status FROM runs WHERE id = ?", (holder,))
+            if status is not None and status[0] not in TERMINAL_RUN_STATUSES:
+                if single.mode == "skip":
+                    result.notes.append(FlowNote(
+                        fd.id, "singleton", "skipped", f"singleton: run {holder} of key {key!r} is in flight",
+                        run_id=holder,
+                    ))
+                    return
+                outcome = self._cancel_in(tx, holder, f"singleton: replaced by event {event_id}")
+                if outcome is not None:
+                    tx.runs_ended([holder])
+                    result.cancelled.append(outcome)
+                    result.notes.append(FlowNote(
+                        fd.id, "singleton", "cancelled", f"singleton: cancelled run {holder} of key {key!r}",
+                        run_id=holder,
+                    ))
+        # The run is created with the event's other runs; its row names it then.
+        result.plain.append(fd)
+        result.singletons.append((fd.id, key))
+
+    @staticmethod
+    def _singletons_started(tx: Tx, result: FlowResult, run_ids: list[str]) -> None:
+        """Name the new run of each singleton key (``run_ids``: those of
+        ``result.plain``, in its order), still under the row lock of its upsert."""
+        run_of = {fd.id: run_id for fd, run_id in zip(result.plain, run_ids, strict=True)}
+        for function_id, key in result.singletons:
+            tx.execute(
+                "UPDATE singletons SET run_id = ? WHERE function_id = ? AND key = ?",
+                (run_of[function_id], function_id, key),
+            )
+
+    def _cancel_in(self, tx: Tx, run_id: str, reason: str) -> CancelOutcome | None:
+        """Cancel ``run_id`` in this transaction (cancel_on.py ``_cancel``: the
+        lock order of ``cancel_run``, queue row, lease, run); None if it ended
+        meanwhile. The worker holding it is told like a cancel-on's."""
+        error = ErrorInfo(message=reason, code="CANCELLED", retryable=False)
+        try:
+            outcome = self._cancel(tx, run_id, error, {"reason": reason, "cause": "singleton"})
+        except (Conflict, RunNotFound):
+            return None
+        if outcome.session_id is not None and outcome.job_id is not None:
+            self._notify_cancels(tx, [CancelNotice(run_id, outcome.session_id, outcome.job_id, reason)])
+        return outcome
+
+    # ── debounce and batch: a run held in the queue until due ───────────────
+
+    def _create_held_run(
+        self, tx: Tx, fd: FunctionDef, event_id: str, data: Any, delay_s: float, reason: str
+    ) -> tuple[str, float]:
+        """A new run whose first segment is due in ``delay_s`` (queue reason ``reason``)."""
+        run_id = self._create_run(tx, fd, event_id, data)
+        row = tx.fetchone(
+            "UPDATE dispatch_queue SET eligible_at = ironflow_now() + ?, reason = ?"
+            " WHERE run_id = ? RETURNING eligible_at",
+            (float(delay_s), reason, run_id),
+        )
+        assert row is not None
+        return run_id, float(row[0])
+
+    @staticmethod
+    def _still_filling(tx: Tx, run_id: str, due: str, params: tuple[Any, ...]) -> float | None:
+        """Move the held first segment of ``run_id`` to ``due`` (SQL over
+        ``eligible_at``) if it is still unreserved and not yet due; its new
+        due time, or None when it is already due or taken (PostgreSQL: the
+        UPDATE waits for a reservation in progress, then re-checks)."""
+        row = tx.fetchone(
+            f"UPDATE dispatch_queue SET eligible_at = {due} WHERE run_id = ? AND execution_seq = 1"
+            " AND reservation_owner IS NULL AND eligible_at > ironflow_now() RETURNING eligible_at",
+            (*params, run_id),
+        )
+        return None if row is None else float(row[0])
+
+    def _debounce(
+        self, tx: Tx, fd: FunctionDef, key: str, event_id: str, data: Any, result: FlowResult
+    ) -> None:
+        debounce = fd.debounce
+        assert debounce is not None
+        placeholder = new_id("run")
+        row = tx.fetchone(
+            "INSERT INTO debounces (function_id, key, run_id, event_id, first_at, fire_at)"
+            " VALUES (?, ?, ?, ?, ironflow_now(), ironflow_now()) ON CONFLICT (function_id, key)"
+            " DO UPDATE SET event_id = excluded.event_id RETURNING run_id, first_at",
+            (fd.id, key, placeholder, event_id),
+        )
+        assert row is not None
+        pending, first_at = row[0], float(row[1])
+        if pending != placeholder:
+            bound = first_at + debounce.max_wait_s if debounce.max_wait_s is not None else None
+            due = (
+                "ironflow_now() + ?" if bound is None
+                else "CASE WHEN ironflow_now() + ? < ? THEN ironflow_now() + ? ELSE ? END"
+            )
+            params: tuple[Any, ...] = (
+                (debounce.period_s,) if bound is None
+                else (debounce.period_s, bound, debounce.period_s, bound)
+            )
+            until = self._still_filling(tx, pending, due, params)
+            if until is not None:
+                # The pending run now carries this event (its data is what it runs with).
+                tx.execute("UPDATE runs SET event_id = ? WHERE id = ?", (event_id, pending))
+                tx.execute(
+                    "UPDATE debounces SET fire_at = ? WHERE function_id = ? AND key = ?",
+                    (until, fd.id, key),
+                )
+                result.notes.append(self._debounce_note(fd, key, pending, until))
+                return
+        run_id, until = self._create_held_run(tx, fd, event_id, data, debounce.period_s, "debounce")
+        tx.execute(
+            "UPDATE debounces SET run_id = ?, event_id = ?, first_at = ironflow_now(), fire_at = ?"
+            " WHERE function_id = ? AND key = ?",
+            (run_id, event_id, until, fd.id, key),
+        )
+        result.notes.append(self._debounce_note(fd, key, run_id, until))
+
+    @staticmethod
+    def _debounce_note(fd: FunctionDef, key: str, run_id: str, until: float) -> FlowNote:
+        keyed = f" of key {key!r}" if fd.debounce is not None and fd.debounce.key is not None else ""
+        return FlowNote(
+            fd.id, "debounce", "debounced", f"debounced{keyed} until {_iso(until)}", run_id=run_id, until=until
+        )
+
+    def _batch(
+        self, tx: Tx, fd: FunctionDef, key: str, event_id: str, data: Any, result: FlowResult
+    ) -> None:
+        batch = fd.batch
+        assert batch is not None
+        placeholder = new_id("run")
+        row = tx.fetchone(
+            "INSERT INTO batches (function_id, key, run_id, first_at, size)"
+            " VALUES (?, ?, ?, ironflow_now(), 0) ON CONFLICT (function_id, key)"
+            " DO UPDATE SET size = batches.size RETURNING run_id, size",
+            (fd.id, key, placeholder),
+        )
+        assert row is not None
+        filling, size = row[0], int(row[1])
+        if filling != placeholder and size < batch.max_size:
+            full = size + 1 >= batch.max_size
+            until = self._still_filling(
+                tx, filling, "ironflow_now()" if full else "eligible_at", ()
+            )
+            if until is not None:
+                self._join_batch(tx, fd, key, filling, size, event_id)
+                result.notes.append(FlowNote(
+                    fd.id, "batch", "batched", f"batch of run {filling}: {size + 1} of {batch.max_size}"
+                    + (" (full, due now)" if full else f" until {_iso(until)}"),
+                    run_id=filling, until=until, size=size + 1,
+                ))
+                return
+        delay = 0.0 if batch.max_size == 1 else batch.timeout_s
+        run_id, until = self._create_held_run(tx, fd, event_id, data, delay, "batch")
+        tx.execute(
+            "UPDATE batches SET run_id = ?, first_at = ironflow_now(), size = 1"
+            " WHERE function_id = ? AND key = ?",
+            (run_id, fd.id, key),
+        )
+        tx.execute(
+            "INSERT INTO batch_events (run_id, position, event_id) VALUES (?, 0, ?)", (run_id, event_id)
+        )
+        # Marks a batch run: its assignments carry batch_events (dispatch.py).
+        tx.execute("UPDATE runs SET batch_size = 1 WHERE id = ?", (run_id,))
+        result.notes.append(FlowNote(
+            fd.id, "batch", "batched", f"batch of run {run_id}: 1 of {batch.max_size} until {_iso(until)}",
+            run_id=run_id, until=until, size=1,
+        ))
+
+    @staticmethod
+    def _join_batch(tx: Tx, fd: FunctionDef, key: str, run_id: str, size: int, event_id: str) -> None:
+        tx.execute(
+            "INSERT INTO batch_events (run_id, position, event_id) VALUES (?, ?, ?)",
+            (run_id, size, event_id),
+        )
+        tx.execute(
+            "UPDATE batches SET size = ? WHERE function_id = ? AND key = ?", (size + 1, fd.id, key)
+        )
+
+    # ── the event record and the reads ──────────────────────────────────────
+
+    @staticmethod
+    def _record_flow(tx: Tx, event_id: str, run_ids: list[str], result: FlowResult) -> None:
+        """The event's row says what flow control did (written by the ingest just before)."""
+        tx.execute(
+            "UPDATE events SET run_ids = ?, flow = ? WHERE id = ?",
+            (_enc(run_ids), _enc(result.notes) if result.notes else None, event_id),
+        )
+
+    async def list_debounces(self, *, function_id: str | None = None, limit: int = 100) -> list[DebounceRecord]:
+        def work(tx: Tx) -> list[DebounceRecord]:
+            now = self._now(tx)
+            clause = " AND d.function_id = ?" if function_id is not None else ""
+            rows = tx.fetchall(
+                "SELECT d.function_id, d.key, d.run_id, d.event_id, d.first_at, q.eligible_at"
+                " FROM debounces d JOIN dispatch_queue q ON q.run_id = d.run_id"
+                " AND q.execution_seq = 1 AND q.reservation_owner IS NULL AND q.reason = 'debounce'"
+                f" WHERE 1 = 1{clause} ORDER BY q.eligible_at, d.function_id, d.key LIMIT ?",
+                [*([function_id] if function_id is not None else []), limit],
+            )
+            return [
+                DebounceRecord(
+                    function_id=r[0], key=r[1], run_id=r[2], event_id=r[3], first_at=float(r[4]),
+                    fire_at=float(r[5]), fire_in_s=float(r[5]) - now,
+                )
+                for r in rows
+            ]
+
+        return await self._read(work)

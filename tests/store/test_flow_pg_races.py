@@ -1,0 +1,155 @@
+"""Ingest-side flow control's PostgreSQL interleavings (ironflow/store/flow.py):
+two nodes ingesting the same key at once, forced — one ingest held inside
+its transaction (after its last statement, before its commit) while a
+second store's ingest runs into the row lock it holds — never a sleep."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import AsyncIterator
+from typing import Any
+
+import psycopg
+import pytest
+import trio
+
+from ironflow.protocol import Batch, Debounce, FunctionDef, RateLimit, Singleton, Trigger
+from ironflow.store.postgres import PostgresStore
+from tests.store.test_pg_races import HOOK_WAIT_S, HookedStore, lock_waiters, wait_until
+
+EVENT = "race.flow"
+
+
+@pytest.fixture
+async def stores(pg_url: str) -> AsyncIterator[tuple[HookedStore, PostgresStore]]:
+    """Two stores on one database: two nodes' connection pools."""
+    a, b = HookedStore(pg_url), PostgresStore(pg_url)
+    await a.open()
+    await b.open()
+    try:
+        yield a, b
+    finally:
+        await a.close()
+        await b.close()
+
+
+async def register(store: PostgresStore, fd: FunctionDef) -> None:
+    await store.register_worker(
+        node_id="n0", worker_id="w", mode="stream", max_concurrent_jobs=10,
+        functions=[fd], session_expiry_s=600,
+    )
+
+
+async def emit(store: PostgresStore, data: Any) -> Any:
+    return await store.ingest_event(EVENT, data, None, idempotency_window_s=60)
+
+
+async def race(a: HookedStore, b: PostgresStore, pg_url: str, data: Any) -> tuple[Any, Any, bool]:
+    """Ingest ``data`` on ``a``, held before its commit, and on ``b`` meanwhile.
+
+    Returns both results and whether ``b`` finished while ``a`` was held
+    (it must not: it waits for ``a``'s row lock, then reads ``a``'s row)."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(HOOK_WAIT_S)
+
+    a.after = hold
+    results: dict[str, Any] = {}
+
+    async def on_a() -> None:
+        results["a"] = await emit(a, data)
+
+    async def on_b() -> None:
+        results["b"] = await emit(b, data)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_a)
+            assert await trio.to_thread.run_sync(lambda: held.wait(HOOK_WAIT_S))
+            a.after = None
+            nursery.start_soon(on_b)
+            blocked = await trio.to_thread.run_sync(
+                lambda: wait_until(lambda: "b" in results or lock_waiters(pg_url) > 0)
+            )
+            assert blocked
+            b_finished_while_held = "b" in results
+            release.set()
+    finally:
+        release.set()
+        a.after = None
+    return results["a"], results["b"], b_finished_while_held
+
+
+@pytest.mark.parametrize("earlier", [0, 1], ids=["first-event-of-the-key", "row-exists"])
+async def test_two_nodes_ingesting_one_key_at_once_pass_a_rate_limit_once(stores, pg_url, earlier):
+    """The first event of a key: the second insert waits on the primary key;
+    later ones: the UPDATE waits on the row lock and re-checks the bucket."""
+    a, b = stores
+    await register(a, FunctionDef(
+        id="limited", triggers=[Trigger(EVENT)], rate_limit=RateLimit(earlier + 1, 600.0, key="k"),
+    ))
+    for _ in range(earlier):
+        assert (await emit(b, {"k": 1})).run_ids
+    first, second, raced = await race(a, b, pg_url, {"k": 1})
+    assert not raced, "the second ingest passed the rate limit's row lock"
+    assert len(first.run_ids) == 1 and second.run_ids == []
+    assert second.flow[0].mechanism == "rate_limit"
+
+
+async def test_two_nodes_ingesting_one_singleton_key_at_once_start_one_run(stores, pg_url):
+    a, b = stores
+    await register(a, FunctionDef(id="single", triggers=[Trigger(EVENT)], singleton=Singleton(key="k")))
+    first, second, raced = await race(a, b, pg_url, {"k": 1})
+    assert not raced
+    assert len(first.run_ids) == 1 and second.run_ids == []
+    assert second.flow[0].outcome == "skipped" and second.flow[0].run_id == first.run_ids[0]
+
+
+@pytest.mark.parametrize("kind", ["debounce", "batch"])
+async def test_two_nodes_ingesting_one_key_at_once_share_one_pending_run(stores, pg_url, kind):
+    a, b = stores
+    flow = {"debounce": Debounce(60.0, key="k")} if kind == "debounce" else {"batch": Batch(10, 60.0, key="k")}
+    await register(a, FunctionDef(id="held", triggers=[Trigger(EVENT)], **flow))
+    first, second, raced = await race(a, b, pg_url, {"k": 1})
+    assert not raced
+    assert first.flow[0].run_id == second.flow[0].run_id
+    with psycopg.connect(pg_url) as conn:
+        runs = conn.execute("SELECT count(*) FROM runs WHERE function_id = 'held'").fetchone()
+    assert runs == (1,)
+
+
+@pytest.mark.parametrize("kind", ["debounce", "batch"])
+async def test_an_event_never_joins_a_held_run_whose_reservation_commits_meanwhile(stores, pg_url, kind):
+    """A dispatcher reserving the pending run holds its queue row; the event's
+    UPDATE of that row waits, re-checks, finds it reserved and starts the
+    next run instead of changing one a worker may already hold."""
+    a, _ = stores
+    flow = {"debounce": Debounce(60.0)} if kind == "debounce" else {"batch": Batch(10, 60.0)}
+    await register(a, FunctionDef(id="held", triggers=[Trigger(EVENT)], **flow))
+    pending = (await emit(a, {"n": 0})).flow[0].run_id
+    holder = psycopg.connect(pg_url)
+    try:
+        holder.execute(
+            "UPDATE dispatch_queue SET reservation_owner = 'sess', eligible_at = ironflow_now()"
+            " WHERE run_id = %s", (pending,),
+        )
+        result: list[Any] = []
+
+        async def on_emit() -> None:
+            result.append(await emit(a, {"n": 1}))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_emit)
+            assert await trio.to_thread.run_sync(
+                lambda: wait_until(lambda: bool(result) or lock_waiters(pg_url) > 0)
+            )
+            finished_while_held = bool(result)
+            holder.commit()
+        assert not finished_while_held, "the ingest passed a queue row it could not lock"
+        assert result[0].flow[0].run_id != pending
+    finally:
+        holder.close()
+    detail = await a.get_run(pending)
+    assert detail.run.event_id != result[0].event_id  # the reserved run kept its event
