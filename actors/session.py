@@ -29,6 +29,7 @@ from actors.grouped import Grouped
 from actors.messages import Kick, kick
 from ironflow import logs, metrics, tracing
 from ironflow.config import Limits, NodeConfig
+from ironflow.flow_checks import dispatch_flow_problem
 from ironflow.protocol import (
     EngineMessage,
     FencedMessage,
@@ -98,6 +99,10 @@ def check_register(msg: Register, limits: Limits) -> None:
         if fd.id in seen:
             raise RegistrationRefused(f"function id {fd.id!r} is registered twice")
         seen.add(fd.id)
+        # Flow control, dispatch side (issue 24): keys and priority compile, one keyed constraint.
+        problem = dispatch_flow_problem(fd)
+        if problem is not None:
+            raise RegistrationRefused(f"function {fd.id!r}: {problem}")
 
 
 async def register(

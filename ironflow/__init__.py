@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "Concurrency",
+    "Throttle",
+    "parse_duration",
     "Context",
     "Event",
     "Function",
@@ -64,9 +66,11 @@ if TYPE_CHECKING:
         StepTimeoutError,
         StreamingWorker,
         SyncClient,
+        Throttle,
         WorkerAuthError,
         event,
         function,
+        parse_duration,
         step_info,
     )
 

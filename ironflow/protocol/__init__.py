@@ -86,6 +86,8 @@ from ironflow.protocol.http import (
     StepStatus,
 )
 from ironflow.protocol.worker import (
+    # flow control, dispatch side (issue 24)
+    PRIORITY_MAX_S,
     SDK_VERSION,
     TERMINAL_RUN_STATUSES,
     ActiveJob,
@@ -120,10 +122,13 @@ from ironflow.protocol.worker import (
     StepCompleted,
     StepFailed,
     StepKind,
+    Throttle,
     Trigger,
     WaitYield,
     WorkerMessage,
     YieldInfo,
+    concurrency_keyed,
+    concurrency_limits,
     encoder,
     engine_frame_decoder,
     engine_message_decoder,
@@ -145,6 +150,11 @@ __all__ = [
     "CancelResponse",
     "ChaosCrashRequest",
     "Concurrency",
+    # flow control, dispatch side (issue 24)
+    "PRIORITY_MAX_S",
+    "Throttle",
+    "concurrency_keyed",
+    "concurrency_limits",
     "DurationMs",
     "EmitBatchRequest",
     "EmitBatchResponse",

@@ -21,12 +21,14 @@ from ironflow.sdk.errors import (
     StepTimeoutError,
     WorkerAuthError,
 )
-from ironflow.sdk.function import Function, event, function
+from ironflow.sdk.function import Function, Throttle, event, function, parse_duration
 from ironflow.sdk.pull import PullWorker
 from ironflow.sdk.streaming import StreamingWorker
 
 __all__ = [
     "Concurrency",
+    "Throttle",
+    "parse_duration",
     "Context",
     "Event",
     "Function",

@@ -38,6 +38,7 @@ from ironflow.protocol import (
     QueueRecord,
     RunRecord,
     StepRecord,
+    concurrency_keyed,
     job_id_for,
     lookup_path,
 )
@@ -217,9 +218,10 @@ def _marks(n: int) -> str:
 
 
 def _concurrency_key(fd: FunctionDef, data: Any) -> str | None:
-    if fd.concurrency is None or fd.concurrency.key is None:
+    keyed = concurrency_keyed(fd)  # the one keyed constraint (issue 24: layered limits)
+    if keyed is None or keyed.key is None:
         return None
-    value = lookup_path(data, fd.concurrency.key)
+    value = lookup_path(data, keyed.key)
     if value is None:
         return None
     return value if isinstance(value, str) else _enc(value)
@@ -516,6 +518,10 @@ class SqlStoreBase(Store):
             ),
         )
         self._enqueue(tx, run_id, 1, fd.id, ckey, 0.0, "new")
+        if fd.priority is not None:  # flow control (issue 24): store/flow.py
+            from ironflow.store.flow import priority_of, set_priorities
+
+            set_priorities(tx, [(run_id, priority_of(fd, "", data))])
         return run_id
 
     def _create_runs_with_event(
@@ -548,6 +554,7 @@ class SqlStoreBase(Store):
         run_rows: list[Any] = []
         queue_rows: list[Any] = []
         all_run_ids: list[list[str]] = []
+        prioritised: list[tuple[str, float]] = []
         for event_id, name, data, key, fds in events:
             run_ids: list[str] = []
             for fd in fds:
@@ -555,6 +562,10 @@ class SqlStoreBase(Store):
                 run_ids.append(run_id)
                 run_rows += [run_id, fd.id, event_id, max(1, fd.retries.max_attempts), ckey, fd.timeout_s]
                 queue_rows += [run_id, fd.id, ckey]
+                if fd.priority is not None:  # flow control (issue 24): store/flow.py
+                    from ironflow.store.flow import priority_of
+
+                    prioritised.append((run_id, priority_of(fd, name, data)))
             event_rows += [event_id, name, _enc(data), key, _enc(run_ids)]
             all_run_ids.append(run_ids)
         runs = len(run_rows) // 6
@@ -578,6 +589,10 @@ class SqlStoreBase(Store):
             + ", ".join(["(?, 1, ?, ?, ironflow_now(), 'new', ironflow_now())"] * runs),
             (*event_rows, *run_rows, *queue_rows),
         )
+        if prioritised:
+            from ironflow.store.flow import set_priorities
+
+            set_priorities(tx, prioritised)
         return all_run_ids
 
     def _end_run(
