@@ -267,3 +267,30 @@ def _scan_keys(tx: Tx, function_id: str, after: str | None, n: int) -> list[str]
         [function_id, *([after] if after is not None else []), function_id, n],
     )
     return [r[0] for r in rows]
+
+
+def waiting_reason(tx: Tx, fd: FunctionDef, run_id: str, ckey: str | None,
+                   eligible_at: float, reason: str, now: float) -> str | None:
+    """Why a queued segment of ``fd`` waits, when flow control holds it
+    ("throttled until …", "concurrency key customer=42: 2/2 in use"); None
+    when nothing of flow control does (``runs get``, store/reads.py)."""
+    from ironflow.store.core import _iso
+
+    if fd.throttle is not None and reason == "new" and eligible_at > now:
+        return f"throttled until {_iso(eligible_at)} ({eligible_at - now:.1f}s)"
+    for c in concurrency_limits(fd):
+        params: list[Any] = []
+        where, label = "1 = 1", "concurrency limit"
+        if c.key is not None:
+            label = f"concurrency key {c.key}={ckey}"
+            where, params = ("concurrency_key = ?", [ckey]) if ckey is not None else ("concurrency_key IS NULL", [])
+        row = tx.fetchone(
+            "SELECT (SELECT count(*) FROM concurrency_leases WHERE function_id = ?"
+            f" AND {where}) + (SELECT count(*) FROM dispatch_queue WHERE function_id = ?"
+            f" AND {where} AND reservation_owner IS NOT NULL AND reservation_expires_at > ironflow_now())",
+            [fd.id, *params, fd.id, *params],
+        )
+        used = int(row[0]) if row else 0
+        if used >= c.limit:
+            return f"{label}: {used}/{c.limit} in use"
+    return None
