@@ -9,6 +9,7 @@ import math
 import secrets
 from typing import Any
 
+from ironflow import metrics
 from ironflow.protocol import (
     PRIORITY_MAX_S,
     EventInfo,
@@ -117,6 +118,7 @@ class DispatchOps(CapacityLoop):
                 seen.update(row[0] for row in rows)
                 choose(rows)
             self._limited_functions().update(plan.seen_limited)
+            held[:] = [plan.held_by_limit, len(plan.bumps), plan.fair_passes]
             plan.finish()
             if plan.bumps:
                 tx.notify()  # throttled rows moved: the dispatcher re-reads when they are due
@@ -144,7 +146,14 @@ class DispatchOps(CapacityLoop):
         for fid in function_ids:
             limited.setdefault(fid, True)  # unknown: locked until a read shows otherwise
         locked = frozenset(fid for fid in function_ids if limited[fid])
+        held = [0, 0, 0]  # of the committed attempt: refused by a limit, throttled, fair passes
         result = await self._transact(work, [(conc_lock(fid), True) for fid in sorted(locked)])
+        if held[0]:
+            metrics.FLOW_HELD.labels("concurrency").inc(held[0])
+        if held[1]:
+            metrics.FLOW_HELD.labels("throttle").inc(held[1])
+        if held[2]:
+            metrics.FLOW_FAIR_PASSES.inc(held[2])
         return result
 
     def _limited_functions(self) -> dict[str, bool]:

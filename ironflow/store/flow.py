@@ -87,6 +87,8 @@ class FlowPlan:
         self.waiting: dict[tuple[str, str], int] = {}
         self.bumps: list[tuple[float, str, int]] = []
         self.seen_limited: dict[str, bool] = {}  # function id → has a concurrency limit
+        self.held_by_limit = 0  # candidates refused by a full limit (ironflow_flow_held_total)
+        self.fair_passes = 0
 
     def prepare(self, candidates: Sequence[Sequence[Any]]) -> None:
         """Count usage of the limited functions among ``candidates`` and lock
@@ -164,6 +166,7 @@ class FlowPlan:
             for c in limits:
                 bucket = (fid, ckey if c.key is not None else None)
                 if self.usage.get(bucket, 0) >= c.limit:
+                    self.held_by_limit += 1
                     if c.key is not None:
                         self.full_keyed.add(fid)
                     return False
@@ -209,6 +212,7 @@ class FlowPlan:
         key, at most :data:`FAIR_KEYS_MAX` keys. Returns the candidates and the
         last key visited (the next pass's cursor)."""
         tx, function_id = self.tx, fd.id
+        self.fair_passes += 1
         keys = _scan_keys(tx, function_id, cursor, FAIR_KEYS_MAX)
         if len(keys) < FAIR_KEYS_MAX and cursor is not None:
             keys += [k for k in _scan_keys(tx, function_id, None, FAIR_KEYS_MAX - len(keys)) if k <= cursor]
