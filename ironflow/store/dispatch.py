@@ -81,7 +81,7 @@ class DispatchOps(CapacityLoop):
             )
             if not candidates:
                 return []
-            plan = FlowPlan(tx, locked, self._now(tx), self._fdef)
+            plan = FlowPlan(tx, locked, self._fdef)
             plan.prepare(candidates)
             chosen: list[tuple[str, int, str, str]] = []  # run_id, seq, session, token
             credit_rows: list[tuple[Any, ...]] = []

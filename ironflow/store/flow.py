@@ -72,10 +72,10 @@ def _throttle_key(fd: FunctionDef, name: str, data: Any, event_id: str) -> str:
 class FlowPlan:
     """What one reservation transaction admits (see the module docstring)."""
 
-    def __init__(self, tx: Tx, locked: frozenset[str], now: float, decode: Any):
+    def __init__(self, tx: Tx, locked: frozenset[str], decode: Any):
         self.tx = tx
         self.locked = locked
-        self.now = now
+        self.now = 0.0  # read with the throttle states (only a throttled round needs it)
         self.decode = decode
         self.usage: dict[tuple[str, str | None], int] = {}
         self.counted: set[str] = set()
@@ -131,6 +131,8 @@ class FlowPlan:
             f" WHERE r.id IN ({_marks(len(run_ids))})",
             run_ids,
         )
+        row = self.tx.fetchone("SELECT ironflow_now()")
+        self.now = float(row[0]) if row else 0.0
         wanted: set[tuple[str, str]] = set()
         for run_id, definition, name, data, event_id in rows:
             fd = self.decode(definition)
