@@ -30,6 +30,7 @@ from actors.messages import Kick, kick
 from ironflow import logs, metrics, tracing
 from ironflow.config import Limits, NodeConfig
 from ironflow.definitions import DefinitionRefused, compile_definition
+from ironflow.dispatch_flow_checks import dispatch_flow_problem
 from ironflow.flow_checks import flow_problem
 from ironflow.protocol import (
     EngineMessage,
@@ -111,6 +112,10 @@ def check_register(msg: Register, limits: Limits) -> None:
             compile_definition(fd)
         except DefinitionRefused as exc:
             raise RegistrationRefused(str(exc)) from None
+        # Flow control, dispatch side (issue 24): keys and priority compile, one keyed constraint.
+        problem = dispatch_flow_problem(fd)
+        if problem is not None:
+            raise RegistrationRefused(f"function {fd.id!r}: {problem}")
         problem = flow_problem(fd)  # ingest-side flow control (ironflow/flow_checks.py)
         if problem is not None:
             raise RegistrationRefused(f"function {fd.id!r}: {problem}")

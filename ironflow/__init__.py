@@ -22,6 +22,8 @@ __all__ = [
     "RateLimit",
     "Singleton",
     "Concurrency",
+    "Throttle",
+    "parse_duration",
     "Context",
     "Event",
     "Function",
@@ -75,10 +77,12 @@ if TYPE_CHECKING:
         StepTimeoutError,
         StreamingWorker,
         SyncClient,
+        Throttle,
         WorkerAuthError,
         cron,
         event,
         function,
+        parse_duration,
         step_info,
     )
 

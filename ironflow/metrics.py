@@ -107,6 +107,18 @@ RUN_DURATION = Histogram(
     buckets=DURATION_BUCKETS,
     registry=REGISTRY,
 )
+# Flow control at dispatch (issue 24; docs/flow-control.md).
+FLOW_HELD = Counter(
+    "ironflow_flow_held_total",
+    "Queued segments flow control held back in this node's dispatch rounds",
+    ["mechanism"],  # concurrency (a full limit or key: queued) | throttle (moved to its start time: delayed)
+    registry=REGISTRY,
+)
+FLOW_FAIR_PASSES = Counter(
+    "ironflow_flow_fair_passes_total",
+    "Dispatch rounds that visited other concurrency keys because a full key held candidates back",
+    registry=REGISTRY,
+)
 QUEUE_DEPTH = Gauge(
     "ironflow_queue_depth",
     "Segments in the dispatch queue, cluster-wide (sampled)",

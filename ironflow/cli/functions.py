@@ -11,7 +11,7 @@ import click
 from ironflow.cli import render
 from ironflow.cli.client import show
 from ironflow.cli.options import client_command, json_option
-from ironflow.protocol import FunctionList, FunctionRecord, PauseResponse, Trigger
+from ironflow.protocol import FunctionList, FunctionRecord, PauseResponse, Trigger, concurrency_limits
 from ironflow.sdk import calls
 from ironflow.sdk.client import IronflowSync
 
@@ -31,8 +31,9 @@ def _row(record: FunctionRecord, now: float) -> list[Any]:
     definition = record.definition
     triggers = ", ".join(_trigger_text(t) for t in definition.triggers) or "-"
     next_at = min((s.next_at for s in record.schedules), default=None)
-    conc = definition.concurrency
-    concurrency = "-" if conc is None else f"{conc.limit}" + (f" per {conc.key}" if conc.key else "")
+    concurrency = ", ".join(
+        f"{c.limit}" + (f" per {c.key}" if c.key else "") for c in concurrency_limits(definition)
+    ) or "-"
     seen = record.last_seen_at or record.updated_at
     return [
         record.id,

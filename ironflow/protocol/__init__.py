@@ -101,6 +101,8 @@ from ironflow.protocol.http import (
     StepStatus,
 )
 from ironflow.protocol.worker import (
+    # flow control, dispatch side (issue 24)
+    PRIORITY_MAX_S,
     SDK_VERSION,
     TERMINAL_RUN_STATUSES,
     ActiveJob,
@@ -136,10 +138,13 @@ from ironflow.protocol.worker import (
     StepCompleted,
     StepFailed,
     StepKind,
+    Throttle,
     Trigger,
     WaitYield,
     WorkerMessage,
     YieldInfo,
+    concurrency_keyed,
+    concurrency_limits,
     encoder,
     engine_frame_decoder,
     engine_message_decoder,
@@ -173,6 +178,11 @@ __all__ = [
     "ChaosCrashRequest",
     "Concurrency",
     "FilterNote",
+    # flow control, dispatch side (issue 24)
+    "PRIORITY_MAX_S",
+    "Throttle",
+    "concurrency_keyed",
+    "concurrency_limits",
     "DurationMs",
     "EmitBatchRequest",
     "EmitBatchResponse",

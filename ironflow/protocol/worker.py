@@ -124,13 +124,46 @@ class CancelOn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, Meta(gt=0, le=MAX_DURATION_S)] | None = None
 
 
+# ── flow control, dispatch side (issue 24; docs/flow-control.md) ───────────
+
+
+class Throttle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Runs *start* no faster than ``limit`` per ``period_s`` per value of
+    ``key`` (a dotted path or CEL, like a concurrency key), ``burst`` at once
+    after a quiet spell; excess runs wait in the queue (GCRA in the database)."""
+
+    limit: Annotated[int, Meta(ge=1, le=1_000_000)]
+    period_s: Annotated[float, Meta(gt=0, le=MAX_DURATION_S)]
+    key: Annotated[str, Meta(min_length=1, max_length=256)] | None = None
+    burst: Annotated[int, Meta(ge=1, le=1_000_000)] = 1
+
+
+# Priority bounds in seconds: a run starts as if queued that much earlier (or
+# later); bounded so the lowest priority waits at most this long behind others.
+PRIORITY_MAX_S = 600.0
+
+
+def concurrency_limits(fd: FunctionDef) -> list[Concurrency]:
+    """A definition's concurrency constraints as a list (none, one or two)."""
+    c = fd.concurrency
+    if c is None:
+        return []
+    return [c] if isinstance(c, Concurrency) else list(c)
+
+
+def concurrency_keyed(fd: FunctionDef) -> Concurrency | None:
+    """The constraint whose key fills ``concurrency_key`` (at most one has a key)."""
+    return next((c for c in concurrency_limits(fd) if c.key is not None), None)
+
+
 class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """A function's full definition, as a worker registers it on connect."""
 
     id: Id
     triggers: Annotated[list[Trigger], Meta(max_length=MAX_TRIGGERS_HARD)] = []
     retries: RetryPolicy = RetryPolicy()
-    concurrency: Concurrency | None = None
+    # One constraint, or two layered ones (e.g. 100 in all and 2 per customer).
+    concurrency: Concurrency | Annotated[list[Concurrency], Meta(min_length=1, max_length=2)] | None = None
     timeout_s: Annotated[float, Meta(gt=0, le=MAX_DURATION_S)] | None = None
     audit: bool = False
     name: Annotated[str, Meta(max_length=256)] | None = None
@@ -141,6 +174,10 @@ class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     debounce: Debounce | None = None
     singleton: Singleton | None = None
     batch: Batch | None = None
+    # Flow control, dispatch side (issue 24; docs/flow-control.md).
+    throttle: Throttle | None = None
+    # A CEL expression over ``event`` giving seconds (clamped to ±PRIORITY_MAX_S).
+    priority: Annotated[str, Meta(min_length=1, max_length=1024)] | None = None
 
 
 # ── pieces carried inside messages ──────────────────────────────────────────

@@ -22,7 +22,7 @@ from ironflow.sdk.errors import (
     WorkerAuthError,
 )
 from ironflow.sdk.flow import Batch, Debounce, RateLimit, Singleton
-from ironflow.sdk.function import CancelOn, Function, cron, event, function
+from ironflow.sdk.function import CancelOn, Function, Throttle, cron, event, function, parse_duration
 from ironflow.sdk.pull import PullWorker
 from ironflow.sdk.streaming import StreamingWorker
 
@@ -33,6 +33,8 @@ __all__ = [
     "RateLimit",
     "Singleton",
     "Concurrency",
+    "Throttle",
+    "parse_duration",
     "Context",
     "Event",
     "Function",

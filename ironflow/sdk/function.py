@@ -7,12 +7,14 @@ the worker registers) and the untouched handler coroutine function.
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ironflow.dispatch_flow_checks import dispatch_flow_problem
 from ironflow.protocol import (
     Batch,
     Concurrency,
@@ -24,6 +26,7 @@ from ironflow.protocol import (
     Trigger,
 )
 from ironflow.protocol import CancelOn as CancelOnSpec
+from ironflow.protocol import Throttle as ThrottleDef
 from ironflow.protocol.cron import trigger_problem
 from ironflow.protocol.worker import CatchupPolicy
 
@@ -170,12 +173,68 @@ def _retries(r: RetryPolicy | Mapping[str, Any] | int | None) -> RetryPolicy:
     return RetryPolicy(**r)
 
 
-def _concurrency(c: Concurrency | Mapping[str, Any] | int | None) -> Concurrency | None:
-    if c is None or isinstance(c, Concurrency):
+ConcurrencySpec = Concurrency | Mapping[str, Any] | int
+
+
+def _one_concurrency(c: ConcurrencySpec) -> Concurrency:
+    if isinstance(c, Concurrency):
         return c
     if isinstance(c, int):
         return Concurrency(limit=c)
     return Concurrency(**c)
+
+
+def _concurrency(
+    c: ConcurrencySpec | list[ConcurrencySpec] | tuple[ConcurrencySpec, ...] | None,
+) -> Concurrency | list[Concurrency] | None:
+    if c is None:
+        return None
+    if isinstance(c, list | tuple):
+        if not 1 <= len(c) <= 2:
+            raise ValueError(f"concurrency: one or two constraints, got {len(c)}")
+        return [_one_concurrency(x) for x in c]
+    return _one_concurrency(c)
+
+
+# ── durations (flow control periods; one parser for every such field) ─────
+
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)\s*")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(value: float | int | timedelta | str, *, field: str = "duration") -> float:
+    """Seconds from a number of seconds, a timedelta or a string such as
+    ``"500ms"``, ``"1s"``, ``"10m"``, ``"2h"``, ``"1d"``.
+
+    Raises:
+      ValueError: naming ``field``, for text that is no duration or a value not above 0.
+    """
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, bool):
+        raise TypeError(f"{field}: a duration is seconds, a timedelta or text like '10s'")
+    elif isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        match = _DURATION.fullmatch(value)
+        if match is None:
+            raise ValueError(
+                f"{field}: {value!r} is not a duration (seconds, or text like '500ms', '1s', '10m', '2h')"
+            )
+        seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
+    else:
+        raise TypeError(f"{field}: a duration is seconds, a timedelta or text like '10s'")
+    if not seconds > 0:
+        raise ValueError(f"{field}: a duration must be above 0, got {value!r}")
+    return seconds
+
+
+def Throttle(
+    limit: int, period: float | timedelta | str, key: str | None = None, burst: int = 1
+) -> ThrottleDef:
+    """A throttle (``ironflow.Throttle``): runs start no faster than ``limit`` per ``period`` (seconds,
+    a timedelta or text like ``"1s"``) per ``key``, ``burst`` at once."""
+    return ThrottleDef(limit=limit, period_s=parse_duration(period, field="throttle.period"), key=key, burst=burst)
 
 
 def _timeout(timeout: float | timedelta | None, timeout_s: float | None) -> float | None:
@@ -211,12 +270,25 @@ def _checked(definition: FunctionDef) -> FunctionDef:
     return checked
 
 
+def _check_flow(definition: FunctionDef) -> None:
+    """The engine's flow-control checks (ironflow/flow_checks.py), at declaration;
+    expressions are compiled where the engine's packages are installed."""
+    try:
+        problem = dispatch_flow_problem(definition)
+    except RuntimeError:  # the light install: no expression library here
+        problem = dispatch_flow_problem(definition, compile_expressions=False)
+    if problem is not None:
+        raise ValueError(f"@ironflow.function {definition.id!r}: {problem}")
+
+
 def function(
     id: str | None = None,
     *,
     triggers: Iterable[Trigger | str | Mapping[str, Any]] = (),
     retries: RetryPolicy | Mapping[str, Any] | int | None = None,
-    concurrency: Concurrency | Mapping[str, Any] | int | None = None,
+    concurrency: ConcurrencySpec | list[ConcurrencySpec] | tuple[ConcurrencySpec, ...] | None = None,
+    throttle: ThrottleDef | None = None,
+    priority: str | None = None,
     timeout: float | timedelta | None = None,
     timeout_s: float | None = None,
     audit: bool = False,
@@ -233,7 +305,9 @@ def function(
     ``id`` defaults to the handler's name. ``triggers`` are ``event(...)``
     and ``cron(...)`` triggers (a bare string is an event name); ``retries`` a ``RetryPolicy``, a
     dict of its fields or a max attempt count; ``concurrency`` a
-    ``Concurrency``, a dict or a limit. ``timeout`` (seconds or a timedelta)
+    ``Concurrency``, a dict or a limit, or a list of two (layered: e.g. 100 in
+    all and 2 per customer); ``throttle`` a ``Throttle``; ``priority`` an
+    expression giving seconds (docs/flow-control.md). ``timeout`` (seconds or a timedelta)
     bounds a run from its first start to its end: past it the engine fails
     the run with ``FUNCTION_TIMEOUT``, even if no worker is alive (``timeout_s``
     is the older spelling). A sync handler is a ``TypeError``; a
@@ -265,9 +339,12 @@ def function(
                 debounce=debounce,
                 singleton=singleton,
                 batch=batch,
+                throttle=throttle,
+                priority=priority,
             )
         )
         _compile_locally(definition)
+        _check_flow(definition)
         return Function(definition, handler)
 
     return decorate

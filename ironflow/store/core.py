@@ -38,6 +38,7 @@ from ironflow.protocol import (
     QueueRecord,
     RunRecord,
     StepRecord,
+    concurrency_keyed,
     job_id_for,
     lookup_path,
 )
@@ -217,9 +218,10 @@ def _marks(n: int) -> str:
 
 
 def _concurrency_key(fd: FunctionDef, data: Any) -> str | None:
-    if fd.concurrency is None or fd.concurrency.key is None:
+    keyed = concurrency_keyed(fd)  # the one keyed constraint (issue 24: layered limits)
+    if keyed is None or keyed.key is None:
         return None
-    value = lookup_path(data, fd.concurrency.key)
+    value = lookup_path(data, keyed.key)
     if value is None:
         return None
     return value if isinstance(value, str) else _enc(value)
@@ -522,6 +524,10 @@ class SqlStoreBase(Store):
         )
         self._enqueue(tx, run_id, 1, fd.id, ckey, 0.0, "new")
         self._subscribe_cancels(tx, [(run_id, fd, data)])
+        if fd.priority is not None:  # flow control (issue 24): store/flow.py
+            from ironflow.store.dispatch_flow import priority_of, set_priorities
+
+            set_priorities(tx, [(run_id, priority_of(fd, "", data))])
         return run_id
 
     # Trigger filters, expression keys and cancel-on (ironflow/store/filters.py,
@@ -567,6 +573,7 @@ class SqlStoreBase(Store):
         queue_rows: list[Any] = []
         all_run_ids: list[list[str]] = []
         subscribing: list[tuple[str, FunctionDef, Any]] = []
+        prioritised: list[tuple[str, float]] = []
         for event_id, name, data, key, fds in events:
             run_ids: list[str] = []
             for fd in fds:
@@ -576,6 +583,10 @@ class SqlStoreBase(Store):
                 queue_rows += [run_id, fd.id, ckey]
                 if fd.cancel_on:
                     subscribing.append((run_id, fd, data))
+                if fd.priority is not None:  # flow control (issue 24): store/dispatch_flow.py
+                    from ironflow.store.dispatch_flow import priority_of
+
+                    prioritised.append((run_id, priority_of(fd, name, data)))
             event_rows += [event_id, name, _enc(data), key, _enc(run_ids), (notes or {}).get(event_id)]
             all_run_ids.append(run_ids)
         runs = len(run_rows) // 6
@@ -600,6 +611,10 @@ class SqlStoreBase(Store):
             (*event_rows, *run_rows, *queue_rows),
         )
         self._subscribe_cancels(tx, subscribing)
+        if prioritised:
+            from ironflow.store.dispatch_flow import set_priorities
+
+            set_priorities(tx, prioritised)
         return all_run_ids
 
     def _end_run(

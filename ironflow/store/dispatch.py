@@ -9,9 +9,10 @@ import math
 import secrets
 from typing import Any
 
+from ironflow import metrics
 from ironflow.protocol import (
+    PRIORITY_MAX_S,
     EventInfo,
-    FunctionDef,
     JobAssignment,
     MemoStep,
     job_id_for,
@@ -29,6 +30,7 @@ from ironflow.store.core import (
     token_hash,
 )
 from ironflow.store.flow import batch_events
+from ironflow.store.dispatch_flow import CANDIDATE_COLS, ORDER_SQL, FlowPlan, conc_lock
 
 
 class DispatchOps(CapacityLoop):
@@ -66,42 +68,61 @@ class DispatchOps(CapacityLoop):
             free: dict[str, list[int]] = {}
             for sid, slot in credits:
                 free.setdefault(sid, []).append(slot)
+            # Flow control (store/flow.py): candidates in dispatch order
+            # (priority), then — when a full concurrency key refused some and
+            # credits remain — the heads of the other keys, round robin.
             candidates = tx.fetchall(
-                "SELECT q.run_id, q.execution_seq, q.function_id, q.concurrency_key,"
-                " f.definition FROM dispatch_queue q JOIN functions f ON f.id = q.function_id"
+                f"SELECT {CANDIDATE_COLS} FROM dispatch_queue q JOIN functions f ON f.id = q.function_id"
                 " WHERE q.reservation_owner IS NULL AND q.eligible_at <= ironflow_now()"
+                # A bound for the order index: priority is at most 600 s.
+                f" AND (q.eligible_at - q.priority_s) <= ironflow_now() + {PRIORITY_MAX_S}"
                 f" AND q.function_id IN ({_marks(len(function_ids))})"
-                f" ORDER BY q.eligible_at, q.enqueued_at LIMIT ? {tx.lock('q')}",
+                f" ORDER BY {ORDER_SQL} LIMIT ? {tx.lock('q')}",
                 [*function_ids, min(limit, len(credits)) * RESERVE_OVERSCAN],
             )
             if not candidates:
                 return []
-            usage = self._concurrency_usage(tx, candidates)
+            plan = FlowPlan(tx, locked, self._fdef)
+            plan.prepare(candidates)
             chosen: list[tuple[str, int, str, str]] = []  # run_id, seq, session, token
             credit_rows: list[tuple[Any, ...]] = []
-            for run_id, seq, function_id, ckey, definition in candidates:
-                if len(chosen) >= limit:
-                    break
-                fd = self._fdef(definition)
-                bucket = None
-                if fd.concurrency is not None:
-                    bucket = (function_id, ckey if fd.concurrency.key is not None else None)
-                    if usage.get(bucket, 0) >= fd.concurrency.limit:
+
+            def choose(rows: list[tuple[Any, ...]]) -> None:
+                for row in rows:
+                    if len(chosen) >= limit:
+                        return
+                    run_id, seq, function_id = row[0], row[1], row[2]
+                    # The offering session with the most free credits spreads the load.
+                    best = max(
+                        (s for s, ids in offers.items() if function_id in ids and free.get(s)),
+                        key=lambda s: len(free[s]),
+                        default=None,
+                    )
+                    if best is None or not plan.admit(row):
                         continue
-                # The offering session with the most free credits spreads the load.
-                best = max(
-                    (s for s, ids in offers.items() if function_id in ids and free.get(s)),
-                    key=lambda s: len(free[s]),
-                    default=None,
+                    slot = free[best].pop()
+                    token = secrets.token_hex(16)
+                    chosen.append((run_id, seq, best, token))
+                    credit_rows.append((run_id, seq, best, slot))
+
+            choose(candidates)
+            seen = {row[0] for row in candidates}
+            for fid in sorted(plan.full_keyed):
+                if len(chosen) >= limit or not any(free.values()):
+                    break
+                fd = self._fdef(next(r[4] for r in candidates if r[2] == fid))
+                cursors = self._fair_cursors()
+                rows, cursors[fid] = plan.fair_candidates(
+                    fd, cursors.get(fid), limit - len(chosen), seen
                 )
-                if best is None:
-                    continue
-                slot = free[best].pop()
-                if bucket is not None:
-                    usage[bucket] = usage.get(bucket, 0) + 1
-                token = secrets.token_hex(16)
-                chosen.append((run_id, seq, best, token))
-                credit_rows.append((run_id, seq, best, slot))
+                plan.prepare(rows)
+                seen.update(row[0] for row in rows)
+                choose(rows)
+            self._limited_functions().update(plan.seen_limited)
+            held[:] = [plan.held_by_limit, len(plan.bumps), plan.fair_passes]
+            plan.finish()
+            if plan.bumps:
+                tx.notify()  # throttled rows moved: the dispatcher re-reads when they are due
             if not chosen:
                 return []
             tx.executemany(
@@ -122,40 +143,29 @@ class DispatchOps(CapacityLoop):
             )
             return self._assignments(tx, chosen)
 
-        return await self._transact(work)
+        limited = self._limited_functions()
+        for fid in function_ids:
+            limited.setdefault(fid, True)  # unknown: locked until a read shows otherwise
+        locked = frozenset(fid for fid in function_ids if limited[fid])
+        held = [0, 0, 0]  # of the committed attempt: refused by a limit, throttled, fair passes
+        result = await self._transact(work, [(conc_lock(fid), True) for fid in sorted(locked)])
+        if held[0]:
+            metrics.FLOW_HELD.labels("concurrency").inc(held[0])
+        if held[1]:
+            metrics.FLOW_HELD.labels("throttle").inc(held[1])
+        if held[2]:
+            metrics.FLOW_FAIR_PASSES.inc(held[2])
+        return result
 
-    def _concurrency_usage(
-        self, tx: Tx, candidates: list[tuple[Any, ...]]
-    ) -> dict[tuple[str, str | None], int]:
-        """Live leases + live reservations per concurrency bucket of limited functions."""
-        limited: dict[str, FunctionDef] = {}
-        for _, _, function_id, _, definition in candidates:
-            fd = self._fdef(definition)
-            if fd.concurrency is not None:
-                limited[function_id] = fd
-        if not limited:
-            return {}
-        ids = sorted(limited)
-        for function_id in ids:
-            # Two nodes must not both see the same free bucket: serialise per function.
-            tx.advisory_lock("conc:" + function_id)
-        rows = tx.fetchall(
-            "SELECT function_id, concurrency_key, count(*) FROM ("
-            " SELECT function_id, concurrency_key FROM concurrency_leases"
-            f" WHERE function_id IN ({_marks(len(ids))})"
-            " UNION ALL SELECT function_id, concurrency_key FROM dispatch_queue"
-            " WHERE reservation_owner IS NOT NULL AND reservation_expires_at > ironflow_now()"
-            f" AND function_id IN ({_marks(len(ids))})"
-            ") u GROUP BY function_id, concurrency_key",
-            [*ids, *ids],
-        )
-        usage: dict[tuple[str, str | None], int] = {}
-        for function_id, ckey, n in rows:
-            conc = limited[function_id].concurrency
-            assert conc is not None
-            bucket = (function_id, ckey if conc.key is not None else None)
-            usage[bucket] = usage.get(bucket, 0) + int(n)
-        return usage
+    def _limited_functions(self) -> dict[str, bool]:
+        """Function id → whether its usage is counted under :func:`conc_lock`
+        (a concurrency limit), as last seen; the reservation transaction takes
+        those locks at BEGIN (docs/isolation.md)."""
+        return self.__dict__.setdefault("_flow_limited", {})
+
+    def _fair_cursors(self) -> dict[str, str | None]:
+        """Function id → the last concurrency key a fairness pass visited."""
+        return self.__dict__.setdefault("_flow_cursors", {})
 
     def _assignments(self, tx: Tx, chosen: list[tuple[str, int, str, str]]) -> list[Reservation]:
         run_ids = [c[0] for c in chosen]

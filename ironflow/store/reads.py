@@ -31,6 +31,7 @@ from ironflow.store.core import (
     _step_record,
     _where,
 )
+from ironflow.store.dispatch_flow import waiting_reason
 
 
 class ReadOps(SqlStoreBase):
@@ -67,6 +68,14 @@ class ReadOps(SqlStoreBase):
                     reason = "requeued after nack"
                 else:
                     reason = "waiting for capacity"
+                # Flow control (issue 24): a throttle's start time, a full concurrency key.
+                fdef = tx.fetchone("SELECT definition FROM functions WHERE id = ?", (run.function_id,))
+                fd = self._fdef_or_none(fdef[0]) if fdef else None
+                if fd is not None and queue.reservation_owner is None:
+                    flow = waiting_reason(
+                        tx, fd, run_id, run.concurrency_key, queue.eligible_at, queue.reason, now
+                    )
+                    reason = flow or reason
             elif lease is None and run.status not in TERMINAL_RUN_STATUSES:
                 for s in step_rows:
                     kind, status, wake_at, wait_event, child = s[3], s[4], s[10], s[11], s[12]
