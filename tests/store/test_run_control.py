@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from ironflow.protocol import ErrorInfo, FunctionDef, RetryPolicy, Trigger
+from ironflow.protocol import ErrorInfo, FunctionDef, RetryPolicy, SleepYield, Trigger, WaitYield
 from ironflow.store import Conflict, Fence, NotFound, RunNotFound, StaleExecution, Store
 
 LEASE = 90.0
@@ -167,3 +167,36 @@ async def test_pause_a_running_run_fences_its_worker_and_keeps_recorded_steps(st
     await store.complete_job(f2, None)
     with pytest.raises(Conflict):
         await store.pause_run(f.run_id)
+
+
+async def test_a_paused_run_stays_paused_when_its_sleep_ends_or_its_event_comes(store):
+    s = await session(store, fn("f"), fn("g", "other.event"))
+    await store.ingest_event("order.created", {}, None, idempotency_window_s=3600)
+    f = await take(store, s)
+    now = await store.db_now()
+    await store.yield_job(f, step_id="nap", name="nap", info=SleepYield(until=now + 5))
+    await store.pause_run(f.run_id)
+    await store.advance_clock(6)
+    claimed = await store.claim_elapsed_steps("n1", 10)
+    assert claimed == [(f.run_id, "nap")]
+    out = await store.resume_claimed_steps("n1", claimed)
+    assert out.resumed == []
+    assert (await store.get_run(f.run_id)).run.status == "paused" and await store.list_queue() == []
+    await store.ingest_event("other.event", {}, None, idempotency_window_s=3600)
+    g = await take(store, s)
+    await store.yield_job(
+        g, step_id="w", name="w", info=WaitYield(event="go", timeout_at=now + 600)
+    )
+    await store.pause_run(g.run_id)
+    got = await store.ingest_event("go", {}, None, idempotency_window_s=3600)
+    assert got.resumed_run_ids == []
+    assert await steps(store, g.run_id) == [("w", "completed")]
+    assert await store.list_queue() == []
+    for run_id in (f.run_id, g.run_id):
+        await store.resume_run(run_id)
+    assert {q.run_id for q in await store.list_queue()} == {f.run_id, g.run_id}
+    memo = {}
+    for _ in range(2):
+        h = await take(store, s)
+        memo[h.run_id] = await steps(store, h.run_id)
+    assert memo == {f.run_id: [("nap", "completed")], g.run_id: [("w", "completed")]}
