@@ -90,8 +90,15 @@ class RunControlOps(SqlStoreBase):
             " attempt = 1, error = NULL, output = NULL, ended_at = NULL, recovery_count = 0,"
             " deadline_at = NULL," if status == "failed" else ""
         )
+        # A paused run keeps its start time; a sleep the waker settled while the
+        # run was paused (claimed up to the lookahead early) still holds it back.
+        start_at = (
+            "NULL" if status == "failed" else
+            "COALESCE(start_at, (SELECT max(s.wake_at) FROM steps s WHERE s.run_id = runs.id"
+            " AND s.kind = 'sleep' AND s.status = 'completed' AND s.wake_at > ironflow_now()))"
+        )
         row = tx.fetchone(
-            f"UPDATE runs SET{fresh} status = 'waiting_for_capacity', start_at = NULL,"
+            f"UPDATE runs SET{fresh} status = 'waiting_for_capacity', start_at = {start_at},"
             " current_execution_seq = current_execution_seq + 1, updated_at = ironflow_now()"
             " WHERE id = ? RETURNING current_execution_seq",
             (run_id,),

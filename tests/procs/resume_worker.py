@@ -4,7 +4,9 @@ Usage: python tests/procs/resume_worker.py SERVER_URL EFFECTS_FILE FLAG_FILE
 
 Serves ``resume3`` (event ``resume.go``): steps ``one``, ``two``, ``three``,
 each appending ``<run_id> <step>`` to EFFECTS_FILE when it runs; ``two``
-fails non-retryably while FLAG_FILE exists.
+fails non-retryably while FLAG_FILE exists. And ``pause2`` (event
+``pause.go``): step ``one``, a durable sleep of ``data.nap`` seconds, step
+``two``, recorded the same way.
 """
 
 from __future__ import annotations
@@ -50,7 +52,15 @@ def main() -> None:
 
         return [await ctx.step.run(name, f) for name, f in (("one", one), ("two", two), ("three", three))]
 
-    worker = ironflow.StreamingWorker(server, [resume3], max_concurrent_jobs=2, reconnect_delay=0.2)
+    @ironflow.function(id="pause2", triggers=[ironflow.event("pause.go")])
+    async def pause2(ctx: Any) -> Any:
+        run_id = ctx.run.id
+        await ctx.step.run("one", lambda: record(run_id, "one"))
+        await ctx.step.sleep("nap", ctx.event.data.get("nap", 1.0))
+        await ctx.step.run("two", lambda: record(run_id, "two"))
+        return "done"
+
+    worker = ironflow.StreamingWorker(server, [resume3, pause2], max_concurrent_jobs=2, reconnect_delay=0.2)
 
     async def run() -> None:
         async with anyio.create_task_group() as nursery:
