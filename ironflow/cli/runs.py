@@ -61,7 +61,7 @@ def print_runs(answer: RunList) -> None:
 
 @client_command(group, "list")
 @click.option(
-    "--status", default=None, help="waiting_for_capacity|running|waiting|completed|failed|cancelled"
+    "--status", default=None, help="waiting_for_capacity|running|waiting|paused|completed|failed|cancelled"
 )
 @click.option("--function", "function_id", default=None, help="Only runs of this function id.")
 @click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True)

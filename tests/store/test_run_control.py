@@ -200,3 +200,15 @@ async def test_a_paused_run_stays_paused_when_its_sleep_ends_or_its_event_comes(
         h = await take(store, s)
         memo[h.run_id] = await steps(store, h.run_id)
     assert memo == {f.run_id: [("nap", "completed")], g.run_id: [("w", "completed")]}
+
+
+async def test_a_paused_run_can_be_cancelled_and_then_not_resumed(store):
+    await session(store)
+    await store.ingest_event("order.created", {}, None, idempotency_window_s=3600)
+    (run,) = await store.list_runs()
+    await store.pause_run(run.id)
+    await store.cancel_run(run.id, "no longer wanted")
+    assert (await store.get_run(run.id)).run.status == "cancelled"
+    with pytest.raises(Conflict):
+        await store.resume_run(run.id)
+    assert await store.list_queue() == []
