@@ -26,7 +26,7 @@ from ironflow.expressions import (
     compile_key,
     event_variables,
 )
-from ironflow.protocol import CancelOn, FunctionDef
+from ironflow.protocol import CancelOn, FunctionDef, concurrency_keyed
 
 __all__ = [
     "CompiledDefinition",
@@ -134,9 +134,10 @@ def compile_definition(fd: FunctionDef) -> CompiledDefinition:
         except ExpressionError as exc:
             raise _refuse(fd, f"triggers[{place}].expression", exc) from None
     key = None
-    if fd.concurrency is not None and fd.concurrency.key is not None:
+    keyed = concurrency_keyed(fd)  # the one keyed constraint (layered limits: docs/flow-control.md)
+    if keyed is not None and keyed.key is not None:
         try:
-            key = compile_key(fd.concurrency.key)
+            key = compile_key(keyed.key)
         except ExpressionError as exc:
             raise _refuse(fd, "concurrency.key", exc) from None
     conditions: list[Expression | None] = []

@@ -17,6 +17,7 @@ import msgspec
 from quart import Blueprint, Response
 
 from ironflow import protocol as p
+from ironflow.protocol import run_control as rc
 
 bp = Blueprint("openapi", __name__)
 
@@ -104,6 +105,14 @@ ROUTES: tuple[Route, ...] = (
           tags=("runs",)),
     Route("post", "/v1/runs/{run_id}/cancel", "Cancel a run that has not ended", "org",
           {200: p.CancelResponse}, body=p.CancelRequest, body_required=False, tags=("runs",)),
+    # run control (issue #23 §4, docs/run-control.md)
+    Route("post", "/v1/runs/{run_id}/resume",
+          "Resume a failed run from its failed step (or from_step), or a paused run", "org",
+          {200: rc.ResumeResponse}, body=rc.ResumeRequest, body_required=False, tags=("runs",)),
+    Route("post", "/v1/runs/resume", "Resume the runs that failed in the last since_s, one page",
+          "org", {200: rc.BulkResumeResponse}, body=rc.BulkResumeRequest, tags=("runs",)),
+    Route("post", "/v1/runs/{run_id}/pause", "Pause a run at its next step boundary", "org",
+          {200: rc.RunPauseResponse}, tags=("runs",)),
     Route("post", "/v1/runs/purge", "Delete finished history now (platform only)", "platform",
           {200: p.PurgeResponse}, body=p.PurgeRequest, tags=("runs",)),
     Route("get", "/v1/stats/runs", "Recent runs by status, per time bucket and per function",

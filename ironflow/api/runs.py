@@ -1,4 +1,5 @@
-"""Runs: list, detail, cancel, and the operator's purge of old history."""
+"""Runs: list, detail, cancel, run control (resume, bulk resume, pause), and
+the operator's purge of old history."""
 
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ from ironflow.protocol import (
     RunList,
     RunResult,
 )
+from ironflow.protocol.run_control import (
+    BulkResumeRequest,
+    BulkResumeResponse,
+    ResumeRequest,
+    ResumeResponse,
+    RunPauseResponse,
+)
+from ironflow.store.base import ResumeOutcome
 
 log = logging.getLogger("ironflow.api")
 bp = Blueprint("runs", __name__)
@@ -81,6 +90,51 @@ async def cancel_run(run_id: str) -> Response:
     logs.event(log, logging.INFO, "run: cancelled", run_id=run_id, session_id=outcome.session_id)
     kick(st.deps.kicks, "run cancelled")  # a parent waiting on this run may resume
     return json_response(CancelResponse(run_id))
+
+
+# ── run control (issue #23 §4; ironflow/store/run_control.py, docs/run-control.md) ──
+
+
+def _resumed(out: ResumeOutcome) -> ResumeResponse:
+    return ResumeResponse(
+        out.run_id, out.function_id, out.execution_seq, out.resumed_from, out.from_step, out.steps_deleted
+    )
+
+
+@bp.post("/v1/runs/<run_id>/resume")
+async def resume_run(run_id: str) -> Response:
+    """A failed run again from its failed step (or ``from_step``), or a paused run."""
+    await require_org()
+    body = await optional_body(ResumeRequest)
+    st = state()
+    out = await st.store.resume_run(run_id, body.from_step)
+    logs.event(log, logging.INFO, "run: resumed", run_id=run_id, from_step=out.from_step)
+    kick(st.deps.kicks, "run resumed")
+    return json_response(_resumed(out))
+
+
+@bp.post("/v1/runs/resume")
+async def resume_runs() -> Response:
+    """Bulk: the runs that failed in the last ``since_s`` seconds, one page."""
+    await require_org()
+    body = decode(await request.get_data(), BulkResumeRequest)
+    st = state()
+    resumed, cursor = await st.store.resume_failed_runs(
+        function_id=body.function_id, since_s=body.since_s, limit=body.limit, cursor=body.cursor
+    )
+    logs.event(log, logging.INFO, "runs: resumed in bulk", function_id=body.function_id, runs=len(resumed))
+    if resumed:
+        kick(st.deps.kicks, "runs resumed")
+    return json_response(BulkResumeResponse([_resumed(o) for o in resumed], cursor))
+
+
+@bp.post("/v1/runs/<run_id>/pause")
+async def pause_run(run_id: str) -> Response:
+    """Off the queue; a running segment is fenced (its next write is refused)."""
+    await require_org()
+    out = await state().store.pause_run(run_id)
+    logs.event(log, logging.INFO, "run: paused", run_id=run_id, session_id=out.session_id)
+    return json_response(RunPauseResponse(run_id))
 
 
 @bp.post("/v1/runs/purge")

@@ -11,7 +11,13 @@ import click
 from ironflow.cli import render
 from ironflow.cli.client import show
 from ironflow.cli.options import client_command, json_option
-from ironflow.protocol import FunctionList, FunctionRecord, PauseResponse, Trigger, concurrency_limits
+from ironflow.protocol import (
+    FunctionList,
+    FunctionRecord,
+    PauseResponse,
+    Trigger,
+    concurrency_limits,
+)
 from ironflow.sdk import calls
 from ironflow.sdk.client import IronflowSync
 

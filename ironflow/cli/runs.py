@@ -1,4 +1,4 @@
-"""``ironflow runs``: list, inspect, cancel and purge runs."""
+"""``ironflow runs``: list, inspect, cancel, resume, pause and purge runs."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from ironflow.protocol import (
     StepRecord,
     encoder,
 )
+from ironflow.protocol.run_control import MAX_BULK_RESUME, ResumeResponse, RunPauseResponse
 from ironflow.sdk import calls
 from ironflow.sdk.calls import Answer
 from ironflow.sdk.client import IronflowSync
@@ -33,7 +34,7 @@ _DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 8640
 
 @click.group("runs")
 def group() -> None:
-    """List, inspect and cancel runs."""
+    """List, inspect, cancel, resume and pause runs."""
 
 
 def print_runs(answer: RunList) -> None:
@@ -60,7 +61,7 @@ def print_runs(answer: RunList) -> None:
 
 @client_command(group, "list")
 @click.option(
-    "--status", default=None, help="waiting_for_capacity|running|waiting|completed|failed|cancelled"
+    "--status", default=None, help="waiting_for_capacity|running|waiting|paused|completed|failed|cancelled"
 )
 @click.option("--function", "function_id", default=None, help="Only runs of this function id.")
 @click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True)
@@ -270,3 +271,74 @@ def runs_purge(
 
     call = calls.purge_runs(older_than_s, finished)
     show(client, call, as_json=as_json, render_answer=print_purged)
+
+
+# ── run control (issue #23 §4, docs/run-control.md) ──
+
+
+def print_resumed(answer: ResumeResponse) -> None:
+    again = f" from step {answer.from_step!r} ({answer.steps_deleted} step rows to run again)"
+    click.echo(
+        f"run {answer.run_id} resumed (was {answer.resumed_from})"
+        + (again if answer.from_step else "")
+    )
+
+
+@client_command(group, "resume")
+@click.argument("run_id", required=False)
+@click.option("--from-step", default=None, help="Run again from this step (name or id) on.")
+@click.option("--function", "function_id", default=None, help="Bulk: only runs of this function.")
+@click.option(
+    "--status", type=click.Choice(["failed"]), default=None, help="Bulk: the runs to resume (failed)."
+)
+@click.option(
+    "--since", "since_s", type=Duration(), default=None,
+    help="Bulk: runs that failed within this long (90s, 15m, 1h, 3d).",
+)
+@click.option("--limit", type=click.IntRange(1, MAX_BULK_RESUME), default=100, help="Bulk: runs per request.")
+@json_option
+def runs_resume(
+    client: IronflowSync, run_id: str | None, from_step: str | None, function_id: str | None,
+    status: str | None, since_s: float | None, limit: int, as_json: bool,
+) -> None:
+    """Resume a failed run from its failed step (or --from-step), or a paused run.
+
+    Bulk, without RUN_ID: every run that failed within --since (of --function),
+    page by page.
+    """
+    if run_id is not None:
+        if function_id or status or since_s is not None:
+            raise CliFailure("give a RUN_ID or --since/--function/--status, not both")
+        show(client, calls.resume_run(run_id, from_step), as_json=as_json, render_answer=print_resumed)
+        return
+    if since_s is None:
+        raise CliFailure("give a RUN_ID, or --since (with --status failed) to resume in bulk")
+    if from_step is not None:
+        raise CliFailure("--from-step needs a RUN_ID")
+    cursor: str | None = None
+    total = 0
+    while True:
+        answer = send(client, calls.resume_runs(since_s, function_id=function_id, limit=limit, cursor=cursor))
+        for resumed in answer.value.resumed:
+            if as_json:
+                render.echo_json(encoder.encode(resumed))
+            else:
+                print_resumed(resumed)
+        total += len(answer.value.resumed)
+        cursor = answer.value.next_cursor
+        if cursor is None:
+            break
+    if not as_json:
+        click.echo(f"resumed {total} runs")
+
+
+@client_command(group, "pause")
+@click.argument("run_id")
+@json_option
+def runs_pause(client: IronflowSync, run_id: str, as_json: bool) -> None:
+    """Pause a run: off the queue; a running one stops at its next step boundary."""
+
+    def print_paused(answer: RunPauseResponse) -> None:
+        click.echo(f"run {answer.run_id} {answer.status}")
+
+    show(client, calls.pause_run(run_id), as_json=as_json, render_answer=print_paused)

@@ -34,7 +34,8 @@ JobNackReason = Literal["DRAINING", "AT_CAPACITY"]
 LeaseState = Literal["REFRESHED", "STALE", "UNKNOWN"]
 StepKind = Literal["run", "sleep", "wait", "invoke"]
 RunStatus = Literal[
-    "waiting_for_capacity", "running", "waiting", "completed", "failed", "cancelled"
+    "waiting_for_capacity", "running", "waiting", "completed", "failed", "cancelled",
+    "paused",  # issue #23 §4: off the queue until resumed (ironflow/store/run_control.py)
 ]
 TERMINAL_RUN_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
 

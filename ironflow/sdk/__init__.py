@@ -22,7 +22,15 @@ from ironflow.sdk.errors import (
     WorkerAuthError,
 )
 from ironflow.sdk.flow import Batch, Debounce, RateLimit, Singleton
-from ironflow.sdk.function import CancelOn, Function, Throttle, cron, event, function, parse_duration
+from ironflow.sdk.function import (
+    CancelOn,
+    Function,
+    Throttle,
+    cron,
+    event,
+    function,
+    parse_duration,
+)
 from ironflow.sdk.pull import PullWorker
 from ironflow.sdk.streaming import StreamingWorker
 

@@ -38,6 +38,13 @@ from ironflow.protocol import (
     SessionList,
     encoder,
 )
+from ironflow.protocol.run_control import (
+    BulkResumeRequest,
+    BulkResumeResponse,
+    ResumeRequest,
+    ResumeResponse,
+    RunPauseResponse,
+)
 
 T = TypeVar("T")
 
@@ -123,6 +130,24 @@ def list_runs(
 def cancel_run(run_id: str, reason: str | None = None) -> Call[CancelResponse]:
     body = CancelRequest() if reason is None else CancelRequest(reason=reason)
     return Call("POST", f"/v1/runs/{run_id}/cancel", CancelResponse, body)
+
+
+# ── run control (issue #23 §4, docs/run-control.md) ──
+
+
+def resume_run(run_id: str, from_step: str | None = None) -> Call[ResumeResponse]:
+    return Call("POST", f"/v1/runs/{run_id}/resume", ResumeResponse, ResumeRequest(from_step=from_step))
+
+
+def resume_runs(
+    since_s: float, *, function_id: str | None = None, limit: int = 100, cursor: str | None = None
+) -> Call[BulkResumeResponse]:
+    body = BulkResumeRequest(since_s=since_s, function_id=function_id, limit=limit, cursor=cursor)
+    return Call("POST", "/v1/runs/resume", BulkResumeResponse, body)
+
+
+def pause_run(run_id: str) -> Call[RunPauseResponse]:
+    return Call("POST", f"/v1/runs/{run_id}/pause", RunPauseResponse)
 
 
 def purge_runs(

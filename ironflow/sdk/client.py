@@ -29,6 +29,7 @@ from ironflow.protocol import (
     RunRecord,
     RunResult,
 )
+from ironflow.protocol.run_control import ResumeResponse, RunPauseResponse
 from ironflow.sdk import calls, outage
 from ironflow.sdk.calls import Answer, Call
 from ironflow.sdk.errors import IronflowAPIError, RunFailedError
@@ -200,6 +201,15 @@ class Ironflow:
     async def cancel_run(self, run_id: str, reason: str = "cancelled by user") -> CancelResponse:
         """Cancel a run; its worker is told to stop the running segment."""
         return (await self.request(calls.cancel_run(run_id, reason))).value
+
+    # run control (issue #23 §4, docs/run-control.md)
+    async def resume_run(self, run_id: str, from_step: str | None = None) -> ResumeResponse:
+        """A failed run again from its failed step (or ``from_step``), or a paused run."""
+        return (await self.request(calls.resume_run(run_id, from_step))).value
+
+    async def pause_run(self, run_id: str) -> RunPauseResponse:
+        """Take a run off the queue; a running one stops at its next step boundary."""
+        return (await self.request(calls.pause_run(run_id))).value
 
     async def invoke(
         self, function: str | Any, data: Any = None, *, wait: bool = False, timeout: float | None = None

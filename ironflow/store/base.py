@@ -168,6 +168,24 @@ class CancelNotice(msgspec.Struct, frozen=True):
     reason: str
 
 
+# ── run control (issue #23 §4: resume a failed run, pause a run) ──────────────
+
+
+class ResumeOutcome(msgspec.Struct, frozen=True):
+    """A run put back on the queue by :meth:`Store.resume_run`."""
+
+    run_id: str
+    function_id: str
+    # The segment now queued (the run's new current_execution_seq).
+    execution_seq: int
+    # The status the run was resumed from ('failed' or 'paused').
+    resumed_from: str
+    # The first step that runs again (its name), None when no step row went.
+    from_step: str | None = None
+    # Step rows deleted so they run again (the failed one and every later one).
+    steps_deleted: int = 0
+
+
 class IngestResult(msgspec.Struct, frozen=True):
     event_id: str
     run_ids: list[str]
@@ -452,6 +470,30 @@ class Store(abc.ABC):
         """Run → 'cancelled'; delete its queue row and lease, free the credit,
         bump current_execution_seq so later messages from the segment are
         refused. Raises RunNotFound; Conflict if the run already ended."""
+
+    # run control (issue #23 §4; ironflow/store/run_control.py) ---------------------
+
+    @abc.abstractmethod
+    async def resume_run(self, run_id: str, from_step: str | None = None) -> ResumeOutcome:
+        """Put a failed (or paused) run back on the queue under the same id. A
+        failed run: its failed step's row and every later step row go (or from
+        the first step named ``from_step`` on), earlier memoised steps stay, the
+        attempt budget starts again. Raises RunNotFound; NotFound for an unknown
+        ``from_step``; Conflict when the run is neither failed nor paused."""
+
+    @abc.abstractmethod
+    async def resume_failed_runs(
+        self, *, function_id: str | None, since_s: float, limit: int, cursor: str | None
+    ) -> tuple[list[ResumeOutcome], str | None]:
+        """:meth:`resume_run` for up to ``limit`` runs that failed in the last
+        ``since_s`` seconds (each its own transaction), oldest first after
+        ``cursor``; the resumed runs and the cursor of the next page (None at the end)."""
+
+    @abc.abstractmethod
+    async def pause_run(self, run_id: str) -> CancelOutcome:
+        """Run → 'paused': its queue row and lease go (credits freed), its
+        execution_seq moves on so its worker's next write is refused. Raises
+        RunNotFound; Conflict when the run ended or is already paused."""
 
     # dispatch -----------------------------------------------------------------
 

@@ -690,6 +690,7 @@ class SqlStoreBase(Store):
             "UPDATE runs SET current_execution_seq = current_execution_seq + 1,"
             " status = 'waiting', start_at = NULL, updated_at = ironflow_now()"
             f" WHERE id = ? AND status NOT IN {_TERMINAL_SQL}"
+            " AND status <> 'paused'"  # a paused run waits for resume_run (run_control.py)
             " AND NOT EXISTS (SELECT 1 FROM concurrency_leases l WHERE l.run_id = runs.id)"
             " AND NOT EXISTS (SELECT 1 FROM dispatch_queue q WHERE q.run_id = runs.id)"
             " RETURNING current_execution_seq, function_id, concurrency_key",

@@ -29,8 +29,8 @@ from ironflow.store.core import (
     _marks,
     token_hash,
 )
-from ironflow.store.flow import batch_events
 from ironflow.store.dispatch_flow import CANDIDATE_COLS, ORDER_SQL, FlowPlan, conc_lock
+from ironflow.store.flow import batch_events
 
 
 class DispatchOps(CapacityLoop):

@@ -27,7 +27,7 @@ from ironflow.definitions import (
     triggers_name,
 )
 from ironflow.expressions import EvaluationError
-from ironflow.protocol import FilterNote, FunctionDef
+from ironflow.protocol import FilterNote, FunctionDef, concurrency_keyed
 from ironflow.store.base import KeyEvaluationFailed
 from ironflow.store.core import SqlStoreBase
 
@@ -120,7 +120,8 @@ class FilterOps(SqlStoreBase):
         Raises:
           KeyEvaluationFailed: its key expression failed on this event.
         """
-        if fd.concurrency is None or fd.concurrency.key is None:
+        keyed = concurrency_keyed(fd)  # the one keyed constraint (layered limits)
+        if keyed is None or keyed.key is None:
             return None
         compiled = self._compiled(fd)
         if compiled is None:

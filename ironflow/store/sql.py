@@ -31,6 +31,7 @@ from ironflow.store.ingest import IngestOps
 from ironflow.store.keys import KeyOps
 from ironflow.store.outage import OutageOps
 from ironflow.store.reads import ReadOps
+from ironflow.store.run_control import RunControlOps
 from ironflow.store.sessions import SessionOps
 from ironflow.store.stats import StatsOps
 from ironflow.store.traces import TraceOps
@@ -40,5 +41,6 @@ from ironflow.store.wake_claims import WakeLoop
 class SqlStore(
     TraceOps, SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
     EventReadOps, GaugeOps, StatsOps, OutageOps, CronOps,
+    RunControlOps,  # issue #23 §4: resume / pause a run
 ):
     """Every Store method, written once. Backends supply ``_transact`` and lifecycle."""

@@ -100,6 +100,7 @@ class WakeLoop(SqlStoreBase):
                 " start_at = (SELECT max(s.wake_at) FROM steps s WHERE s.run_id = runs.id"
                 " AND s.status = 'waking' AND s.claimed_by = ?)"
                 f" WHERE id IN ({run_marks}) AND status NOT IN {_TERMINAL_SQL}"
+                " AND status <> 'paused'"  # resume_run puts it back (run_control.py)
                 " AND NOT EXISTS (SELECT 1 FROM concurrency_leases l WHERE l.run_id = runs.id)"
                 " AND NOT EXISTS (SELECT 1 FROM dispatch_queue q WHERE q.run_id = runs.id)"
                 " RETURNING id",

@@ -1,0 +1,189 @@
+"""Run control (issue #23 §4): resume a failed run from its failed step, resume
+many, pause a run at its next step boundary and resume it.
+
+Resuming keeps the run's id and its memoised steps before the failed one; the
+failed step's row and every later one (by ``steps.seq``, the order they were
+written) go, so the SDK runs them again, and the attempt budget starts again.
+Pausing takes the run off the queue and away from its worker (its lease goes,
+its execution_seq moves on: whatever the worker still sends is refused as
+stale, so the step in flight runs again on resume — ``docs/run-control.md``).
+
+PostgreSQL: every transition locks the run row ``FOR UPDATE`` before it reads
+the status (after the run's queue row and lease, the order an activation and a
+completion take them: ``ingest.py`` ``cancel_run``), so two nodes resuming the
+same run at once serialise and the second sees it queued: Conflict
+(``docs/isolation.md``, "Run control").
+"""
+
+from __future__ import annotations
+
+from ironflow.protocol import job_id_for
+from ironflow.store.base import CancelOutcome, Conflict, NotFound, ResumeOutcome, RunNotFound
+from ironflow.store.core import SqlStoreBase, Tx
+
+# Most runs one bulk resume call puts back (each in its own transaction).
+MAX_BULK_RESUME = 500
+# The statuses a run is resumed from.
+RESUMABLE = ("failed", "paused")
+
+
+def _cursor(text: str | None) -> tuple[float, str]:
+    """``created_at|run_id`` of the last run of the previous page (start: before all)."""
+    if not text:
+        return (float("-inf"), "")
+    at, sep, run_id = text.partition("|")
+    try:
+        if not sep:
+            raise ValueError(text)
+        return (float(at), run_id)
+    except ValueError:
+        raise NotFound(f"cursor {text!r} is not one this node gave out") from None
+
+
+class RunControlOps(SqlStoreBase):
+    """Resume a failed or paused run; resume many; pause a run."""
+
+    @staticmethod
+    def _lock_run(tx: Tx, run_id: str) -> tuple[str, str, str | None] | None:
+        """Lock the run's queue row, lease and run row (PostgreSQL: FOR UPDATE, in
+        that order, as ``cancel_run`` does); (status, function_id, concurrency_key)."""
+        tx.fetchone(f"SELECT 1 FROM dispatch_queue WHERE run_id = ? {tx.lock_wait()}", (run_id,))
+        tx.fetchone(f"SELECT 1 FROM concurrency_leases WHERE run_id = ? {tx.lock_wait()}", (run_id,))
+        row = tx.fetchone(
+            f"SELECT status, function_id, concurrency_key FROM runs WHERE id = ? {tx.lock_wait()}",
+            (run_id,),
+        )
+        return None if row is None else (row[0], row[1], row[2])
+
+    def _resume_locked(self, tx: Tx, run_id: str, from_step: str | None) -> ResumeOutcome:
+        run = self._lock_run(tx, run_id)
+        if run is None:
+            raise RunNotFound(f"run {run_id} not found")
+        status, function_id, ckey = run
+        if status not in RESUMABLE:
+            raise Conflict(f"run {run_id} is {status}: only a failed or paused run resumes")
+        cut: tuple[int, str] | None = None
+        if from_step is not None:
+            row = tx.fetchone(
+                "SELECT seq, name FROM steps WHERE run_id = ? AND (name = ? OR step_id = ?)"
+                " ORDER BY seq LIMIT 1",
+                (run_id, from_step, from_step),
+            )
+            if row is None:
+                raise NotFound(f"run {run_id} has no step {from_step!r}")
+            cut = (row[0], row[1])
+        elif status == "failed":
+            # The latest failed step: the one that failed the run (an earlier
+            # failure the handler caught stays memoised).
+            row = tx.fetchone(
+                "SELECT seq, name FROM steps WHERE run_id = ? AND status = 'failed'"
+                " ORDER BY seq DESC LIMIT 1",
+                (run_id,),
+            )
+            cut = None if row is None else (row[0], row[1])
+        deleted = 0
+        if cut is not None:
+            deleted = tx.execute("DELETE FROM steps WHERE run_id = ? AND seq >= ?", (run_id, cut[0]))
+        # A failed run starts a fresh attempt budget and a fresh function
+        # timeout; a paused one keeps its attempt and its deadline.
+        fresh = (
+            " attempt = 1, error = NULL, output = NULL, ended_at = NULL, recovery_count = 0,"
+            " deadline_at = NULL," if status == "failed" else ""
+        )
+        # A paused run keeps its start time; a sleep the waker settled while the
+        # run was paused (claimed up to the lookahead early) still holds it back.
+        start_at = (
+            "NULL" if status == "failed" else
+            "COALESCE(start_at, (SELECT max(s.wake_at) FROM steps s WHERE s.run_id = runs.id"
+            " AND s.kind = 'sleep' AND s.status = 'completed' AND s.wake_at > ironflow_now()))"
+        )
+        row = tx.fetchone(
+            f"UPDATE runs SET{fresh} status = 'waiting_for_capacity', start_at = {start_at},"
+            " current_execution_seq = current_execution_seq + 1, updated_at = ironflow_now()"
+            " WHERE id = ? RETURNING current_execution_seq",
+            (run_id,),
+        )
+        assert row is not None
+        self._enqueue(tx, run_id, row[0], function_id, ckey, 0.0, "resume")
+        step_name = None if cut is None else cut[1]
+        self._audit(
+            tx, "run.resumed", run_id, function_id,
+            {"from_status": status, "from_step": step_name, "steps_deleted": deleted},
+        )
+        return ResumeOutcome(run_id, function_id, row[0], status, step_name, deleted)
+
+    async def resume_run(self, run_id: str, from_step: str | None = None) -> ResumeOutcome:
+        return await self._transact(lambda tx: self._resume_locked(tx, run_id, from_step))
+
+    async def resume_failed_runs(
+        self, *, function_id: str | None, since_s: float, limit: int, cursor: str | None
+    ) -> tuple[list[ResumeOutcome], str | None]:
+        limit = max(1, min(int(limit), MAX_BULK_RESUME))
+        after_at, after_id = _cursor(cursor)
+
+        def page(tx: Tx) -> list[tuple[str, float]]:
+            # runs_status (status, created_at): one range of the index, paged.
+            of_function = "" if function_id is None else " AND function_id = ?"
+            rows = tx.fetchall(
+                f"SELECT id, created_at FROM runs WHERE status = 'failed'{of_function}"
+                " AND ended_at >= ironflow_now() - ?"
+                " AND (created_at > ? OR (created_at = ? AND id > ?))"
+                " ORDER BY created_at, id LIMIT ?",
+                (
+                    *(() if function_id is None else (function_id,)),
+                    float(since_s), after_at, after_at, after_id, limit,
+                ),
+            )
+            return [(r[0], float(r[1])) for r in rows]
+
+        candidates = await self._read(page)
+        resumed: list[ResumeOutcome] = []
+        for run_id, _ in candidates:
+            try:
+                resumed.append(await self.resume_run(run_id))
+            except (Conflict, RunNotFound):
+                pass  # resumed, or purged, by someone else since the page was read
+        next_cursor = None
+        if len(candidates) == limit:
+            at, run_id = candidates[-1][1], candidates[-1][0]
+            next_cursor = f"{at!r}|{run_id}"
+        return resumed, next_cursor
+
+    async def pause_run(self, run_id: str) -> CancelOutcome:
+        def work(tx: Tx) -> CancelOutcome:
+            run = self._lock_run(tx, run_id)
+            if run is None:
+                raise RunNotFound(f"run {run_id} not found")
+            status, function_id, _ = run
+            if status in ("completed", "failed", "cancelled", "paused"):
+                raise Conflict(f"run {run_id} is {status}: only a run that has not ended pauses")
+            session_id = node_id = job_id = None
+            lease = tx.fetchone(
+                "DELETE FROM concurrency_leases WHERE run_id = ?"
+                " RETURNING session_id, node_id, execution_seq",
+                (run_id,),
+            )
+            if lease is not None:
+                session_id, node_id, job_id = lease[0], lease[1], job_id_for(run_id, lease[2])
+                self._free_credit(tx, lease[0], run_id, lease[2])
+            queued = tx.fetchone(
+                "DELETE FROM dispatch_queue WHERE run_id = ? RETURNING reservation_owner, execution_seq",
+                (run_id,),
+            )
+            if queued is not None and queued[0] is not None:
+                self._free_credit(tx, queued[0], run_id, queued[1])
+                if session_id is None:
+                    session_id, job_id = queued[0], job_id_for(run_id, queued[1])
+                    owner = tx.fetchone("SELECT node_id FROM worker_sessions WHERE id = ?", (session_id,))
+                    node_id = owner[0] if owner else None
+            # Parked steps (sleeps, waits) stay parked: their wake or event
+            # settles them while paused, and ``_resume`` leaves a paused run be.
+            tx.execute(
+                "UPDATE runs SET status = 'paused', current_execution_seq = current_execution_seq + 1,"
+                " updated_at = ironflow_now() WHERE id = ?",
+                (run_id,),
+            )
+            self._audit(tx, "run.paused", run_id, function_id, {"from_status": status})
+            return CancelOutcome(run_id, session_id, node_id, job_id, function_id=function_id)
+
+        return await self._transact(work)
