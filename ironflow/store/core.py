@@ -617,19 +617,11 @@ class SqlStoreBase(Store):
             set_priorities(tx, prioritised)
         return all_run_ids
 
-    def _end_run(
-        self,
-        tx: Tx,
-        run_id: str,
-        status: Literal["cancelled", "failed"],
-        error: ErrorInfo,
-        parent_run_id: str | None,
-        parent_step_id: str | None,
-    ) -> CancelOutcome:
-        """End a run that has not ended, wherever it is: its lease and queue row
-        go (their credits freed), its execution_seq moves on (so whatever its
-        worker still sends is refused), parked steps fail, a waiting parent
-        resumes. Returns who was executing it, so the caller can tell them."""
+    def _take_segment(self, tx: Tx, run_id: str) -> tuple[str | None, str | None, str | None]:
+        """Take run ``run_id``'s lease and queue row away, their credits freed:
+        ``(session_id, node_id, job_id)`` of whoever held it (Nones if nobody),
+        so the caller can send ``Cancel``. Used by :meth:`_end_run` and a pause
+        (run_control.py)."""
         session_id = node_id = job_id = None
         lease = tx.fetchone(
             "DELETE FROM concurrency_leases WHERE run_id = ?"
@@ -651,6 +643,22 @@ class SqlStoreBase(Store):
                 job_id = job_id_for(run_id, queued[1])
                 owner = tx.fetchone("SELECT node_id FROM worker_sessions WHERE id = ?", (session_id,))
                 node_id = owner[0] if owner else None
+        return session_id, node_id, job_id
+
+    def _end_run(
+        self,
+        tx: Tx,
+        run_id: str,
+        status: Literal["cancelled", "failed"],
+        error: ErrorInfo,
+        parent_run_id: str | None,
+        parent_step_id: str | None,
+    ) -> CancelOutcome:
+        """End a run that has not ended, wherever it is: its lease and queue row
+        go (their credits freed), its execution_seq moves on (so whatever its
+        worker still sends is refused), parked steps fail, a waiting parent
+        resumes. Returns who was executing it, so the caller can tell them."""
+        session_id, node_id, job_id = self._take_segment(tx, run_id)
         ended = tx.fetchone(
             "UPDATE runs SET status = ?, error = ?, current_execution_seq = current_execution_seq + 1,"
             f" ended_at = ironflow_now(), updated_at = ironflow_now() WHERE id = ? RETURNING {RUN_END_FIGURES}",

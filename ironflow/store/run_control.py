@@ -17,7 +17,6 @@ same run at once serialise and the second sees it queued: Conflict
 
 from __future__ import annotations
 
-from ironflow.protocol import job_id_for
 from ironflow.store.base import CancelOutcome, Conflict, NotFound, ResumeOutcome, RunNotFound
 from ironflow.store.core import SqlStoreBase, Tx
 
@@ -157,25 +156,7 @@ class RunControlOps(SqlStoreBase):
             status, function_id, _ = run
             if status in ("completed", "failed", "cancelled", "paused"):
                 raise Conflict(f"run {run_id} is {status}: only a run that has not ended pauses")
-            session_id = node_id = job_id = None
-            lease = tx.fetchone(
-                "DELETE FROM concurrency_leases WHERE run_id = ?"
-                " RETURNING session_id, node_id, execution_seq",
-                (run_id,),
-            )
-            if lease is not None:
-                session_id, node_id, job_id = lease[0], lease[1], job_id_for(run_id, lease[2])
-                self._free_credit(tx, lease[0], run_id, lease[2])
-            queued = tx.fetchone(
-                "DELETE FROM dispatch_queue WHERE run_id = ? RETURNING reservation_owner, execution_seq",
-                (run_id,),
-            )
-            if queued is not None and queued[0] is not None:
-                self._free_credit(tx, queued[0], run_id, queued[1])
-                if session_id is None:
-                    session_id, job_id = queued[0], job_id_for(run_id, queued[1])
-                    owner = tx.fetchone("SELECT node_id FROM worker_sessions WHERE id = ?", (session_id,))
-                    node_id = owner[0] if owner else None
+            session_id, node_id, job_id = self._take_segment(tx, run_id)
             # Parked steps (sleeps, waits) stay parked: their wake or event
             # settles them while paused, and ``_resume`` leaves a paused run be.
             tx.execute(
