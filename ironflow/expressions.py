@@ -240,6 +240,15 @@ class KeyExpression:
         return key_text(self._expression.evaluate(event_variables(name, data, event_id)))
 
 
+def is_dotted_path(source: str) -> bool:
+    """Whether key text ``source`` is the older dotted-path form (read with
+    ``lookup_path``, no CEL): see :func:`compile_key`."""
+    reads_event = source == "event" or (
+        source.startswith("event.") and not source.startswith("event.data.")
+    )
+    return _DOTTED_PATH.fullmatch(source) is not None and not reads_event
+
+
 def compile_key(source: str) -> KeyExpression:
     """A key from its definition text (see :class:`KeyExpression`).
 
@@ -251,10 +260,7 @@ def compile_key(source: str) -> KeyExpression:
       ExpressionError: it does not compile, or evidently gives a list or a
       map (a literal one).
     """
-    reads_event = source == "event" or (
-        source.startswith("event.") and not source.startswith("event.data.")
-    )
-    if _DOTTED_PATH.fullmatch(source) and not reads_event:
+    if is_dotted_path(source):
         return KeyExpression(source, source, None)
     expression = compile_expression(source)
     try:

@@ -91,9 +91,32 @@ def _cancel_on(entries: Iterable[CancelOnSpec | Mapping[str, Any]]) -> list[Canc
     return out
 
 
+def _has_cel(definition: FunctionDef) -> bool:
+    """Whether ``definition`` carries an expression that is CEL: a trigger
+    filter, a cancel-on condition, a priority, or a key that is not a dotted path."""
+    from ironflow.expressions import is_dotted_path
+    from ironflow.protocol import concurrency_limits
+
+    if definition.priority is not None:
+        return True
+    if any(t.expression is not None for t in definition.triggers):
+        return True
+    if any(c.expression is not None for c in definition.cancel_on):
+        return True
+    keys = [c.key for c in concurrency_limits(definition)]
+    for spec in (definition.throttle, definition.rate_limit, definition.debounce,
+                 definition.singleton, definition.batch):
+        keys.append(getattr(spec, "key", None))
+    return any(k is not None and not is_dotted_path(k) for k in keys)
+
+
 def _compile_locally(definition: FunctionDef) -> None:
     """Compile ``definition``'s expressions here when the expression library is
-    installed (the light install has none: the engine checks at registration)."""
+    installed (the light install has none: the engine checks at registration).
+    A definition with no CEL in it imports nothing (the library takes ~0.5 s
+    to import, once per worker process)."""
+    if not _has_cel(definition):
+        return
     try:
         import cel  # type: ignore[import-not-found]  # noqa: F401
     except ImportError:
