@@ -113,14 +113,13 @@ def _has_cel(definition: FunctionDef) -> bool:
 def _compile_locally(definition: FunctionDef) -> None:
     """Compile ``definition``'s expressions here when the expression library is
     installed (the light install has none: the engine checks at registration).
-    A definition with no CEL in it imports nothing (the library takes ~0.5 s
-    to import, once per worker process)."""
-    if not _has_cel(definition):
-        return
-    try:
-        import cel  # type: ignore[import-not-found]  # noqa: F401
-    except ImportError:
-        return
+    A definition with no CEL in it is checked without importing the library
+    (~0.5 s to import, once per worker process)."""
+    if _has_cel(definition):
+        try:
+            import cel  # type: ignore[import-not-found]  # noqa: F401
+        except ImportError:
+            return
     from ironflow.definitions import DefinitionRefused, compile_definition
 
     try:
