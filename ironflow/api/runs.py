@@ -97,7 +97,8 @@ async def cancel_run(run_id: str) -> Response:
 
 def _resumed(out: ResumeOutcome) -> ResumeResponse:
     return ResumeResponse(
-        out.run_id, out.function_id, out.execution_seq, out.resumed_from, out.from_step, out.steps_deleted
+        out.run_id, out.function_id, out.execution_seq, out.resumed_from, out.from_step, out.steps_deleted,
+        out.status,
     )
 
 

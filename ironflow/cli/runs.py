@@ -278,9 +278,11 @@ def runs_purge(
 
 def print_resumed(answer: ResumeResponse) -> None:
     again = f" from step {answer.from_step!r} ({answer.steps_deleted} step rows to run again)"
+    parked = "; waiting on its parked step (a sleep or wait not over yet)"
     click.echo(
         f"run {answer.run_id} resumed (was {answer.resumed_from})"
         + (again if answer.from_step else "")
+        + (parked if answer.status == "waiting" else "")
     )
 
 

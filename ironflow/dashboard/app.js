@@ -345,7 +345,8 @@
       return button;
     };
     const resumed = (a) => `resumed (was ${a.resumed_from})${a.from_step ? ` from step '${a.from_step}'` : ""}` +
-      `, ${a.steps_deleted} step row${a.steps_deleted === 1 ? "" : "s"} deleted, execution_seq ${a.execution_seq}`;
+      `, ${a.steps_deleted} step row${a.steps_deleted === 1 ? "" : "s"} deleted, execution_seq ${a.execution_seq}` +
+      (a.status === "waiting" ? "; waiting on its parked step (a sleep or wait not over yet)" : "");
     if (run.status === "paused") return action("resume-run", "resume", "Resume", () => ({}), resumed);
     if (run.status === "failed") {
       // Empty: the step that failed the run; otherwise that step and every later one run again.

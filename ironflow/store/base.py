@@ -37,6 +37,7 @@ from ironflow.protocol import (
     RunDetail,
     RunRecord,
     RunStats,
+    RunStatus,
     SessionRecord,
     YieldInfo,
 )
@@ -184,6 +185,9 @@ class ResumeOutcome(msgspec.Struct, frozen=True):
     from_step: str | None = None
     # Step rows deleted so they run again (the failed one and every later one).
     steps_deleted: int = 0
+    # 'waiting_for_capacity' (queued), or 'waiting': back on a step still
+    # parked (a sleep not ended, a wait not answered), resumed when it settles.
+    status: RunStatus = "waiting_for_capacity"
 
 
 class IngestResult(msgspec.Struct, frozen=True):

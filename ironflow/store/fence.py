@@ -455,9 +455,15 @@ class FenceOps(StepResultOps, WaitOps):
                     return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
                 self._insert_event(tx, event_id, INVOKED_EVENT, info.input, None, [invoke_run_id])
                 kicked.append(invoke_run_id)
-            self._park_step(
+            if not self._park_step(
                 tx, fence, step_id, name, kind, status, wake_at, invoke_run_id=invoke_run_id
-            )
+            ):
+                # The step settled after this segment read it (a replay of a
+                # parked step the waker completed meanwhile): nothing to wait
+                # for, so the run goes on rather than waiting on nothing.
+                resumed = self._resume(tx, fence.run_id)
+                if resumed is not None:
+                    return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1], kicked_run_ids=kicked)
             return JobOutcome(fence.run_id, "waiting", kicked_run_ids=kicked)
 
         outcome = await self._transact(
@@ -478,9 +484,10 @@ class FenceOps(StepResultOps, WaitOps):
         *,
         error: str | None = None,
         invoke_run_id: str | None = None,
-    ) -> None:
-        """Park a sleep or an invoke (a wait: ``waits.py``)."""
-        tx.execute(
+    ) -> bool:
+        """Park a sleep or an invoke (a wait: ``waits.py``); False when the step
+        was already completed (its row is left as it is)."""
+        return 0 < tx.execute(
             "INSERT INTO steps (run_id, step_id, name, kind, status, error, execution_seq,"
             " created_at, seq, wake_at, invoke_run_id)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ironflow_now(), ?, ?, ?)"

@@ -89,13 +89,40 @@ class RunControlOps(SqlStoreBase):
             " attempt = 1, error = NULL, output = NULL, ended_at = NULL, recovery_count = 0,"
             " deadline_at = NULL," if status == "failed" else ""
         )
-        # A paused run keeps its start time; a sleep the waker settled while the
-        # run was paused (claimed up to the lookahead early) still holds it back.
-        start_at = (
-            "NULL" if status == "failed" else
-            "COALESCE(start_at, (SELECT max(s.wake_at) FROM steps s WHERE s.run_id = runs.id"
-            " AND s.kind = 'sleep' AND s.status = 'completed' AND s.wake_at > ironflow_now()))"
+        step_name = None if cut is None else cut[1]
+        audit = {"from_status": status, "from_step": step_name, "steps_deleted": deleted}
+        # A step still parked (a sleep not ended, a wait not answered): the run
+        # goes back to waiting on it, not on the queue. Queued, its replay would
+        # park the step again with a wake time counted from now, or find it
+        # settled meanwhile and leave the run waiting on nothing. The parked
+        # rows are locked (after the run row): an event or a child's end
+        # settles a step under its row lock and then resumes the run, so one in
+        # flight either committed first (the step is settled: queued below) or
+        # waits for ours and then resumes a run it sees 'waiting'. A step the
+        # waker has claimed ('waking') is settled by a transaction that decided
+        # about the run before it, so such a run is queued below instead, held
+        # until the sleep's wake time (``docs/isolation.md``, "Run control").
+        parked = [r[0] for r in tx.fetchall(
+            "SELECT status FROM steps WHERE run_id = ? AND status IN ('sleeping', 'waiting', 'waking')"
+            f" ORDER BY step_id {tx.lock_wait()}",
+            (run_id,),
+        )]
+        if parked and "waking" not in parked:
+            row = tx.fetchone(
+                f"UPDATE runs SET{fresh} status = 'waiting', start_at = NULL,"
+                " updated_at = ironflow_now() WHERE id = ? RETURNING current_execution_seq",
+                (run_id,),
+            )
+            assert row is not None
+            self._audit(tx, "run.resumed", run_id, function_id, {**audit, "parked": True})
+            return ResumeOutcome(run_id, function_id, row[0], status, step_name, deleted, "waiting")
+        # A sleep the waker settled while the run was paused, or is settling
+        # now (claimed up to the lookahead early), still holds the run back.
+        held = (
+            "(SELECT max(s.wake_at) FROM steps s WHERE s.run_id = runs.id AND s.kind = 'sleep'"
+            " AND s.status IN ('completed', 'waking') AND s.wake_at > ironflow_now())"
         )
+        start_at = held if status == "failed" else f"COALESCE(start_at, {held})"
         row = tx.fetchone(
             f"UPDATE runs SET{fresh} status = 'waiting_for_capacity', start_at = {start_at},"
             " current_execution_seq = current_execution_seq + 1, updated_at = ironflow_now()"
@@ -104,11 +131,7 @@ class RunControlOps(SqlStoreBase):
         )
         assert row is not None
         self._enqueue(tx, run_id, row[0], function_id, ckey, 0.0, "resume")
-        step_name = None if cut is None else cut[1]
-        self._audit(
-            tx, "run.resumed", run_id, function_id,
-            {"from_status": status, "from_step": step_name, "steps_deleted": deleted},
-        )
+        self._audit(tx, "run.resumed", run_id, function_id, audit)
         return ResumeOutcome(run_id, function_id, row[0], status, step_name, deleted)
 
     async def resume_run(self, run_id: str, from_step: str | None = None) -> ResumeOutcome:
