@@ -12,6 +12,7 @@ from ironflow.protocol import (
     ErrorInfo,
     FunctionDef,
     RetryPolicy,
+    Singleton,
     SleepYield,
     Trigger,
     compensation_step_id,
@@ -190,3 +191,30 @@ async def test_a_compensated_run_is_not_resumed_but_a_paused_compensation_is(sto
     with pytest.raises(Conflict, match="compensated"):
         await store.resume_run(f.run_id)
     assert (await store.get_run(f.run_id)).run.status == "failed"
+
+
+async def test_a_singleton_cancel_compensates_the_run_it_replaces(store):
+    single = FunctionDef(id="f", triggers=[Trigger("order.created")], singleton=Singleton(mode="cancel"))
+    s = await session(store, single)
+    ended: list[str] = []
+    store.on_runs_ended(ended.extend)
+    f = await running(store, s)
+    second = await store.ingest_event("order.created", {"order": 8}, None, idempotency_window_s=3600)
+    (cancelled,) = second.cancelled
+    assert cancelled.run_id == f.run_id and cancelled.compensating and ended == []
+    assert (await store.get_run(f.run_id)).run.status == "waiting"
+    assert compensation_step_id(f.run_id, "begin") in await steps(store, f.run_id)
+
+
+async def test_a_run_timeout_is_not_a_cancel_it_ends_a_run_with_undos_at_once(store):
+    timed = FunctionDef(id="f", triggers=[Trigger("order.created")], timeout_s=10.0)
+    s = await session(store, timed)
+    await store.heartbeat(s.session_id, [], session_expiry_s=10_000, lease_expiry_s=10_000)
+    f = await running(store, s)
+    await store.advance_clock(11)
+    (out,) = await store.expire_run_deadlines()
+    assert out.run_id == f.run_id and not out.compensating
+    run = (await store.get_run(f.run_id)).run
+    assert run.status == "failed" and run.error.code == "FUNCTION_TIMEOUT"
+    assert await store.list_queue() == []
+    assert compensation_step_id(f.run_id, "begin") not in await steps(store, f.run_id)
