@@ -9,29 +9,18 @@ cancel: whichever commits first decides, the other sees it."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
 import trio
 
 from ironflow.protocol import ErrorInfo, FunctionDef, RetryPolicy, Trigger, compensation_step_id
 from ironflow.store import Conflict, Fence, StaleExecution
 from tests.store.test_pg_cancel_on_races import held_open
 from tests.store.test_pg_races import HOOK_WAIT_S, HookedStore, lock_waiters, wait_until
+from tests.store.test_pg_races import store as store  # the HookedStore fixture
 
 FN = FunctionDef(id="saga", triggers=[Trigger("saga.go")], retries=RetryPolicy(max_attempts=1))
 ORIGINAL = ErrorInfo("card declined", "DECLINED", retryable=False)
-
-
-@pytest.fixture
-async def store(pg_url: str) -> AsyncIterator[HookedStore]:
-    s = HookedStore(pg_url)
-    await s.open()
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def running(store: HookedStore) -> Fence:
