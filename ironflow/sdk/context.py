@@ -7,6 +7,10 @@ running again. ``step.sleep``/``wait_for_event``/``invoke`` end the segment by
 raising ``_Yield`` (a ``BaseException``, so ``except Exception`` in user code
 cannot swallow it); the runner turns it into ``JobYielded``.
 
+A compensation segment (its memo holds the engine's ``compensate:begin``
+step) replays the handler on recorded results only, then runs the undos
+``step.compensate`` registered: ironflow/sdk/compensation.py.
+
 The runner reports through a ``Reporter`` so the same code serves the
 websocket and the HTTP transports.
 """
@@ -22,6 +26,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -745,8 +750,7 @@ async def execute_job(
         if ctx is None:
             ctx = Context(job, reporter)
         if ctx.step.saga.begin is not None:
-            replay = function.handler
-            error = await ctx.step.saga.compensate(lambda: replay(ctx), ctx.step.execute_undo)
+            error = await ctx.step.saga.compensate(partial(function.handler, ctx), ctx.step.execute_undo)
             msg = JobFailed(*fence, error=error, duration_ms=(time.perf_counter() - t0) * 1000.0)
         else:
             try:

@@ -268,3 +268,16 @@ async def test_bad_registrations_are_refused_with_clear_errors(assignment_factor
     assert "are the undos'" in errors[5]
     # Nothing was registered: no registration was recorded.
     assert [type(m) for m in msgs] == [JobCompleted]
+
+
+async def test_a_parallel_with_a_step_without_a_record_stops_the_replay(assignment_factory, list_reporter):
+    calls: list[str] = []
+
+    async def handler(ctx: Any) -> None:
+        await ctx.step.compensate("undo", lambda: calls.append("undo"))
+        await ctx.step.parallel([("a", lambda: calls.append("a")), ("b", lambda: calls.append("b"))])
+        await ctx.step.compensate("later", lambda: calls.append("later"))
+
+    msgs = await run(handler, assignment_factory, list_reporter, [marker("registered"), done("a"), begin("cancel")])
+    assert calls == ["undo"]  # b never ran, "later" was never registered
+    assert [m.name for m in msgs[:-1]] == ["compensate:undo"] and isinstance(msgs[-1], JobFailed)
