@@ -77,8 +77,11 @@ class CompensationOps(SqlStoreBase):
         by the caller): ``(execution_seq, eligible_at)`` of its compensation
         segment, queued now."""
         row = tx.fetchone(
+            # recovery_count starts again, as after a yield: the undos get the
+            # recovery ceiling's whole budget.
             "UPDATE runs SET status = 'waiting', compensation = ?, error = ?, start_at = NULL,"
-            " current_execution_seq = current_execution_seq + 1, updated_at = ironflow_now()"
+            " recovery_count = 0, current_execution_seq = current_execution_seq + 1,"
+            " updated_at = ironflow_now()"
             " WHERE id = ? RETURNING current_execution_seq, function_id, concurrency_key",
             (cause, _enc(error), run_id),
         )
