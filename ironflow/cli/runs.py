@@ -179,7 +179,10 @@ def runs_cancel(client: IronflowSync, run_id: str, reason: str | None, as_json: 
     """Cancel a run that has not ended."""
 
     def print_cancelled(answer: CancelResponse) -> None:
-        click.echo(f"run {answer.run_id} {answer.status}")
+        if answer.compensating:
+            click.echo(f"run {answer.run_id} cancelled: its undos run now, then it ends cancelled")
+        else:
+            click.echo(f"run {answer.run_id} {answer.status}")
 
     show(client, calls.cancel_run(run_id, reason), as_json=as_json, render_answer=print_cancelled)
 

@@ -313,8 +313,9 @@
     cancel.addEventListener("click", async () => {
       cancel.disabled = true;
       try {
-        await post(`/v1/runs/${encodeURIComponent(run.id)}/cancel`, { reason: "cancelled from the dashboard" });
-        result.textContent = "cancelled";
+        const answer = await post(`/v1/runs/${encodeURIComponent(run.id)}/cancel`, { reason: "cancelled from the dashboard" });
+        // A run with undos (step.compensate) runs them, then ends cancelled.
+        result.textContent = answer.compensating ? "cancelled: its undos run first" : "cancelled";
         refreshNow();
       } catch (err) { result.textContent = `cancel failed: ${err.message}`; cancel.disabled = false; }
     });

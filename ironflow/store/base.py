@@ -124,6 +124,9 @@ class JobOutcome(msgspec.Struct, frozen=True):
     # Set when the run ended here (completed or failed): for the run-duration metric.
     function_id: str | None = None
     duration_s: float | None = None
+    # The run's final failure began its compensation (store/compensation.py):
+    # its compensation segment is queued (next_execution_seq, eligible_at).
+    compensating: bool = False
 
 
 class WakeOutcome(msgspec.Struct, frozen=True):
@@ -157,6 +160,9 @@ class CancelOutcome(msgspec.Struct, frozen=True):
     # The ended run's function and duration: for the run-duration metric.
     function_id: str | None = None
     duration_s: float | None = None
+    # The run has undos (step.compensate): it did not end, its compensation
+    # segment is queued; it ends 'cancelled' once they ran (store/compensation.py).
+    compensating: bool = False
 
 
 class CancelNotice(msgspec.Struct, frozen=True):
@@ -473,7 +479,10 @@ class Store(abc.ABC):
     async def cancel_run(self, run_id: str, reason: str) -> CancelOutcome:
         """Run → 'cancelled'; delete its queue row and lease, free the credit,
         bump current_execution_seq so later messages from the segment are
-        refused. Raises RunNotFound; Conflict if the run already ended."""
+        refused. A run with undos (``step.compensate``) is not ended: its
+        compensation segment is queued instead (``compensating`` in the
+        answer; store/compensation.py). Raises RunNotFound; Conflict if the run
+        already ended or is compensating."""
 
     # run control (issue #23 §4; ironflow/store/run_control.py) ---------------------
 
@@ -625,7 +634,11 @@ class Store(abc.ABC):
     async def fail_job(self, fence: Fence, error: ErrorInfo) -> JobOutcome:
         """Retryable with attempts left: attempt +1, new seq queued at now +
         backoff (reason 'retry'), run 'waiting'. Otherwise run 'failed' with the
-        error. Lease deleted, credit freed either way. StaleExecution."""
+        error — unless the run has undos (``step.compensate``): then its
+        compensation segment is queued (reason 'compensate', ``compensating``
+        in the outcome), and that segment's own JobFailed ends the run
+        'failed' or 'cancelled' with the original error (store/compensation.py).
+        Lease deleted, credit freed either way. StaleExecution."""
 
     @abc.abstractmethod
     async def yield_job(self, fence: Fence, *, step_id: str, name: str, info: YieldInfo) -> JobOutcome:

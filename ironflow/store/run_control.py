@@ -43,24 +43,34 @@ class RunControlOps(SqlStoreBase):
     """Resume a failed or paused run; resume many; pause a run."""
 
     @staticmethod
-    def _lock_run(tx: Tx, run_id: str) -> tuple[str, str, str | None] | None:
+    def _lock_run(tx: Tx, run_id: str) -> tuple[str, str, str | None, str | None] | None:
         """Lock the run's queue row, lease and run row (PostgreSQL: FOR UPDATE, in
-        that order, as ``cancel_run`` does); (status, function_id, concurrency_key)."""
+        that order, as ``cancel_run`` does); (status, function_id,
+        concurrency_key, compensation)."""
         tx.fetchone(f"SELECT 1 FROM dispatch_queue WHERE run_id = ? {tx.lock_wait()}", (run_id,))
         tx.fetchone(f"SELECT 1 FROM concurrency_leases WHERE run_id = ? {tx.lock_wait()}", (run_id,))
         row = tx.fetchone(
-            f"SELECT status, function_id, concurrency_key FROM runs WHERE id = ? {tx.lock_wait()}",
+            "SELECT status, function_id, concurrency_key, compensation FROM runs"
+            f" WHERE id = ? {tx.lock_wait()}",
             (run_id,),
         )
-        return None if row is None else (row[0], row[1], row[2])
+        return None if row is None else (row[0], row[1], row[2], row[3])
 
     def _resume_locked(self, tx: Tx, run_id: str, from_step: str | None) -> ResumeOutcome:
         run = self._lock_run(tx, run_id)
         if run is None:
             raise RunNotFound(f"run {run_id} not found")
-        status, function_id, ckey = run
+        status, function_id, ckey, compensation = run
         if status not in RESUMABLE:
             raise Conflict(f"run {run_id} is {status}: only a failed or paused run resumes")
+        if status == "failed" and compensation is not None:
+            # Its memoised steps say "charged", its undos "refunded": a resume
+            # would carry on from steps they undid. (A paused compensating run
+            # resumes its compensation.)
+            raise Conflict(
+                f"run {run_id} was compensated (its undos ran): resuming it would continue"
+                " past the steps they undid; start a new run instead"
+            )
         cut: tuple[int, str] | None = None
         if from_step is not None:
             row = tx.fetchone(
@@ -176,7 +186,7 @@ class RunControlOps(SqlStoreBase):
             run = self._lock_run(tx, run_id)
             if run is None:
                 raise RunNotFound(f"run {run_id} not found")
-            status, function_id, _ = run
+            status, function_id, _, _ = run
             if status in ("completed", "failed", "cancelled", "paused"):
                 raise Conflict(f"run {run_id} is {status}: only a run that has not ended pauses")
             session_id, node_id, job_id = self._take_segment(tx, run_id)
