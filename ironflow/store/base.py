@@ -525,8 +525,10 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def seconds_until_next_eligible(self) -> float | None:
-        """Seconds (DB clock) until the earliest unreserved queue row becomes
-        eligible; 0 if one is eligible now; None if the queue is empty."""
+        """Seconds (DB clock) until the soonest unreserved queue row that is not
+        eligible yet becomes eligible; 0 if every unreserved row is eligible
+        now (they wait for a credit or a concurrency slot: a kick); None if
+        no row is unreserved."""
 
     # execution (fenced) -------------------------------------------------------
 

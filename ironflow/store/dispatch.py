@@ -245,10 +245,17 @@ class DispatchOps(CapacityLoop):
 
     async def seconds_until_next_eligible(self) -> float | None:
         def work(tx: Tx) -> float | None:
+            # The soonest row still to become eligible, even while rows
+            # eligible now wait: those may be held by a concurrency limit or
+            # wait for a credit (a kick ends that wait), but a throttled start,
+            # a debounce or a retry delay comes due by the clock alone.
             row = tx.fetchone(
-                "SELECT min(eligible_at) - ironflow_now() FROM dispatch_queue"
-                " WHERE reservation_owner IS NULL"
+                "SELECT (SELECT min(eligible_at) FROM dispatch_queue WHERE reservation_owner IS NULL"
+                " AND eligible_at > ironflow_now()) - ironflow_now(),"
+                " EXISTS (SELECT 1 FROM dispatch_queue WHERE reservation_owner IS NULL)"
             )
-            return None if row is None or row[0] is None else max(0.0, float(row[0]))
+            if row is None or not row[1]:
+                return None
+            return 0.0 if row[0] is None else max(0.0, float(row[0]))
 
         return await self._transact(work)
