@@ -193,3 +193,18 @@ async def test_an_expired_reservation_an_ack_is_activating_still_counts_against_
         assert row == (1,)
     finally:
         await store.close()
+
+
+async def test_a_held_backlog_of_one_function_does_not_stand_in_front_of_another(store):
+    """Queue rows a full concurrency limit or a throttle holds fill the first
+    candidate read; the round reads on past their functions, so another
+    function's runs queued behind them start in the same round."""
+    hot = fn("hot", "hot.go", concurrency=Concurrency(1))
+    slow = fn("slow", "slow.go", throttle=Throttle(limit=1, period_s=60.0))
+    cold = fn("cold", "cold.go")
+    s = await worker(store, hot, slow, cold, slots=4)
+    await emit_many(store, [{}] * 40, name="hot.go")
+    await emit_many(store, [{}] * 40, name="slow.go")
+    await emit_many(store, [{}] * 3, name="cold.go")
+    got = await reserve(store, s, limit=4)
+    assert sorted(r.assignment.function_id for r in got) == ["cold", "cold", "hot", "slow"]
