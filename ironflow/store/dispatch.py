@@ -32,7 +32,6 @@ from ironflow.store.core import (
 from ironflow.store.dispatch_flow import CANDIDATE_COLS, ORDER_SQL, FlowPlan, conc_lock
 from ironflow.store.flow import batch_events
 
-
 # Candidate reads past held functions per reservation round, at most (each
 # excludes the functions the one before found held): bounds a round's cost
 # when many functions are held at once; the next round reads on.
