@@ -55,6 +55,11 @@ def _read_candidates(tx: Tx, function_ids: list[str], n: int) -> list[tuple[Any,
 class DispatchOps(CapacityLoop):
     """Reservations and assignments for sessions with free credits."""
 
+    # What admits candidates in a reservation transaction: a class attribute,
+    # as ``PostgresStore.tx_class`` is, so a test can inject a planted bug
+    # (tests/sim/bugs.py) without a switch in the engine.
+    flow_plan_class: type[FlowPlan] = FlowPlan
+
     async def reserve_segments(
         self,
         node_id: str,
@@ -99,7 +104,7 @@ class DispatchOps(CapacityLoop):
             candidates = list(read)
             if not candidates:
                 return []
-            plan = FlowPlan(tx, locked, self._fdef)
+            plan = self.flow_plan_class(tx, locked, self._fdef)
             plan.prepare(candidates)
             chosen: list[tuple[str, int, str, str]] = []  # run_id, seq, session, token
             credit_rows: list[tuple[Any, ...]] = []

@@ -23,7 +23,12 @@ Checked against the database (read-only), the oracle's counter table
    ingest committed after the segment's reservation committed: the worker
    may start once it has the assignment), and before the wait's timeout (by
    the database clock), that matches it resolves it; and a wait is resolved
-   only by an event that matches it.
+   only by an event that matches it;
+10. at no instant do a function's leases and reservations (per key, for a
+    keyed constraint) outnumber its concurrency limit (judged at every
+    reservation, :mod:`tests.sim.limits`);
+11. a throttled function's first starts conform to its GCRA, by the
+    database clock, in commit order (:mod:`tests.sim.limits`).
 """
 
 from __future__ import annotations
@@ -211,6 +216,7 @@ def check(sim: Simulation) -> None:
             bad(f"{len(listeners)} wake listeners of stopped wakers are still registered on the store")
 
     check_waits(sim)
+    o.flow.check_throttles()
 
 
 def _matches(data: Any, match: str | None, value: Any) -> bool:

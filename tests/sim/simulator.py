@@ -62,7 +62,7 @@ from ironflow.api.worker_socket import _serve_socket
 from ironflow.config import NodeConfig
 from ironflow.ids import ids_from
 from ironflow.node import KICK_BUFFER, start_actors
-from ironflow.protocol import Cancel, Concurrency, FunctionDef, RetryPolicy, Trigger
+from ironflow.protocol import Cancel, Concurrency, FunctionDef, RetryPolicy, Throttle, Trigger
 from ironflow.store import Conflict, RunNotFound
 from tests.sim import invariants
 from tests.sim.net import Connection, Link
@@ -110,7 +110,13 @@ FUNCTIONS = [
         id="sim-b",
         triggers=[Trigger("b.go"), Trigger("both.go")],
         retries=RetryPolicy(max_attempts=2, initial_delay_s=0.5),
-        concurrency=Concurrency(limit=2),
+        # Flow control at dispatch (docs/flow-control.md), judged by the oracle
+        # at every reservation (tests/sim/invariants.py, 10 and 11): 2 in all,
+        # 1 per group (``g``, in every plan: schedule.plan_for); first starts
+        # at most one per 3 s (a throttle that binds in about a third of the
+        # seeds: a few sim-b runs each, emitted over the fault phase).
+        concurrency=[Concurrency(limit=2), Concurrency(limit=1, key="event.data.g")],
+        throttle=Throttle(limit=1, period_s=3.0),
         audit=True,
     ),
 ]
