@@ -211,26 +211,28 @@ async def test_dispatch_side_flow_control_holds_in_total_across_nodes_and_a_work
 
     procs: list[Proc] = []
     sampler: Sampler | None = None
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    worker = [sys.executable, str(LIMITS_WORKER)]
+    go = tmp_path / "go"
     try:
+        # Every worker process starts (and imports) while the nodes start. The
+        # victim alone serves ``holder`` at first: it takes key K's slot; the
+        # others connect once it holds it.
+        victim = Proc([*worker, urls[0], "--only", "holder", "--slots", "1", "--id", "victim",
+                       "--hold", "60"], tmp_path / "victim.log")
+        mains = [Proc([*worker, url, "--slots", str(SLOTS // len(urls)), "--id", f"main{i}",
+                       "--wait-for", str(go)], tmp_path / f"main{i}.log") for i, url in enumerate(urls)]
+        procs += [victim, *mains]
         async with trio.open_nursery() as nursery:
             for i, port in enumerate(ports):
                 nursery.start_soon(node, i, port)
-        procs += nodes
-        urls = [f"http://127.0.0.1:{port}" for port in ports]
         clients = [httpx.AsyncClient(base_url=url, timeout=30) for url in urls]
-        worker = [sys.executable, str(LIMITS_WORKER)]
-        # The victim alone serves ``holder`` at first: it takes key K's slot.
-        victim = Proc([*worker, urls[0], "--only", "holder", "--slots", "1", "--id", "victim",
-                       "--hold", "60"], tmp_path / "victim.log")
-        procs.append(victim)
-        await victim.wait_line("READY")
+        await victim.wait_line("READY", timeout=30)
         sampler = Sampler(db)
         held = _ids(await _emit_all(clients, "lim.hold", [{"key": "K"}] * 2))
         await _until(lambda: (sampler.sample(), any(w == "victim" for _, _, w in sampler.began.values()))[1],
                      "the victim holding key K's slot", timeout=15)
-        mains = [Proc([*worker, url, "--slots", str(SLOTS // len(urls)), "--id", f"main{i}"],
-                      tmp_path / f"main{i}.log") for i, url in enumerate(urls)]
-        procs += mains
+        go.touch()
         for proc in mains:
             await proc.wait_line("READY")
         report: dict[str, Any] = {}
@@ -248,14 +250,19 @@ async def test_dispatch_side_flow_control_holds_in_total_across_nodes_and_a_work
         report["samples"] = sampler.samples
         report["peak held per (function, key)"] = {f"{f}:{k}": n for (f, k), n in sorted(sampler.peak.items(), key=str)}
         report["samples with all 3 keys running"] = sampler.keys_at_once[3]
+        report["keyed runs per worker"] = dict(Counter(w for f, _, w in sampler.began.values() if f == "keyed"))
         print(f"\ndispatch-side flow control ({backend}, {len(urls)} node(s)): {report}")
         assert sampler.keys_at_once[3] > 0  # the three keys ran side by side
+        # The limit held in total: every node's worker ran runs of the keyed functions.
+        assert {w for f, _, w in sampler.began.values() if f in ("keyed", "fair")} == {
+            f"main{i}" for i in range(len(urls))
+        }
         for client in clients:
             await client.aclose()
     finally:
         if sampler is not None:
             sampler.close()
-        for proc in procs:
+        for proc in [*procs, *nodes]:
             proc.stop()
 
 

@@ -4,7 +4,7 @@ that sleeps, so a run holds its lease (and its slot) long enough for the test
 to see it in the database.
 
 Usage: python tests/procs/limits_worker.py SERVER_URL [--slots N] [--id ID]
-       [--only FUNCTION] [--hold S]
+       [--only FUNCTION] [--hold S] [--wait-for PATH]
 
 - ``keyed`` (``lim.keyed``): concurrency 2 per ``data.key``; 0.3 s;
 - ``fair`` (``lim.fair``): concurrency 2 per ``data.key``; 0.2 s;
@@ -15,7 +15,9 @@ Usage: python tests/procs/limits_worker.py SERVER_URL [--slots N] [--id ID]
 - ``holder`` (``lim.hold``): concurrency 1 per ``data.key``; ``--hold`` s
   (0.3 by default: a killed worker's replacement finishes quickly).
 
-``--only`` serves one of them. Prints ``READY <pid>`` once connected.
+``--only`` serves one of them. ``--wait-for`` connects only once that file
+exists (the process starts, and imports, while the test sets up). Prints
+``READY <pid>`` once connected.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--id", default=None, help="the worker id its session records")
     parser.add_argument("--only", default=None)
     parser.add_argument("--hold", type=float, default=0.3)
+    parser.add_argument("--wait-for", type=Path, default=None)
     args = parser.parse_args()
     per_key = ironflow.Concurrency(2, key="event.data.key")
 
@@ -82,6 +85,8 @@ def main() -> None:
     )
 
     async def run() -> None:
+        while args.wait_for is not None and not args.wait_for.exists():
+            await anyio.sleep(0.02)
         async with anyio.create_task_group() as nursery:
             await nursery.start(worker.run)
             print(f"READY {os.getpid()}", flush=True)
