@@ -12,6 +12,8 @@ store subclasses, so the engine carries no switch for them.
   so a keyed limit is exceeded across rounds (also on PostgreSQL).
 - ``throttle_ignored``: the dispatch never applies a throttle: runs start
   as fast as credits allow.
+- ``singleton_ignored``: an ingest never looks at a singleton's run in
+  flight: every event starts a run.
 
 And on PostgreSQL (``run_seed(seed, bug=NAME, pg=...)``), issue #21's races
 with their fixes reverted, as they were at 4a4dd38: ``stranded_ack``,
@@ -139,6 +141,15 @@ class ThrottleIgnored(SqliteStore):
     flow_plan_class = ThrottleIgnoredPlan
 
 
+class SingletonIgnored(SqliteStore):
+    """An ingest that never looks at a singleton's run in flight: every event
+    starts a run."""
+
+    def _singleton(self, tx: Tx, fd: Any, key: str, event_id: str, data: Any, result: Any) -> None:
+        result.plain.append(fd)
+        result.singletons.append((fd.id, key))
+
+
 class KeyCountIgnored(SqliteStore):
     flow_plan_class = KeyCountIgnoredPlan
 
@@ -149,6 +160,7 @@ BUGS: dict[str, type[SqliteStore]] = {
     "held_start_dropped": HeldStartDropped,
     "key_count_ignored": KeyCountIgnored,
     "throttle_ignored": ThrottleIgnored,
+    "singleton_ignored": SingletonIgnored,
 }
 
 

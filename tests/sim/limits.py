@@ -1,5 +1,5 @@
-"""The oracle's view of flow control at dispatch (docs/flow-control.md):
-invariants 10 and 11 of :mod:`tests.sim.invariants`.
+"""The oracle's view of flow control (docs/flow-control.md): invariants 10,
+11 and 12 of :mod:`tests.sim.invariants`.
 
 10. **Concurrency**: at no instant do a function's leases and reservations
     (of one key, for a keyed constraint) outnumber its limit. Only a
@@ -13,6 +13,9 @@ invariants 10 and 11 of :mod:`tests.sim.invariants`.
     reservations whose call returned (a call cancelled after its commit is
     not seen): a subsequence of a conforming sequence conforms too, so
     missing some never makes a false finding.
+12. **Singleton**: only an ingest creates runs, so after every ingest no
+    singleton function has two runs not ended; and an event it skipped named
+    a run that was in flight.
 """
 
 from __future__ import annotations
@@ -86,6 +89,35 @@ class FlowWatch:
                     )
                 if c.key is not None and key is not None and n == c.limit:
                     o.counts["limit_full"] += 1
+
+    def ingested(self, result: Any) -> None:
+        """12: after an ingest (the only call that creates runs), no singleton
+        function has two runs in flight; a skip named a run in flight (judged
+        only without concurrent nodes: on PostgreSQL that run may have ended
+        since the ingest's commit)."""
+        o = self.oracle
+        functions = _functions()
+        singles = sorted(fid for fid, fd in functions.items() if fd.singleton is not None)
+        for function_id in singles:
+            row = o.one(
+                "SELECT count(*) FROM runs WHERE function_id = ?"
+                " AND status NOT IN ('completed', 'failed', 'cancelled')",
+                (function_id,),
+            )
+            if row is not None and int(row[0]) > 1:
+                o.violation(f"singleton {function_id} has {row[0]} runs in flight")
+        for note in result.flow:
+            if note.mechanism != "singleton" or note.outcome != "skipped":
+                continue
+            o.counts["singleton_skips"] += 1
+            if o.concurrent:
+                continue
+            row = o.one("SELECT status FROM runs WHERE id = ?", (note.run_id,))
+            if row is None or row[0] in ("completed", "failed", "cancelled"):
+                o.violation(
+                    f"event {result.event_id} skipped by singleton {note.function_id} for run"
+                    f" {note.run_id}, which is not in flight ({row[0] if row else 'no such run'})"
+                )
 
     def check_throttles(self) -> None:
         """11: the first starts of each throttled function conform to its GCRA."""

@@ -209,7 +209,7 @@ class Oracle:
         self.reserved: dict[tuple[str, int], int] = {}  # (run_id, execution_seq) → its last reservation's commit
         self.violations: list[str] = []
         self.counts: Counter[str] = sim.counts
-        self.flow = FlowWatch(self)  # invariants 10 and 11 (tests/sim/limits.py)
+        self.flow = FlowWatch(self)  # invariants 10-12 (tests/sim/limits.py)
 
     def close(self) -> None:
         self.db.close()
@@ -692,6 +692,7 @@ class ObservedStore:
         store: Any = self._store
         self._oracle.ingests.setdefault(result.event_id, (store.last_begin(), store.last_commit()))
         store.take_outcome()
+        self._oracle.flow.ingested(result)
         self._after("ingest_event", result)
         return result
 

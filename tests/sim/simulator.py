@@ -62,7 +62,15 @@ from ironflow.api.worker_socket import _serve_socket
 from ironflow.config import NodeConfig
 from ironflow.ids import ids_from
 from ironflow.node import KICK_BUFFER, start_actors
-from ironflow.protocol import Cancel, Concurrency, FunctionDef, RetryPolicy, Throttle, Trigger
+from ironflow.protocol import (
+    Cancel,
+    Concurrency,
+    FunctionDef,
+    RetryPolicy,
+    Singleton,
+    Throttle,
+    Trigger,
+)
 from ironflow.store import Conflict, RunNotFound
 from tests.sim import invariants
 from tests.sim.net import Connection, Link
@@ -119,10 +127,19 @@ FUNCTIONS = [
         throttle=Throttle(limit=1, period_s=3.0),
         audit=True,
     ),
+    # A singleton (ingest-side flow control): a b.go event while a sim-s run is
+    # in flight starts none (invariants 1 and 12).
+    FunctionDef(
+        id="sim-s",
+        triggers=[Trigger("b.go")],
+        retries=RetryPolicy(max_attempts=2, initial_delay_s=0.5),
+        singleton=Singleton(),
+        audit=True,
+    ),
 ]
 # What a campaign reports as "faults injected", in this order.
 FAULT_KINDS = (*TIMED_FAULTS, "frame_drop", "frame_delay", "frame_duplicate", "frame_reorder")
-TRIGGERED = {"a.go": ["sim-a"], "b.go": ["sim-b"], "both.go": ["sim-a", "sim-b"], "r.go": ["sim-r"]}
+TRIGGERED = {"a.go": ["sim-a"], "b.go": ["sim-b", "sim-s"], "both.go": ["sim-a", "sim-b"], "r.go": ["sim-r"]}
 
 
 def deterministic_trio(seed: int) -> None:

@@ -122,3 +122,9 @@ def test_the_simulator_finds_a_throttle_ignored() -> None:
     """Injected: the dispatch never applies a throttle (tests/sim/bugs.py): invariant 11."""
     _, violations = _first_violation("throttle_ignored")
     assert any("throttle of sim-b" in v for v in violations), violations
+
+
+def test_the_simulator_finds_a_singleton_with_two_runs_in_flight() -> None:
+    """Injected: an ingest ignores the singleton's run in flight (tests/sim/bugs.py): invariant 12."""
+    _, violations = _first_violation("singleton_ignored")
+    assert any("singleton sim-s has 2 runs in flight" in v for v in violations), violations
