@@ -123,11 +123,9 @@ async def _keyed(clients: list[httpx.AsyncClient], db: str, sampler: Sampler, re
     datas = [{"key": k, "n": n} for n in range(10) for k in "xyz"]
     answers = await _emit_all(clients, "lim.keyed", datas)
     ids = _ids(answers)
-    await _all_done(db, "keyed", ids)
+    runs = await _all_done(db, "keyed", ids)
     key_of = {rid: d["key"] for rid, d in zip(ids, datas, strict=True)}
-    starts = sampler.starts("keyed")
-    assert len(starts) == len(ids), f"the sampler missed keyed runs: saw {len(starts)} of {len(ids)}"
-    first_half = sorted(starts, key=starts.__getitem__)[: len(ids) // 2]
+    first_half = sorted(ids, key=lambda r: runs[r][1])[: len(ids) // 2]
     per_key = Counter(key_of[r] for r in first_half)
     report["keyed first half per key"] = dict(per_key)
     assert all(per_key[k] >= 3 for k in "xyz"), per_key  # round robin: 5 each, give or take
@@ -159,7 +157,10 @@ async def _throttle(clients: list[httpx.AsyncClient], db: str, sampler: Sampler,
     ids = _ids(answers)
     await _all_done(db, "throttled", ids)
     starts = sorted(sampler.starts("throttled").values())
-    assert len(starts) == len(ids), f"the sampler missed throttled runs: saw {len(starts)} of {len(ids)}"
+    # Each holds its lease 0.3 s: a sample every 20 ms sees it, unless the
+    # machine stalled this process that long (a subset conforms all the same).
+    assert len(starts) >= len(ids) - 2, f"the sampler missed throttled runs: saw {len(starts)} of {len(ids)}"
+    report["throttle: starts seen"] = len(starts)
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     # GCRA: a start at tat (± the dispatch's 1 µs), tat then one interval on.
     assert min(gaps) >= 1 / THROTTLE_PER_S - 1e-3, gaps
@@ -194,10 +195,12 @@ async def _worker_kill(
     killed_at = victim.signal(signal.SIGKILL)
     runs = await _all_done(db, "holder", held)
     took_over = min(
-        first for (run_id, _), first in sampler.first_seen.items()
-        if run_id in held and sampler.began[(run_id, _)][2] != "victim"
+        (first for (run_id, seq), first in sampler.first_seen.items()
+         if run_id in held and sampler.began[(run_id, seq)][2] != "victim"),
+        default=None,
     )
-    report["kill -9 → K's slot taken again (s)"] = round(took_over - killed_at, 2)
+    if took_over is not None:  # first seen by the sampler (every 20 ms)
+        report["kill -9 → K's slot taken again (s)"] = round(took_over - killed_at, 2)
     detail = [(await clients[0].get(f"/v1/runs/{r}")).json()["run"] for r in held]
     assert sorted(d["recovery_count"] for d in detail) == [0, 1], detail
     assert all(runs[r][0] == "completed" for r in held)
