@@ -524,8 +524,9 @@ class Store(abc.ABC):
         ``offers`` maps session_id → function ids that session can run. In one
         transaction: take queue rows with eligible_at ≤ now and no live
         reservation (``FOR UPDATE SKIP LOCKED`` on PostgreSQL), oldest first;
-        respect each function's concurrency limit (global or per key: live
-        leases + live reservations); claim one free, not-held credit of a
+        respect each function's concurrency limit (global or per key: leases
+        + reservations still on their rows, an expired one too until it is
+        cleared: a JobAck may be activating it); claim one free, not-held credit of a
         non-draining session for each; stamp the row with reservation_owner,
         reservation_expires_at and sha256 of a fresh lease token; build the
         JobAssignment (event, attempt, memoised steps, execution_seq, token).
@@ -537,8 +538,10 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def seconds_until_next_eligible(self) -> float | None:
-        """Seconds (DB clock) until the earliest unreserved queue row becomes
-        eligible; 0 if one is eligible now; None if the queue is empty."""
+        """Seconds (DB clock) until the soonest unreserved queue row that is not
+        eligible yet becomes eligible; 0 if every unreserved row is eligible
+        now (they wait for a credit or a concurrency slot: a kick); None if
+        no row is unreserved."""
 
     # execution (fenced) -------------------------------------------------------
 
