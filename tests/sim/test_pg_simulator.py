@@ -24,6 +24,10 @@ from tests.sim.bugs import PG_BUGS
 from tests.sim.pg import SimDatabases
 from tests.sim.simulator import FAULT_KINDS, Result, run_seed
 
+# Alone (`make test`'s serial phase): the campaign and the known-bug tests are
+# bounded by wall time, and a seed's pauses are real time on a real PostgreSQL.
+pytestmark = pytest.mark.serial
+
 SEEDS = int(os.environ.get("IRONFLOW_SIM_PG_SEEDS", "20"))
 # Wall clock (a PostgreSQL seed takes about 2 s here: its transactions pause).
 CAMPAIGN_CAP_S = float(os.environ.get("IRONFLOW_SIM_PG_CAP_S", "50"))
