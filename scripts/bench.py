@@ -80,10 +80,13 @@ LOAD_FN = "bench-load"
 IDLE_FN = "bench-idle"
 LAT_EVENT = "bench.latency"
 LAT_FN = "bench-latency"
-# ``--flow``: the load function with one ingest-side flow control (docs/flow-control.md),
-# keyed per event so every event still starts its own run: what the mechanism's
-# bookkeeping costs a run, not what it saves by skipping or batching.
-FLOW_CHOICES = ("none", "rate_limit", "debounce", "singleton", "batch")
+# ``--flow``: the load function with one flow control (docs/flow-control.md), keyed
+# per event so every event still starts its own run at once: what the mechanism's
+# bookkeeping costs a run, not what it saves by skipping, batching or holding.
+# Ingest side: rate_limit … batch; dispatch side: concurrency (layered: 1,000 in
+# all, 1 per key), throttle, priority (half the runs 60 s ahead).
+FLOW_CHOICES = ("none", "rate_limit", "debounce", "singleton", "batch",
+                "concurrency", "throttle", "priority")
 
 
 def _flow_kwargs(flow: str) -> dict[str, Any]:
@@ -96,6 +99,9 @@ def _flow_kwargs(flow: str) -> dict[str, Any]:
         "debounce": {"debounce": ironflow.Debounce("1s", key=key)},
         "singleton": {"singleton": ironflow.Singleton(key=key)},
         "batch": {"batch": ironflow.Batch(1, "1s", key=key)},
+        "concurrency": {"concurrency": [{"limit": 1000}, {"limit": 1, "key": key}]},
+        "throttle": {"throttle": ironflow.Throttle(1000, "1s", key=key)},
+        "priority": {"priority": "event.data.i % 2 == 0 ? 60 : 0"},
     }[flow]
 
 
@@ -910,7 +916,7 @@ def main() -> None:
     ap.add_argument("--worker-loop", choices=["asyncio", "trio", "uvloop"], default="asyncio",
                     help="the event loop the worker process runs on (uvloop: if installed)")
     ap.add_argument("--flow", choices=FLOW_CHOICES, default="none",
-                    help="the load function with this ingest-side flow control, keyed per event")
+                    help="the load function with this flow control, keyed per event")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--server", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
