@@ -32,7 +32,7 @@ from tests.integration.helpers import wait_for_run
 from tests.integration.procs import ROOT, Proc, db_rows, free_port, start_node
 from tests.integration.test_flow_control import _emit, _emit_all, _until
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # throttle spacing and a 20 ms sampler: wall-clock bounds
 
 LIMITS_WORKER = ROOT / "tests" / "procs" / "limits_worker.py"
 # Each function's concurrency limit per key (tests/procs/limits_worker.py).

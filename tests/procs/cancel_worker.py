@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,12 +53,7 @@ def main() -> None:
 
     worker = ironflow.StreamingWorker(args.server, [drip, slow_child], max_concurrent_jobs=8, reconnect_delay=0.2)
 
-    async def run() -> None:
-        async with anyio.create_task_group() as nursery:
-            await nursery.start(worker.run)
-            print(f"READY {os.getpid()}", flush=True)
-
-    worker_loop.run(run)
+    worker_loop.serve(worker)
 
 
 if __name__ == "__main__":

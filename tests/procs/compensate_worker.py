@@ -23,8 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import anyio
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import worker_loop  # noqa: E402  (tests/procs, beside this file)
@@ -89,12 +87,7 @@ def main() -> None:
 
     worker = ironflow.StreamingWorker(server, [saga3, hold], max_concurrent_jobs=4, reconnect_delay=0.2)
 
-    async def run() -> None:
-        async with anyio.create_task_group() as nursery:
-            await nursery.start(worker.run)
-            print(f"READY {os.getpid()}", flush=True)
-
-    worker_loop.run(run)
+    worker_loop.serve(worker)
 
 
 if __name__ == "__main__":

@@ -10,13 +10,10 @@ handler started (the worker's clock). Prints ``READY <pid>`` once connected.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
-
-import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -43,12 +40,7 @@ def main() -> None:
         args.server, functions, max_concurrent_jobs=100, reconnect_delay=0.2
     )
 
-    async def run() -> None:
-        async with anyio.create_task_group() as nursery:
-            await nursery.start(worker.run)
-            print(f"READY {os.getpid()}", flush=True)
-
-    worker_loop.run(run)
+    worker_loop.serve(worker)
 
 
 if __name__ == "__main__":

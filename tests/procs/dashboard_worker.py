@@ -67,12 +67,7 @@ async def crashy(ctx: Any) -> Any:
 def main() -> None:
     worker = ironflow.StreamingWorker(sys.argv[1], [echo, napper, crashy], reconnect_delay=0.2)
 
-    async def run() -> None:
-        async with anyio.create_task_group() as nursery:
-            await nursery.start(worker.run)
-            print(f"READY {os.getpid()}", flush=True)
-
-    worker_loop.run(run)
+    worker_loop.serve(worker)
 
 
 if __name__ == "__main__":

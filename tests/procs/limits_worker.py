@@ -23,7 +23,6 @@ exists (the process starts, and imports, while the test sets up). Prints
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -84,14 +83,7 @@ def main() -> None:
         args.server, functions, max_concurrent_jobs=args.slots, reconnect_delay=0.2, worker_id=args.id,
     )
 
-    async def run() -> None:
-        while args.wait_for is not None and not args.wait_for.exists():
-            await anyio.sleep(0.02)
-        async with anyio.create_task_group() as nursery:
-            await nursery.start(worker.run)
-            print(f"READY {os.getpid()}", flush=True)
-
-    worker_loop.run(run)
+    worker_loop.serve(worker, wait_for=args.wait_for)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,9 @@ returning its index. Prints ``READY <pid>`` once connected.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
-
-import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -44,12 +41,7 @@ def main() -> None:
         args.server, [load3], max_concurrent_jobs=args.max_jobs, reconnect_delay=0.2
     )
 
-    async def run() -> None:
-        async with anyio.create_task_group() as nursery:
-            await nursery.start(worker.run)
-            print(f"READY {os.getpid()}", flush=True)
-
-    worker_loop.run(run)
+    worker_loop.serve(worker)
 
 
 if __name__ == "__main__":

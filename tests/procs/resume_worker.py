@@ -11,12 +11,9 @@ fails non-retryably while FLAG_FILE exists. And ``pause2`` (event
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
-
-import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -62,12 +59,7 @@ def main() -> None:
 
     worker = ironflow.StreamingWorker(server, [resume3, pause2], max_concurrent_jobs=2, reconnect_delay=0.2)
 
-    async def run() -> None:
-        async with anyio.create_task_group() as nursery:
-            await nursery.start(worker.run)
-            print(f"READY {os.getpid()}", flush=True)
-
-    worker_loop.run(run)
+    worker_loop.serve(worker)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
 
 LOOP_ENV = "IRONFLOW_WORKER_LOOP"
 LOOPS = ("asyncio", "trio")
@@ -37,3 +39,21 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
         import asyncio
 
         asyncio.run(main())  # type: ignore[arg-type]
+
+
+def serve(worker: Any, *, wait_for: Path | None = None) -> None:
+    """Run ``worker`` (a ``StreamingWorker`` or ``PullWorker``) on the selected
+    loop until it stops, printing ``READY <pid>`` once it is connected: the line
+    the tests' ``Proc.wait_line("READY")`` waits for. ``wait_for``: a file whose
+    creation starts the worker (a test holds it back until its nodes are up)."""
+
+    async def main() -> None:
+        import anyio
+
+        while wait_for is not None and not wait_for.exists():
+            await anyio.sleep(0.02)
+        async with anyio.create_task_group() as nursery:
+            await nursery.start(worker.run)
+            print(f"READY {os.getpid()}", flush=True)
+
+    run(main)
