@@ -28,6 +28,9 @@ ORDER_SQL = "(q.eligible_at - q.priority_s), q.enqueued_at"
 # Keys visited per function by one fairness pass, at most: bounds the pass's
 # cost by the work wanted, not by how many keys are queued.
 FAIR_KEYS_MAX = 64
+# Throttle keys per statement (2-3 parameters each): far under both backends'
+# parameter limits, and a round rarely reads more candidates than this.
+THROTTLE_KEYS_PER_STATEMENT = 500
 
 
 def conc_lock(function_id: str) -> str:
@@ -144,20 +147,28 @@ class FlowPlan:
             self.tkeys[run_id] = key
             if (fd.id, key) not in self.tat:
                 wanted.add((fd.id, key))
-        for fid, key in sorted(wanted):
+        keys = sorted(wanted)
+        for at in range(0, len(keys), THROTTLE_KEYS_PER_STATEMENT):
+            chunk = keys[at:at + THROTTLE_KEYS_PER_STATEMENT]
+            pairs = ", ".join(["(?, ?)"] * len(chunk))
+            flat = [v for k in chunk for v in k]
             self.tx.execute(
-                "INSERT INTO flow_throttle (function_id, throttle_key, tat) VALUES (?, ?, 0)"
+                "INSERT INTO flow_throttle (function_id, throttle_key, tat)"
+                f" VALUES {', '.join(['(?, ?, 0)'] * len(chunk))}"
                 " ON CONFLICT (function_id, throttle_key) DO NOTHING",
-                (fid, key),
+                flat,
             )
-            # The row lock (waited for, never skipped) serialises the nodes'
-            # starts of this key: READ COMMITTED re-reads the committed tat.
-            row = self.tx.fetchone(
-                "SELECT tat FROM flow_throttle WHERE function_id = ? AND throttle_key = ?"
-                f" {self.tx.lock_wait()}",
-                (fid, key),
-            )
-            self.tat[(fid, key)] = float(row[0]) if row else 0.0
+            # The row locks (waited for, never skipped) serialise the nodes'
+            # starts of a key: READ COMMITTED re-reads the committed tat. Taken
+            # in key order (the sort is below the lock), as every round takes
+            # them, so two rounds cannot deadlock on them.
+            for fid, key, tat in self.tx.fetchall(
+                "SELECT function_id, throttle_key, tat FROM flow_throttle"
+                f" WHERE (function_id, throttle_key) IN (VALUES {pairs})"
+                f" ORDER BY function_id, throttle_key {self.tx.lock_wait()}",
+                flat,
+            ):
+                self.tat[(fid, key)] = float(tat)
 
     def admit(self, candidate: Sequence[Any]) -> bool:
         """Whether ``candidate`` may be reserved now; if so its slot and its
@@ -197,10 +208,16 @@ class FlowPlan:
 
     def finish(self) -> None:
         """Write the throttle states taken and move throttled rows to their start times."""
-        if self.dirty:
-            self.tx.executemany(
-                "UPDATE flow_throttle SET tat = ? WHERE function_id = ? AND throttle_key = ?",
-                [(self.tat[k], k[0], k[1]) for k in sorted(self.dirty)],
+        dirty = sorted(self.dirty)
+        for at in range(0, len(dirty), THROTTLE_KEYS_PER_STATEMENT):
+            chunk = dirty[at:at + THROTTLE_KEYS_PER_STATEMENT]
+            # One statement for the round's keys (rows this transaction locked).
+            self.tx.execute(
+                "UPDATE flow_throttle SET tat = CAST(v.column3 AS DOUBLE PRECISION)"
+                f" FROM (VALUES {', '.join(['(?, ?, ?)'] * len(chunk))}) AS v"
+                " WHERE flow_throttle.function_id = v.column1"
+                " AND flow_throttle.throttle_key = v.column2",
+                [v for k in chunk for v in (k[0], k[1], self.tat[k])],
             )
         if self.bumps:
             self.tx.executemany(
