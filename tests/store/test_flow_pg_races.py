@@ -1,4 +1,4 @@
-"""Ingest-side flow control's PostgreSQL interleavings (ironflow/store/flow.py):
+"""Flow control's PostgreSQL interleavings (ironflow/store/flow.py, dispatch_flow.py):
 two nodes ingesting the same key at once, forced — one ingest held inside
 its transaction (after its last statement, before its commit) while a
 second store's ingest runs into the row lock it holds — never a sleep."""
@@ -13,9 +13,10 @@ import psycopg
 import pytest
 import trio
 
-from ironflow.protocol import Batch, Debounce, FunctionDef, RateLimit, Singleton, Trigger
+from ironflow.protocol import Batch, Debounce, FunctionDef, RateLimit, Singleton, Throttle, Trigger
 from ironflow.store.postgres import PostgresStore
 from tests.store.test_pg_races import HOOK_WAIT_S, HookedStore, lock_waiters, wait_until
+from tests.store.test_store_behaviour import reserve, worker
 
 EVENT = "race.flow"
 
@@ -153,3 +154,55 @@ async def test_an_event_never_joins_a_held_run_whose_reservation_commits_meanwhi
         holder.close()
     detail = await a.get_run(pending)
     assert detail.run.event_id != result[0].event_id  # the reserved run kept its event
+
+
+async def test_two_nodes_reserving_one_throttle_key_at_once_start_one_run(stores, pg_url):
+    """Dispatch side: node a's reservation round holds the throttle key's
+    ``flow_throttle`` row until its commit (locked ``FOR UPDATE``, then updated);
+    node b's round, reading another queue row of the same key meanwhile, waits
+    for that row (its ``INSERT … ON CONFLICT DO NOTHING`` already waits on a's
+    update, its locking read would wait on the lock) and then sees a's start:
+    throttled, not a third start inside the burst's period."""
+    a, b = stores
+    throttle = Throttle(limit=1, period_s=60.0, key="event.data.user", burst=2)
+    fd = FunctionDef(id="thr", triggers=[Trigger(EVENT)], throttle=throttle)
+    sa = await worker(a, fd, slots=1, node="na")
+    sb = await worker(b, fd, slots=1, node="nb")
+    # The key's row exists (a first start took one of the burst's two tokens),
+    # so the rounds meet on its row lock, not on the insert of a new key.
+    await emit(b, {"user": "u", "n": -1})
+    assert len(await reserve(b, await worker(b, fd, slots=1, node="nc"), limit=1, node="nc")) == 1
+    # a's round reads (and SKIP-locks) 4 queue rows: b's reads the 5th.
+    for n in range(5):
+        await emit(b, {"user": "u", "n": n})
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        release.wait(HOOK_WAIT_S)
+
+    results: dict[str, Any] = {}
+
+    async def on_a() -> None:
+        results["a"] = await reserve(a, sa, limit=1, node="na")
+
+    async def on_b() -> None:
+        results["b"] = await reserve(b, sb, limit=1, node="nb")
+
+    a.after = hold
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(on_a)
+            assert await trio.to_thread.run_sync(lambda: held.wait(HOOK_WAIT_S))
+            a.after = None
+            nursery.start_soon(on_b)
+            assert await trio.to_thread.run_sync(
+                lambda: wait_until(lambda: "b" in results or lock_waiters(pg_url) > 0)
+            )
+            assert "b" not in results, "b's round passed the throttle row a holds"
+            release.set()
+    finally:
+        release.set()
+        a.after = None
+    assert len(results["a"]) == 1
+    assert results["b"] == [], "a third start of one throttle key inside its burst's period"
