@@ -1,8 +1,9 @@
 """Ingest-side flow control: rate limit, debounce, singleton, event batches
-(ironflow/protocol/flow.py; docs/flow-control.md).
+and a full concurrency key's ``on_limit`` (ironflow/protocol/flow.py;
+docs/flow-control.md).
 
 An ingest hands the functions an event triggers to :meth:`FlowOps._flow`;
-those that declare none of the four come back untouched and are created the
+those that declare none of these come back untouched and are created the
 usual way (``core._create_runs_with_event``); for the others this module
 decides, in the ingest's own transaction, by the database clock:
 
@@ -22,6 +23,10 @@ decides, in the ingest's own transaction, by the database clock:
 * **batch**: one filling run per key (``batches``), due ``timeout`` after
   its first event; each event joins it (``batch_events``) until
   ``max_size``, which makes it due at once.
+* **concurrency on_limit**: while the key has ``limit`` runs in flight
+  (holding a slot or queued for one), a new run is skipped (``skip``) or the
+  key's oldest are cancelled so that it fits (``cancel_in_progress``);
+  ``on_limit_keys`` holds only the row whose lock the count is taken under.
 
 Concurrency (PostgreSQL, READ COMMITTED): every decision starts with an
 upsert of the ``(function_id, key)`` row of its table (``INSERT … ON CONFLICT
@@ -47,11 +52,13 @@ from ironflow.expressions import EvaluationError, ExpressionError, compile_key
 from ironflow.ids import new_id
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
+    Concurrency,
     DebounceRecord,
     ErrorInfo,
     EventInfo,
     FlowNote,
     FunctionDef,
+    concurrency_limits,
 )
 from ironflow.protocol.flow import FlowMechanism
 from ironflow.store.base import CancelNotice, CancelOutcome, Conflict, RunNotFound
@@ -80,6 +87,12 @@ class FlowResult(msgspec.Struct):
     singletons: list[tuple[str, str]] = []
 
 
+def on_limit_of(fd: FunctionDef) -> Concurrency | None:
+    """``fd``'s concurrency constraint decided at ingest (``on_limit`` skip or
+    cancel_in_progress; registration allows one), or None."""
+    return next((c for c in concurrency_limits(fd) if c.on_limit != "queue"), None)
+
+
 def has_flow(fd: FunctionDef) -> bool:
     """Whether ``fd`` declares any ingest-side flow control."""
     return (
@@ -87,6 +100,7 @@ def has_flow(fd: FunctionDef) -> bool:
         or fd.debounce is not None
         or fd.singleton is not None
         or fd.batch is not None
+        or on_limit_of(fd) is not None
     )
 
 
@@ -156,7 +170,9 @@ class FlowOps(CancelOnOps):
                 f"rate limit: {limit.limit} per {limit.period_s:g}s{keyed} reached",
             ))
             return
-        if decider is None:
+        if decider is None and on_limit_of(fd) is not None:
+            self._on_limit(tx, fd, event_id, name, data, result)
+        elif decider is None:
             result.plain.append(fd)
         elif decider[0] == "singleton":
             self._singleton(tx, fd, keys["singleton"], event_id, data, result)
@@ -240,18 +256,73 @@ class FlowOps(CancelOnOps):
                 (run_of[function_id], function_id, key),
             )
 
-    def _cancel_in(self, tx: Tx, run_id: str, reason: str) -> CancelOutcome | None:
+    def _cancel_in(
+        self, tx: Tx, run_id: str, reason: str, cause: FlowMechanism = "singleton"
+    ) -> CancelOutcome | None:
         """Cancel ``run_id`` in this transaction (cancel_on.py ``_cancel``: the
         lock order of ``cancel_run``, queue row, lease, run); None if it ended
-        meanwhile. The worker holding it is told like a cancel-on's."""
+        meanwhile. The worker holding it is told like a cancel-on's; the audit
+        names ``cause``."""
         error = ErrorInfo(message=reason, code="CANCELLED", retryable=False)
         try:
-            outcome = self._cancel(tx, run_id, error, {"reason": reason, "cause": "singleton"})
+            outcome = self._cancel(tx, run_id, error, {"reason": reason, "cause": cause})
         except (Conflict, RunNotFound):
             return None
         if outcome.session_id is not None and outcome.job_id is not None:
             self._notify_cancels(tx, [CancelNotice(run_id, outcome.session_id, outcome.job_id, reason)])
         return outcome
+
+    # ── concurrency on_limit: skip or cancel_in_progress ────────────────────
+
+    def _on_limit(
+        self, tx: Tx, fd: FunctionDef, event_id: str, name: str, data: Any, result: FlowResult
+    ) -> None:
+        """A new run of a full concurrency key: skipped, or the key's oldest
+        runs in flight cancelled so that it fits. In flight is what the limit
+        counts plus what waits for a slot: a segment holding a lease or a
+        reservation, or queued (a sleeping or waiting run holds none). Counted
+        under the row lock of the key's ``on_limit_keys`` upsert, so two nodes
+        ingesting one key count in turn and the second sees the first's run."""
+        c = on_limit_of(fd)
+        assert c is not None
+        ckey = self._run_key(fd, name, data, event_id) if c.key is not None else None
+        tx.execute(
+            "INSERT INTO on_limit_keys (function_id, concurrency_key) VALUES (?, ?)"
+            " ON CONFLICT (function_id, concurrency_key) DO UPDATE"
+            " SET concurrency_key = on_limit_keys.concurrency_key",
+            (fd.id, _NO_KEY if ckey is None else "k:" + ckey),
+        )
+        bucket, params = "", [fd.id]
+        if c.key is not None:
+            bucket = " AND concurrency_key IS NULL" if ckey is None else " AND concurrency_key = ?"
+            params += [] if ckey is None else [ckey]
+        in_flight = [row[0] for row in tx.fetchall(
+            "SELECT id FROM runs WHERE id IN ("
+            f" SELECT run_id FROM concurrency_leases WHERE function_id = ?{bucket}"
+            f" UNION SELECT run_id FROM dispatch_queue WHERE function_id = ?{bucket})"
+            " ORDER BY created_at, id",
+            params * 2,
+        )]
+        label = f"concurrency key {c.key}={ckey}" if c.key is not None else "concurrency limit"
+        if len(in_flight) >= c.limit and c.on_limit == "skip":
+            result.notes.append(FlowNote(
+                fd.id, "concurrency", "skipped", f"{label}: {len(in_flight)}/{c.limit} in flight",
+                run_id=in_flight[0],
+            ))
+            return
+        # The oldest go, locked in run id order (cancel_on.py's order).
+        for run_id in sorted(in_flight[: max(0, len(in_flight) - c.limit + 1)]):
+            outcome = self._cancel_in(
+                tx, run_id, f"concurrency: replaced by event {event_id} ({label}, limit {c.limit})",
+                "concurrency",
+            )
+            if outcome is not None:
+                tx.runs_ended([run_id])
+                result.cancelled.append(outcome)
+                result.notes.append(FlowNote(
+                    fd.id, "concurrency", "cancelled", f"{label}: cancelled run {run_id}", run_id=run_id,
+                ))
+        result.plain.append(fd)
 
     # ── debounce and batch: a run held in the queue until due ───────────────
 

@@ -13,7 +13,15 @@ import psycopg
 import pytest
 import trio
 
-from ironflow.protocol import Batch, Debounce, FunctionDef, RateLimit, Singleton, Trigger
+from ironflow.protocol import (
+    Batch,
+    Concurrency,
+    Debounce,
+    FunctionDef,
+    RateLimit,
+    Singleton,
+    Trigger,
+)
 from ironflow.store.postgres import PostgresStore
 from tests.store.test_pg_races import HOOK_WAIT_S, HookedStore, lock_waiters, wait_until
 
@@ -153,3 +161,27 @@ async def test_an_event_never_joins_a_held_run_whose_reservation_commits_meanwhi
         holder.close()
     detail = await a.get_run(pending)
     assert detail.run.event_id != result[0].event_id  # the reserved run kept its event
+
+
+@pytest.mark.parametrize("on_limit", ["skip", "cancel_in_progress"])
+async def test_two_nodes_ingesting_one_full_key_at_once_leave_the_limit_in_flight(stores, pg_url, on_limit):
+    """The second ingest waits on the ``on_limit_keys`` row lock the first
+    holds, then counts the first's run: never both started past the limit
+    (skip), never both cancelling the same run and starting (cancel)."""
+    a, b = stores
+    await register(a, FunctionDef(
+        id="gated", triggers=[Trigger(EVENT)],
+        concurrency=Concurrency(1, key="event.data.k", on_limit=on_limit),
+    ))
+    first, second, raced = await race(a, b, pg_url, {"k": 1})
+    assert not raced, "the second ingest counted the key without waiting for the first"
+    assert len(first.run_ids) == 1
+    if on_limit == "skip":
+        assert second.run_ids == [] and second.flow[0].run_id == first.run_ids[0]
+    else:
+        assert len(second.run_ids) == 1 and [o.run_id for o in second.cancelled] == first.run_ids
+    with psycopg.connect(pg_url) as conn:
+        live = conn.execute(
+            "SELECT count(*) FROM runs WHERE function_id = 'gated' AND status <> 'cancelled'"
+        ).fetchone()
+    assert live == (1,)
