@@ -44,6 +44,7 @@ backend retries (ironflow/store/postgres.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -63,7 +64,7 @@ from ironflow.protocol import (
 from ironflow.protocol.flow import FlowMechanism
 from ironflow.store.base import CancelNotice, CancelOutcome, Conflict, RunNotFound
 from ironflow.store.cancel_on import CancelOnOps
-from ironflow.store.core import Tx, _dec, _enc, _iso, _marks
+from ironflow.store.core import _TERMINAL_SQL, NewRun, Tx, _dec, _enc, _iso, _marks, new_run
 
 # Slack on the rate limit's comparison: period/limit * limit may round above period.
 _GCRA_EPSILON = 1e-6
@@ -72,19 +73,24 @@ _NO_KEY = ""
 
 
 class FlowResult(msgspec.Struct):
-    """What :meth:`FlowOps._flow` did with one event."""
+    """What :meth:`FlowOps._flow` decided for one event."""
 
-    # Functions without ingest-side flow control, whose rate limit passed and
-    # nothing else applies, or whose singleton key is free: the caller creates
-    # their runs as usual (PostgreSQL: with the event, in one statement).
-    plain: list[FunctionDef]
-    # Runs created here (a new debounce or batch).
-    run_ids: list[str]
+    # The runs the event starts, ids chosen here (flow control's rows already
+    # name them): the caller creates them with the event (PostgreSQL: in one
+    # statement, ``core._create_runs_with_events``).
+    runs: list[NewRun]
     notes: list[FlowNote]
     cancelled: list[CancelOutcome]
-    # Singleton keys whose new run the caller creates: (function id, key),
-    # named by :meth:`FlowOps._singletons_started` once it has.
-    singletons: list[tuple[str, str]] = []
+
+    def flow_json(self) -> str | None:
+        """The event's ``events.flow`` column: its notes, or None."""
+        return _enc(self.notes) if self.notes else None
+
+
+# A flow-control key an ingest's decision reads runs of: (function id,
+# mechanism, key). A group of emits must have created the runs it planned for
+# a key before deciding on that key again (store/ingest.py ``_ingest_many``).
+FlowKey = tuple[str, str, str]
 
 
 def on_limit_of(fd: FunctionDef) -> Concurrency | None:
@@ -128,23 +134,31 @@ def _key(source: str | None, name: str, data: Any, event_id: str) -> str:
     return _NO_KEY if text is None else text
 
 
+def _untouched(key: FlowKey) -> None:
+    """A single event's ingest: nothing planned is waiting to be created."""
+
+
 class FlowOps(CancelOnOps):
     """Rate limit, debounce, singleton and batch decisions of an ingest."""
 
     def _flow(
-        self, tx: Tx, fds: list[FunctionDef], event_id: str, name: str, data: Any
+        self, tx: Tx, fds: list[FunctionDef], event_id: str, name: str, data: Any,
+        touch: Callable[[FlowKey], None] | None = None,
     ) -> FlowResult:
-        """Apply each function's ingest-side flow control to event ``event_id``."""
-        result = FlowResult([], [], [], [], [])
+        """Apply each function's ingest-side flow control to event ``event_id``:
+        the runs it starts (those of ``fds`` without any, as they are) and what
+        it did. ``touch`` is called with each key before its decision reads it."""
+        result = FlowResult([], [], [])
         for fd in fds:
             if has_flow(fd):
-                self._flow_one(tx, fd, event_id, name, data, result)
+                self._flow_one(tx, fd, event_id, name, data, result, touch or _untouched)
             else:
-                result.plain.append(fd)
+                result.runs.append(new_run(fd))
         return result
 
     def _flow_one(
-        self, tx: Tx, fd: FunctionDef, event_id: str, name: str, data: Any, result: FlowResult
+        self, tx: Tx, fd: FunctionDef, event_id: str, name: str, data: Any, result: FlowResult,
+        touch: Callable[[FlowKey], None],
     ) -> None:
         # Every key first: one that fails skips the event before any state moves.
         decider: tuple[FlowMechanism, str | None] | None = (
@@ -170,16 +184,21 @@ class FlowOps(CancelOnOps):
                 f"rate limit: {limit.limit} per {limit.period_s:g}s{keyed} reached",
             ))
             return
-        if decider is None and on_limit_of(fd) is not None:
-            self._on_limit(tx, fd, event_id, name, data, result)
-        elif decider is None:
-            result.plain.append(fd)
+        if decider is None and on_limit_of(fd) is None:
+            result.runs.append(new_run(fd))
+            return
+        mechanism = "concurrency" if decider is None else decider[0]
+        key = keys.get(mechanism) if decider is not None else self._on_limit_key(fd, name, data, event_id)
+        assert key is not None
+        touch((fd.id, mechanism, key))
+        if decider is None:
+            self._on_limit(tx, fd, key, event_id, result)
         elif decider[0] == "singleton":
-            self._singleton(tx, fd, keys["singleton"], event_id, data, result)
+            self._singleton(tx, fd, key, event_id, result)
         elif decider[0] == "debounce":
-            self._debounce(tx, fd, keys["debounce"], event_id, data, result)
+            self._debounce(tx, fd, key, event_id, result)
         else:
-            self._batch(tx, fd, keys["batch"], event_id, data, result)
+            self._batch(tx, fd, key, event_id, result)
 
     # ── rate limit ───────────────────────────────────────────────────────────
 
@@ -208,23 +227,28 @@ class FlowOps(CancelOnOps):
 
     # ── singleton ────────────────────────────────────────────────────────────
 
-    def _singleton(
-        self, tx: Tx, fd: FunctionDef, key: str, event_id: str, data: Any, result: FlowResult
-    ) -> None:
+    def _singleton(self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: FlowResult) -> None:
         """At most one run of ``(fd, key)`` not ended: the ``singletons`` row,
-        locked by its upsert, names it; a new run is only created under that lock."""
+        locked by its upsert, names it; a new run is only planned under that
+        lock, its id chosen first. One statement when the key is new or its
+        run is seen ended (the upsert names the new run at once)."""
         single = fd.singleton
         assert single is not None
-        placeholder = new_id("run")
+        new = new_run(fd)
         row = tx.fetchone(
             "INSERT INTO singletons (function_id, key, run_id) VALUES (?, ?, ?)"
-            " ON CONFLICT (function_id, key) DO UPDATE SET run_id = singletons.run_id"
+            " ON CONFLICT (function_id, key) DO UPDATE SET run_id = CASE WHEN EXISTS"
+            " (SELECT 1 FROM runs r WHERE r.id = singletons.run_id"
+            f" AND r.status IN {_TERMINAL_SQL}) THEN excluded.run_id ELSE singletons.run_id END"
             " RETURNING run_id",
-            (fd.id, key, placeholder),
+            (fd.id, key, new.run_id),
         )
         assert row is not None
         holder = row[0]
-        if holder != placeholder:
+        if holder != new.run_id:
+            # Seen in flight by the upsert's snapshot, or not seen at all: a
+            # run committed after it began (READ COMMITTED), or purged. A
+            # fresh read decides.
             status = tx.fetchone("SELECT status FROM runs WHERE id = ?", (holder,))
             if status is not None and status[0] not in TERMINAL_RUN_STATUSES:
                 if single.mode == "skip":
@@ -241,20 +265,11 @@ class FlowOps(CancelOnOps):
                         fd.id, "singleton", "cancelled", f"singleton: cancelled run {holder} of key {key!r}",
                         run_id=holder,
                     ))
-        # The run is created with the event's other runs; its row names it then.
-        result.plain.append(fd)
-        result.singletons.append((fd.id, key))
-
-    @staticmethod
-    def _singletons_started(tx: Tx, result: FlowResult, run_ids: list[str]) -> None:
-        """Name the new run of each singleton key (``run_ids``: those of
-        ``result.plain``, in its order), still under the row lock of its upsert."""
-        run_of = {fd.id: run_id for fd, run_id in zip(result.plain, run_ids, strict=True)}
-        for function_id, key in result.singletons:
             tx.execute(
-                "UPDATE singletons SET run_id = ? WHERE function_id = ? AND key = ?",
-                (run_of[function_id], function_id, key),
+                "UPDATE singletons SET run_id = ? WHERE function_id = ? AND key = ?", (new.run_id, fd.id, key)
             )
+        # Created with the event's other runs, under the id the row names.
+        result.runs.append(new)
 
     def _cancel_in(
         self, tx: Tx, run_id: str, reason: str, cause: FlowMechanism = "singleton"
@@ -274,9 +289,14 @@ class FlowOps(CancelOnOps):
 
     # ── concurrency on_limit: skip or cancel_in_progress ────────────────────
 
-    def _on_limit(
-        self, tx: Tx, fd: FunctionDef, event_id: str, name: str, data: Any, result: FlowResult
-    ) -> None:
+    def _on_limit_key(self, fd: FunctionDef, name: str, data: Any, event_id: str) -> str:
+        """The ``on_limit_keys`` key of a new run of ``fd``: '' for none, 'k:<key>'."""
+        c = on_limit_of(fd)
+        assert c is not None
+        ckey = self._run_key(fd, name, data, event_id) if c.key is not None else None
+        return _NO_KEY if ckey is None else "k:" + ckey
+
+    def _on_limit(self, tx: Tx, fd: FunctionDef, lock_key: str, event_id: str, result: FlowResult) -> None:
         """A new run of a full concurrency key: skipped, or the key's oldest
         runs in flight cancelled so that it fits. In flight is what the limit
         counts plus what waits for a slot: a segment holding a lease or a
@@ -285,12 +305,12 @@ class FlowOps(CancelOnOps):
         ingesting one key count in turn and the second sees the first's run."""
         c = on_limit_of(fd)
         assert c is not None
-        ckey = self._run_key(fd, name, data, event_id) if c.key is not None else None
+        ckey = lock_key[2:] if lock_key else None
         tx.execute(
             "INSERT INTO on_limit_keys (function_id, concurrency_key) VALUES (?, ?)"
             " ON CONFLICT (function_id, concurrency_key) DO UPDATE"
             " SET concurrency_key = on_limit_keys.concurrency_key",
-            (fd.id, _NO_KEY if ckey is None else "k:" + ckey),
+            (fd.id, lock_key),
         )
         bucket, params = "", [fd.id]
         if c.key is not None:
@@ -322,22 +342,9 @@ class FlowOps(CancelOnOps):
                 result.notes.append(FlowNote(
                     fd.id, "concurrency", "cancelled", f"{label}: cancelled run {run_id}", run_id=run_id,
                 ))
-        result.plain.append(fd)
+        result.runs.append(new_run(fd))
 
     # ── debounce and batch: a run held in the queue until due ───────────────
-
-    def _create_held_run(
-        self, tx: Tx, fd: FunctionDef, event_id: str, data: Any, delay_s: float, reason: str
-    ) -> tuple[str, float]:
-        """A new run whose first segment is due in ``delay_s`` (queue reason ``reason``)."""
-        run_id = self._create_run(tx, fd, event_id, data)
-        row = tx.fetchone(
-            "UPDATE dispatch_queue SET eligible_at = ironflow_now() + ?, reason = ?"
-            " WHERE run_id = ? RETURNING eligible_at",
-            (float(delay_s), reason, run_id),
-        )
-        assert row is not None
-        return run_id, float(row[0])
 
     @staticmethod
     def _still_filling(tx: Tx, run_id: str, due: str, params: tuple[Any, ...]) -> float | None:
@@ -352,21 +359,22 @@ class FlowOps(CancelOnOps):
         )
         return None if row is None else float(row[0])
 
-    def _debounce(
-        self, tx: Tx, fd: FunctionDef, key: str, event_id: str, data: Any, result: FlowResult
-    ) -> None:
+    def _debounce(self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: FlowResult) -> None:
+        """Join the key's pending run (it now carries this event) or plan the
+        next quiet period's, held ``period`` (its id chosen first: a new key's
+        row names it in the upsert)."""
         debounce = fd.debounce
         assert debounce is not None
-        placeholder = new_id("run")
+        new = NewRun(fd, new_id("run"), debounce.period_s, "debounce")
         row = tx.fetchone(
             "INSERT INTO debounces (function_id, key, run_id, event_id, first_at, fire_at)"
-            " VALUES (?, ?, ?, ?, ironflow_now(), ironflow_now()) ON CONFLICT (function_id, key)"
-            " DO UPDATE SET event_id = excluded.event_id RETURNING run_id, first_at",
-            (fd.id, key, placeholder, event_id),
+            " VALUES (?, ?, ?, ?, ironflow_now(), ironflow_now() + ?) ON CONFLICT (function_id, key)"
+            " DO UPDATE SET event_id = excluded.event_id RETURNING run_id, first_at, fire_at",
+            (fd.id, key, new.run_id, event_id, debounce.period_s),
         )
         assert row is not None
-        pending, first_at = row[0], float(row[1])
-        if pending != placeholder:
+        pending, first_at, until = row[0], float(row[1]), float(row[2])
+        if pending != new.run_id:
             bound = first_at + debounce.max_wait_s if debounce.max_wait_s is not None else None
             due = (
                 "ironflow_now() + ?" if bound is None
@@ -376,23 +384,25 @@ class FlowOps(CancelOnOps):
                 (debounce.period_s,) if bound is None
                 else (debounce.period_s, bound, debounce.period_s, bound)
             )
-            until = self._still_filling(tx, pending, due, params)
-            if until is not None:
+            moved = self._still_filling(tx, pending, due, params)
+            if moved is not None:
                 # The pending run now carries this event (its data is what it runs with).
                 tx.execute("UPDATE runs SET event_id = ? WHERE id = ?", (event_id, pending))
                 tx.execute(
                     "UPDATE debounces SET fire_at = ? WHERE function_id = ? AND key = ?",
-                    (until, fd.id, key),
+                    (moved, fd.id, key),
                 )
-                result.notes.append(self._debounce_note(fd, key, pending, until))
+                result.notes.append(self._debounce_note(fd, key, pending, moved))
                 return
-        run_id, until = self._create_held_run(tx, fd, event_id, data, debounce.period_s, "debounce")
-        tx.execute(
-            "UPDATE debounces SET run_id = ?, event_id = ?, first_at = ironflow_now(), fire_at = ?"
-            " WHERE function_id = ? AND key = ?",
-            (run_id, event_id, until, fd.id, key),
-        )
-        result.notes.append(self._debounce_note(fd, key, run_id, until))
+            row = tx.fetchone(
+                "UPDATE debounces SET run_id = ?, event_id = ?, first_at = ironflow_now(),"
+                " fire_at = ironflow_now() + ? WHERE function_id = ? AND key = ? RETURNING fire_at",
+                (new.run_id, event_id, debounce.period_s, fd.id, key),
+            )
+            assert row is not None
+            until = float(row[0])
+        result.runs.append(new)
+        result.notes.append(self._debounce_note(fd, key, new.run_id, until))
 
     @staticmethod
     def _debounce_note(fd: FunctionDef, key: str, run_id: str, until: float) -> FlowNote:
@@ -401,48 +411,48 @@ class FlowOps(CancelOnOps):
             fd.id, "debounce", "debounced", f"debounced{keyed} until {_iso(until)}", run_id=run_id, until=until
         )
 
-    def _batch(
-        self, tx: Tx, fd: FunctionDef, key: str, event_id: str, data: Any, result: FlowResult
-    ) -> None:
+    def _batch(self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: FlowResult) -> None:
+        """Join the key's filling batch or plan the next batch's run (its id
+        chosen first: a new key's row names it, size 1, in the upsert)."""
         batch = fd.batch
         assert batch is not None
-        placeholder = new_id("run")
+        delay = 0.0 if batch.max_size == 1 else batch.timeout_s
+        new = NewRun(fd, new_id("run"), delay, "batch", batch=True)
         row = tx.fetchone(
             "INSERT INTO batches (function_id, key, run_id, first_at, size)"
-            " VALUES (?, ?, ?, ironflow_now(), 0) ON CONFLICT (function_id, key)"
-            " DO UPDATE SET size = batches.size RETURNING run_id, size",
-            (fd.id, key, placeholder),
+            " VALUES (?, ?, ?, ironflow_now(), 1) ON CONFLICT (function_id, key)"
+            " DO UPDATE SET size = batches.size RETURNING run_id, size, first_at",
+            (fd.id, key, new.run_id),
         )
         assert row is not None
-        filling, size = row[0], int(row[1])
-        if filling != placeholder and size < batch.max_size:
-            full = size + 1 >= batch.max_size
-            until = self._still_filling(
-                tx, filling, "ironflow_now()" if full else "eligible_at", ()
+        filling, size, first_at = row[0], int(row[1]), float(row[2])
+        if filling != new.run_id:
+            if size < batch.max_size:
+                full = size + 1 >= batch.max_size
+                until = self._still_filling(
+                    tx, filling, "ironflow_now()" if full else "eligible_at", ()
+                )
+                if until is not None:
+                    self._join_batch(tx, fd, key, filling, size, event_id)
+                    result.notes.append(FlowNote(
+                        fd.id, "batch", "batched", f"batch of run {filling}: {size + 1} of {batch.max_size}"
+                        + (" (full, due now)" if full else f" until {_iso(until)}"),
+                        run_id=filling, until=until, size=size + 1,
+                    ))
+                    return
+            row = tx.fetchone(
+                "UPDATE batches SET run_id = ?, first_at = ironflow_now(), size = 1"
+                " WHERE function_id = ? AND key = ? RETURNING first_at",
+                (new.run_id, fd.id, key),
             )
-            if until is not None:
-                self._join_batch(tx, fd, key, filling, size, event_id)
-                result.notes.append(FlowNote(
-                    fd.id, "batch", "batched", f"batch of run {filling}: {size + 1} of {batch.max_size}"
-                    + (" (full, due now)" if full else f" until {_iso(until)}"),
-                    run_id=filling, until=until, size=size + 1,
-                ))
-                return
-        delay = 0.0 if batch.max_size == 1 else batch.timeout_s
-        run_id, until = self._create_held_run(tx, fd, event_id, data, delay, "batch")
-        tx.execute(
-            "UPDATE batches SET run_id = ?, first_at = ironflow_now(), size = 1"
-            " WHERE function_id = ? AND key = ?",
-            (run_id, fd.id, key),
-        )
-        tx.execute(
-            "INSERT INTO batch_events (run_id, position, event_id) VALUES (?, 0, ?)", (run_id, event_id)
-        )
-        # Marks a batch run: its assignments carry batch_events (dispatch.py).
-        tx.execute("UPDATE runs SET batch_size = 1 WHERE id = ?", (run_id,))
+            assert row is not None
+            first_at = float(row[0])
+        # Created with the event: batch_size 1, this event batch event 0 (core.py).
+        result.runs.append(new)
+        until = first_at + delay
         result.notes.append(FlowNote(
-            fd.id, "batch", "batched", f"batch of run {run_id}: 1 of {batch.max_size} until {_iso(until)}",
-            run_id=run_id, until=until, size=1,
+            fd.id, "batch", "batched", f"batch of run {new.run_id}: 1 of {batch.max_size} until {_iso(until)}",
+            run_id=new.run_id, until=until, size=1,
         ))
 
     @staticmethod
@@ -456,14 +466,6 @@ class FlowOps(CancelOnOps):
         )
 
     # ── the event record and the reads ──────────────────────────────────────
-
-    @staticmethod
-    def _record_flow(tx: Tx, event_id: str, run_ids: list[str], result: FlowResult) -> None:
-        """The event's row says what flow control did (written by the ingest just before)."""
-        tx.execute(
-            "UPDATE events SET run_ids = ?, flow = ? WHERE id = ?",
-            (_enc(run_ids), _enc(result.notes) if result.notes else None, event_id),
-        )
 
     async def list_debounces(self, *, function_id: str | None = None, limit: int = 100) -> list[DebounceRecord]:
         def work(tx: Tx) -> list[DebounceRecord]:

@@ -23,14 +23,16 @@ from ironflow.store.cancel_on import cancel_paths_sql, cancel_reason
 from ironflow.store.core import (
     INVOKED_EVENT,
     NamedLock,
+    NewRun,
     Tx,
     _dec,
+    _enc,
     _marks,
     _trigger_patterns,
     _triggered,
 )
 from ironflow.store.filters import notes_text
-from ironflow.store.flow import FlowOps, has_flow
+from ironflow.store.flow import FlowKey, FlowOps, FlowResult, has_flow
 from ironflow.store.waits import WaitOps, ingest_locks
 
 R = TypeVar("R")
@@ -77,15 +79,11 @@ class IngestOps(WaitOps, FlowOps):
         fds, filtered = self._judge(live, event_id, name, data)
         flow = self._flow(tx, fds, event_id, name, data) if any(has_flow(fd) for fd in fds) else None
         note = notes_text(filtered, [o.run_id for o in cancelled])
+        flow_json = None if flow is None else flow.flow_json()
         run_ids = self._create_runs_with_event(
-            tx, fds if flow is None else flow.plain, event_id, name, data, idempotency_key,
-            None if note is None else {event_id: note},
+            tx, fds if flow is None else flow.runs, event_id, name, data, idempotency_key,
+            None if note is None else {event_id: note}, None if flow_json is None else {event_id: flow_json},
         )
-        if flow is not None and flow.singletons:
-            self._singletons_started(tx, flow, run_ids)
-        if flow is not None and (flow.run_ids or flow.notes):
-            run_ids = [*run_ids, *flow.run_ids]
-            self._record_flow(tx, event_id, run_ids, flow)
         resumed = self._resolve_waits(tx, [(event_id, name, data)], paths)[0]
         if flow is not None:
             cancelled = [*cancelled, *flow.cancelled]
@@ -205,34 +203,62 @@ class IngestOps(WaitOps, FlowOps):
         match paths waited on their names, one writes every event, run and
         queue row; waits they satisfy are then resolved together (waits.py)."""
         functions, paths, cancel_paths, paused = self._triggered_and_waited(tx, [name for name, _ in events])
-        if cancel_paths or any(has_flow(fd) for fd in functions):
+        if cancel_paths:
             # One by one, in order: a run one of them starts may be cancelled by
-            # a later one (cancel_on.py); flow control decides event by event
-            # (store/flow.py).
+            # a later one (cancel_on.py).
             return [
                 self._ingest_new(tx, name, data, None, functions, paths, cancel_paths, paused)
                 for name, data in events
             ]
         live = [fd for fd in functions if fd.id not in paused]  # a paused function starts nothing
-        planned = []
+        planned: list[tuple[str, str, Any, str | None, list[FunctionDef | NewRun]]] = []
+        flows: list[FlowResult | None] = []
         notes: dict[str, str] = {}
+        flow_notes: dict[str, str] = {}
+        created: list[list[str]] = []
+        touched: set[FlowKey] = set()
+
+        def create_planned() -> None:
+            # The runs planned so far, with their events, in one statement.
+            created.extend(self._create_runs_with_events(tx, planned[len(created):], notes, flow_notes))
+            touched.clear()
+
+        def touch(key: FlowKey) -> None:
+            # Flow control decides on a key by reading its runs (store/flow.py):
+            # those an earlier event of the group planned must exist first.
+            if key in touched:
+                create_planned()
+            touched.add(key)
+
         for name, data in events:
             event_id = new_id("evt")
             starting, filtered = self._judge(live, event_id, name, data)
             note = notes_text(filtered, [])
             if note is not None:
                 notes[event_id] = note
-            planned.append((event_id, name, data, None, starting))
-        created = self._create_runs_with_events(tx, planned, notes)
+            flow = (
+                self._flow(tx, starting, event_id, name, data, touch)
+                if any(has_flow(fd) for fd in starting) else None
+            )
+            flows.append(flow)
+            if flow is not None and flow.notes:
+                flow_notes[event_id] = _enc(flow.notes)
+            planned.append((event_id, name, data, None, [*(starting if flow is None else flow.runs)]))
+        create_planned()
         resumed = self._resolve_waits(
             tx, [(event_id, name, data) for event_id, name, data, _, _ in planned], paths
         )
         return [
             IngestResult(
-                event_id, run_ids, False, resumed_run_ids=resumed_ids,
+                event_id, run_ids, False,
+                resumed_run_ids=[*resumed_ids, *(r for o in cancelled for r in o.kicked_run_ids)],
+                cancelled=cancelled,
                 paused_function_ids=[fd.id for fd in functions if fd.id in paused and _triggered(fd, name)],
+                flow=[] if flow is None else flow.notes,
             )
-            for (event_id, name, _, _, _), run_ids, resumed_ids in zip(planned, created, resumed, strict=True)
+            for (event_id, name, _, _, _), run_ids, resumed_ids, flow, cancelled in zip(
+                planned, created, resumed, flows, [[] if f is None else f.cancelled for f in flows], strict=True
+            )
         ]
 
     async def invoke_function(self, function_id: str, data: Any) -> str:

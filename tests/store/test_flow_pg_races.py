@@ -106,9 +106,16 @@ async def test_two_nodes_ingesting_one_key_at_once_pass_a_rate_limit_once(stores
     assert second.flow[0].mechanism == "rate_limit"
 
 
-async def test_two_nodes_ingesting_one_singleton_key_at_once_start_one_run(stores, pg_url):
+@pytest.mark.parametrize("earlier", [False, True], ids=["first-event-of-the-key", "its-run-ended"])
+async def test_two_nodes_ingesting_one_singleton_key_at_once_start_one_run(stores, pg_url, earlier):
+    """The upsert names the new run at once when the key is new or its run is
+    seen ended; the second node's upsert waits for the first's and, not seeing
+    the first's run in its snapshot, reads it afresh: in flight, skipped."""
     a, b = stores
     await register(a, FunctionDef(id="single", triggers=[Trigger(EVENT)], singleton=Singleton(key="k")))
+    if earlier:
+        [ended] = (await emit(b, {"k": 1})).run_ids
+        await b.cancel_run(ended, "over")
     first, second, raced = await race(a, b, pg_url, {"k": 1})
     assert not raced
     assert len(first.run_ids) == 1 and second.run_ids == []
