@@ -2,10 +2,13 @@
 and a full concurrency key's ``on_limit`` (ironflow/protocol/flow.py;
 docs/flow-control.md).
 
-An ingest hands the functions an event triggers to :meth:`FlowOps._flow`;
-those that declare none of these come back untouched and are created the
-usual way (``core._create_runs_with_event``); for the others this module
-decides, in the ingest's own transaction, by the database clock:
+An ingest hands the functions an event triggers to :meth:`FlowOps._flow`,
+which decides, in the ingest's own transaction, by the database clock, and
+answers the runs to create (:class:`~ironflow.store.core.NewRun`: ids chosen
+here, so a row can name its run before it exists; a held first segment for
+a debounce or batch) with the notes. The caller creates them with the event,
+on PostgreSQL the runs and events of a whole group of emits in one statement
+(``ingest._create_runs_with_events``, ``_ingest_many``):
 
 * **rate limit**: GCRA over ``rate_limits.tat`` (the theoretical arrival time
   of the next event): an event passes when ``max(tat, now) + period/limit``
@@ -19,7 +22,8 @@ decides, in the ingest's own transaction, by the database clock:
   row is in the database): the timer is the queue.
 * **singleton**: ``singletons`` names the key's last run; while it has not
   ended, a new event's run is skipped (``skip``) or the old run is
-  cancelled through :meth:`_cancel_in` (``cancel``).
+  cancelled through :meth:`_cancel_in` (``cancel``). A new key, or a run
+  the upsert sees ended, is taken over by the upsert itself (one statement).
 * **batch**: one filling run per key (``batches``), due ``timeout`` after
   its first event; each event joins it (``batch_events``) until
   ``max_size``, which makes it due at once.
@@ -40,6 +44,11 @@ progress and re-checks): an event never joins a run a worker may already
 hold. These locks are taken per event in the order of its functions; a
 group of ingests that cross two keys in opposite orders is a deadlock the
 backend retries (ironflow/store/postgres.py).
+
+A decision reads the runs of its key (a singleton's holder, a filling
+batch's queue row, the runs an on_limit counts): within a group of emits, a
+key decided a second time first has the group's planned runs created
+(``touch``), so event by event the group decides as separate emits would.
 """
 
 from __future__ import annotations
@@ -77,7 +86,7 @@ class FlowResult(msgspec.Struct):
 
     # The runs the event starts, ids chosen here (flow control's rows already
     # name them): the caller creates them with the event (PostgreSQL: in one
-    # statement, ``core._create_runs_with_events``).
+    # statement, ``ingest._create_runs_with_events``).
     runs: list[NewRun]
     notes: list[FlowNote]
     cancelled: list[CancelOutcome]

@@ -5,7 +5,7 @@ invocations, cancellation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ironflow.ids import new_id
@@ -22,6 +22,7 @@ from ironflow.store.base import (
 from ironflow.store.cancel_on import cancel_paths_sql, cancel_reason
 from ironflow.store.core import (
     INVOKED_EVENT,
+    MAX_STATEMENT_PARAMS,
     NamedLock,
     NewRun,
     Tx,
@@ -30,6 +31,7 @@ from ironflow.store.core import (
     _marks,
     _trigger_patterns,
     _triggered,
+    new_run,
 )
 from ironflow.store.filters import notes_text
 from ironflow.store.flow import FlowKey, FlowOps, FlowResult, has_flow
@@ -94,6 +96,114 @@ class IngestOps(WaitOps, FlowOps):
             paused_function_ids=[fd.id for fd in functions if fd.id in paused and _triggered(fd, name)],
             flow=[] if flow is None else flow.notes,
         )
+
+    def _create_runs_with_event(
+        self, tx: Tx, runs: Sequence[FunctionDef | NewRun], event_id: str, name: str, data: Any,
+        key: str | None, notes: dict[str, str] | None = None, flows: dict[str, str] | None = None,
+    ) -> list[str]:
+        """Create ``runs`` (a definition: a plain new run) for event
+        ``event_id`` and record the event with their ids (:meth:`_create_run` +
+        :meth:`_insert_event`); with :attr:`Tx.combined`, the event, the runs and
+        their queue rows in one statement. ``notes``: event id → its
+        ``events.notes`` (filters.py); ``flows``: → its ``events.flow`` (flow.py)."""
+        if not tx.combined or not runs:
+            planned = [r if isinstance(r, NewRun) else new_run(r) for r in runs]
+            run_ids = [
+                run_id for r in planned
+                if (run_id := self._create_run(tx, r.fd, event_id, data, new=r)) and r.reason == "new"
+            ]
+            self._insert_event(
+                tx, event_id, name, data, key, run_ids, (notes or {}).get(event_id), (flows or {}).get(event_id)
+            )
+            self._first_batch_events(tx, [(r.run_id, event_id) for r in planned if r.batch])
+            return run_ids
+        return self._create_runs_with_events(tx, [(event_id, name, data, key, list(runs))], notes, flows)[0]
+
+    def _create_runs_with_events(
+        self, tx: Tx, events: Sequence[tuple[str, str, Any, str | None, list[FunctionDef | NewRun]]],
+        notes: dict[str, str] | None = None, flows: dict[str, str] | None = None,
+    ) -> list[list[str]]:
+        """:meth:`_create_runs_with_event` for several events (``(event_id, name,
+        data, key, runs)`` each), all in one statement (PostgreSQL) unless
+        that would carry more than :data:`MAX_STATEMENT_PARAMS` parameters (then
+        halves, in order); each event's run ids."""
+        params = sum(7 + 12 * len(runs) for *_, runs in events)
+        if params > MAX_STATEMENT_PARAMS and len(events) > 1:
+            half = len(events) // 2
+            return [
+                *self._create_runs_with_events(tx, events[:half], notes, flows),
+                *self._create_runs_with_events(tx, events[half:], notes, flows),
+            ]
+        event_rows: list[Any] = []
+        run_rows: list[Any] = []
+        queue_rows: list[Any] = []
+        all_run_ids: list[list[str]] = []
+        subscribing: list[tuple[str, FunctionDef, Any]] = []
+        prioritised: list[tuple[str, float]] = []
+        batched: list[tuple[str, str]] = []
+        for event_id, name, data, key, runs in events:
+            run_ids: list[str] = []
+            for planned in runs:
+                new = planned if isinstance(planned, NewRun) else new_run(planned)
+                fd, run_id, ckey = new.fd, new.run_id, self._run_key(new.fd, name, data, event_id)
+                if new.reason == "new":
+                    run_ids.append(run_id)
+                run_rows += [
+                    run_id, fd.id, event_id, max(1, fd.retries.max_attempts), ckey, fd.timeout_s,
+                    1 if new.batch else None,
+                ]
+                queue_rows += [run_id, fd.id, ckey, new.delay_s, new.reason]
+                if new.batch:
+                    batched.append((run_id, event_id))
+                if fd.cancel_on:
+                    subscribing.append((run_id, fd, data))
+                if fd.priority is not None:  # flow control (issue 24): store/dispatch_flow.py
+                    from ironflow.store.dispatch_flow import priority_of
+
+                    prioritised.append((run_id, priority_of(fd, name, data)))
+            event_rows += [
+                event_id, name, _enc(data), key, _enc(run_ids), (notes or {}).get(event_id),
+                (flows or {}).get(event_id),
+            ]
+            all_run_ids.append(run_ids)
+        runs_n = len(run_rows) // 7
+        events_sql = (
+            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids, notes, flow, xid)"
+            " VALUES " + ", ".join([f"(?, ?, ?, ?, ironflow_now(), ?, ?, ?, {tx.xid_sql})"] * len(events))
+        )
+        if not runs_n:
+            tx.execute(events_sql, event_rows)
+            return all_run_ids
+        tx.notify()
+        tx.execute(
+            f"WITH e AS ({events_sql}),"
+            " r AS (INSERT INTO runs (id, function_id, event_id, status, attempt, max_attempts,"
+            " recovery_count, current_execution_seq, concurrency_key, timeout_s, batch_size,"
+            " created_at, updated_at) VALUES "
+            + ", ".join(["(?, ?, ?, 'waiting_for_capacity', 1, ?, 0, 1, ?, ?, ?, ironflow_now(),"
+                         " ironflow_now())"] * runs_n)
+            + ") INSERT INTO dispatch_queue (run_id, execution_seq, function_id, concurrency_key,"
+            " eligible_at, reason, enqueued_at) VALUES "
+            + ", ".join(["(?, 1, ?, ?, ironflow_now() + ?, ?, ironflow_now())"] * runs_n),
+            (*event_rows, *run_rows, *queue_rows),
+        )
+        self._subscribe_cancels(tx, subscribing)
+        self._first_batch_events(tx, batched)
+        if prioritised:
+            from ironflow.store.dispatch_flow import set_priorities
+
+            set_priorities(tx, prioritised)
+        return all_run_ids
+
+    @staticmethod
+    def _first_batch_events(tx: Tx, runs: list[tuple[str, str]]) -> None:
+        """New batch runs ``(run_id, event_id)``: their first event is batch event 0."""
+        if runs:
+            tx.execute(
+                "INSERT INTO batch_events (run_id, position, event_id) VALUES "
+                + ", ".join(["(?, 0, ?)"] * len(runs)),
+                [p for row in runs for p in row],
+            )
 
     def _triggered_and_waited(
         self, tx: Tx, names: list[str]
