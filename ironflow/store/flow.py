@@ -101,6 +101,47 @@ class FlowResult(msgspec.Struct):
 # a key before deciding on that key again (store/ingest.py ``_ingest_many``).
 FlowKey = tuple[str, str, str]
 
+# The upserts that start a singleton's and a batch's decision, for n keys at
+# once: a new key's row names the run chosen for it (a singleton's also when
+# the run it names is seen ended), an existing row is locked as it is.
+_SINGLETON_UPSERT = (
+    "INSERT INTO singletons (function_id, key, run_id) VALUES {values}"
+    " ON CONFLICT (function_id, key) DO UPDATE SET run_id = CASE WHEN EXISTS"
+    " (SELECT 1 FROM runs r WHERE r.id = singletons.run_id"
+    f" AND r.status IN {_TERMINAL_SQL}) THEN excluded.run_id ELSE singletons.run_id END"
+    " RETURNING function_id, key, run_id"
+)
+_BATCH_UPSERT = (
+    "INSERT INTO batches (function_id, key, run_id, first_at, size) VALUES {values}"
+    " ON CONFLICT (function_id, key) DO UPDATE SET size = batches.size"
+    " RETURNING function_id, key, run_id, size, first_at"
+)
+_UPSERTS: dict[str, tuple[str, str]] = {
+    "singleton": (_SINGLETON_UPSERT, "(?, ?, ?)"),
+    "batch": (_BATCH_UPSERT, "(?, ?, ?, ironflow_now(), 1)"),
+}
+
+
+class FlowGroup:
+    """A group of emits deciding in one transaction (``ingest._ingest_many``).
+
+    ``touch(key)`` before a decision reads a key's runs: the second time in a
+    group, the runs planned so far are created first (``create``).
+    ``claimed``: the upserted rows of the group's first event of each
+    singleton and batch key (:meth:`FlowOps._claim_keys`, one statement per
+    table), taken by that event's decision instead of its own upsert."""
+
+    def __init__(self, create: Callable[[], None]) -> None:
+        self.touched: set[FlowKey] = set()
+        self.claimed: dict[FlowKey, tuple[str, Any]] = {}  # → (the run id chosen, its row)
+        self._create = create
+
+    def touch(self, key: FlowKey) -> None:
+        if key in self.touched:
+            self._create()
+            self.touched.clear()
+        self.touched.add(key)
+
 
 def on_limit_of(fd: FunctionDef) -> Concurrency | None:
     """``fd``'s concurrency constraint decided at ingest (``on_limit`` skip or
@@ -143,31 +184,70 @@ def _key(source: str | None, name: str, data: Any, event_id: str) -> str:
     return _NO_KEY if text is None else text
 
 
-def _untouched(key: FlowKey) -> None:
-    """A single event's ingest: nothing planned is waiting to be created."""
-
-
 class FlowOps(CancelOnOps):
     """Rate limit, debounce, singleton and batch decisions of an ingest."""
 
     def _flow(
         self, tx: Tx, fds: list[FunctionDef], event_id: str, name: str, data: Any,
-        touch: Callable[[FlowKey], None] | None = None,
+        group: FlowGroup | None = None,
     ) -> FlowResult:
         """Apply each function's ingest-side flow control to event ``event_id``:
         the runs it starts (those of ``fds`` without any, as they are) and what
-        it did. ``touch`` is called with each key before its decision reads it."""
+        it did. ``group``: the group of emits it is one of, if any."""
         result = FlowResult([], [], [])
         for fd in fds:
             if has_flow(fd):
-                self._flow_one(tx, fd, event_id, name, data, result, touch or _untouched)
+                self._flow_one(tx, fd, event_id, name, data, result, group)
             else:
                 result.runs.append(new_run(fd))
         return result
 
+    def _claim_keys(self, tx: Tx, group: FlowGroup, events: list[tuple[str, str, Any, list[FunctionDef]]]) -> None:
+        """Upsert, in one statement per table and in key order, the singleton
+        and batch rows of the first event of each key among ``events``
+        (``(event_id, name, data, starting functions)``); the rows go to
+        ``group.claimed``. A function with a rate limit is left to its event
+        (the rate limit decides first), as is a key that fails to evaluate."""
+        wanted: dict[str, dict[FlowKey, str]] = {"singleton": {}, "batch": {}}
+        for event_id, name, data, fds in events:
+            for fd in fds:
+                spec = fd.singleton or fd.batch
+                if spec is None or fd.rate_limit is not None:
+                    continue
+                mechanism = "singleton" if fd.singleton is not None else "batch"
+                try:
+                    key = _key(spec.key, name, data, event_id)
+                except (EvaluationError, ExpressionError):
+                    continue
+                wanted[mechanism].setdefault((fd.id, mechanism, key), new_id("run"))
+        for mechanism, keys in wanted.items():
+            if not keys:
+                continue
+            sql, values = _UPSERTS[mechanism]
+            order = sorted(keys)  # one lock order for every group
+            for row in tx.fetchall(
+                sql.format(values=", ".join([values] * len(order))),
+                [p for fk in order for p in (fk[0], fk[2], keys[fk])],
+            ):
+                fk = (row[0], mechanism, row[1])
+                group.claimed[fk] = (keys[fk], row[2:])
+
+    def _upserted(
+        self, tx: Tx, group: FlowGroup | None, key: FlowKey, run_id: str
+    ) -> tuple[str, Any]:
+        """The run id chosen for ``key``'s decision and its upserted row: the
+        group's claim if it made one, else this event's own upsert."""
+        claim = group.claimed.pop(key, None) if group is not None else None
+        if claim is not None:
+            return claim
+        sql, values = _UPSERTS[key[1]]
+        row = tx.fetchone(sql.format(values=values), (key[0], key[2], run_id))
+        assert row is not None
+        return run_id, row[2:]
+
     def _flow_one(
         self, tx: Tx, fd: FunctionDef, event_id: str, name: str, data: Any, result: FlowResult,
-        touch: Callable[[FlowKey], None],
+        group: FlowGroup | None,
     ) -> None:
         # Every key first: one that fails skips the event before any state moves.
         decider: tuple[FlowMechanism, str | None] | None = (
@@ -199,15 +279,16 @@ class FlowOps(CancelOnOps):
         mechanism = "concurrency" if decider is None else decider[0]
         key = keys.get(mechanism) if decider is not None else self._on_limit_key(fd, name, data, event_id)
         assert key is not None
-        touch((fd.id, mechanism, key))
+        if group is not None:
+            group.touch((fd.id, mechanism, key))
         if decider is None:
             self._on_limit(tx, fd, key, event_id, result)
         elif decider[0] == "singleton":
-            self._singleton(tx, fd, key, event_id, result)
+            self._singleton(tx, fd, key, event_id, result, group)
         elif decider[0] == "debounce":
             self._debounce(tx, fd, key, event_id, result)
         else:
-            self._batch(tx, fd, key, event_id, result)
+            self._batch(tx, fd, key, event_id, result, group)
 
     # ── rate limit ───────────────────────────────────────────────────────────
 
@@ -236,24 +317,17 @@ class FlowOps(CancelOnOps):
 
     # ── singleton ────────────────────────────────────────────────────────────
 
-    def _singleton(self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: FlowResult) -> None:
+    def _singleton(
+        self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: FlowResult, group: FlowGroup | None
+    ) -> None:
         """At most one run of ``(fd, key)`` not ended: the ``singletons`` row,
         locked by its upsert, names it; a new run is only planned under that
-        lock, its id chosen first. One statement when the key is new or its
-        run is seen ended (the upsert names the new run at once)."""
+        lock, its id chosen first. No further statement when the key is new
+        or its run is seen ended (the upsert names the new run at once)."""
         single = fd.singleton
         assert single is not None
-        new = new_run(fd)
-        row = tx.fetchone(
-            "INSERT INTO singletons (function_id, key, run_id) VALUES (?, ?, ?)"
-            " ON CONFLICT (function_id, key) DO UPDATE SET run_id = CASE WHEN EXISTS"
-            " (SELECT 1 FROM runs r WHERE r.id = singletons.run_id"
-            f" AND r.status IN {_TERMINAL_SQL}) THEN excluded.run_id ELSE singletons.run_id END"
-            " RETURNING run_id",
-            (fd.id, key, new.run_id),
-        )
-        assert row is not None
-        holder = row[0]
+        run_id, (holder,) = self._upserted(tx, group, (fd.id, "singleton", key), new_id("run"))
+        new = NewRun(fd, run_id)
         if holder != new.run_id:
             # Seen in flight by the upsert's snapshot, or not seen at all: a
             # run committed after it began (READ COMMITTED), or purged. A
@@ -420,21 +494,17 @@ class FlowOps(CancelOnOps):
             fd.id, "debounce", "debounced", f"debounced{keyed} until {_iso(until)}", run_id=run_id, until=until
         )
 
-    def _batch(self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: FlowResult) -> None:
+    def _batch(
+        self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: FlowResult, group: FlowGroup | None
+    ) -> None:
         """Join the key's filling batch or plan the next batch's run (its id
         chosen first: a new key's row names it, size 1, in the upsert)."""
         batch = fd.batch
         assert batch is not None
         delay = 0.0 if batch.max_size == 1 else batch.timeout_s
-        new = NewRun(fd, new_id("run"), delay, "batch", batch=True)
-        row = tx.fetchone(
-            "INSERT INTO batches (function_id, key, run_id, first_at, size)"
-            " VALUES (?, ?, ?, ironflow_now(), 1) ON CONFLICT (function_id, key)"
-            " DO UPDATE SET size = batches.size RETURNING run_id, size, first_at",
-            (fd.id, key, new.run_id),
-        )
-        assert row is not None
-        filling, size, first_at = row[0], int(row[1]), float(row[2])
+        run_id, (filling, size, first_at) = self._upserted(tx, group, (fd.id, "batch", key), new_id("run"))
+        new = NewRun(fd, run_id, delay, "batch", batch=True)
+        size, first_at = int(size), float(first_at)
         if filling != new.run_id:
             if size < batch.max_size:
                 full = size + 1 >= batch.max_size

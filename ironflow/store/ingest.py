@@ -34,7 +34,7 @@ from ironflow.store.core import (
     new_run,
 )
 from ironflow.store.filters import notes_text
-from ironflow.store.flow import FlowKey, FlowOps, FlowResult, has_flow
+from ironflow.store.flow import FlowGroup, FlowOps, FlowResult, has_flow
 from ironflow.store.waits import WaitOps, ingest_locks
 
 R = TypeVar("R")
@@ -326,28 +326,26 @@ class IngestOps(WaitOps, FlowOps):
         notes: dict[str, str] = {}
         flow_notes: dict[str, str] = {}
         created: list[list[str]] = []
-        touched: set[FlowKey] = set()
 
         def create_planned() -> None:
             # The runs planned so far, with their events, in one statement.
             created.extend(self._create_runs_with_events(tx, planned[len(created):], notes, flow_notes))
-            touched.clear()
 
-        def touch(key: FlowKey) -> None:
-            # Flow control decides on a key by reading its runs (store/flow.py):
-            # those an earlier event of the group planned must exist first.
-            if key in touched:
-                create_planned()
-            touched.add(key)
-
+        # Flow control decides on a key by reading its runs (store/flow.py):
+        # those an earlier event of the group planned must exist first.
+        group = FlowGroup(create_planned)
+        judged = []
         for name, data in events:
             event_id = new_id("evt")
             starting, filtered = self._judge(live, event_id, name, data)
             note = notes_text(filtered, [])
             if note is not None:
                 notes[event_id] = note
+            judged.append((event_id, name, data, starting))
+        self._claim_keys(tx, group, judged)
+        for event_id, name, data, starting in judged:
             flow = (
-                self._flow(tx, starting, event_id, name, data, touch)
+                self._flow(tx, starting, event_id, name, data, group)
                 if any(has_flow(fd) for fd in starting) else None
             )
             flows.append(flow)

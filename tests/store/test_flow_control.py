@@ -217,3 +217,18 @@ async def test_a_group_of_emits_keeps_one_pending_debounce_with_its_last_event(s
     await store.advance_clock(2.1)  # type: ignore[attr-defined]
     [res] = await reserve(store, session)
     assert res.assignment.event.data == {"n": 2}
+
+
+async def test_a_group_of_emits_finds_a_singleton_run_and_a_filling_batch_from_before(store):
+    await worker(
+        store, fn("sync", singleton=Singleton(key="event.data.k")),
+        fn("ingest", batch=Batch(max_size=3, timeout_s=5.0, key="event.data.k")),
+    )
+    before = await emit(store, {"k": 1})
+    [run_id] = before.run_ids
+    filling = next(n.run_id for n in before.flow if n.function_id == "ingest")
+    results = await emit_group(store, [{"k": 1}, {"k": 2}])
+    assert [r.run_ids for r in results][0] == [] and len(results[1].run_ids) == 1
+    notes = {(n.function_id, n.outcome): n for n in results[0].flow}
+    assert notes[("sync", "skipped")].run_id == run_id
+    assert notes[("ingest", "batched")].run_id == filling and notes[("ingest", "batched")].size == 2

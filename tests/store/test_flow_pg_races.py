@@ -52,7 +52,15 @@ async def emit(store: PostgresStore, data: Any) -> Any:
     return await store.ingest_event(EVENT, data, None, idempotency_window_s=60)
 
 
-async def race(a: HookedStore, b: PostgresStore, pg_url: str, data: Any) -> tuple[Any, Any, bool]:
+async def emit_group(store: PostgresStore, datas: list[Any]) -> Any:
+    """A group of emits in one transaction (``ingest_events``): its singleton
+    and batch keys upserted in one statement (store/flow.py ``_claim_keys``)."""
+    return await store.ingest_events([(EVENT, d, None) for d in datas], idempotency_window_s=60)
+
+
+async def race(
+    a: HookedStore, b: PostgresStore, pg_url: str, data: Any, send: Any = emit
+) -> tuple[Any, Any, bool]:
     """Ingest ``data`` on ``a``, held before its commit, and on ``b`` meanwhile.
 
     Returns both results and whether ``b`` finished while ``a`` was held
@@ -67,10 +75,10 @@ async def race(a: HookedStore, b: PostgresStore, pg_url: str, data: Any) -> tupl
     results: dict[str, Any] = {}
 
     async def on_a() -> None:
-        results["a"] = await emit(a, data)
+        results["a"] = await send(a, data)
 
     async def on_b() -> None:
-        results["b"] = await emit(b, data)
+        results["b"] = await send(b, data)
 
     try:
         async with trio.open_nursery() as nursery:
@@ -120,6 +128,18 @@ async def test_two_nodes_ingesting_one_singleton_key_at_once_start_one_run(store
     assert not raced
     assert len(first.run_ids) == 1 and second.run_ids == []
     assert second.flow[0].outcome == "skipped" and second.flow[0].run_id == first.run_ids[0]
+
+
+async def test_two_nodes_ingesting_groups_that_share_a_singleton_key_start_one_run_of_it(stores, pg_url):
+    """Each group upserts its keys in one statement, in key order: the second
+    waits on the shared key's row, then finds the first's run in flight."""
+    a, b = stores
+    await register(a, FunctionDef(id="single", triggers=[Trigger(EVENT)], singleton=Singleton(key="k")))
+    first, second, raced = await race(a, b, pg_url, [{"k": 2}, {"k": 1}], emit_group)
+    assert not raced
+    assert [len(r.run_ids) for r in first] == [1, 1]
+    assert [len(r.run_ids) for r in second] == [0, 0]
+    assert second[1].flow[0].run_id == first[1].run_ids[0]
 
 
 @pytest.mark.parametrize("kind", ["debounce", "batch"])
