@@ -79,9 +79,14 @@ async def test_skip_and_cancel_in_progress_hold_across_nodes_through_the_api(
     db = str(request.getfixturevalue("pg_url")) if backend == "postgres" else str(tmp_path / "ironflow.db")
     ports = [free_port()] if backend == "sqlite" else [free_port(), free_port()]
     procs: list[Proc] = []
+
+    async def node(i: int, port: int) -> None:
+        procs.append(await start_node(db, tmp_path / f"n{i}", tmp_path, node_id=f"n{i}", port=port))
+
     try:
-        for i, port in enumerate(ports):
-            procs.append(await start_node(db, tmp_path / f"n{i}", tmp_path, node_id=f"n{i}", port=port))
+        async with trio.open_nursery() as nursery:  # the nodes start side by side
+            for i, port in enumerate(ports):
+                nursery.start_soon(node, i, port)
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         procs.append(Proc([sys.executable, str(WORKER), urls[-1]], tmp_path / "worker.log"))
         await procs[-1].wait_line("READY")
