@@ -82,8 +82,9 @@ LAT_EVENT = "bench.latency"
 LAT_FN = "bench-latency"
 # ``--flow``: the load function with one ingest-side flow control (docs/flow-control.md),
 # keyed per event so every event still starts its own run: what the mechanism's
-# bookkeeping costs a run, not what it saves by skipping or batching.
-FLOW_CHOICES = ("none", "rate_limit", "debounce", "singleton", "batch")
+# bookkeeping costs a run, not what it saves by skipping or batching
+# (``concurrency``: a limit of 1 per key, the base ``on_limit`` adds its count to).
+FLOW_CHOICES = ("none", "rate_limit", "debounce", "singleton", "batch", "concurrency", "on_limit")
 
 
 def _flow_kwargs(flow: str) -> dict[str, Any]:
@@ -96,6 +97,8 @@ def _flow_kwargs(flow: str) -> dict[str, Any]:
         "debounce": {"debounce": ironflow.Debounce("1s", key=key)},
         "singleton": {"singleton": ironflow.Singleton(key=key)},
         "batch": {"batch": ironflow.Batch(1, "1s", key=key)},
+        "concurrency": {"concurrency": ironflow.Concurrency(1, key=key)},
+        "on_limit": {"concurrency": ironflow.Concurrency(1, key=key, on_limit="skip")},
     }[flow]
 
 

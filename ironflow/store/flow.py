@@ -74,6 +74,7 @@ from ironflow.protocol.flow import FlowMechanism
 from ironflow.store.base import CancelNotice, CancelOutcome, Conflict, RunNotFound
 from ironflow.store.cancel_on import CancelOnOps
 from ironflow.store.core import _TERMINAL_SQL, NewRun, Tx, _dec, _enc, _iso, _marks, new_run
+from ironflow.store.errors import KeyEvaluationFailed
 
 # Slack on the rate limit's comparison: period/limit * limit may round above period.
 _GCRA_EPSILON = 1e-6
@@ -115,6 +116,12 @@ _BATCH_UPSERT = (
     "INSERT INTO batches (function_id, key, run_id, first_at, size) VALUES {values}"
     " ON CONFLICT (function_id, key) DO UPDATE SET size = batches.size"
     " RETURNING function_id, key, run_id, size, first_at"
+)
+# The row an on_limit decision counts its key's runs in flight under.
+_ON_LIMIT_UPSERT = (
+    "INSERT INTO on_limit_keys (function_id, concurrency_key) VALUES {values}"
+    " ON CONFLICT (function_id, concurrency_key) DO UPDATE"
+    " SET concurrency_key = on_limit_keys.concurrency_key"
 )
 _UPSERTS: dict[str, tuple[str, str]] = {
     "singleton": (_SINGLETON_UPSERT, "(?, ?, ?)"),
@@ -203,14 +210,22 @@ class FlowOps(CancelOnOps):
         return result
 
     def _claim_keys(self, tx: Tx, group: FlowGroup, events: list[tuple[str, str, Any, list[FunctionDef]]]) -> None:
-        """Upsert, in one statement per table and in key order, the singleton
-        and batch rows of the first event of each key among ``events``
-        (``(event_id, name, data, starting functions)``); the rows go to
-        ``group.claimed``. A function with a rate limit is left to its event
-        (the rate limit decides first), as is a key that fails to evaluate."""
+        """Upsert, in one statement per table and in key order, the singleton,
+        batch and on_limit rows of the first event of each key among ``events``
+        (``(event_id, name, data, starting functions)``), and count the on_limit
+        keys' runs in flight (one statement per function, once every row is
+        locked); the rows and counts go to ``group.claimed``. A function with
+        a rate limit is left to its event (the rate limit decides first), as
+        is a key that fails to evaluate."""
         wanted: dict[str, dict[FlowKey, str]] = {"singleton": {}, "batch": {}}
+        limited: dict[FlowKey, FunctionDef] = {}
         for event_id, name, data, fds in events:
             for fd in fds:
+                if fd.rate_limit is None and on_limit_of(fd) is not None:
+                    try:
+                        limited.setdefault((fd.id, "concurrency", self._on_limit_key(fd, name, data, event_id)), fd)
+                    except KeyEvaluationFailed:
+                        pass
                 spec = fd.singleton or fd.batch
                 if spec is None or fd.rate_limit is not None:
                     continue
@@ -231,6 +246,19 @@ class FlowOps(CancelOnOps):
             ):
                 fk = (row[0], mechanism, row[1])
                 group.claimed[fk] = (keys[fk], row[2:])
+        if limited:
+            order = sorted(limited)
+            tx.execute(
+                _ON_LIMIT_UPSERT.format(values=", ".join(["(?, ?)"] * len(order))),
+                [p for fk in order for p in (fk[0], fk[2])],
+            )
+            by_function: dict[str, list[str]] = {}
+            for fk in order:
+                by_function.setdefault(fk[0], []).append(fk[2])
+            for function_id, lock_keys in by_function.items():
+                counted = self._in_flight(tx, limited[(function_id, "concurrency", lock_keys[0])], lock_keys)
+                for lock_key in lock_keys:
+                    group.claimed[(function_id, "concurrency", lock_key)] = ("", counted[lock_key])
 
     def _upserted(
         self, tx: Tx, group: FlowGroup | None, key: FlowKey, run_id: str
@@ -282,7 +310,7 @@ class FlowOps(CancelOnOps):
         if group is not None:
             group.touch((fd.id, mechanism, key))
         if decider is None:
-            self._on_limit(tx, fd, key, event_id, result)
+            self._on_limit(tx, fd, key, event_id, result, group)
         elif decider[0] == "singleton":
             self._singleton(tx, fd, key, event_id, result, group)
         elif decider[0] == "debounce":
@@ -379,7 +407,36 @@ class FlowOps(CancelOnOps):
         ckey = self._run_key(fd, name, data, event_id) if c.key is not None else None
         return _NO_KEY if ckey is None else "k:" + ckey
 
-    def _on_limit(self, tx: Tx, fd: FunctionDef, lock_key: str, event_id: str, result: FlowResult) -> None:
+    @staticmethod
+    def _in_flight(tx: Tx, fd: FunctionDef, lock_keys: list[str]) -> dict[str, list[str]]:
+        """The runs in flight of each of ``fd``'s ``on_limit_keys`` keys
+        ``lock_keys``, oldest first, in one statement. Called once their rows
+        are locked, by a statement of its own: under READ COMMITTED its
+        snapshot is taken then, so it sees the run of an ingest that held a
+        lock before (a count in the upsert's statement would not)."""
+        c = on_limit_of(fd)
+        assert c is not None
+        where, params = "", [fd.id]
+        if c.key is not None:
+            texts = [k[2:] for k in lock_keys if k != _NO_KEY]
+            parts = [f"concurrency_key IN ({_marks(len(texts))})"] if texts else []
+            if _NO_KEY in lock_keys:
+                parts.append("concurrency_key IS NULL")
+            where, params = " AND (" + " OR ".join(parts) + ")", [fd.id, *texts]
+        counted: dict[str, list[str]] = {k: [] for k in lock_keys}
+        for ckey, run_id in tx.fetchall(
+            "SELECT u.concurrency_key, r.id FROM runs r JOIN ("
+            f" SELECT run_id, concurrency_key FROM concurrency_leases WHERE function_id = ?{where}"
+            f" UNION SELECT run_id, concurrency_key FROM dispatch_queue WHERE function_id = ?{where}"
+            ") u ON u.run_id = r.id ORDER BY r.created_at, r.id",
+            params * 2,
+        ):
+            counted.setdefault(_NO_KEY if c.key is None or ckey is None else "k:" + ckey, []).append(run_id)
+        return counted
+
+    def _on_limit(
+        self, tx: Tx, fd: FunctionDef, lock_key: str, event_id: str, result: FlowResult, group: FlowGroup | None
+    ) -> None:
         """A new run of a full concurrency key: skipped, or the key's oldest
         runs in flight cancelled so that it fits. In flight is what the limit
         counts plus what waits for a slot: a segment holding a lease or a
@@ -389,23 +446,12 @@ class FlowOps(CancelOnOps):
         c = on_limit_of(fd)
         assert c is not None
         ckey = lock_key[2:] if lock_key else None
-        tx.execute(
-            "INSERT INTO on_limit_keys (function_id, concurrency_key) VALUES (?, ?)"
-            " ON CONFLICT (function_id, concurrency_key) DO UPDATE"
-            " SET concurrency_key = on_limit_keys.concurrency_key",
-            (fd.id, lock_key),
-        )
-        bucket, params = "", [fd.id]
-        if c.key is not None:
-            bucket = " AND concurrency_key IS NULL" if ckey is None else " AND concurrency_key = ?"
-            params += [] if ckey is None else [ckey]
-        in_flight = [row[0] for row in tx.fetchall(
-            "SELECT id FROM runs WHERE id IN ("
-            f" SELECT run_id FROM concurrency_leases WHERE function_id = ?{bucket}"
-            f" UNION SELECT run_id FROM dispatch_queue WHERE function_id = ?{bucket})"
-            " ORDER BY created_at, id",
-            params * 2,
-        )]
+        claim = group.claimed.pop((fd.id, "concurrency", lock_key), None) if group is not None else None
+        if claim is not None:
+            in_flight: list[str] = claim[1]
+        else:
+            tx.execute(_ON_LIMIT_UPSERT.format(values="(?, ?)"), (fd.id, lock_key))
+            in_flight = self._in_flight(tx, fd, [lock_key])[lock_key]
         label = f"concurrency key {c.key}={ckey}" if c.key is not None else "concurrency limit"
         if len(in_flight) >= c.limit and c.on_limit == "skip":
             result.notes.append(FlowNote(

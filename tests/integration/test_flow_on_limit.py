@@ -9,7 +9,6 @@ from __future__ import annotations
 import re
 import sys
 from pathlib import Path
-from typing import Any
 
 import httpx
 import msgspec
@@ -20,6 +19,7 @@ from ironflow.node import Node
 from ironflow.protocol import Concurrency, Debounce, FunctionDef, Refused, Register, Trigger
 from tests.integration.helpers import raw_worker, wait_for_run
 from tests.integration.procs import ROOT, Proc, free_port, start_node
+from tests.integration.test_flow_control import _emit_all
 
 WORKER = ROOT / "tests" / "procs" / "on_limit_worker.py"
 
@@ -29,21 +29,6 @@ def _skipped(metrics_text: str) -> float:
         r'^ironflow_flow_events_total\{mechanism="concurrency",outcome="skipped"\} (\S+)$', metrics_text, re.M
     )
     return float(found.group(1)) if found else 0.0
-
-
-async def _emit_all(clients: list[httpx.AsyncClient], name: str, datas: list[Any]) -> list[dict[str, Any]]:
-    """Every event at once, spread over the nodes round robin; answers in order."""
-    answers: list[dict[str, Any]] = [{} for _ in datas]
-
-    async def one(i: int) -> None:
-        resp = await clients[i % len(clients)].post("/v1/events", json={"name": name, "data": datas[i]})
-        assert resp.status_code == 201, resp.text
-        answers[i] = resp.json()
-
-    async with trio.open_nursery() as nursery:
-        for i in range(len(datas)):
-            nursery.start_soon(one, i)
-    return answers
 
 
 async def _skip(clients: list[httpx.AsyncClient]) -> None:
@@ -72,6 +57,7 @@ async def _cancel_in_progress(clients: list[httpx.AsyncClient]) -> None:
     assert done["run"]["status"] == "completed" and done["run"]["output"] == {"hold": 0}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 async def test_skip_and_cancel_in_progress_hold_across_nodes_through_the_api(
     tmp_path: Path, request: pytest.FixtureRequest, backend: str

@@ -101,3 +101,26 @@ async def test_a_group_of_events_of_one_key_skips_past_the_limit_within_the_grou
     await worker(store, fn("sync", Concurrency(2, on_limit="skip")))
     results = await store.ingest_events([(EVENT, {"n": i}, None) for i in range(4)], idempotency_window_s=60)
     assert [len(r.run_ids) for r in results] == [1, 1, 0, 0]
+
+
+async def test_a_group_of_emits_counts_runs_from_before_and_its_own_per_key(store):
+    await worker(store, fn("sync", Concurrency(2, key="event.data.account", on_limit="skip")))
+    before = [await emit(store, {"account": 1}), await emit(store, {"account": None})]
+    results = await store.ingest_events(
+        [(EVENT, d, None) for d in [{"account": 1}, {"account": 2}, {"account": 1}, {"account": None},
+                                     {"account": None}, {"account": 2}]],
+        idempotency_window_s=60,
+    )
+    assert [len(r.run_ids) for r in results] == [1, 1, 0, 1, 0, 1]
+    assert results[2].flow[0].reason.endswith("2/2 in flight")
+    assert results[4].flow[0].run_id == before[1].run_ids[0]
+
+
+async def test_a_group_of_emits_cancels_in_progress_runs_in_turn(store):
+    session = await worker(store, fn("render", Concurrency(1, on_limit="cancel_in_progress")))
+    [old] = (await emit(store, {})).run_ids
+    await running(store, session)
+    first, second = await store.ingest_events([(EVENT, {}, None)] * 2, idempotency_window_s=60)
+    assert [o.run_id for o in first.cancelled] == [old]
+    assert [o.run_id for o in second.cancelled] == first.run_ids
+    assert (await store.get_run(second.run_ids[0])).run.status != "cancelled"

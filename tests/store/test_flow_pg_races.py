@@ -130,11 +130,17 @@ async def test_two_nodes_ingesting_one_singleton_key_at_once_start_one_run(store
     assert second.flow[0].outcome == "skipped" and second.flow[0].run_id == first.run_ids[0]
 
 
-async def test_two_nodes_ingesting_groups_that_share_a_singleton_key_start_one_run_of_it(stores, pg_url):
-    """Each group upserts its keys in one statement, in key order: the second
-    waits on the shared key's row, then finds the first's run in flight."""
+@pytest.mark.parametrize("kind", ["singleton", "on_limit"])
+async def test_two_nodes_ingesting_groups_that_share_a_key_start_one_run_of_it(stores, pg_url, kind):
+    """Each group upserts its keys in one statement, in key order (on_limit:
+    then counts them): the second waits on the shared key's row, then finds
+    the first's run in flight."""
     a, b = stores
-    await register(a, FunctionDef(id="single", triggers=[Trigger(EVENT)], singleton=Singleton(key="k")))
+    flow: dict[str, Any] = (
+        {"singleton": Singleton(key="k")} if kind == "singleton"
+        else {"concurrency": Concurrency(1, key="k", on_limit="skip")}
+    )
+    await register(a, FunctionDef(id="single", triggers=[Trigger(EVENT)], **flow))
     first, second, raced = await race(a, b, pg_url, [{"k": 2}, {"k": 1}], emit_group)
     assert not raced
     assert [len(r.run_ids) for r in first] == [1, 1]
