@@ -33,8 +33,14 @@ $(STAMP): pyproject.toml | $(BIN)/python
 run: $(STAMP)
 	$(BIN)/ironflow serve --dev
 
+# Two phases: the suite on two processes (most integration tests wait on real
+# time, not on a core), then the tests marked `serial` (they assert wall-clock
+# bounds) alone. PYTEST_WORKERS=0 runs the first phase in one process.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not serial"
+	$(BIN)/python -m pytest -q -m serial
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 

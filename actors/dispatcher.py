@@ -190,8 +190,10 @@ async def run(
             wait_s = config.timings.dispatch_idle_poll_s
             if directory.offers():
                 next_eligible = await store.seconds_until_next_eligible()
-                # 0 means "eligible now but nobody had a free credit": only a kick
-                # (a freed slot, a new session) can change that.
+                # 0 means "every row is eligible now but none could start" (no
+                # free credit, a full concurrency limit): only a kick (a freed
+                # slot, a new session) can change that. A row due later (a
+                # throttled start) is counted even while others wait so.
                 if next_eligible is not None and next_eligible > 0:
                     wait_s = min(wait_s, next_eligible)
             with trio.move_on_after(wait_s):

@@ -182,9 +182,14 @@ async def handle(
         return None
     if isinstance(msg, JobFailed):
         outcome = await store.fail_job(_fence(session_id, msg), msg.error)
-        if outcome.status == "failed":
-            metrics.run_ended("failed", outcome.function_id, outcome.duration_s)
-            logs.event(log, logging.INFO, "run: failed", run_id=msg.run_id, code=msg.error.code)
+        if outcome.status in ("failed", "cancelled"):  # cancelled: after a cancel's undos
+            metrics.run_ended(outcome.status, outcome.function_id, outcome.duration_s)
+            logs.event(log, logging.INFO, f"run: {outcome.status}", run_id=msg.run_id, code=msg.error.code)
+        elif outcome.compensating:
+            logs.event(
+                log, logging.INFO, "run: failed, compensating", run_id=msg.run_id,
+                code=msg.error.code, execution_seq=outcome.next_execution_seq,
+            )
         else:
             logs.event(
                 log,

@@ -86,10 +86,12 @@ def cancelled_by_event(st: ApiState, result: IngestResult) -> None:
     """Runs the event cancelled (cancel_on): counted, logged, a slot freed (the
     store told their workers: ironflow/store/cancel_on.py)."""
     for outcome in result.cancelled:
-        metrics.run_ended("cancelled", outcome.function_id, outcome.duration_s)
+        if not outcome.compensating:  # a compensating run ends once its undos ran
+            metrics.run_ended("cancelled", outcome.function_id, outcome.duration_s)
         logs.event(
             log, logging.INFO, "run: cancelled by event",
             run_id=outcome.run_id, event_id=result.event_id, session_id=outcome.session_id,
+            compensating=outcome.compensating or None,
         )
     if result.cancelled:
         kick(st.deps.kicks, "run cancelled by event")

@@ -86,6 +86,10 @@ async def cancel_run(run_id: str) -> Response:
         # A streaming worker attached here is told; the fence refuses anything
         # the segment still sends, wherever its worker is.
         st.deps.directory.send_cancel(outcome.session_id, outcome.job_id, run_id, body.reason)
+    if outcome.compensating:  # its undos run first (store/compensation.py)
+        logs.event(log, logging.INFO, "run: cancelled, compensating", run_id=run_id, session_id=outcome.session_id)
+        kick(st.deps.kicks, "run compensating")
+        return json_response(CancelResponse(run_id, "waiting", compensating=True))
     metrics.run_ended("cancelled", outcome.function_id, outcome.duration_s)
     logs.event(log, logging.INFO, "run: cancelled", run_id=run_id, session_id=outcome.session_id)
     kick(st.deps.kicks, "run cancelled")  # a parent waiting on this run may resume
@@ -97,7 +101,8 @@ async def cancel_run(run_id: str) -> Response:
 
 def _resumed(out: ResumeOutcome) -> ResumeResponse:
     return ResumeResponse(
-        out.run_id, out.function_id, out.execution_seq, out.resumed_from, out.from_step, out.steps_deleted
+        out.run_id, out.function_id, out.execution_seq, out.resumed_from, out.from_step, out.steps_deleted,
+        out.status,
     )
 
 

@@ -179,7 +179,10 @@ def runs_cancel(client: IronflowSync, run_id: str, reason: str | None, as_json: 
     """Cancel a run that has not ended."""
 
     def print_cancelled(answer: CancelResponse) -> None:
-        click.echo(f"run {answer.run_id} {answer.status}")
+        if answer.compensating:
+            click.echo(f"run {answer.run_id} cancelled: its undos run now, then it ends cancelled")
+        else:
+            click.echo(f"run {answer.run_id} {answer.status}")
 
     show(client, calls.cancel_run(run_id, reason), as_json=as_json, render_answer=print_cancelled)
 
@@ -278,9 +281,11 @@ def runs_purge(
 
 def print_resumed(answer: ResumeResponse) -> None:
     again = f" from step {answer.from_step!r} ({answer.steps_deleted} step rows to run again)"
+    parked = "; waiting on its parked step (a sleep or wait not over yet)"
     click.echo(
         f"run {answer.run_id} resumed (was {answer.resumed_from})"
         + (again if answer.from_step else "")
+        + (parked if answer.status == "waiting" else "")
     )
 
 

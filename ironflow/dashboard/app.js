@@ -11,7 +11,7 @@
   // The API key lives in this tab's sessionStorage only (gone when the tab closes).
   const KEY_STORAGE = "ironflow.apiKey";
   const TERMINAL = new Set(["completed", "failed", "cancelled"]);
-  const RUN_STATUSES = ["waiting_for_capacity", "running", "waiting", "completed", "failed", "cancelled"];
+  const RUN_STATUSES = ["waiting_for_capacity", "running", "waiting", "paused", "completed", "failed", "cancelled"];
   // The chart and the failure rates change slowly: re-read them every STATS_EVERY polls (30 s).
   const STATS_EVERY = 15;
   const STATS_QUERY = "/v1/stats/runs?window_s=3600&bucket_s=60";
@@ -281,6 +281,8 @@
 
   function runView(root, params, runId) {
     const head = el("div");
+    // Outlives the header's redraws, so an action's answer stays while the run moves on.
+    const result = el("span", { id: "action-result", class: "muted" });
     const live = el("div", { id: "run-live" });
     root.append(head, live);
     let lastStatus = null;
@@ -292,7 +294,7 @@
       const run = detail.run;
       if (run.status !== lastStatus) {
         lastStatus = run.status;
-        head.replaceChildren(runHeader(run));
+        head.replaceChildren(runHeader(run, detail.steps, result));
       }
       fill(live,
         runFacts(run, detail),
@@ -305,15 +307,15 @@
     };
   }
 
-  function runHeader(run) {
-    const result = el("span", { id: "action-result", class: "muted" });
+  function runHeader(run, steps, result) {
     const cancel = el("button", { type: "button", id: "cancel-run", class: "danger", text: "Cancel run",
       disabled: TERMINAL.has(run.status) });
     cancel.addEventListener("click", async () => {
       cancel.disabled = true;
       try {
-        await post(`/v1/runs/${encodeURIComponent(run.id)}/cancel`, { reason: "cancelled from the dashboard" });
-        result.textContent = "cancelled";
+        const answer = await post(`/v1/runs/${encodeURIComponent(run.id)}/cancel`, { reason: "cancelled from the dashboard" });
+        // A run with undos (step.compensate) runs them, then ends cancelled.
+        result.textContent = answer.compensating ? "cancelled: its undos run first" : "cancelled";
         refreshNow();
       } catch (err) { result.textContent = `cancel failed: ${err.message}`; cancel.disabled = false; }
     });
@@ -327,7 +329,35 @@
     });
     return el("div", {},
       el("h1", {}, "Run ", el("span", { class: "mono", text: run.id }), " ", el("span", { id: "run-status" }, badge(run.status))),
-      el("div", { class: "toolbar" }, cancel, rerun, result));
+      el("div", { class: "toolbar" }, cancel, rerun, runControl(run, steps, result), result));
+  }
+
+  // Run control (docs/run-control.md): the one action the run's status allows.
+  function runControl(run, steps, result) {
+    const action = (id, verb, text, body, describe) => {
+      const button = el("button", { type: "button", id, class: "primary", text });
+      button.addEventListener("click", async () => {
+        button.disabled = true;
+        try {
+          result.textContent = describe(await post(`/v1/runs/${encodeURIComponent(run.id)}/${verb}`, body()));
+          refreshNow();
+        } catch (err) { result.textContent = `${text.toLowerCase()} failed: ${err.message}`; button.disabled = false; }
+      });
+      return button;
+    };
+    const resumed = (a) => `resumed (was ${a.resumed_from})${a.from_step ? ` from step '${a.from_step}'` : ""}` +
+      `, ${a.steps_deleted} step row${a.steps_deleted === 1 ? "" : "s"} deleted, execution_seq ${a.execution_seq}` +
+      (a.status === "waiting" ? "; waiting on its parked step (a sleep or wait not over yet)" : "");
+    if (run.status === "paused") return action("resume-run", "resume", "Resume", () => ({}), resumed);
+    if (run.status === "failed") {
+      // Empty: the step that failed the run; otherwise that step and every later one run again.
+      const names = [...new Set(steps.map((s) => s.name))];
+      const picker = el("select", { id: "resume-from-step", title: "run again from this step" },
+        el("option", { value: "", text: "from the failed step" }), names.map((n) => el("option", { value: n, text: `from step ${n}` })));
+      return [action("resume-failed-run", "resume", "Resume from failed step", () => ({ from_step: picker.value || null }), resumed), picker];
+    }
+    if (TERMINAL.has(run.status)) return null;
+    return action("pause-run", "pause", "Pause", () => undefined, () => "paused: resume it to go on from its next step");
   }
 
   function fact(label, value) { return el("div", {}, el("span", { text: label }), value); }
@@ -354,6 +384,12 @@
   function waitingPanel(detail) {
     if (TERMINAL.has(detail.run.status)) return null;
     const reason = detail.waiting_reason;
+    if (detail.run.status === "paused") {
+      // A parked step still settles while paused; the run waits for a resume either way.
+      return el("div", { class: "panel waiting", id: "waiting" },
+        el("strong", { text: "Paused: " }), el("span", { id: "waiting-reason",
+          text: `off the queue, holding no slot, until resumed${reason ? ` (its step: ${reason})` : ""}` }));
+    }
     let until = null;
     if (detail.queue && detail.queue.eligible_at > detail.db_now) until = detail.queue.eligible_at - detail.db_now;
     for (const s of detail.steps) {

@@ -101,6 +101,8 @@ from ironflow.protocol.http import (
     StepStatus,
 )
 from ironflow.protocol.worker import (
+    # compensation (docs/compensation.md)
+    COMPENSATE_PREFIX,
     # flow control, dispatch side (issue 24)
     PRIORITY_MAX_S,
     SDK_VERSION,
@@ -108,6 +110,8 @@ from ironflow.protocol.worker import (
     ActiveJob,
     Cancel,
     CancelOn,
+    CompensationBegin,
+    CompensationCause,
     Concurrency,
     EngineMessage,
     ErrorInfo,
@@ -144,6 +148,8 @@ from ironflow.protocol.worker import (
     WaitYield,
     WorkerMessage,
     YieldInfo,
+    compensation_id_prefix,
+    compensation_step_id,
     concurrency_keyed,
     concurrency_limits,
     encoder,
@@ -174,6 +180,12 @@ __all__ = [
     "AuditRecord",
     "Cancel",
     "CancelOn",
+    # compensation (docs/compensation.md)
+    "COMPENSATE_PREFIX",
+    "CompensationBegin",
+    "CompensationCause",
+    "compensation_id_prefix",
+    "compensation_step_id",
     "CancelRequest",
     "CancelResponse",
     "ChaosCrashRequest",

@@ -301,8 +301,12 @@ class RunList(msgspec.Struct, frozen=True):
 
 
 class CancelResponse(msgspec.Struct, frozen=True):
+    """``compensating``: the run has undos (``step.compensate``); it is queued
+    to run them (``status`` its status now) and ends ``cancelled`` after."""
+
     run_id: str
     status: RunStatus = "cancelled"
+    compensating: bool = False
 
 
 class FunctionList(msgspec.Struct, frozen=True):

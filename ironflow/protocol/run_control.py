@@ -26,13 +26,16 @@ class ResumeRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class ResumeResponse(msgspec.Struct, frozen=True):
     run_id: str
     function_id: str
-    # The segment now queued.
+    # The segment now queued (status 'waiting': the run's execution_seq, its
+    # next segment queued when its parked step settles).
     execution_seq: int
     # What the run was: 'failed' or 'paused'.
     resumed_from: str
     # The first step that runs again (None: no step row was deleted).
     from_step: str | None = None
     steps_deleted: int = 0
+    # 'waiting_for_capacity': queued; 'waiting': back on a step still parked (a
+    # sleep not ended, a wait not answered), resumed when it settles.
     status: RunStatus = "waiting_for_capacity"
 
 

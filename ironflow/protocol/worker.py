@@ -226,6 +226,45 @@ class MemoStep(msgspec.Struct, frozen=True):
 
 
 
+# ── compensation (step.compensate; docs/compensation.md) ────────────────────
+
+# The names of a run's undo steps begin with this ("compensate:refund"); a
+# handler's own steps may not, so the engine can tell a run's undo rows apart.
+COMPENSATE_PREFIX = "compensate:"
+# What began a run's compensation: its final failure, or a cancel.
+CompensationCause = Literal["failure", "cancel"]
+CompensationMarker = Literal["registered", "begin"]
+
+
+class CompensationBegin(msgspec.Struct, frozen=True):
+    """The output of a run's ``compensate:begin`` step, which the engine writes
+    when the run's compensation begins: why, and the error the run ends with
+    (the original one) once its undos have run."""
+
+    cause: CompensationCause
+    error: ErrorInfo
+
+
+def compensation_step_id(run_id: str, marker: CompensationMarker) -> str:
+    """The step id of one of a run's two compensation markers: ``registered``
+    (the SDK records it at the run's first ``step.compensate``: the engine
+    then knows the run has undos) and ``begin`` (the engine writes it when
+    compensation begins).
+
+    Under the undos' prefix (:func:`compensation_id_prefix`) but without the
+    ``:<n>`` counter every id the SDK derives from a step name ends with, so
+    no step, undo or not, can have it.
+    """
+    return f"{compensation_id_prefix(run_id)}{marker}"
+
+
+def compensation_id_prefix(run_id: str) -> str:
+    """What the id of each of a run's undo steps and markers begins with: the
+    run id, then ``compensate:`` with its colon escaped as the SDK escapes step
+    names (``escape_step_name``), as any step named ``compensate:…`` would be."""
+    return f"{run_id}:compensate\\:"
+
+
 class JobLeaseStatus(msgspec.Struct, frozen=True):
     job_id: str
     run_id: str

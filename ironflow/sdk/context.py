@@ -7,6 +7,10 @@ running again. ``step.sleep``/``wait_for_event``/``invoke`` end the segment by
 raising ``_Yield`` (a ``BaseException``, so ``except Exception`` in user code
 cannot swallow it); the runner turns it into ``JobYielded``.
 
+A compensation segment (its memo holds the engine's ``compensate:begin``
+step) replays the handler on recorded results only, then runs the undos
+``step.compensate`` registered: ironflow/sdk/compensation.py.
+
 The runner reports through a ``Reporter`` so the same code serves the
 websocket and the HTTP transports.
 """
@@ -22,6 +26,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any, Protocol
 
 import anyio
@@ -30,6 +35,7 @@ import anyio.to_thread
 import msgspec
 
 from ironflow.protocol import (
+    COMPENSATE_PREFIX,
     MAX_STEP_NAME,
     ActiveJob,
     ErrorInfo,
@@ -46,9 +52,11 @@ from ironflow.protocol import (
     StepFailed,
     WaitYield,
     YieldInfo,
+    compensation_step_id,
     encoder,
     lookup_path,
 )
+from ironflow.sdk.compensation import Compensation, StopReplay, Undo, replayed_error, undo_name
 from ironflow.sdk.errors import (
     InvokeError,
     IronflowError,
@@ -379,7 +387,7 @@ def _first_error(group: BaseExceptionGroup[Any]) -> BaseException:
 class Step:
     """``ctx.step``: durable steps. Every call derives the next step id for its name."""
 
-    __slots__ = ("_job", "_reporter", "_memo", "_counters", "_run_id")
+    __slots__ = ("_job", "_reporter", "_memo", "_counters", "_run_id", "saga")
 
     def __init__(self, job: JobState, reporter: Reporter):
         a = job.assignment
@@ -388,10 +396,18 @@ class Step:
         self._run_id = a.run_id
         self._memo: dict[str, MemoStep] = {m.step_id: m for m in a.completed_steps}
         self._counters: dict[str, int] = {}
+        # The run's undos (step.compensate) and, in a compensation segment,
+        # what began it: ironflow/sdk/compensation.py.
+        self.saga = Compensation(a.run_id, self._memo)
 
-    def _next_id(self, name: str) -> str:
+    def _next_id(self, name: str, *, undo: bool = False) -> str:
         if not isinstance(name, str) or not name:
             raise ValueError("a step needs a non-empty name")
+        if not undo and name.startswith(COMPENSATE_PREFIX):
+            raise ValueError(
+                f"step name {name[:40]!r}: names beginning {COMPENSATE_PREFIX!r} are the undos'"
+                " (step.compensate); choose another name"
+            )
         if len(name) > MAX_STEP_NAME:
             raise ValueError(
                 f"step name {name[:40]!r}… is {len(name)} characters; the engine accepts"
@@ -467,6 +483,17 @@ class Step:
         memo = self._memo.get(step_id)
         if memo is not None and memo.status == "completed":
             return memo.output
+        if self.saga.begin is not None:  # a compensating replay runs none of the handler's steps
+            if memo is not None and memo.status == "failed":
+                raise replayed_error(memo, name)
+            raise StopReplay(name)
+        return await self._execute(step_id, name, fn, args, limit)
+
+    async def _execute(
+        self, step_id: str, name: str, fn: Callable[..., Any], args: tuple[Any, ...], limit: float | None
+    ) -> Any:
+        """Run ``fn(*args)`` as step ``step_id`` and report its result (a
+        failure: reported, then raised)."""
         fence = self._fence()
         a = self._job.assignment
         token = _STEP_INFO.set((a.run_id, step_id, a.attempt))
@@ -522,6 +549,50 @@ class Step:
         )
         return value
 
+    async def compensate(
+        self, name: str, fn: Callable[..., Any], *args: Any, timeout: float | timedelta | None = None
+    ) -> None:
+        """Register ``fn(*args)`` as an undo of what the run did so far.
+
+        If the run fails for good (a non-retryable error, or its last attempt)
+        or is cancelled, the engine has the registered undos run newest-first,
+        each once as a durable step named ``compensate:<name>``; a failing undo
+        is recorded and the others still run; the run then ends ``failed`` (or
+        ``cancelled``) with the original error. ``fn`` is called like a
+        ``step.run`` body (async, awaitable-returning or sync, in a thread);
+        ``timeout`` bounds each call. Not retried: an undo that must succeed
+        retries inside itself. Registering costs one step write per run.
+        See docs/compensation.md.
+
+        Raises:
+          TypeError: ``fn`` is not callable.
+          ValueError: an empty or too long ``name``, a bad ``timeout``.
+        """
+        _checked_callable(fn, f"step.compensate({name!r})")
+        recorded_as = undo_name(name)
+        limit = _timeout_seconds(timeout, f"step.compensate({name!r})")
+        step_id = self._next_id(recorded_as, undo=True)
+        self.saga.undos.append(Undo(step_id, recorded_as, fn, args, limit))
+        if self.saga.begin is None and not self.saga.registered:
+            self.saga.registered = True
+            await self._reporter.step(
+                self._job,
+                StepCompleted(
+                    *self._fence(),
+                    step_id=compensation_step_id(self._run_id, "registered"),
+                    name="compensate:registered",
+                ),
+            )
+
+    async def execute_undo(self, undo: Undo) -> Any:
+        """Run ``undo`` as a durable step (a compensation segment's undos)."""
+        return await self._execute(undo.step_id, undo.name, undo.fn, undo.args, undo.limit)
+
+    def _parked(self, step_id: str, name: str, info: YieldInfo) -> BaseException:
+        """What a sleep, wait or invoke without a final record raises: ``_Yield``
+        (the segment ends there), or, replaying to compensate, ``StopReplay``."""
+        return StopReplay(name) if self.saga.begin is not None else _Yield(step_id, name, info)
+
     async def sleep(self, name: str, duration: float | timedelta) -> None:
         """Sleep durably for ``duration`` seconds: the segment ends; the engine resumes it."""
         seconds = _to_seconds(duration)
@@ -530,7 +601,7 @@ class Step:
         step_id = self._next_id(name)
         if self._memo.get(step_id) is not None and self._memo[step_id].status == "completed":
             return None
-        raise _Yield(step_id, name, SleepYield(until=_ceil_ms(time.time() + seconds)))
+        raise self._parked(step_id, name, SleepYield(until=_ceil_ms(time.time() + seconds)))
 
     async def sleep_until(self, name: str, when: datetime | float) -> None:
         """Sleep durably until ``when`` (a timezone-aware datetime or epoch seconds)."""
@@ -543,7 +614,7 @@ class Step:
         step_id = self._next_id(name)
         if self._memo.get(step_id) is not None and self._memo[step_id].status == "completed":
             return None
-        raise _Yield(step_id, name, SleepYield(until=_ceil_ms(until)))
+        raise self._parked(step_id, name, SleepYield(until=_ceil_ms(until)))
 
     async def wait_for_event(
         self,
@@ -580,7 +651,7 @@ class Step:
             match=match,
             match_value=match_value,
         )
-        raise _Yield(step_id, name, info)
+        raise self._parked(step_id, name, info)
 
     async def invoke(
         self,
@@ -619,7 +690,7 @@ class Step:
         raw = encode_strict(data, f"input of invoke {function_id!r}")[0]
         limit = _timeout_seconds(timeout, f"step.invoke({name!r})")
         timeout_at = None if limit is None else time.time() + limit
-        raise _Yield(
+        raise self._parked(
             step_id, name, InvokeYield(function_id=function_id, input=raw, timeout_at=timeout_at)
         )
 
@@ -658,7 +729,9 @@ async def execute_job(
     Returns without reporting if the job is cancelled (the cancellation
     propagates: the loop's cancellation exception) or abandoned. ``function=None`` reports a non-retryable
     ``FUNCTION_NOT_FOUND``. ``ctx``: the handler's context if already built
-    (for ``job`` and ``reporter``).
+    (for ``job`` and ``reporter``). A compensation segment (its memo holds
+    ``compensate:begin``) replays the handler, runs the undos and reports
+    the original error instead (ironflow/sdk/compensation.py).
     """
     a = job.assignment
     fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
@@ -676,20 +749,24 @@ async def execute_job(
     else:
         if ctx is None:
             ctx = Context(job, reporter)
-        try:
-            output = await function.handler(ctx)
-            raw = encode_strict(output, "handler output")[0]
-        except _Yield as y:
-            msg = JobYielded(*fence, step_id=y.step_id, name=y.name, yield_info=y.info)
-        except Exception as exc:
-            _log.debug("handler raised", exc_info=exc, extra={"fields": {"run_id": a.run_id}})
-            msg = JobFailed(
-                *fence, error=error_info(exc), duration_ms=(time.perf_counter() - t0) * 1000.0
-            )
+        if ctx.step.saga.begin is not None:
+            error = await ctx.step.saga.compensate(partial(function.handler, ctx), ctx.step.execute_undo)
+            msg = JobFailed(*fence, error=error, duration_ms=(time.perf_counter() - t0) * 1000.0)
         else:
-            msg = JobCompleted(
-                *fence, output=raw, duration_ms=(time.perf_counter() - t0) * 1000.0
-            )
+            try:
+                output = await function.handler(ctx)
+                raw = encode_strict(output, "handler output")[0]
+            except _Yield as y:
+                msg = JobYielded(*fence, step_id=y.step_id, name=y.name, yield_info=y.info)
+            except Exception as exc:
+                _log.debug("handler raised", exc_info=exc, extra={"fields": {"run_id": a.run_id}})
+                msg = JobFailed(
+                    *fence, error=error_info(exc), duration_ms=(time.perf_counter() - t0) * 1000.0
+                )
+            else:
+                msg = JobCompleted(
+                    *fence, output=raw, duration_ms=(time.perf_counter() - t0) * 1000.0
+                )
     # Yield before the bookkeeping: when many held jobs start at one instant
     # (a burst of sleeps due together), every handler gets its turn before any
     # job's report is encoded and sent, not after all the reports queued ahead.

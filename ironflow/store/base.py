@@ -37,6 +37,7 @@ from ironflow.protocol import (
     RunDetail,
     RunRecord,
     RunStats,
+    RunStatus,
     SessionRecord,
     YieldInfo,
 )
@@ -123,6 +124,9 @@ class JobOutcome(msgspec.Struct, frozen=True):
     # Set when the run ended here (completed or failed): for the run-duration metric.
     function_id: str | None = None
     duration_s: float | None = None
+    # The run's final failure began its compensation (store/compensation.py):
+    # its compensation segment is queued (next_execution_seq, eligible_at).
+    compensating: bool = False
 
 
 class WakeOutcome(msgspec.Struct, frozen=True):
@@ -156,6 +160,9 @@ class CancelOutcome(msgspec.Struct, frozen=True):
     # The ended run's function and duration: for the run-duration metric.
     function_id: str | None = None
     duration_s: float | None = None
+    # The run has undos (step.compensate): it did not end, its compensation
+    # segment is queued; it ends 'cancelled' once they ran (store/compensation.py).
+    compensating: bool = False
 
 
 class CancelNotice(msgspec.Struct, frozen=True):
@@ -184,6 +191,9 @@ class ResumeOutcome(msgspec.Struct, frozen=True):
     from_step: str | None = None
     # Step rows deleted so they run again (the failed one and every later one).
     steps_deleted: int = 0
+    # 'waiting_for_capacity' (queued), or 'waiting': back on a step still
+    # parked (a sleep not ended, a wait not answered), resumed when it settles.
+    status: RunStatus = "waiting_for_capacity"
 
 
 class IngestResult(msgspec.Struct, frozen=True):
@@ -469,7 +479,10 @@ class Store(abc.ABC):
     async def cancel_run(self, run_id: str, reason: str) -> CancelOutcome:
         """Run → 'cancelled'; delete its queue row and lease, free the credit,
         bump current_execution_seq so later messages from the segment are
-        refused. Raises RunNotFound; Conflict if the run already ended."""
+        refused. A run with undos (``step.compensate``) is not ended: its
+        compensation segment is queued instead (``compensating`` in the
+        answer; store/compensation.py). Raises RunNotFound; Conflict if the run
+        already ended or is compensating."""
 
     # run control (issue #23 §4; ironflow/store/run_control.py) ---------------------
 
@@ -511,8 +524,9 @@ class Store(abc.ABC):
         ``offers`` maps session_id → function ids that session can run. In one
         transaction: take queue rows with eligible_at ≤ now and no live
         reservation (``FOR UPDATE SKIP LOCKED`` on PostgreSQL), oldest first;
-        respect each function's concurrency limit (global or per key: live
-        leases + live reservations); claim one free, not-held credit of a
+        respect each function's concurrency limit (global or per key: leases
+        + reservations still on their rows, an expired one too until it is
+        cleared: a JobAck may be activating it); claim one free, not-held credit of a
         non-draining session for each; stamp the row with reservation_owner,
         reservation_expires_at and sha256 of a fresh lease token; build the
         JobAssignment (event, attempt, memoised steps, execution_seq, token).
@@ -524,8 +538,10 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def seconds_until_next_eligible(self) -> float | None:
-        """Seconds (DB clock) until the earliest unreserved queue row becomes
-        eligible; 0 if one is eligible now; None if the queue is empty."""
+        """Seconds (DB clock) until the soonest unreserved queue row that is not
+        eligible yet becomes eligible; 0 if every unreserved row is eligible
+        now (they wait for a credit or a concurrency slot: a kick); None if
+        no row is unreserved."""
 
     # execution (fenced) -------------------------------------------------------
 
@@ -621,7 +637,11 @@ class Store(abc.ABC):
     async def fail_job(self, fence: Fence, error: ErrorInfo) -> JobOutcome:
         """Retryable with attempts left: attempt +1, new seq queued at now +
         backoff (reason 'retry'), run 'waiting'. Otherwise run 'failed' with the
-        error. Lease deleted, credit freed either way. StaleExecution."""
+        error — unless the run has undos (``step.compensate``): then its
+        compensation segment is queued (reason 'compensate', ``compensating``
+        in the outcome), and that segment's own JobFailed ends the run
+        'failed' or 'cancelled' with the original error (store/compensation.py).
+        Lease deleted, credit freed either way. StaleExecution."""
 
     @abc.abstractmethod
     async def yield_job(self, fence: Fence, *, step_id: str, name: str, info: YieldInfo) -> JobOutcome:

@@ -60,6 +60,7 @@ from ironflow.definitions import CANCEL_VARIABLES
 from ironflow.expressions import EvaluationError, ExpressionError, compile_expression
 from ironflow.protocol import TERMINAL_RUN_STATUSES, ErrorInfo, FunctionDef, lookup_path
 from ironflow.store.base import CancelNotice, CancelOutcome, Conflict, RunNotFound
+from ironflow.store.compensation import CompensationOps
 from ironflow.store.core import Tx, _dec, _marks
 from ironflow.store.filters import FilterOps
 from ironflow.store.waits import wait_key
@@ -119,7 +120,7 @@ def _payloads(notices: list[CancelNotice]) -> list[str]:
     return out
 
 
-class CancelOnOps(FilterOps):
+class CancelOnOps(FilterOps, CompensationOps):
     """Subscriptions written with their run, judged by an ingest (module docstring)."""
 
     # PostgreSQL sets it: cancel notices travel by NOTIFY, to every node.
@@ -166,11 +167,14 @@ class CancelOnOps(FilterOps):
             )
 
     def _cancel(self, tx: Tx, run_id: str, error: ErrorInfo, audit: dict[str, Any]) -> CancelOutcome:
-        """End run ``run_id`` ``cancelled`` with ``error`` (locks: module docstring).
+        """End run ``run_id`` ``cancelled`` with ``error`` (locks: module
+        docstring); a run with undos (``step.compensate``) is not ended but
+        begins compensating, to end ``cancelled`` once its undos ran
+        (store/compensation.py; ``compensating`` in the outcome).
 
         Raises:
           RunNotFound: no such run.
-          Conflict: it already ended.
+          Conflict: it already ended, or it is compensating.
         """
         # The run's queue row and lease first, then the run: the order in
         # which an activation (queue row, lease, run) and a completion
@@ -180,7 +184,7 @@ class CancelOnOps(FilterOps):
         tx.fetchone(f"SELECT 1 FROM dispatch_queue WHERE run_id = ? {tx.lock_wait()}", (run_id,))
         tx.fetchone(f"SELECT 1 FROM concurrency_leases WHERE run_id = ? {tx.lock_wait()}", (run_id,))
         run = tx.fetchone(
-            "SELECT status, current_execution_seq, parent_run_id, parent_step_id"
+            "SELECT status, current_execution_seq, parent_run_id, parent_step_id, compensation"
             f" FROM runs WHERE id = ? {tx.lock_wait()}",
             (run_id,),
         )
@@ -188,7 +192,19 @@ class CancelOnOps(FilterOps):
             raise RunNotFound(f"run {run_id} not found")
         if run[0] in TERMINAL_RUN_STATUSES:
             raise Conflict(f"run {run_id} already {run[0]}")
-        outcome = self._end_run(tx, run_id, "cancelled", error, run[2], run[3])
+        if run[4] is not None:
+            raise Conflict(
+                f"run {run_id} is compensating (its undos run after its {run[4]});"
+                " it ends when they have"
+            )
+        taken = self._take_segment(tx, run_id)
+        # After the lease went: a registration committed before is seen, one
+        # behind is refused by the fence (store/compensation.py: locks).
+        if self._has_undos(tx, run_id):
+            self._begin_compensation(tx, run_id, "cancel", error)
+            self._audit_if_enabled(tx, "run.cancelled", run_id, {**audit, "compensating": True})
+            return CancelOutcome(run_id, *taken, compensating=True)
+        outcome = self._end_run(tx, run_id, "cancelled", error, run[2], run[3], taken)
         self._audit_if_enabled(tx, "run.cancelled", run_id, audit)
         return outcome
 

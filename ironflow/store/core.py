@@ -599,27 +599,35 @@ class SqlStoreBase(Store):
         error: ErrorInfo,
         parent_run_id: str | None,
         parent_step_id: str | None,
+        taken: tuple[str | None, str | None, str | None] | None = None,
     ) -> CancelOutcome:
         """End a run that has not ended, wherever it is: its lease and queue row
-        go (their credits freed), its execution_seq moves on (so whatever its
-        worker still sends is refused), parked steps fail, a waiting parent
+        go (their credits freed; ``taken``: :meth:`_take_segment`'s answer when
+        the caller took them already), its execution_seq moves on (so whatever
+        its worker still sends is refused), parked steps fail, a waiting parent
         resumes. Returns who was executing it, so the caller can tell them."""
-        session_id, node_id, job_id = self._take_segment(tx, run_id)
+        session_id, node_id, job_id = self._take_segment(tx, run_id) if taken is None else taken
         ended = tx.fetchone(
             "UPDATE runs SET status = ?, error = ?, current_execution_seq = current_execution_seq + 1,"
             f" ended_at = ironflow_now(), updated_at = ironflow_now() WHERE id = ? RETURNING {RUN_END_FIGURES}",
             (status, _enc(error), run_id),
         )
+        self._fail_parked_steps(tx, run_id)
+        kicked = self._resolve_parent(tx, parent_run_id, parent_step_id, run_id, error=error)
+        return CancelOutcome(
+            run_id, session_id, node_id, job_id, kicked_run_ids=kicked,
+            function_id=ended[0] if ended else None, duration_s=ended[1] if ended else None,
+        )
+
+    @staticmethod
+    def _fail_parked_steps(tx: Tx, run_id: str) -> None:
+        """Fail the run's parked steps (sleeps, waits, invokes; claimed or not):
+        no wake or event resumes a run that ended or began compensating."""
         tx.execute(
             "UPDATE steps SET status = 'failed', wake_at = NULL, claimed_by = NULL,"
             " claimed_at = NULL, pre_claim_status = NULL"
             " WHERE run_id = ? AND status IN ('sleeping', 'waiting', 'waking')",
             (run_id,),
-        )
-        kicked = self._resolve_parent(tx, parent_run_id, parent_step_id, run_id, error=error)
-        return CancelOutcome(
-            run_id, session_id, node_id, job_id, kicked_run_ids=kicked,
-            function_id=ended[0] if ended else None, duration_s=ended[1] if ended else None,
         )
 
     @staticmethod

@@ -32,9 +32,33 @@ from ironflow.store.core import (
 from ironflow.store.dispatch_flow import CANDIDATE_COLS, ORDER_SQL, FlowPlan, conc_lock
 from ironflow.store.flow import batch_events
 
+# Candidate reads past held functions per reservation round, at most (each
+# excludes the functions the one before found held): bounds a round's cost
+# when many functions are held at once; the next round reads on.
+HELD_READS_MAX = 4
+
+
+def _read_candidates(tx: Tx, function_ids: list[str], n: int) -> list[tuple[Any, ...]]:
+    """Up to ``n`` unreserved, eligible queue rows of ``function_ids`` in
+    dispatch order (priority first), locked (``SKIP LOCKED``) on PostgreSQL."""
+    return tx.fetchall(
+        f"SELECT {CANDIDATE_COLS} FROM dispatch_queue q JOIN functions f ON f.id = q.function_id"
+        " WHERE q.reservation_owner IS NULL AND q.eligible_at <= ironflow_now()"
+        # A bound for the order index: priority is at most 600 s.
+        f" AND (q.eligible_at - q.priority_s) <= ironflow_now() + {PRIORITY_MAX_S}"
+        f" AND q.function_id IN ({_marks(len(function_ids))})"
+        f" ORDER BY {ORDER_SQL} LIMIT ? {tx.lock('q')}",
+        [*function_ids, n],
+    )
+
 
 class DispatchOps(CapacityLoop):
     """Reservations and assignments for sessions with free credits."""
+
+    # What admits candidates in a reservation transaction: a class attribute,
+    # as ``PostgresStore.tx_class`` is, so a test can inject a planted bug
+    # (tests/sim/bugs.py) without a switch in the engine.
+    flow_plan_class: type[FlowPlan] = FlowPlan
 
     async def reserve_segments(
         self,
@@ -68,21 +92,19 @@ class DispatchOps(CapacityLoop):
             free: dict[str, list[int]] = {}
             for sid, slot in credits:
                 free.setdefault(sid, []).append(slot)
-            # Flow control (store/flow.py): candidates in dispatch order
-            # (priority), then — when a full concurrency key refused some and
-            # credits remain — the heads of the other keys, round robin.
-            candidates = tx.fetchall(
-                f"SELECT {CANDIDATE_COLS} FROM dispatch_queue q JOIN functions f ON f.id = q.function_id"
-                " WHERE q.reservation_owner IS NULL AND q.eligible_at <= ironflow_now()"
-                # A bound for the order index: priority is at most 600 s.
-                f" AND (q.eligible_at - q.priority_s) <= ironflow_now() + {PRIORITY_MAX_S}"
-                f" AND q.function_id IN ({_marks(len(function_ids))})"
-                f" ORDER BY {ORDER_SQL} LIMIT ? {tx.lock('q')}",
-                [*function_ids, min(limit, len(credits)) * RESERVE_OVERSCAN],
-            )
+            # Flow control (store/dispatch_flow.py): candidates in dispatch
+            # order (priority); while a read came back full and credits remain,
+            # read on past the functions none of whose rows could start (a
+            # full limit, a throttle, no offering session with a credit): their
+            # held rows must not stand in front of other functions' runs. Then
+            # — when a full concurrency key refused some — the heads of the
+            # other keys, round robin.
+            window = min(limit, len(credits)) * RESERVE_OVERSCAN
+            read = _read_candidates(tx, function_ids, window)
+            candidates = list(read)
             if not candidates:
                 return []
-            plan = FlowPlan(tx, locked, self._fdef)
+            plan = self.flow_plan_class(tx, locked, self._fdef)
             plan.prepare(candidates)
             chosen: list[tuple[str, int, str, str]] = []  # run_id, seq, session, token
             credit_rows: list[tuple[Any, ...]] = []
@@ -107,6 +129,21 @@ class DispatchOps(CapacityLoop):
 
             choose(candidates)
             seen = {row[0] for row in candidates}
+            passed: set[str] = set()
+            for _ in range(HELD_READS_MAX):
+                if len(read) < window or len(chosen) >= limit or not any(free.values()):
+                    break
+                taken = {c[0] for c in chosen}
+                passed.update(row[2] for row in read if row[0] not in taken)
+                rest = [fid for fid in function_ids if fid not in passed]
+                if not rest:
+                    break
+                read = _read_candidates(tx, rest, window)
+                rows = [row for row in read if row[0] not in seen]
+                plan.prepare(rows)
+                seen.update(row[0] for row in rows)
+                candidates += rows
+                choose(rows)
             for fid in sorted(plan.full_keyed):
                 if len(chosen) >= limit or not any(free.values()):
                     break
@@ -245,10 +282,17 @@ class DispatchOps(CapacityLoop):
 
     async def seconds_until_next_eligible(self) -> float | None:
         def work(tx: Tx) -> float | None:
+            # The soonest row still to become eligible, even while rows
+            # eligible now wait: those may be held by a concurrency limit or
+            # wait for a credit (a kick ends that wait), but a throttled start,
+            # a debounce or a retry delay comes due by the clock alone.
             row = tx.fetchone(
-                "SELECT min(eligible_at) - ironflow_now() FROM dispatch_queue"
-                " WHERE reservation_owner IS NULL"
+                "SELECT (SELECT min(eligible_at) FROM dispatch_queue WHERE reservation_owner IS NULL"
+                " AND eligible_at > ironflow_now()) - ironflow_now(),"
+                " EXISTS (SELECT 1 FROM dispatch_queue WHERE reservation_owner IS NULL)"
             )
-            return None if row is None or row[0] is None else max(0.0, float(row[0]))
+            if row is None or not row[1]:
+                return None
+            return 0.0 if row[0] is None else max(0.0, float(row[0]))
 
         return await self._transact(work)

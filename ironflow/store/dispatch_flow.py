@@ -112,8 +112,12 @@ class FlowPlan:
                 "SELECT function_id, concurrency_key, count(*) FROM ("
                 " SELECT function_id, concurrency_key FROM concurrency_leases"
                 f" WHERE function_id IN ({_marks(len(ids))})"
+                # Every reservation still on its row counts, expired or not:
+                # this transaction cleared the expired ones it could lock
+                # (_expire_reservations), and one it could not is locked by a
+                # JobAck that may yet make it a lease (SKIP LOCKED passed it).
                 " UNION ALL SELECT function_id, concurrency_key FROM dispatch_queue"
-                " WHERE reservation_owner IS NOT NULL AND reservation_expires_at > ironflow_now()"
+                " WHERE reservation_owner IS NOT NULL"
                 f" AND function_id IN ({_marks(len(ids))})"
                 ") u GROUP BY function_id, concurrency_key",
                 [*ids, *ids],
@@ -293,7 +297,7 @@ def waiting_reason(tx: Tx, fd: FunctionDef, run_id: str, ckey: str | None,
         row = tx.fetchone(
             "SELECT (SELECT count(*) FROM concurrency_leases WHERE function_id = ?"
             f" AND {where}) + (SELECT count(*) FROM dispatch_queue WHERE function_id = ?"
-            f" AND {where} AND reservation_owner IS NOT NULL AND reservation_expires_at > ironflow_now())",
+            f" AND {where} AND reservation_owner IS NOT NULL)",
             [fd.id, *params, fd.id, *params],
         )
         used = int(row[0]) if row else 0

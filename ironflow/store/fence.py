@@ -29,6 +29,7 @@ from ironflow.protocol import (
     SleepYield,
     WaitYield,
     YieldInfo,
+    compensation_step_id,
 )
 from ironflow.store.base import (
     Fence,
@@ -39,6 +40,7 @@ from ironflow.store.base import (
     StaleExecution,
     StepResult,
 )
+from ironflow.store.compensation import CompensationOps
 from ironflow.store.core import (
     _FENCE_SQL,
     _RUN_COLS,
@@ -60,7 +62,7 @@ from ironflow.store.waits import WaitOps, park_locks
 _AUDIT_FLAG = "(SELECT f.audit FROM functions f WHERE f.id = function_id)"
 
 
-class FenceOps(StepResultOps, WaitOps):
+class FenceOps(StepResultOps, WaitOps, CompensationOps):
     """The fence and a segment's life (see the module docstring)."""
 
     def _take_lease(self, tx: Tx, fence: Fence) -> tuple[float, str | None]:
@@ -343,14 +345,23 @@ class FenceOps(StepResultOps, WaitOps):
     async def fail_job(self, fence: Fence, error: ErrorInfo) -> JobOutcome:
         def work(tx: Tx) -> JobOutcome:
             self._take_lease(tx, fence)
+            # Whether the run has undos is read here, after its lease went
+            # (store/compensation.py: locks), in the statement that reads the run.
             run = tx.fetchone(
                 "SELECT r.attempt, r.max_attempts, r.concurrency_key, r.parent_run_id,"
-                " r.parent_step_id, f.definition, f.audit FROM runs r"
-                " JOIN functions f ON f.id = r.function_id WHERE r.id = ?",
-                (fence.run_id,),
+                " r.parent_step_id, f.definition, f.audit, r.compensation, r.error,"
+                " EXISTS (SELECT 1 FROM steps s WHERE s.run_id = r.id AND s.step_id = ?)"
+                " FROM runs r JOIN functions f ON f.id = r.function_id WHERE r.id = ?",
+                (compensation_step_id(fence.run_id, "registered"), fence.run_id),
             )
             assert run is not None
-            attempt, max_attempts, ckey, parent_run_id, parent_step_id, definition, audit = run
+            attempt, max_attempts, ckey, parent_run_id, parent_step_id, definition, audit = run[:7]
+            compensation, stored_error, has_undos = run[7:]
+            if compensation is not None:  # the compensation segment's end
+                return self._end_compensation(
+                    tx, fence.run_id, compensation, stored_error, (parent_run_id, parent_step_id),
+                    attempt=attempt, audit=bool(audit),
+                )
             fd = self._fdef(definition)
             if error.retryable and attempt < max_attempts:
                 row = tx.fetchone(
@@ -371,6 +382,9 @@ class FenceOps(StepResultOps, WaitOps):
                     {"attempt": attempt, "next_attempt": row[1], "error": error.code},
                 )
                 return JobOutcome(fence.run_id, "waiting", row[0], eligible_at, row[1])
+            if has_undos:  # the run's final failure: its undos run first
+                seq, eligible_at = self._begin_compensation(tx, fence.run_id, "failure", error)
+                return JobOutcome(fence.run_id, "waiting", seq, eligible_at, attempt, compensating=True)
             ended = tx.fetchone(
                 "UPDATE runs SET status = 'failed', error = ?, ended_at = ironflow_now(),"
                 f" updated_at = ironflow_now() WHERE id = ? RETURNING {RUN_END_FIGURES}",
@@ -388,7 +402,7 @@ class FenceOps(StepResultOps, WaitOps):
             )
 
         return await self._transact_ending(
-            work, lambda outcome: [fence.run_id] if outcome.status == "failed" else []
+            work, lambda outcome: [fence.run_id] if outcome.status in ("failed", "cancelled") else []
         )
 
     async def yield_job(
@@ -455,9 +469,15 @@ class FenceOps(StepResultOps, WaitOps):
                     return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
                 self._insert_event(tx, event_id, INVOKED_EVENT, info.input, None, [invoke_run_id])
                 kicked.append(invoke_run_id)
-            self._park_step(
+            if not self._park_step(
                 tx, fence, step_id, name, kind, status, wake_at, invoke_run_id=invoke_run_id
-            )
+            ):
+                # The step settled after this segment read it (a replay of a
+                # parked step the waker completed meanwhile): nothing to wait
+                # for, so the run goes on rather than waiting on nothing.
+                resumed = self._resume(tx, fence.run_id)
+                if resumed is not None:
+                    return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1], kicked_run_ids=kicked)
             return JobOutcome(fence.run_id, "waiting", kicked_run_ids=kicked)
 
         outcome = await self._transact(
@@ -478,9 +498,10 @@ class FenceOps(StepResultOps, WaitOps):
         *,
         error: str | None = None,
         invoke_run_id: str | None = None,
-    ) -> None:
-        """Park a sleep or an invoke (a wait: ``waits.py``)."""
-        tx.execute(
+    ) -> bool:
+        """Park a sleep or an invoke (a wait: ``waits.py``); False when the step
+        was already completed (its row is left as it is)."""
+        return 0 < tx.execute(
             "INSERT INTO steps (run_id, step_id, name, kind, status, error, execution_seq,"
             " created_at, seq, wake_at, invoke_run_id)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, ironflow_now(), ?, ?, ?)"

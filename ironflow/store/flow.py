@@ -369,8 +369,7 @@ class FlowOps(CancelOnOps):
                     ))
                     return
                 outcome = self._cancel_in(tx, holder, f"singleton: replaced by event {event_id}")
-                if outcome is not None:
-                    tx.runs_ended([holder])
+                if outcome is not None:  # announced as ended by the ingest (unless compensating)
                     result.cancelled.append(outcome)
                     result.notes.append(FlowNote(
                         fd.id, "singleton", "cancelled", f"singleton: cancelled run {holder} of key {key!r}",
@@ -465,8 +464,7 @@ class FlowOps(CancelOnOps):
                 tx, run_id, f"concurrency: replaced by event {event_id} ({label}, limit {c.limit})",
                 "concurrency",
             )
-            if outcome is not None:
-                tx.runs_ended([run_id])
+            if outcome is not None:  # announced as ended by the ingest (unless compensating)
                 result.cancelled.append(outcome)
                 result.notes.append(FlowNote(
                     fd.id, "concurrency", "cancelled", f"{label}: cancelled run {run_id}", run_id=run_id,

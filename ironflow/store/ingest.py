@@ -42,7 +42,9 @@ R = TypeVar("R")
 
 
 def _cancelled_ids(results: list[IngestResult]) -> list[str]:
-    return [o.run_id for r in results for o in r.cancelled]
+    """The runs these ingests ended by cancelling them (a compensating one has
+    not ended: store/compensation.py)."""
+    return [o.run_id for r in results for o in r.cancelled if not o.compensating]
 
 
 class IngestOps(WaitOps, FlowOps):
@@ -392,4 +394,4 @@ class IngestOps(WaitOps, FlowOps):
             error = ErrorInfo(message=reason, code="CANCELLED", retryable=False)
             return self._cancel(tx, run_id, error, {"reason": reason})
 
-        return await self._transact_ending(work, lambda _: [run_id])
+        return await self._transact_ending(work, lambda o: [] if o.compensating else [run_id])

@@ -43,24 +43,34 @@ class RunControlOps(SqlStoreBase):
     """Resume a failed or paused run; resume many; pause a run."""
 
     @staticmethod
-    def _lock_run(tx: Tx, run_id: str) -> tuple[str, str, str | None] | None:
+    def _lock_run(tx: Tx, run_id: str) -> tuple[str, str, str | None, str | None] | None:
         """Lock the run's queue row, lease and run row (PostgreSQL: FOR UPDATE, in
-        that order, as ``cancel_run`` does); (status, function_id, concurrency_key)."""
+        that order, as ``cancel_run`` does); (status, function_id,
+        concurrency_key, compensation)."""
         tx.fetchone(f"SELECT 1 FROM dispatch_queue WHERE run_id = ? {tx.lock_wait()}", (run_id,))
         tx.fetchone(f"SELECT 1 FROM concurrency_leases WHERE run_id = ? {tx.lock_wait()}", (run_id,))
         row = tx.fetchone(
-            f"SELECT status, function_id, concurrency_key FROM runs WHERE id = ? {tx.lock_wait()}",
+            "SELECT status, function_id, concurrency_key, compensation FROM runs"
+            f" WHERE id = ? {tx.lock_wait()}",
             (run_id,),
         )
-        return None if row is None else (row[0], row[1], row[2])
+        return None if row is None else (row[0], row[1], row[2], row[3])
 
     def _resume_locked(self, tx: Tx, run_id: str, from_step: str | None) -> ResumeOutcome:
         run = self._lock_run(tx, run_id)
         if run is None:
             raise RunNotFound(f"run {run_id} not found")
-        status, function_id, ckey = run
+        status, function_id, ckey, compensation = run
         if status not in RESUMABLE:
             raise Conflict(f"run {run_id} is {status}: only a failed or paused run resumes")
+        if status == "failed" and compensation is not None:
+            # Its memoised steps say "charged", its undos "refunded": a resume
+            # would carry on from steps they undid. (A paused compensating run
+            # resumes its compensation.)
+            raise Conflict(
+                f"run {run_id} was compensated (its undos ran): resuming it would continue"
+                " past the steps they undid; start a new run instead"
+            )
         cut: tuple[int, str] | None = None
         if from_step is not None:
             row = tx.fetchone(
@@ -89,13 +99,40 @@ class RunControlOps(SqlStoreBase):
             " attempt = 1, error = NULL, output = NULL, ended_at = NULL, recovery_count = 0,"
             " deadline_at = NULL," if status == "failed" else ""
         )
-        # A paused run keeps its start time; a sleep the waker settled while the
-        # run was paused (claimed up to the lookahead early) still holds it back.
-        start_at = (
-            "NULL" if status == "failed" else
-            "COALESCE(start_at, (SELECT max(s.wake_at) FROM steps s WHERE s.run_id = runs.id"
-            " AND s.kind = 'sleep' AND s.status = 'completed' AND s.wake_at > ironflow_now()))"
+        step_name = None if cut is None else cut[1]
+        audit = {"from_status": status, "from_step": step_name, "steps_deleted": deleted}
+        # A step still parked (a sleep not ended, a wait not answered): the run
+        # goes back to waiting on it, not on the queue. Queued, its replay would
+        # park the step again with a wake time counted from now, or find it
+        # settled meanwhile and leave the run waiting on nothing. The parked
+        # rows are locked (after the run row): an event or a child's end
+        # settles a step under its row lock and then resumes the run, so one in
+        # flight either committed first (the step is settled: queued below) or
+        # waits for ours and then resumes a run it sees 'waiting'. A step the
+        # waker has claimed ('waking') is settled by a transaction that decided
+        # about the run before it, so such a run is queued below instead, held
+        # until the sleep's wake time (``docs/isolation.md``, "Run control").
+        parked = [r[0] for r in tx.fetchall(
+            "SELECT status FROM steps WHERE run_id = ? AND status IN ('sleeping', 'waiting', 'waking')"
+            f" ORDER BY step_id {tx.lock_wait()}",
+            (run_id,),
+        )]
+        if parked and "waking" not in parked:
+            row = tx.fetchone(
+                f"UPDATE runs SET{fresh} status = 'waiting', start_at = NULL,"
+                " updated_at = ironflow_now() WHERE id = ? RETURNING current_execution_seq",
+                (run_id,),
+            )
+            assert row is not None
+            self._audit(tx, "run.resumed", run_id, function_id, {**audit, "parked": True})
+            return ResumeOutcome(run_id, function_id, row[0], status, step_name, deleted, "waiting")
+        # A sleep the waker settled while the run was paused, or is settling
+        # now (claimed up to the lookahead early), still holds the run back.
+        held = (
+            "(SELECT max(s.wake_at) FROM steps s WHERE s.run_id = runs.id AND s.kind = 'sleep'"
+            " AND s.status IN ('completed', 'waking') AND s.wake_at > ironflow_now())"
         )
+        start_at = held if status == "failed" else f"COALESCE(start_at, {held})"
         row = tx.fetchone(
             f"UPDATE runs SET{fresh} status = 'waiting_for_capacity', start_at = {start_at},"
             " current_execution_seq = current_execution_seq + 1, updated_at = ironflow_now()"
@@ -104,11 +141,7 @@ class RunControlOps(SqlStoreBase):
         )
         assert row is not None
         self._enqueue(tx, run_id, row[0], function_id, ckey, 0.0, "resume")
-        step_name = None if cut is None else cut[1]
-        self._audit(
-            tx, "run.resumed", run_id, function_id,
-            {"from_status": status, "from_step": step_name, "steps_deleted": deleted},
-        )
+        self._audit(tx, "run.resumed", run_id, function_id, audit)
         return ResumeOutcome(run_id, function_id, row[0], status, step_name, deleted)
 
     async def resume_run(self, run_id: str, from_step: str | None = None) -> ResumeOutcome:
@@ -153,7 +186,7 @@ class RunControlOps(SqlStoreBase):
             run = self._lock_run(tx, run_id)
             if run is None:
                 raise RunNotFound(f"run {run_id} not found")
-            status, function_id, _ = run
+            status, function_id, _, _ = run
             if status in ("completed", "failed", "cancelled", "paused"):
                 raise Conflict(f"run {run_id} is {status}: only a run that has not ended pauses")
             session_id, node_id, job_id = self._take_segment(tx, run_id)

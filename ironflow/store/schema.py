@@ -415,6 +415,9 @@ _ADDED_COLUMNS = [
     # Flow control, dispatch side (issue 24): seconds a queued segment starts
     # ahead of its place (its priority, ±600); the order is eligible_at - priority_s.
     ("dispatch_queue", "priority_s", "{REAL} NOT NULL DEFAULT 0"),
+    # Compensation (ironflow/store/compensation.py): what began the run's undos
+    # ('failure' or 'cancel'); NULL until then.
+    ("runs", "compensation", "TEXT"),
 ]
 
 # Fills the trigger index from stored definitions, for a database whose

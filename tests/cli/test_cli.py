@@ -590,6 +590,66 @@ def test_runs_cancel_sends_the_reason() -> None:
     assert "run_01 cancelled" in result.stdout
 
 
+def _resumed(run_id: str, **overrides: Any) -> dict[str, Any]:
+    body = {"run_id": run_id, "function_id": "checkout", "execution_seq": 3, "resumed_from": "failed",
+            "from_step": "charge", "steps_deleted": 2, "status": "waiting_for_capacity"}
+    return {**body, **overrides}
+
+
+def test_runs_resume_in_bulk_pages_through_every_failed_run_and_counts_them() -> None:
+    """``runs resume --function F --status failed --since 1h`` (docs/run-control.md)."""
+    pages = [
+        {"resumed": [_resumed("run_a"), _resumed("run_b")], "next_cursor": "1.5|run_b"},
+        {"resumed": [_resumed("run_c", from_step=None, steps_deleted=0)], "next_cursor": None},
+    ]
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert (request.method, request.url.path) == ("POST", "/v1/runs/resume")
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json=pages[len(seen) - 1])
+
+    result = run(["runs", "resume", "--function", "checkout", "--status", "failed", "--since", "1h",
+                  "--limit", "2"], handler)
+    assert result.exit_code == 0, result.output
+    assert seen == [
+        {"since_s": 3600.0, "function_id": "checkout", "limit": 2},
+        {"since_s": 3600.0, "function_id": "checkout", "limit": 2, "cursor": "1.5|run_b"},
+    ]
+    assert result.stdout.splitlines() == [
+        "run run_a resumed (was failed) from step 'charge' (2 step rows to run again)",
+        "run run_b resumed (was failed) from step 'charge' (2 step rows to run again)",
+        "run run_c resumed (was failed)",
+        "resumed 3 runs",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["run_a", "--since", "1h"], "not both"),
+        ([], "give a RUN_ID, or --since"),
+        (["--since", "1h", "--from-step", "charge"], "--from-step needs a RUN_ID"),
+        (["--since", "1h", "--status", "completed"], "Invalid value for '--status'"),
+        (["--since", "soon"], "--since"),
+    ],
+)
+def test_runs_resume_refuses_mixed_or_missing_arguments_without_calling_the_engine(
+    args: list[str], says: str
+) -> None:
+    result = run(["runs", "resume", *args], must_not_call)
+    assert result.exit_code != 0 and says in result.output, result.output
+
+
+def test_runs_resume_says_when_the_run_went_back_on_its_parked_step() -> None:
+    handler = answer(200, _resumed("run_a", resumed_from="paused", from_step=None, steps_deleted=0, status="waiting"))
+    result = run(["runs", "resume", "run_a"], handler)
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == (
+        "run run_a resumed (was paused); waiting on its parked step (a sleep or wait not over yet)"
+    )
+
+
 def test_empty_lists_say_so() -> None:
     assert "no runs" in run(["runs", "list"], answer(200, {"runs": []})).stdout
 

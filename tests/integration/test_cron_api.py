@@ -104,3 +104,4 @@ async def test_a_bad_cron_trigger_is_refused_at_registration(node: Node, http: h
     bad = {"id": "raw", "triggers": [{"cron": "* * * * *", "catchup": "sometimes"}]}
     refused = await http.post("/v1/worker/register", json={"worker_id": "w", "functions": [bad]})
     assert refused.status_code == 400 and "catchup" in refused.json()["message"]
+    assert (await http.get("/v1/functions?all=true")).json()["functions"] == []  # nothing stored

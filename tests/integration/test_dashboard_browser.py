@@ -10,6 +10,10 @@ data runs with that data, the capacity view works with a platform key, and an
 XSS payload in a step output stays text. With ``IRONFLOW_SCREENSHOTS=1`` the
 walk also rewrites the screenshots of the main pages in ``docs/screenshots/``
 (the README's pictures); otherwise it leaves them alone.
+
+A second walk drives run control from a run's page (docs/run-control.md):
+resume a failed run from its failed step, pause a sleeping run, find it in
+the runs list as paused, and resume it.
 """
 
 from __future__ import annotations
@@ -42,11 +46,14 @@ from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
 DASHBOARD_WORKER = ROOT / "tests" / "procs" / "dashboard_worker.py"
+RESUME_WORKER = ROOT / "tests" / "procs" / "resume_worker.py"
 SCREENSHOTS = ROOT / "docs" / "screenshots"
 # Screenshots are rewritten only when asked, so a test run leaves the tree clean.
 TAKE_SCREENSHOTS = os.environ.get("IRONFLOW_SCREENSHOTS") == "1"
 # Long enough for a 2 s poll plus a slow shared machine.
 WAIT_S = 20.0
+# The paused run's sleep: long enough for the click to land inside it on a loaded machine.
+NAP_S = 4.0
 # Sets a global if the payload ever runs as markup: the test checks it never does.
 XSS = '<script>window.__xss = 1</script><img src=x onerror="window.__xss = 2">'
 
@@ -279,6 +286,101 @@ async def test_dashboard_shows_live_runs_steps_waits_recoveries_and_capacity_and
             assert _text(browser, "#view-error") == ""
             _shot(browser, "workers")
             _no_script_ran(browser)
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def _steps(driver: Any) -> list[tuple[str, str]]:
+    """The run page's step rows: (name, status badge) in the order shown."""
+    return [(name, status) for name, status in driver.execute_script(
+        "return [...document.querySelectorAll('#steps .step')].map("
+        "(e) => [e.dataset.step, e.querySelector('.badge').innerText.trim()]);")]
+
+
+async def _step_status(http: httpx.AsyncClient, run_id: str, step: str, wanted: str) -> None:
+    with trio.fail_after(WAIT_S):
+        while not any((s["name"], s["status"]) == (step, wanted)
+                      for s in (await http.get(f"/v1/runs/{run_id}")).json()["steps"]):
+            await trio.sleep(0.02)
+
+
+def _ran(effects: Path, run_id: str) -> list[str]:
+    """The steps the worker ran for ``run_id``, in order (tests/procs/resume_worker.py)."""
+    lines = effects.read_text().splitlines() if effects.exists() else []
+    return [line.split()[1] for line in lines if line.startswith(run_id)]
+
+
+async def test_run_control_from_the_run_page_resumes_a_failed_run_from_its_failed_step_and_pauses_a_sleeping_run(
+    browser: Any, tmp_path: Path
+) -> None:
+    """Issue #23 §4 from the dashboard (docs/run-control.md): step two fails
+    while a flag file exists; with it gone, "Resume from failed step" runs two
+    and three again, not one. A sleeping run paused from its page stays paused
+    past its wake time, shows as paused in the runs list, and "Resume" ends it."""
+    port = _free_port()
+    base = f"http://127.0.0.1:{port}"
+    effects, flag = tmp_path / "effects.txt", tmp_path / "flag"
+    flag.touch()
+    procs: list[Proc] = []
+    try:
+        procs.append(await start_node(str(tmp_path / "ironflow.db"), tmp_path / "state", tmp_path,
+                                      node_id="node_rc", port=port))
+        worker = Proc([sys.executable, str(RESUME_WORKER), base, str(effects), str(flag)], tmp_path / "w.log")
+        procs.append(worker)
+        await worker.wait_line("READY")
+        async with httpx.AsyncClient(base_url=base, timeout=10.0) as http:
+            failing = (await http.post("/v1/events", json={"name": "resume.go"})).json()["run_ids"][0]
+            browser.get(f"{base}/#/runs/{failing}")
+            _wait(browser, "the failed run", lambda d: _text(d, "#run-status") == "failed")
+            _wait(browser, "its steps", lambda d: _steps(d) == [("one", "completed"), ("two", "failed")])
+            assert _texts(browser, "#resume-from-step option") == [
+                "from the failed step", "from step one", "from step two"]
+            assert _count(browser, "#pause-run, #resume-run") == 0  # only what a failed run allows
+
+            flag.unlink()
+            _click(browser, "#resume-failed-run")
+            _wait(browser, "the resume's answer", lambda d: "resumed (was failed) from step 'two'" in _text(d, "#action-result"))
+            assert "1 step row deleted" in _text(browser, "#action-result")
+            _wait(browser, "the resumed run completed", lambda d: _text(d, "#run-status") == "completed")
+            _wait(browser, "every step completed", lambda d: _steps(d) == [
+                ("one", "completed"), ("two", "completed"), ("three", "completed")])
+            assert _ran(effects, failing) == ["one", "two", "two", "three"]  # one not run again
+            detail = (await http.get(f"/v1/runs/{failing}")).json()["run"]
+            assert (detail["output"], detail["attempt"]) == ([1, 2, 3], 1)
+            assert _count(browser, "#pause-run, #resume-run, #resume-failed-run") == 0
+
+            # A second resume (a completed run) is refused and changes nothing: the API says why.
+            again = await http.post(f"/v1/runs/{failing}/resume", json={})
+            assert again.status_code == 409 and "only a failed or paused run resumes" in again.json()["message"]
+
+            # Pause a sleeping run from its page; its sleep ends, it stays paused. (The
+            # API says when it sleeps: the page's 2 s poll could miss a short nap.)
+            napping = (await http.post("/v1/events", json={"name": "pause.go", "data": {"nap": NAP_S}})).json()["run_ids"][0]
+            browser.get(f"{base}/#/runs/{napping}")
+            _wait(browser, "the pause button", lambda d: _count(d, "#pause-run") == 1)
+            await _step_status(http, napping, "nap", "sleeping")
+            _click(browser, "#pause-run")
+            _wait(browser, "the paused run", lambda d: _text(d, "#run-status") == "paused")
+            assert _text(browser, "#action-result").startswith("paused")
+            _wait(browser, "why it waits", lambda d: "until resumed" in _text(d, "#waiting-reason"))
+            await wait_for_step(http, napping, "nap")  # the sleep ended while paused
+            paused = (await http.get(f"/v1/runs/{napping}")).json()
+            assert paused["run"]["status"] == "paused" and paused["queue"] is None and paused["lease"] is None
+            assert _ran(effects, napping) == ["one"]
+
+            browser.get(f"{base}/#/runs?status=paused")
+            row = f'tr[data-run-id="{napping}"]'
+            _wait(browser, "the paused run in the list", lambda d: _count(d, "tr.run-row") == 1 and _count(d, row) == 1)
+            assert _text(browser, f"{row} .badge") == "paused"
+
+            _click(browser, f"{row} a")
+            _wait(browser, "the resume button", lambda d: _count(d, "#resume-run") == 1)
+            _click(browser, "#resume-run")
+            _wait(browser, "the resume's answer", lambda d: "resumed (was paused)" in _text(d, "#action-result"))
+            _wait(browser, "the run completed", lambda d: _text(d, "#run-status") == "completed")
+            assert _ran(effects, napping) == ["one", "two"]
+            assert _steps(browser) == [("one", "completed"), ("nap", "completed"), ("two", "completed")]
     finally:
         for proc in reversed(procs):
             proc.stop()

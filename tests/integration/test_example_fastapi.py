@@ -31,7 +31,12 @@ async def test_the_fastapi_example_answers_each_request_with_its_runs_output_and
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as http:
             with trio.fail_after(30):
-                while "Worker registered" not in proc.log_path.read_text(errors="replace"):
+                # uvicorn binds its socket only after the lifespan (which starts
+                # the worker) has run: wait for both, or a request can be refused.
+                while not all(
+                    line in proc.log_path.read_text(errors="replace")
+                    for line in ("Worker registered", "Uvicorn running on")
+                ):
                     assert proc.alive(), proc.tail()
                     await trio.sleep(0.05)
             answers: dict[int, dict[str, object]] = {}

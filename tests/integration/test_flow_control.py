@@ -21,7 +21,7 @@ import trio
 from tests.integration.helpers import wait_for_run
 from tests.integration.procs import ROOT, Proc, db_rows, free_port, start_node
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 FLOW_WORKER = ROOT / "tests" / "procs" / "flow_worker.py"
 

@@ -43,7 +43,7 @@ from tests.integration.procs import (
     wait_effect,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 EVENTS = 600
 RATE_PER_S = 80.0

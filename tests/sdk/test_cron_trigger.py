@@ -71,3 +71,24 @@ def test_dst_spring_forward_and_fall_back_in_europe_paris() -> None:
     assert [datetime.fromtimestamp(t, paris).isoformat() for t in fall] == [
         "2026-10-25T02:30:00+02:00", "2026-10-26T02:30:00+01:00",
     ]
+
+
+def test_a_schedule_on_every_hour_follows_elapsed_time_through_both_dst_changes() -> None:
+    """``*/30 * * * *`` (docs/schedules.md, "DST"): every 30 minutes of elapsed
+    time through the skipped hour and through the repeated one, none twice."""
+    paris = ZoneInfo("Europe/Paris")
+
+    def wall(ticks: list[float]) -> list[str]:
+        return [datetime.fromtimestamp(t, paris).isoformat()[11:] for t in ticks]
+
+    spring = datetime(2027, 3, 28, 1, 0, tzinfo=paris).timestamp()
+    sprung = ticks_between("*/30 * * * *", "Europe/Paris", spring, spring + 2 * 3600, 10)
+    assert wall(sprung) == ["01:00:00+01:00", "01:30:00+01:00", "03:00:00+02:00", "03:30:00+02:00", "04:00:00+02:00"]
+    fall = datetime(2027, 10, 31, 1, 30, tzinfo=paris).timestamp()
+    fell = ticks_between("*/30 * * * *", "Europe/Paris", fall, fall + 3 * 3600, 10)
+    assert wall(fell) == [
+        "01:30:00+02:00", "02:00:00+02:00", "02:30:00+02:00",
+        "02:00:00+01:00", "02:30:00+01:00", "03:00:00+01:00", "03:30:00+01:00",
+    ]
+    for ticks in (sprung, fell):
+        assert [b - a for a, b in zip(ticks, ticks[1:], strict=False)] == [1800.0] * (len(ticks) - 1)

@@ -7,6 +7,13 @@ store subclasses, so the engine carries no switch for them.
   refused assignment had been tried.
 - ``held_start_dropped``: an assignment loses its start delay, so a sleep the
   waker resumed ahead of its time (look-ahead) starts at once.
+- ``key_count_ignored``: the dispatch does not count a concurrency key's
+  leases and reservations in the database (only its own transaction's picks),
+  so a keyed limit is exceeded across rounds (also on PostgreSQL).
+- ``throttle_ignored``: the dispatch never applies a throttle: runs start
+  as fast as credits allow.
+- ``singleton_ignored``: an ingest never looks at a singleton's run in
+  flight: every event starts a run.
 
 And on PostgreSQL (``run_seed(seed, bug=NAME, pg=...)``), issue #21's races
 with their fixes reverted, as they were at 4a4dd38: ``stranded_ack``,
@@ -35,6 +42,7 @@ from ironflow.store.core import (
     _run_record,
     token_hash,
 )
+from ironflow.store.dispatch_flow import FlowPlan
 from ironflow.store.sqlite import SqliteStore
 from ironflow.store.steps import _STEP_AUDITED_FUNCTION, _STEP_RESULT_UPSERT
 from ironflow.store.waits import park_locks
@@ -110,10 +118,49 @@ class HeldStartDropped(SqliteStore):
         ]
 
 
+class KeyCountIgnoredPlan(FlowPlan):
+    """A reservation transaction's admission that reads no key's usage from
+    the database: a keyed bucket counts only what this transaction picked."""
+
+    def prepare(self, candidates: Sequence[Sequence[Any]]) -> None:
+        before = dict(self.usage)
+        super().prepare(candidates)
+        for bucket in self.usage:
+            if bucket[1] is not None:
+                self.usage[bucket] = before.get(bucket, 0)
+
+
+class ThrottleIgnoredPlan(FlowPlan):
+    """A reservation transaction's admission that never applies a throttle."""
+
+    def _lock_throttles(self, run_ids: list[str]) -> None:
+        pass
+
+
+class ThrottleIgnored(SqliteStore):
+    flow_plan_class = ThrottleIgnoredPlan
+
+
+class SingletonIgnored(SqliteStore):
+    """An ingest that never looks at a singleton's run in flight: every event
+    starts a run."""
+
+    def _singleton(self, tx: Tx, fd: Any, key: str, event_id: str, data: Any, result: Any) -> None:
+        result.plain.append(fd)
+        result.singletons.append((fd.id, key))
+
+
+class KeyCountIgnored(SqliteStore):
+    flow_plan_class = KeyCountIgnoredPlan
+
+
 BUGS: dict[str, type[SqliteStore]] = {
     "record_step_unfenced": UnfencedRecordStep,
     "nack_spends_attempt": NackSpendsAttempt,
     "held_start_dropped": HeldStartDropped,
+    "key_count_ignored": KeyCountIgnored,
+    "throttle_ignored": ThrottleIgnored,
+    "singleton_ignored": SingletonIgnored,
 }
 
 
@@ -262,11 +309,16 @@ class FalseStale(SimPostgresStore):
         return live
 
 
+class KeyCountIgnoredPg(SimPostgresStore):
+    flow_plan_class = KeyCountIgnoredPlan
+
+
 PG_BUGS: dict[str, type[SimPostgresStore]] = {
     "stranded_ack": StrandedAck,
     "wait_row_skipped": WaitRowSkipped,
     "park_and_ingest_missed": ParkAndIngestUnserialised,
     "false_stale": FalseStale,
+    "key_count_ignored": KeyCountIgnoredPg,
 }
 
 

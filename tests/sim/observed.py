@@ -46,6 +46,7 @@ from ironflow.protocol import TERMINAL_RUN_STATUSES, WaitYield
 from ironflow.store import Fence, StaleExecution, StepResult, Store
 from ironflow.store.core import Tx, token_hash
 from ironflow.store.sql import SqlStore
+from tests.sim.limits import FlowWatch
 
 if TYPE_CHECKING:
     from tests.sim.simulator import Simulation
@@ -208,6 +209,7 @@ class Oracle:
         self.reserved: dict[tuple[str, int], int] = {}  # (run_id, execution_seq) → its last reservation's commit
         self.violations: list[str] = []
         self.counts: Counter[str] = sim.counts
+        self.flow = FlowWatch(self)  # invariants 10-12 (tests/sim/limits.py)
 
     def close(self) -> None:
         self.db.close()
@@ -690,14 +692,23 @@ class ObservedStore:
         store: Any = self._store
         self._oracle.ingests.setdefault(result.event_id, (store.last_begin(), store.last_commit()))
         store.take_outcome()
+        self._oracle.flow.ingested(result)
         self._after("ingest_event", result)
         return result
 
     async def reserve_segments(self, *args: Any, **kwargs: Any) -> Any:
         self._check()
-        result = await self._store.reserve_segments(*args, **kwargs)
-        at = self._store.last_begin()  # type: ignore[attr-defined]
-        committed = self._store.last_commit()  # type: ignore[attr-defined]
+        store: Any = self._store
+        task = trio.lowlevel.current_task()
+        clock: list[float] = []  # the transaction's database time, read inside it
+        store.probes[task] = lambda tx: clock.append(float(TxReader(tx).one("SELECT ironflow_now()")[0]))
+        try:
+            result = await store.reserve_segments(*args, **kwargs)
+        finally:
+            store.probes.pop(task, None)
+        at = store.last_begin()
+        committed = store.last_commit()
+        self._oracle.flow.reserved(result, clock[-1] if clock else None, committed)
         for r in result:
             self._oracle.run(r.assignment.run_id).reserved_at[r.assignment.execution_seq] = at
             self._oracle.reserved[(r.assignment.run_id, r.assignment.execution_seq)] = committed

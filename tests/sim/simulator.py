@@ -62,7 +62,15 @@ from ironflow.api.worker_socket import _serve_socket
 from ironflow.config import NodeConfig
 from ironflow.ids import ids_from
 from ironflow.node import KICK_BUFFER, start_actors
-from ironflow.protocol import Cancel, Concurrency, FunctionDef, RetryPolicy, Trigger
+from ironflow.protocol import (
+    Cancel,
+    Concurrency,
+    FunctionDef,
+    RetryPolicy,
+    Singleton,
+    Throttle,
+    Trigger,
+)
 from ironflow.store import Conflict, RunNotFound
 from tests.sim import invariants
 from tests.sim.net import Connection, Link
@@ -110,13 +118,28 @@ FUNCTIONS = [
         id="sim-b",
         triggers=[Trigger("b.go"), Trigger("both.go")],
         retries=RetryPolicy(max_attempts=2, initial_delay_s=0.5),
-        concurrency=Concurrency(limit=2),
+        # Flow control at dispatch (docs/flow-control.md), judged by the oracle
+        # at every reservation (tests/sim/invariants.py, 10 and 11): 2 in all,
+        # 1 per group (``g``, in every plan: schedule.plan_for); first starts
+        # at most one per 3 s (a throttle that binds in about a third of the
+        # seeds: a few sim-b runs each, emitted over the fault phase).
+        concurrency=[Concurrency(limit=2), Concurrency(limit=1, key="event.data.g")],
+        throttle=Throttle(limit=1, period_s=3.0),
+        audit=True,
+    ),
+    # A singleton (ingest-side flow control): a b.go event while a sim-s run is
+    # in flight starts none (invariants 1 and 12).
+    FunctionDef(
+        id="sim-s",
+        triggers=[Trigger("b.go")],
+        retries=RetryPolicy(max_attempts=2, initial_delay_s=0.5),
+        singleton=Singleton(),
         audit=True,
     ),
 ]
 # What a campaign reports as "faults injected", in this order.
 FAULT_KINDS = (*TIMED_FAULTS, "frame_drop", "frame_delay", "frame_duplicate", "frame_reorder")
-TRIGGERED = {"a.go": ["sim-a"], "b.go": ["sim-b"], "both.go": ["sim-a", "sim-b"], "r.go": ["sim-r"]}
+TRIGGERED = {"a.go": ["sim-a"], "b.go": ["sim-b", "sim-s"], "both.go": ["sim-a", "sim-b"], "r.go": ["sim-r"]}
 
 
 def deterministic_trio(seed: int) -> None:

@@ -109,3 +109,22 @@ def test_the_simulator_finds_a_handler_started_before_its_sleeps_wake_time() -> 
     ahead of its wake time (look-ahead) starts at once (tests/sim/bugs.py)."""
     _, violations = _first_violation("held_start_dropped")
     assert any("before the sleep's wake time" in v for v in violations), violations
+
+
+def test_the_simulator_finds_a_concurrency_key_over_its_limit() -> None:
+    """Injected: the dispatch counts no key's leases and reservations in the
+    database, only its own picks (tests/sim/bugs.py): invariant 10."""
+    _, violations = _first_violation("key_count_ignored")
+    assert any("concurrency limit of sim-b of key" in v for v in violations), violations
+
+
+def test_the_simulator_finds_a_throttle_ignored() -> None:
+    """Injected: the dispatch never applies a throttle (tests/sim/bugs.py): invariant 11."""
+    _, violations = _first_violation("throttle_ignored")
+    assert any("throttle of sim-b" in v for v in violations), violations
+
+
+def test_the_simulator_finds_a_singleton_with_two_runs_in_flight() -> None:
+    """Injected: an ingest ignores the singleton's run in flight (tests/sim/bugs.py): invariant 12."""
+    _, violations = _first_violation("singleton_ignored")
+    assert any("singleton sim-s has 2 runs in flight" in v for v in violations), violations

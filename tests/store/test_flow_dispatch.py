@@ -4,7 +4,7 @@ the round robin across concurrency keys, layered limits, priority, throttle."""
 from __future__ import annotations
 
 from ironflow.protocol import Concurrency, Throttle
-from tests.store.test_store_behaviour import LEASE, emit, fence_of, fn, reserve, worker
+from tests.store.test_store_behaviour import LEASE, RESERVATION, emit, fence_of, fn, reserve, worker
 
 
 async def emit_many(store, datas, name="order.created"):
@@ -155,3 +155,56 @@ async def test_the_limit_holds_across_two_stores_reserving_at_once(pg_url):
     finally:
         await one.close()
         await two.close()
+
+
+async def test_an_expired_reservation_an_ack_is_activating_still_counts_against_the_limit(pg_url):
+    """A reservation past its expiry whose JobAck is in flight (its queue row
+    locked by the ack's transaction, held here by a second connection): the
+    dispatch's clean-up skips the locked row (``SKIP LOCKED``), so the row stays
+    reserved and the ack may yet turn it into a lease. It must hold its slot:
+    counted by expiry alone, the slot was given away and, once the ack
+    committed, two runs of a limit-1 function ran at once."""
+    import psycopg
+
+    from tests.clock import open_test_store
+
+    store = open_test_store(pg_url)
+    await store.open()
+    try:
+        s = await worker(store, fn(concurrency=Concurrency(1)), slots=2)
+        await emit_many(store, [{"n": 1}, {"n": 2}])
+        (first,) = await reserve(store, s, limit=2)
+        await store.advance_clock(RESERVATION + 1)
+        holder = psycopg.connect(pg_url)
+        try:
+            holder.execute(
+                "SELECT 1 FROM dispatch_queue WHERE run_id = %s FOR UPDATE",
+                (first.assignment.run_id,),
+            )
+            assert await reserve(store, s, limit=2) == []
+        finally:
+            holder.rollback()
+            holder.close()
+        # The ack lands (an expired reservation nobody reclaimed is still its).
+        await store.activate_lease(fence_of(first), lease_expiry_s=LEASE)
+        assert await reserve(store, s, limit=2) == []
+        with psycopg.connect(pg_url) as conn:
+            row = conn.execute("SELECT count(*) FROM concurrency_leases").fetchone()
+        assert row == (1,)
+    finally:
+        await store.close()
+
+
+async def test_a_held_backlog_of_one_function_does_not_stand_in_front_of_another(store):
+    """Queue rows a full concurrency limit or a throttle holds fill the first
+    candidate read; the round reads on past their functions, so another
+    function's runs queued behind them start in the same round."""
+    hot = fn("hot", "hot.go", concurrency=Concurrency(1))
+    slow = fn("slow", "slow.go", throttle=Throttle(limit=1, period_s=60.0))
+    cold = fn("cold", "cold.go")
+    s = await worker(store, hot, slow, cold, slots=4)
+    await emit_many(store, [{}] * 40, name="hot.go")
+    await emit_many(store, [{}] * 40, name="slow.go")
+    await emit_many(store, [{}] * 3, name="cold.go")
+    got = await reserve(store, s, limit=4)
+    assert sorted(r.assignment.function_id for r in got) == ["cold", "cold", "hot", "slow"]

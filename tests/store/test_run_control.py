@@ -109,8 +109,14 @@ async def test_bad_resumes_change_nothing(store):
     with pytest.raises(Conflict):  # ... or running
         await store.resume_run(f.run_id)
     await store.complete_job(f2, None)
+    done = await store.get_run(f.run_id)
     with pytest.raises(Conflict):  # a completed run
         await store.resume_run(f.run_id)
+    with pytest.raises(Conflict):  # ... even from a named step
+        await store.resume_run(f.run_id, from_step="one")
+    after = await store.get_run(f.run_id)
+    assert (after.run, after.steps) == (done.run, done.steps)  # status, execution_seq, steps as they were
+    assert await store.list_queue() == []
     assert len(await store.list_audit(run_id=f.run_id, type="run.resumed")) == 1
 
 
@@ -212,3 +218,70 @@ async def test_a_paused_run_can_be_cancelled_and_then_not_resumed(store):
     with pytest.raises(Conflict):
         await store.resume_run(run.id)
     assert await store.list_queue() == []
+
+
+async def paused_asleep(store: Store, s, seconds: float) -> tuple[Fence, float]:
+    """A run asleep in step ``nap`` for ``seconds``, then paused; its wake time."""
+    await store.ingest_event("order.created", {}, None, idempotency_window_s=3600)
+    f = await take(store, s)
+    wake = await store.db_now() + seconds
+    await store.yield_job(f, step_id="nap", name="nap", info=SleepYield(until=wake))
+    await store.pause_run(f.run_id)
+    return f, wake
+
+
+async def test_a_paused_run_resumed_before_its_sleep_ends_waits_for_the_same_wake_time(store):
+    s = await session(store)
+    f, wake = await paused_asleep(store, s, 60)
+    out = await store.resume_run(f.run_id)
+    # Back on its sleep, not on the queue: a replay would park it again from now.
+    assert (out.status, out.resumed_from) == ("waiting", "paused")
+    assert (await store.get_run(f.run_id)).run.status == "waiting" and await store.list_queue() == []
+    (nap,) = (await store.get_run(f.run_id)).steps
+    assert (nap.status, nap.wake_at) == ("sleeping", pytest.approx(wake))
+    (audit,) = await store.list_audit(run_id=f.run_id, type="run.resumed")
+    assert audit.data["parked"] is True
+    await store.advance_clock(61)
+    claimed = await store.claim_elapsed_steps("n1", 10)
+    assert [r for r, _ in claimed] == [f.run_id]
+    assert (await store.resume_claimed_steps("n1", claimed)).resumed != []
+    f2 = await take(store, s)
+    assert await steps(store, f2.run_id) == [("nap", "completed")]
+
+
+async def test_a_paused_run_resumed_before_its_event_comes_is_resumed_by_the_event(store):
+    s = await session(store)
+    await store.ingest_event("order.created", {}, None, idempotency_window_s=3600)
+    f = await take(store, s)
+    now = await store.db_now()
+    await store.yield_job(f, step_id="w", name="w", info=WaitYield(event="go", timeout_at=now + 600))
+    await store.pause_run(f.run_id)
+    assert (await store.resume_run(f.run_id)).status == "waiting"
+    assert await store.list_queue() == []
+    got = await store.ingest_event("go", {"k": 1}, None, idempotency_window_s=3600)
+    assert got.resumed_run_ids == [f.run_id]
+    assert [q.run_id for q in await store.list_queue()] == [f.run_id]
+
+
+async def test_a_sleep_the_waker_is_settling_holds_the_resumed_run_and_a_replay_parking_it_again_goes_on(store):
+    """The waker claimed the sleep (up to its look-ahead early) while the run was
+    paused: the resumed run is queued, held until the wake time. A replay that
+    reads the step before the waker settles it parks it again after: the run
+    goes on instead of waiting on a step nothing will settle."""
+    s = await session(store)
+    f, wake = await paused_asleep(store, s, 5)
+    claimed = await store.claim_elapsed_steps("n1", 10, lookahead_s=10)
+    assert [r for r, _ in claimed] == [f.run_id]
+    out = await store.resume_run(f.run_id)
+    assert out.status == "waiting_for_capacity"
+    (queued,) = await store.list_queue()
+    assert queued.eligible_at == pytest.approx(wake)  # not before the sleep's end
+    await store.advance_clock(6)
+    f2 = await take(store, s)  # its replay sees the nap still 'waking'
+    await store.resume_claimed_steps("n1", claimed)  # the waker settles it now
+    assert await steps(store, f.run_id) == [("nap", "completed")]
+    parked = await store.yield_job(f2, step_id="nap", name="nap", info=SleepYield(until=wake + 6))
+    assert parked.next_execution_seq == f2.execution_seq + 1, "the run was left waiting on a settled step"
+    f3 = await take(store, s)
+    assert await steps(store, f3.run_id) == [("nap", "completed")]
+    assert (await store.complete_job(f3, None)).status == "completed"

@@ -336,3 +336,37 @@ async def test_wake_lateness_of_a_segment_no_worker_could_take_is_how_late_it_wa
     assert job.start_delay_ms == 0
     count1, sum1 = _lateness()
     assert count1 - count0 == 1 and sum1 - sum0 == pytest.approx(3.0, abs=0.01)
+
+
+async def test_throttled_runs_start_on_time_while_other_runs_wait_for_a_concurrency_slot(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A queue row eligible now but held by a concurrency limit (another
+    function's backlog) is no reason to sleep until a kick: the dispatcher
+    still wakes when the next throttled start is due."""
+    from ironflow.protocol import Concurrency, Throttle
+
+    thr = FunctionDef(id="thr", triggers=[Trigger("thr.go")], throttle=Throttle(limit=5, period_s=1.0))
+    one = FunctionDef(id="one", triggers=[Trigger("one.go")], concurrency=Concurrency(1))
+    cfg = NodeConfig(timings=Timings(dispatch_idle_poll_s=1000.0))
+    info = await store.register_worker(
+        node_id="n1", worker_id="w", mode="stream", max_concurrent_jobs=10, functions=[thr, one],
+        session_expiry_s=10_000,
+    )
+    for _ in range(2):  # the first takes the slot and keeps it; the second waits
+        await store.ingest_event("one.go", {}, None, idempotency_window_s=60)
+    for n in range(4):
+        await store.ingest_event("thr.go", {"n": n}, None, idempotency_window_s=60)
+    directory = SessionDirectory()
+    outbox_send, outbox = trio.open_memory_channel[EngineMessage](10)
+    directory.add(LocalSession(info.session_id, frozenset({"thr", "one"}), outbox_send))
+    kick_send, kick_receive = trio.open_memory_channel[Kick](10)
+    t0 = trio.current_time()
+    await nursery.start(dispatcher.run, store, cfg, "n1", directory, kick_receive)
+    starts = []
+    while len(starts) < 4:
+        assignment = await outbox.receive()
+        assert isinstance(assignment, JobAssignment)
+        if assignment.function_id == "thr":
+            starts.append(round(trio.current_time() - t0, 3))
+    assert starts == [0.0, 0.2, 0.4, 0.6]

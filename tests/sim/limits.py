@@ -1,0 +1,145 @@
+"""The oracle's view of flow control (docs/flow-control.md): invariants 10,
+11 and 12 of :mod:`tests.sim.invariants`.
+
+10. **Concurrency**: at no instant do a function's leases and reservations
+    (of one key, for a keyed constraint) outnumber its limit. Only a
+    reservation adds to that count, so it is read from the database right
+    after every reservation call that reserved anything (one consistent read;
+    on PostgreSQL another node's commits may come between, but any committed
+    state must hold the limit too).
+11. **Throttle**: the first reservations of a throttled function's runs,
+    replayed in commit order at their own database time through a GCRA of
+    the function's parameters, all conform. The oracle sees only the
+    reservations whose call returned (a call cancelled after its commit is
+    not seen): a subsequence of a conforming sequence conforms too, so
+    missing some never makes a false finding.
+12. **Singleton**: only an ingest creates runs, so after every ingest no
+    singleton function has two runs not ended; and an event it skipped named
+    a run that was in flight.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from ironflow.protocol import FunctionDef, concurrency_limits
+
+if TYPE_CHECKING:
+    from tests.sim.observed import Oracle
+
+# Slack on the database clock's float arithmetic (the engine allows 1 µs).
+CLOCK_SLACK_S = 1e-5
+
+
+def _functions() -> dict[str, FunctionDef]:
+    from tests.sim.simulator import FUNCTIONS
+
+    return {fd.id: fd for fd in FUNCTIONS}
+
+
+@dataclass
+class FlowWatch:
+    """What the oracle keeps of flow control while a seed runs."""
+
+    oracle: Oracle
+    # run id → (commit number, database time) of its first reservation seen.
+    first_starts: dict[str, tuple[int, float]] = field(default_factory=dict)
+    peaks: Counter[tuple[str, str | None]] = field(default_factory=Counter)
+
+    def reserved(self, reservations: Sequence[Any], db_now: float | None, committed: int) -> None:
+        """A reservation call of one node returned ``reservations``, made in
+        the transaction numbered ``committed`` at ``db_now``."""
+        if not reservations:
+            return
+        functions = _functions()
+        for r in reservations:
+            a = r.assignment
+            fd = functions.get(a.function_id)
+            if fd is not None and fd.throttle is not None and a.run_id not in self.first_starts and db_now is not None:
+                self.first_starts[a.run_id] = (committed, db_now)
+        if any(concurrency_limits(functions[r.assignment.function_id]) for r in reservations
+               if r.assignment.function_id in functions):
+            self.check_concurrency(functions)
+
+    def check_concurrency(self, functions: dict[str, FunctionDef]) -> None:
+        """10: every limit holds in the database's current state."""
+        o = self.oracle
+        held: Counter[tuple[str, str | None]] = Counter()
+        for function_id, key, n in o.all(
+            "SELECT function_id, concurrency_key, count(*) FROM ("
+            " SELECT function_id, concurrency_key FROM concurrency_leases UNION ALL"
+            " SELECT function_id, concurrency_key FROM dispatch_queue WHERE reservation_owner IS NOT NULL"
+            ") u GROUP BY function_id, concurrency_key"
+        ):
+            fd = functions.get(function_id)
+            for c in concurrency_limits(fd) if fd is not None else []:
+                held[(function_id, key if c.key is not None else None)] += int(n)
+        o.counts["limit_checks"] += 1
+        for (function_id, key), n in sorted(held.items(), key=str):
+            self.peaks[(function_id, key)] = max(self.peaks[(function_id, key)], n)
+            for c in concurrency_limits(functions[function_id]):
+                if (c.key is None) == (key is None) and n > c.limit:
+                    what = "in all" if key is None else f"of key {key!r}"
+                    o.violation(
+                        f"concurrency limit of {function_id} {what} exceeded: {n} leases and"
+                        f" reservations held at once, limit {c.limit}"
+                    )
+                if c.key is not None and key is not None and n == c.limit:
+                    o.counts["limit_full"] += 1
+
+    def ingested(self, result: Any) -> None:
+        """12: after an ingest (the only call that creates runs), no singleton
+        function has two runs in flight; a skip named a run in flight (judged
+        only without concurrent nodes: on PostgreSQL that run may have ended
+        since the ingest's commit)."""
+        o = self.oracle
+        functions = _functions()
+        singles = sorted(fid for fid, fd in functions.items() if fd.singleton is not None)
+        for function_id in singles:
+            row = o.one(
+                "SELECT count(*) FROM runs WHERE function_id = ?"
+                " AND status NOT IN ('completed', 'failed', 'cancelled')",
+                (function_id,),
+            )
+            if row is not None and int(row[0]) > 1:
+                o.violation(f"singleton {function_id} has {row[0]} runs in flight")
+        for note in result.flow:
+            if note.mechanism != "singleton" or note.outcome != "skipped":
+                continue
+            o.counts["singleton_skips"] += 1
+            if o.concurrent:
+                continue
+            row = o.one("SELECT status FROM runs WHERE id = ?", (note.run_id,))
+            if row is None or row[0] in ("completed", "failed", "cancelled"):
+                o.violation(
+                    f"event {result.event_id} skipped by singleton {note.function_id} for run"
+                    f" {note.run_id}, which is not in flight ({row[0] if row else 'no such run'})"
+                )
+
+    def check_throttles(self) -> None:
+        """11: the first starts of each throttled function conform to its GCRA."""
+        functions = _functions()
+        by_function: dict[str, list[tuple[int, float, str]]] = {}
+        for run_id, (committed, at) in self.first_starts.items():
+            row = self.oracle.one("SELECT function_id FROM runs WHERE id = ?", (run_id,))
+            if row is not None:
+                by_function.setdefault(row[0], []).append((committed, at, run_id))
+        for function_id, starts in sorted(by_function.items()):
+            t = functions[function_id].throttle
+            assert t is not None and t.key is None  # keyed throttles: key the replay too
+            interval = t.period_s / t.limit
+            tau = interval * (t.burst - 1)
+            tat = 0.0
+            for _, at, run_id in sorted(starts):
+                if at < tat - tau - CLOCK_SLACK_S:
+                    self.oracle.violation(
+                        f"throttle of {function_id} ({t.limit} per {t.period_s:g}s, burst {t.burst})"
+                        f" broken: run {run_id} started {tat - tau - at:.3f} s before it conformed"
+                    )
+                if at < tat - CLOCK_SLACK_S:
+                    self.oracle.counts["throttle_burst_starts"] += 1
+                tat = max(tat, at) + interval
+            self.oracle.counts["throttled_starts"] += len(starts)
