@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from ironflow.protocol import Concurrency, FunctionDef, SleepYield, Trigger
+from ironflow.protocol import Concurrency, FunctionDef, SleepYield, Trigger, compensation_step_id
 from ironflow.store import Fence, Store
 from tests.store.test_flow_control import EVENT, emit, reserve, worker
 
@@ -124,3 +124,19 @@ async def test_a_group_of_emits_cancels_in_progress_runs_in_turn(store):
     assert [o.run_id for o in first.cancelled] == [old]
     assert [o.run_id for o in second.cancelled] == first.run_ids
     assert (await store.get_run(second.run_ids[0])).run.status != "cancelled"
+
+
+async def test_cancel_in_progress_lets_a_run_with_undos_compensate_and_counts_it_meanwhile(store):
+    session = await worker(store, fn("render", Concurrency(1, on_limit="cancel_in_progress")))
+    [old] = (await emit(store, {})).run_ids
+    [fence] = await running(store, session)
+    await store.record_step(
+        fence, step_id=compensation_step_id(old, "registered"), name="compensate:registered", status="completed",
+    )
+    second = await emit(store, {})
+    [cancel] = second.cancelled
+    assert cancel.run_id == old and cancel.compensating and cancel.session_id == session.session_id
+    assert (await store.get_run(old)).run.status not in ("cancelled", "completed", "failed")
+    # Compensating, it is still in flight: the next event cancels the newer run, not it again.
+    third = await emit(store, {})
+    assert [o.run_id for o in third.cancelled] == second.run_ids and len(third.run_ids) == 1
