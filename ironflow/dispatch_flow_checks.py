@@ -1,7 +1,9 @@
 """What a registration's dispatch-side flow control must satisfy beyond its
 types (issue 24; docs/flow-control.md): at most one keyed concurrency
-constraint, keys and the priority that compile. One function, used by the SDK
-at declaration and by the engine at registration (actors/session.py).
+constraint, at most one ``on_limit`` other than ``queue`` (and none beside a
+debounce, batch or singleton, which decide when a run starts), keys and the
+priority that compile. One function, used by the SDK at declaration and by the
+engine at registration (actors/session.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,17 @@ def dispatch_flow_problem(fd: FunctionDef, *, compile_expressions: bool = True) 
     limits = concurrency_limits(fd)
     if sum(1 for c in limits if c.key is not None) > 1:
         return "concurrency: at most one of the two constraints may have a key"
+    deciding = [(i, c.on_limit) for i, c in enumerate(limits) if c.on_limit != "queue"]
+    if deciding:
+        place = f"concurrency[{deciding[0][0]}].on_limit" if len(limits) > 1 else "concurrency.on_limit"
+        if len(deciding) > 1:
+            return "concurrency: at most one of the two constraints may have an on_limit other than 'queue'"
+        others = [n for n, v in (("debounce", fd.debounce), ("batch", fd.batch), ("singleton", fd.singleton)) if v]
+        if others:
+            return (
+                f"{place}={deciding[0][1]!r} cannot be combined with {others[0]}"
+                " (each decides whether a new run starts)"
+            )
     if not compile_expressions:
         return None
     keys = [("concurrency.key", c.key) for c in limits]

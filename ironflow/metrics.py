@@ -22,11 +22,11 @@ EVENTS_EMITTED = Counter(
     "ironflow_events_emitted_total", "Events accepted by POST /v1/events", registry=REGISTRY
 )
 # Ingest-side flow control (ironflow/store/flow.py): events a function skipped,
-# debounced or batched, and singleton runs cancelled for a new one.
+# debounced or batched, and runs cancelled for a new one (singleton, on_limit).
 FLOW_EVENTS = Counter(
     "ironflow_flow_events_total",
     "Events flow control did not simply start a run for, per function",
-    ["mechanism", "outcome"],  # rate_limit|singleton|debounce|batch; skipped|debounced|batched|cancelled
+    ["mechanism", "outcome"],  # rate_limit|singleton|debounce|batch|concurrency; skipped|debounced|batched|cancelled
     registry=REGISTRY,
 )
 RUNS_FINISHED = Counter(

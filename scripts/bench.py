@@ -84,9 +84,10 @@ LAT_FN = "bench-latency"
 # per event so every event still starts its own run at once: what the mechanism's
 # bookkeeping costs a run, not what it saves by skipping, batching or holding.
 # Ingest side: rate_limit … batch; dispatch side: concurrency (layered: 1,000 in
-# all, 1 per key), throttle, priority (half the runs 60 s ahead).
+# all, 1 per key), throttle, priority (half the runs 60 s ahead); on_limit: a limit
+# of 1 per key with on_limit="skip" (its count at ingest).
 FLOW_CHOICES = ("none", "rate_limit", "debounce", "singleton", "batch",
-                "concurrency", "throttle", "priority")
+                "concurrency", "throttle", "priority", "on_limit")
 
 
 def _flow_kwargs(flow: str) -> dict[str, Any]:
@@ -102,6 +103,7 @@ def _flow_kwargs(flow: str) -> dict[str, Any]:
         "concurrency": {"concurrency": [{"limit": 1000}, {"limit": 1, "key": key}]},
         "throttle": {"throttle": ironflow.Throttle(1000, "1s", key=key)},
         "priority": {"priority": "event.data.i % 2 == 0 ? 60 : 0"},
+        "on_limit": {"concurrency": ironflow.Concurrency(1, key=key, on_limit="skip")},
     }[flow]
 
 

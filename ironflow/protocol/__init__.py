@@ -132,6 +132,7 @@ from ironflow.protocol.worker import (
     LeaseState,
     LeaseStatus,
     MemoStep,
+    OnLimit,
     Refused,
     Register,
     Registered,
@@ -193,6 +194,7 @@ __all__ = [
     # flow control, dispatch side (issue 24)
     "PRIORITY_MAX_S",
     "Throttle",
+    "OnLimit",
     "concurrency_keyed",
     "concurrency_limits",
     "DurationMs",

@@ -67,17 +67,18 @@ class Batch(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 FlowOutcome = Literal["skipped", "debounced", "batched", "cancelled"]
-FlowMechanism = Literal["rate_limit", "debounce", "singleton", "batch"]
+FlowMechanism = Literal["rate_limit", "debounce", "singleton", "batch", "concurrency"]
 
 
 class FlowNote(msgspec.Struct, frozen=True, omit_defaults=True):
     """What flow control did with an event for one function.
 
-    ``outcome``: ``skipped`` (no run: rate limit, singleton skip, a key that
-    failed), ``debounced`` (``run_id`` starts at ``until`` unless a later
-    event moves it), ``batched`` (joined ``run_id``'s batch, ``size`` events so
-    far), ``cancelled`` (a singleton's running ``run_id`` was cancelled for the
-    new one). ``mechanism`` names which decided; ``reason`` is the human text.
+    ``outcome``: ``skipped`` (no run: rate limit, singleton skip, a full
+    concurrency key with ``on_limit="skip"``, a key that failed),
+    ``debounced`` (``run_id`` starts at ``until`` unless a later event moves
+    it), ``batched`` (joined ``run_id``'s batch, ``size`` events so far),
+    ``cancelled`` (``run_id`` was cancelled for the new one: a singleton's
+    ``cancel`` or a concurrency ``on_limit="cancel_in_progress"``). ``mechanism`` names which decided; ``reason`` is the human text.
     """
 
     function_id: str

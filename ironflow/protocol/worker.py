@@ -90,6 +90,10 @@ class RetryPolicy(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return float(min(delay, self.max_delay_s))
 
 
+# What a new run does when its concurrency key is full (decided at ingest, store/flow.py).
+OnLimit = Literal["queue", "cancel_in_progress", "skip"]
+
+
 class Concurrency(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """At most ``limit`` segments execute at once, per value of ``key`` if given.
 
@@ -97,10 +101,16 @@ class Concurrency(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ``event.data.`` or ``data.`` is accepted and ignored) or a CEL expression
     over ``event`` (``event.data.region + ':' + event.data.tier``):
     ironflow/expressions.py ``compile_key``, docs/triggers.md.
+
+    ``on_limit`` says what a new run does when its key already has ``limit``
+    runs in flight (docs/flow-control.md#what-a-full-key-does-on_limit):
+    ``queue`` (wait for a slot), ``skip`` (not started, the emit's answer says
+    so) or ``cancel_in_progress`` (the oldest runs of the key are cancelled).
     """
 
     limit: Annotated[int, Meta(ge=1, le=1_000_000)]
     key: Annotated[str, Meta(min_length=1, max_length=MAX_EXPRESSION)] | None = None
+    on_limit: OnLimit = "queue"
 
 
 # ── cancel on an event (docs/triggers.md#cancel-on-an-event) ─────────────────

@@ -328,7 +328,8 @@ def function(
     and ``cron(...)`` triggers (a bare string is an event name); ``retries`` a ``RetryPolicy``, a
     dict of its fields or a max attempt count; ``concurrency`` a
     ``Concurrency``, a dict or a limit, or a list of two (layered: e.g. 100 in
-    all and 2 per customer); ``throttle`` a ``Throttle``; ``priority`` an
+    all and 2 per customer), whose ``on_limit`` says what a new run of a full
+    key does (``queue``, ``skip``, ``cancel_in_progress``); ``throttle`` a ``Throttle``; ``priority`` an
     expression giving seconds (docs/flow-control.md). ``timeout`` (seconds or a timedelta)
     bounds a run from its first start to its end: past it the engine fails
     the run with ``FUNCTION_TIMEOUT``, even if no worker is alive (``timeout_s``

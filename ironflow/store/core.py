@@ -308,6 +308,25 @@ def _lease_record(row: Sequence[Any], now: float) -> LeaseRecord:
     )
 
 
+class NewRun(msgspec.Struct, frozen=True):
+    """A run an ingest creates: of ``fd``, under ``run_id`` (chosen before
+    flow control's row names it, store/flow.py), its first segment held
+    ``delay_s`` with queue reason ``reason`` (a debounce or batch), ``batch``
+    if it is a batch run (its first event is batch event 0). A held run is
+    not among the event's ``run_ids``: its flow note names it."""
+
+    fd: FunctionDef
+    run_id: str
+    delay_s: float = 0.0
+    reason: str = "new"
+    batch: bool = False
+
+
+def new_run(fd: FunctionDef) -> NewRun:
+    """A plain new run of ``fd``: due now, reason ``new``."""
+    return NewRun(fd, new_id("run"))
+
+
 # ── the shared store ─────────────────────────────────────────────────────────
 
 
@@ -503,14 +522,18 @@ class SqlStoreBase(Store):
         *,
         parent_run_id: str | None = None,
         parent_step_id: str | None = None,
+        new: NewRun | None = None,
     ) -> str:
-        run_id = new_id("run")
+        """Create a run of ``fd`` for event ``event_id`` and queue its first
+        segment (``new``: the id, hold and kind an ingest chose); its id."""
+        new = new or new_run(fd)
+        run_id = new.run_id
         ckey = self._run_key(fd, INVOKED_EVENT, data, event_id)
         tx.execute(
             "INSERT INTO runs (id, function_id, event_id, parent_run_id, parent_step_id, status,"
             " attempt, max_attempts, recovery_count, current_execution_seq, concurrency_key,"
-            " timeout_s, created_at, updated_at) VALUES (?, ?, ?, ?, ?, 'waiting_for_capacity',"
-            " 1, ?, 0, 1, ?, ?, ironflow_now(), ironflow_now())",
+            " timeout_s, batch_size, created_at, updated_at) VALUES (?, ?, ?, ?, ?,"
+            " 'waiting_for_capacity', 1, ?, 0, 1, ?, ?, ?, ironflow_now(), ironflow_now())",
             (
                 run_id,
                 fd.id,
@@ -520,9 +543,10 @@ class SqlStoreBase(Store):
                 max(1, fd.retries.max_attempts),
                 ckey,
                 fd.timeout_s,
+                1 if new.batch else None,
             ),
         )
-        self._enqueue(tx, run_id, 1, fd.id, ckey, 0.0, "new")
+        self._enqueue(tx, run_id, 1, fd.id, ckey, new.delay_s, new.reason)
         self._subscribe_cancels(tx, [(run_id, fd, data)])
         if fd.priority is not None:  # flow control (issue 24): store/flow.py
             from ironflow.store.dispatch_flow import priority_of, set_priorities
@@ -538,84 +562,6 @@ class SqlStoreBase(Store):
 
     def _subscribe_cancels(self, tx: Tx, runs: list[tuple[str, FunctionDef, Any]]) -> None:
         """New runs ``(run_id, definition, event data)``: record their cancel-on subscriptions."""
-
-    def _create_runs_with_event(
-        self, tx: Tx, fds: list[FunctionDef], event_id: str, name: str, data: Any, key: str | None,
-        notes: dict[str, str] | None = None,
-    ) -> list[str]:
-        """Create a run of each of ``fds`` for event ``event_id`` and record the
-        event with their ids (:meth:`_create_run` + :meth:`_insert_event`); with
-        :attr:`Tx.combined`, the event, the runs and their queue rows in one
-        statement. ``notes``: event id → its ``events.notes`` (filters.py)."""
-        if not tx.combined or not fds:
-            run_ids = [self._create_run(tx, fd, event_id, data) for fd in fds]
-            self._insert_event(tx, event_id, name, data, key, run_ids, (notes or {}).get(event_id))
-            return run_ids
-        return self._create_runs_with_events(tx, [(event_id, name, data, key, fds)], notes)[0]
-
-    def _create_runs_with_events(
-        self, tx: Tx, events: Sequence[tuple[str, str, Any, str | None, list[FunctionDef]]],
-        notes: dict[str, str] | None = None,
-    ) -> list[list[str]]:
-        """:meth:`_create_runs_with_event` for several events (``(event_id, name,
-        data, key, functions)`` each), all in one statement (PostgreSQL) unless
-        that would carry more than :data:`MAX_STATEMENT_PARAMS` parameters (then
-        halves, in order); each event's run ids."""
-        params = sum(6 + 9 * len(fds) for *_, fds in events)
-        if params > MAX_STATEMENT_PARAMS and len(events) > 1:
-            half = len(events) // 2
-            return [
-                *self._create_runs_with_events(tx, events[:half], notes),
-                *self._create_runs_with_events(tx, events[half:], notes),
-            ]
-        event_rows: list[Any] = []
-        run_rows: list[Any] = []
-        queue_rows: list[Any] = []
-        all_run_ids: list[list[str]] = []
-        subscribing: list[tuple[str, FunctionDef, Any]] = []
-        prioritised: list[tuple[str, float]] = []
-        for event_id, name, data, key, fds in events:
-            run_ids: list[str] = []
-            for fd in fds:
-                run_id, ckey = new_id("run"), self._run_key(fd, name, data, event_id)
-                run_ids.append(run_id)
-                run_rows += [run_id, fd.id, event_id, max(1, fd.retries.max_attempts), ckey, fd.timeout_s]
-                queue_rows += [run_id, fd.id, ckey]
-                if fd.cancel_on:
-                    subscribing.append((run_id, fd, data))
-                if fd.priority is not None:  # flow control (issue 24): store/dispatch_flow.py
-                    from ironflow.store.dispatch_flow import priority_of
-
-                    prioritised.append((run_id, priority_of(fd, name, data)))
-            event_rows += [event_id, name, _enc(data), key, _enc(run_ids), (notes or {}).get(event_id)]
-            all_run_ids.append(run_ids)
-        runs = len(run_rows) // 6
-        events_sql = (
-            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids, notes, xid)"
-            " VALUES " + ", ".join([f"(?, ?, ?, ?, ironflow_now(), ?, ?, {tx.xid_sql})"] * len(events))
-        )
-        if not runs:
-            tx.execute(events_sql, event_rows)
-            return all_run_ids
-        tx.notify()
-        tx.execute(
-            f"WITH e AS ({events_sql}),"
-            " r AS (INSERT INTO runs (id, function_id, event_id, status, attempt, max_attempts,"
-            " recovery_count, current_execution_seq, concurrency_key, timeout_s, created_at,"
-            " updated_at) VALUES "
-            + ", ".join(["(?, ?, ?, 'waiting_for_capacity', 1, ?, 0, 1, ?, ?, ironflow_now(),"
-                         " ironflow_now())"] * runs)
-            + ") INSERT INTO dispatch_queue (run_id, execution_seq, function_id, concurrency_key,"
-            " eligible_at, reason, enqueued_at) VALUES "
-            + ", ".join(["(?, 1, ?, ?, ironflow_now(), 'new', ironflow_now())"] * runs),
-            (*event_rows, *run_rows, *queue_rows),
-        )
-        self._subscribe_cancels(tx, subscribing)
-        if prioritised:
-            from ironflow.store.dispatch_flow import set_priorities
-
-            set_priorities(tx, prioritised)
-        return all_run_ids
 
     def _take_segment(self, tx: Tx, run_id: str) -> tuple[str | None, str | None, str | None]:
         """Take run ``run_id``'s lease and queue row away, their credits freed:
@@ -687,16 +633,16 @@ class SqlStoreBase(Store):
     @staticmethod
     def _insert_event(
         tx: Tx, event_id: str, name: str, data: Any, key: str | None, run_ids: list[str],
-        notes: str | None = None,
+        notes: str | None = None, flow: str | None = None,
     ) -> None:
-        """Record an event with the runs it started (and ``notes``: filters.py).
-        Callers create the runs first under a pre-made ``event_id`` (no foreign
-        key ties them), so the event is written once rather than inserted and
-        then updated."""
+        """Record an event with the runs it started (and ``notes``: filters.py;
+        ``flow``: what flow control did, flow.py). Callers create the runs
+        first under a pre-made ``event_id`` (no foreign key ties them), so the
+        event is written once rather than inserted and then updated."""
         tx.execute(
-            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids, notes, xid)"
-            f" VALUES (?, ?, ?, ?, ironflow_now(), ?, ?, {tx.xid_sql})",
-            (event_id, name, _enc(data), key, _enc(run_ids), notes),
+            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids, notes, flow, xid)"
+            f" VALUES (?, ?, ?, ?, ironflow_now(), ?, ?, ?, {tx.xid_sql})",
+            (event_id, name, _enc(data), key, _enc(run_ids), notes, flow),
         )
 
     def _resume(self, tx: Tx, run_id: str) -> tuple[int, float] | None:

@@ -1,10 +1,14 @@
 """Ingest-side flow control: rate limit, debounce, singleton, event batches
-(ironflow/protocol/flow.py; docs/flow-control.md).
+and a full concurrency key's ``on_limit`` (ironflow/protocol/flow.py;
+docs/flow-control.md).
 
-An ingest hands the functions an event triggers to :meth:`FlowOps._flow`;
-those that declare none of the four come back untouched and are created the
-usual way (``core._create_runs_with_event``); for the others this module
-decides, in the ingest's own transaction, by the database clock:
+An ingest hands the functions an event triggers to :meth:`FlowOps._flow`,
+which decides, in the ingest's own transaction, by the database clock, and
+answers the runs to create (:class:`~ironflow.store.core.NewRun`: ids chosen
+here, so a row can name its run before it exists; a held first segment for
+a debounce or batch) with the notes. The caller creates them with the event,
+on PostgreSQL the runs and events of a whole group of emits in one statement
+(``ingest._create_runs_with_events``, ``_ingest_many``):
 
 * **rate limit**: GCRA over ``rate_limits.tat`` (the theoretical arrival time
   of the next event): an event passes when ``max(tat, now) + period/limit``
@@ -18,10 +22,15 @@ decides, in the ingest's own transaction, by the database clock:
   row is in the database): the timer is the queue.
 * **singleton**: ``singletons`` names the key's last run; while it has not
   ended, a new event's run is skipped (``skip``) or the old run is
-  cancelled through :meth:`_cancel_in` (``cancel``).
+  cancelled through :meth:`_cancel_in` (``cancel``). A new key, or a run
+  the upsert sees ended, is taken over by the upsert itself (one statement).
 * **batch**: one filling run per key (``batches``), due ``timeout`` after
   its first event; each event joins it (``batch_events``) until
   ``max_size``, which makes it due at once.
+* **concurrency on_limit**: while the key has ``limit`` runs in flight
+  (holding a slot or queued for one), a new run is skipped (``skip``) or the
+  key's oldest are cancelled so that it fits (``cancel_in_progress``);
+  ``on_limit_keys`` holds only the row whose lock the count is taken under.
 
 Concurrency (PostgreSQL, READ COMMITTED): every decision starts with an
 upsert of the ``(function_id, key)`` row of its table (``INSERT … ON CONFLICT
@@ -35,10 +44,16 @@ progress and re-checks): an event never joins a run a worker may already
 hold. These locks are taken per event in the order of its functions; a
 group of ingests that cross two keys in opposite orders is a deadlock the
 backend retries (ironflow/store/postgres.py).
+
+A decision reads the runs of its key (a singleton's holder, a filling
+batch's queue row, the runs an on_limit counts): within a group of emits, a
+key decided a second time first has the group's planned runs created
+(``touch``), so event by event the group decides as separate emits would.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -47,16 +62,19 @@ from ironflow.expressions import EvaluationError, ExpressionError, compile_key
 from ironflow.ids import new_id
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
+    Concurrency,
     DebounceRecord,
     ErrorInfo,
     EventInfo,
     FlowNote,
     FunctionDef,
+    concurrency_limits,
 )
 from ironflow.protocol.flow import FlowMechanism
 from ironflow.store.base import CancelNotice, CancelOutcome, Conflict, RunNotFound
 from ironflow.store.cancel_on import CancelOnOps
-from ironflow.store.core import Tx, _dec, _enc, _iso, _marks
+from ironflow.store.core import _TERMINAL_SQL, NewRun, Tx, _dec, _enc, _iso, _marks, new_run
+from ironflow.store.errors import KeyEvaluationFailed
 
 # Slack on the rate limit's comparison: period/limit * limit may round above period.
 _GCRA_EPSILON = 1e-6
@@ -65,19 +83,77 @@ _NO_KEY = ""
 
 
 class FlowResult(msgspec.Struct):
-    """What :meth:`FlowOps._flow` did with one event."""
+    """What :meth:`FlowOps._flow` decided for one event."""
 
-    # Functions without ingest-side flow control, whose rate limit passed and
-    # nothing else applies, or whose singleton key is free: the caller creates
-    # their runs as usual (PostgreSQL: with the event, in one statement).
-    plain: list[FunctionDef]
-    # Runs created here (a new debounce or batch).
-    run_ids: list[str]
+    # The runs the event starts, ids chosen here (flow control's rows already
+    # name them): the caller creates them with the event (PostgreSQL: in one
+    # statement, ``ingest._create_runs_with_events``).
+    runs: list[NewRun]
     notes: list[FlowNote]
     cancelled: list[CancelOutcome]
-    # Singleton keys whose new run the caller creates: (function id, key),
-    # named by :meth:`FlowOps._singletons_started` once it has.
-    singletons: list[tuple[str, str]] = []
+
+    def flow_json(self) -> str | None:
+        """The event's ``events.flow`` column: its notes, or None."""
+        return _enc(self.notes) if self.notes else None
+
+
+# A flow-control key an ingest's decision reads runs of: (function id,
+# mechanism, key). A group of emits must have created the runs it planned for
+# a key before deciding on that key again (store/ingest.py ``_ingest_many``).
+FlowKey = tuple[str, str, str]
+
+# The upserts that start a singleton's and a batch's decision, for n keys at
+# once: a new key's row names the run chosen for it (a singleton's also when
+# the run it names is seen ended), an existing row is locked as it is.
+_SINGLETON_UPSERT = (
+    "INSERT INTO singletons (function_id, key, run_id) VALUES {values}"
+    " ON CONFLICT (function_id, key) DO UPDATE SET run_id = CASE WHEN EXISTS"
+    " (SELECT 1 FROM runs r WHERE r.id = singletons.run_id"
+    f" AND r.status IN {_TERMINAL_SQL}) THEN excluded.run_id ELSE singletons.run_id END"
+    " RETURNING function_id, key, run_id"
+)
+_BATCH_UPSERT = (
+    "INSERT INTO batches (function_id, key, run_id, first_at, size) VALUES {values}"
+    " ON CONFLICT (function_id, key) DO UPDATE SET size = batches.size"
+    " RETURNING function_id, key, run_id, size, first_at"
+)
+# The row an on_limit decision counts its key's runs in flight under.
+_ON_LIMIT_UPSERT = (
+    "INSERT INTO on_limit_keys (function_id, concurrency_key) VALUES {values}"
+    " ON CONFLICT (function_id, concurrency_key) DO UPDATE"
+    " SET concurrency_key = on_limit_keys.concurrency_key"
+)
+_UPSERTS: dict[str, tuple[str, str]] = {
+    "singleton": (_SINGLETON_UPSERT, "(?, ?, ?)"),
+    "batch": (_BATCH_UPSERT, "(?, ?, ?, ironflow_now(), 1)"),
+}
+
+
+class FlowGroup:
+    """A group of emits deciding in one transaction (``ingest._ingest_many``).
+
+    ``touch(key)`` before a decision reads a key's runs: the second time in a
+    group, the runs planned so far are created first (``create``).
+    ``claimed``: the upserted rows of the group's first event of each
+    singleton and batch key (:meth:`FlowOps._claim_keys`, one statement per
+    table), taken by that event's decision instead of its own upsert."""
+
+    def __init__(self, create: Callable[[], None]) -> None:
+        self.touched: set[FlowKey] = set()
+        self.claimed: dict[FlowKey, tuple[str, Any]] = {}  # → (the run id chosen, its row)
+        self._create = create
+
+    def touch(self, key: FlowKey) -> None:
+        if key in self.touched:
+            self._create()
+            self.touched.clear()
+        self.touched.add(key)
+
+
+def on_limit_of(fd: FunctionDef) -> Concurrency | None:
+    """``fd``'s concurrency constraint decided at ingest (``on_limit`` skip or
+    cancel_in_progress; registration allows one), or None."""
+    return next((c for c in concurrency_limits(fd) if c.on_limit != "queue"), None)
 
 
 def has_flow(fd: FunctionDef) -> bool:
@@ -87,6 +163,7 @@ def has_flow(fd: FunctionDef) -> bool:
         or fd.debounce is not None
         or fd.singleton is not None
         or fd.batch is not None
+        or on_limit_of(fd) is not None
     )
 
 
@@ -118,19 +195,87 @@ class FlowOps(CancelOnOps):
     """Rate limit, debounce, singleton and batch decisions of an ingest."""
 
     def _flow(
-        self, tx: Tx, fds: list[FunctionDef], event_id: str, name: str, data: Any
+        self, tx: Tx, fds: list[FunctionDef], event_id: str, name: str, data: Any,
+        group: FlowGroup | None = None,
     ) -> FlowResult:
-        """Apply each function's ingest-side flow control to event ``event_id``."""
-        result = FlowResult([], [], [], [], [])
+        """Apply each function's ingest-side flow control to event ``event_id``:
+        the runs it starts (those of ``fds`` without any, as they are) and what
+        it did. ``group``: the group of emits it is one of, if any."""
+        result = FlowResult([], [], [])
         for fd in fds:
             if has_flow(fd):
-                self._flow_one(tx, fd, event_id, name, data, result)
+                self._flow_one(tx, fd, event_id, name, data, result, group)
             else:
-                result.plain.append(fd)
+                result.runs.append(new_run(fd))
         return result
 
+    def _claim_keys(self, tx: Tx, group: FlowGroup, events: list[tuple[str, str, Any, list[FunctionDef]]]) -> None:
+        """Upsert, in one statement per table and in key order, the singleton,
+        batch and on_limit rows of the first event of each key among ``events``
+        (``(event_id, name, data, starting functions)``), and count the on_limit
+        keys' runs in flight (one statement per function, once every row is
+        locked); the rows and counts go to ``group.claimed``. A function with
+        a rate limit is left to its event (the rate limit decides first), as
+        is a key that fails to evaluate."""
+        wanted: dict[str, dict[FlowKey, str]] = {"singleton": {}, "batch": {}}
+        limited: dict[FlowKey, FunctionDef] = {}
+        for event_id, name, data, fds in events:
+            for fd in fds:
+                if fd.rate_limit is None and on_limit_of(fd) is not None:
+                    try:
+                        limited.setdefault((fd.id, "concurrency", self._on_limit_key(fd, name, data, event_id)), fd)
+                    except KeyEvaluationFailed:
+                        pass
+                spec = fd.singleton or fd.batch
+                if spec is None or fd.rate_limit is not None:
+                    continue
+                mechanism = "singleton" if fd.singleton is not None else "batch"
+                try:
+                    key = _key(spec.key, name, data, event_id)
+                except (EvaluationError, ExpressionError):
+                    continue
+                wanted[mechanism].setdefault((fd.id, mechanism, key), new_id("run"))
+        for mechanism, keys in wanted.items():
+            if not keys:
+                continue
+            sql, values = _UPSERTS[mechanism]
+            order = sorted(keys)  # one lock order for every group
+            for row in tx.fetchall(
+                sql.format(values=", ".join([values] * len(order))),
+                [p for fk in order for p in (fk[0], fk[2], keys[fk])],
+            ):
+                fk = (row[0], mechanism, row[1])
+                group.claimed[fk] = (keys[fk], row[2:])
+        if limited:
+            order = sorted(limited)
+            tx.execute(
+                _ON_LIMIT_UPSERT.format(values=", ".join(["(?, ?)"] * len(order))),
+                [p for fk in order for p in (fk[0], fk[2])],
+            )
+            by_function: dict[str, list[str]] = {}
+            for fk in order:
+                by_function.setdefault(fk[0], []).append(fk[2])
+            for function_id, lock_keys in by_function.items():
+                counted = self._in_flight(tx, limited[(function_id, "concurrency", lock_keys[0])], lock_keys)
+                for lock_key in lock_keys:
+                    group.claimed[(function_id, "concurrency", lock_key)] = ("", counted[lock_key])
+
+    def _upserted(
+        self, tx: Tx, group: FlowGroup | None, key: FlowKey, run_id: str
+    ) -> tuple[str, Any]:
+        """The run id chosen for ``key``'s decision and its upserted row: the
+        group's claim if it made one, else this event's own upsert."""
+        claim = group.claimed.pop(key, None) if group is not None else None
+        if claim is not None:
+            return claim
+        sql, values = _UPSERTS[key[1]]
+        row = tx.fetchone(sql.format(values=values), (key[0], key[2], run_id))
+        assert row is not None
+        return run_id, row[2:]
+
     def _flow_one(
-        self, tx: Tx, fd: FunctionDef, event_id: str, name: str, data: Any, result: FlowResult
+        self, tx: Tx, fd: FunctionDef, event_id: str, name: str, data: Any, result: FlowResult,
+        group: FlowGroup | None,
     ) -> None:
         # Every key first: one that fails skips the event before any state moves.
         decider: tuple[FlowMechanism, str | None] | None = (
@@ -156,14 +301,22 @@ class FlowOps(CancelOnOps):
                 f"rate limit: {limit.limit} per {limit.period_s:g}s{keyed} reached",
             ))
             return
+        if decider is None and on_limit_of(fd) is None:
+            result.runs.append(new_run(fd))
+            return
+        mechanism = "concurrency" if decider is None else decider[0]
+        key = keys.get(mechanism) if decider is not None else self._on_limit_key(fd, name, data, event_id)
+        assert key is not None
+        if group is not None:
+            group.touch((fd.id, mechanism, key))
         if decider is None:
-            result.plain.append(fd)
+            self._on_limit(tx, fd, key, event_id, result, group)
         elif decider[0] == "singleton":
-            self._singleton(tx, fd, keys["singleton"], event_id, data, result)
+            self._singleton(tx, fd, key, event_id, result, group)
         elif decider[0] == "debounce":
-            self._debounce(tx, fd, keys["debounce"], event_id, data, result)
+            self._debounce(tx, fd, key, event_id, result)
         else:
-            self._batch(tx, fd, keys["batch"], event_id, data, result)
+            self._batch(tx, fd, key, event_id, result, group)
 
     # ── rate limit ───────────────────────────────────────────────────────────
 
@@ -193,22 +346,20 @@ class FlowOps(CancelOnOps):
     # ── singleton ────────────────────────────────────────────────────────────
 
     def _singleton(
-        self, tx: Tx, fd: FunctionDef, key: str, event_id: str, data: Any, result: FlowResult
+        self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: FlowResult, group: FlowGroup | None
     ) -> None:
         """At most one run of ``(fd, key)`` not ended: the ``singletons`` row,
-        locked by its upsert, names it; a new run is only created under that lock."""
+        locked by its upsert, names it; a new run is only planned under that
+        lock, its id chosen first. No further statement when the key is new
+        or its run is seen ended (the upsert names the new run at once)."""
         single = fd.singleton
         assert single is not None
-        placeholder = new_id("run")
-        row = tx.fetchone(
-            "INSERT INTO singletons (function_id, key, run_id) VALUES (?, ?, ?)"
-            " ON CONFLICT (function_id, key) DO UPDATE SET run_id = singletons.run_id"
-            " RETURNING run_id",
-            (fd.id, key, placeholder),
-        )
-        assert row is not None
-        holder = row[0]
-        if holder != placeholder:
+        run_id, (holder,) = self._upserted(tx, group, (fd.id, "singleton", key), new_id("run"))
+        new = NewRun(fd, run_id)
+        if holder != new.run_id:
+            # Seen in flight by the upsert's snapshot, or not seen at all: a
+            # run committed after it began (READ COMMITTED), or purged. A
+            # fresh read decides.
             status = tx.fetchone("SELECT status FROM runs WHERE id = ?", (holder,))
             if status is not None and status[0] not in TERMINAL_RUN_STATUSES:
                 if single.mode == "skip":
@@ -218,55 +369,109 @@ class FlowOps(CancelOnOps):
                     ))
                     return
                 outcome = self._cancel_in(tx, holder, f"singleton: replaced by event {event_id}")
-                if outcome is not None:
-                    tx.runs_ended([holder])
+                if outcome is not None:  # announced as ended by the ingest (unless compensating)
                     result.cancelled.append(outcome)
                     result.notes.append(FlowNote(
                         fd.id, "singleton", "cancelled", f"singleton: cancelled run {holder} of key {key!r}",
                         run_id=holder,
                     ))
-        # The run is created with the event's other runs; its row names it then.
-        result.plain.append(fd)
-        result.singletons.append((fd.id, key))
-
-    @staticmethod
-    def _singletons_started(tx: Tx, result: FlowResult, run_ids: list[str]) -> None:
-        """Name the new run of each singleton key (``run_ids``: those of
-        ``result.plain``, in its order), still under the row lock of its upsert."""
-        run_of = {fd.id: run_id for fd, run_id in zip(result.plain, run_ids, strict=True)}
-        for function_id, key in result.singletons:
             tx.execute(
-                "UPDATE singletons SET run_id = ? WHERE function_id = ? AND key = ?",
-                (run_of[function_id], function_id, key),
+                "UPDATE singletons SET run_id = ? WHERE function_id = ? AND key = ?", (new.run_id, fd.id, key)
             )
+        # Created with the event's other runs, under the id the row names.
+        result.runs.append(new)
 
-    def _cancel_in(self, tx: Tx, run_id: str, reason: str) -> CancelOutcome | None:
+    def _cancel_in(
+        self, tx: Tx, run_id: str, reason: str, cause: FlowMechanism = "singleton"
+    ) -> CancelOutcome | None:
         """Cancel ``run_id`` in this transaction (cancel_on.py ``_cancel``: the
         lock order of ``cancel_run``, queue row, lease, run); None if it ended
-        meanwhile. The worker holding it is told like a cancel-on's."""
+        meanwhile. The worker holding it is told like a cancel-on's; the audit
+        names ``cause``."""
         error = ErrorInfo(message=reason, code="CANCELLED", retryable=False)
         try:
-            outcome = self._cancel(tx, run_id, error, {"reason": reason, "cause": "singleton"})
+            outcome = self._cancel(tx, run_id, error, {"reason": reason, "cause": cause})
         except (Conflict, RunNotFound):
             return None
         if outcome.session_id is not None and outcome.job_id is not None:
             self._notify_cancels(tx, [CancelNotice(run_id, outcome.session_id, outcome.job_id, reason)])
         return outcome
 
-    # ── debounce and batch: a run held in the queue until due ───────────────
+    # ── concurrency on_limit: skip or cancel_in_progress ────────────────────
 
-    def _create_held_run(
-        self, tx: Tx, fd: FunctionDef, event_id: str, data: Any, delay_s: float, reason: str
-    ) -> tuple[str, float]:
-        """A new run whose first segment is due in ``delay_s`` (queue reason ``reason``)."""
-        run_id = self._create_run(tx, fd, event_id, data)
-        row = tx.fetchone(
-            "UPDATE dispatch_queue SET eligible_at = ironflow_now() + ?, reason = ?"
-            " WHERE run_id = ? RETURNING eligible_at",
-            (float(delay_s), reason, run_id),
-        )
-        assert row is not None
-        return run_id, float(row[0])
+    def _on_limit_key(self, fd: FunctionDef, name: str, data: Any, event_id: str) -> str:
+        """The ``on_limit_keys`` key of a new run of ``fd``: '' for none, 'k:<key>'."""
+        c = on_limit_of(fd)
+        assert c is not None
+        ckey = self._run_key(fd, name, data, event_id) if c.key is not None else None
+        return _NO_KEY if ckey is None else "k:" + ckey
+
+    @staticmethod
+    def _in_flight(tx: Tx, fd: FunctionDef, lock_keys: list[str]) -> dict[str, list[str]]:
+        """The runs in flight of each of ``fd``'s ``on_limit_keys`` keys
+        ``lock_keys``, oldest first, in one statement. Called once their rows
+        are locked, by a statement of its own: under READ COMMITTED its
+        snapshot is taken then, so it sees the run of an ingest that held a
+        lock before (a count in the upsert's statement would not)."""
+        c = on_limit_of(fd)
+        assert c is not None
+        where, params = "", [fd.id]
+        if c.key is not None:
+            texts = [k[2:] for k in lock_keys if k != _NO_KEY]
+            parts = [f"concurrency_key IN ({_marks(len(texts))})"] if texts else []
+            if _NO_KEY in lock_keys:
+                parts.append("concurrency_key IS NULL")
+            where, params = " AND (" + " OR ".join(parts) + ")", [fd.id, *texts]
+        counted: dict[str, list[str]] = {k: [] for k in lock_keys}
+        for ckey, run_id in tx.fetchall(
+            "SELECT u.concurrency_key, r.id FROM runs r JOIN ("
+            f" SELECT run_id, concurrency_key FROM concurrency_leases WHERE function_id = ?{where}"
+            f" UNION SELECT run_id, concurrency_key FROM dispatch_queue WHERE function_id = ?{where}"
+            ") u ON u.run_id = r.id ORDER BY r.created_at, r.id",
+            params * 2,
+        ):
+            counted.setdefault(_NO_KEY if c.key is None or ckey is None else "k:" + ckey, []).append(run_id)
+        return counted
+
+    def _on_limit(
+        self, tx: Tx, fd: FunctionDef, lock_key: str, event_id: str, result: FlowResult, group: FlowGroup | None
+    ) -> None:
+        """A new run of a full concurrency key: skipped, or the key's oldest
+        runs in flight cancelled so that it fits. In flight is what the limit
+        counts plus what waits for a slot: a segment holding a lease or a
+        reservation, or queued (a sleeping or waiting run holds none). Counted
+        under the row lock of the key's ``on_limit_keys`` upsert, so two nodes
+        ingesting one key count in turn and the second sees the first's run."""
+        c = on_limit_of(fd)
+        assert c is not None
+        ckey = lock_key[2:] if lock_key else None
+        claim = group.claimed.pop((fd.id, "concurrency", lock_key), None) if group is not None else None
+        if claim is not None:
+            in_flight: list[str] = claim[1]
+        else:
+            tx.execute(_ON_LIMIT_UPSERT.format(values="(?, ?)"), (fd.id, lock_key))
+            in_flight = self._in_flight(tx, fd, [lock_key])[lock_key]
+        label = f"concurrency key {c.key}={ckey}" if c.key is not None else "concurrency limit"
+        if len(in_flight) >= c.limit and c.on_limit == "skip":
+            result.notes.append(FlowNote(
+                fd.id, "concurrency", "skipped", f"{label}: {len(in_flight)}/{c.limit} in flight",
+                run_id=in_flight[0],
+            ))
+            return
+        # The oldest go, locked in run id order (cancel_on.py's order).
+        for run_id in sorted(in_flight[: max(0, len(in_flight) - c.limit + 1)]):
+            outcome = self._cancel_in(
+                tx, run_id, f"concurrency: replaced by event {event_id} ({label}, limit {c.limit})",
+                "concurrency",
+            )
+            if outcome is not None:  # announced as ended by the ingest (unless compensating)
+                result.cancelled.append(outcome)
+                result.notes.append(FlowNote(
+                    fd.id, "concurrency", "cancelled", f"{label}: cancelled run {run_id}", run_id=run_id,
+                ))
+        result.runs.append(new_run(fd))
+
+    # ── debounce and batch: a run held in the queue until due ───────────────
 
     @staticmethod
     def _still_filling(tx: Tx, run_id: str, due: str, params: tuple[Any, ...]) -> float | None:
@@ -281,21 +486,22 @@ class FlowOps(CancelOnOps):
         )
         return None if row is None else float(row[0])
 
-    def _debounce(
-        self, tx: Tx, fd: FunctionDef, key: str, event_id: str, data: Any, result: FlowResult
-    ) -> None:
+    def _debounce(self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: FlowResult) -> None:
+        """Join the key's pending run (it now carries this event) or plan the
+        next quiet period's, held ``period`` (its id chosen first: a new key's
+        row names it in the upsert)."""
         debounce = fd.debounce
         assert debounce is not None
-        placeholder = new_id("run")
+        new = NewRun(fd, new_id("run"), debounce.period_s, "debounce")
         row = tx.fetchone(
             "INSERT INTO debounces (function_id, key, run_id, event_id, first_at, fire_at)"
-            " VALUES (?, ?, ?, ?, ironflow_now(), ironflow_now()) ON CONFLICT (function_id, key)"
-            " DO UPDATE SET event_id = excluded.event_id RETURNING run_id, first_at",
-            (fd.id, key, placeholder, event_id),
+            " VALUES (?, ?, ?, ?, ironflow_now(), ironflow_now() + ?) ON CONFLICT (function_id, key)"
+            " DO UPDATE SET event_id = excluded.event_id RETURNING run_id, first_at, fire_at",
+            (fd.id, key, new.run_id, event_id, debounce.period_s),
         )
         assert row is not None
-        pending, first_at = row[0], float(row[1])
-        if pending != placeholder:
+        pending, first_at, until = row[0], float(row[1]), float(row[2])
+        if pending != new.run_id:
             bound = first_at + debounce.max_wait_s if debounce.max_wait_s is not None else None
             due = (
                 "ironflow_now() + ?" if bound is None
@@ -305,23 +511,25 @@ class FlowOps(CancelOnOps):
                 (debounce.period_s,) if bound is None
                 else (debounce.period_s, bound, debounce.period_s, bound)
             )
-            until = self._still_filling(tx, pending, due, params)
-            if until is not None:
+            moved = self._still_filling(tx, pending, due, params)
+            if moved is not None:
                 # The pending run now carries this event (its data is what it runs with).
                 tx.execute("UPDATE runs SET event_id = ? WHERE id = ?", (event_id, pending))
                 tx.execute(
                     "UPDATE debounces SET fire_at = ? WHERE function_id = ? AND key = ?",
-                    (until, fd.id, key),
+                    (moved, fd.id, key),
                 )
-                result.notes.append(self._debounce_note(fd, key, pending, until))
+                result.notes.append(self._debounce_note(fd, key, pending, moved))
                 return
-        run_id, until = self._create_held_run(tx, fd, event_id, data, debounce.period_s, "debounce")
-        tx.execute(
-            "UPDATE debounces SET run_id = ?, event_id = ?, first_at = ironflow_now(), fire_at = ?"
-            " WHERE function_id = ? AND key = ?",
-            (run_id, event_id, until, fd.id, key),
-        )
-        result.notes.append(self._debounce_note(fd, key, run_id, until))
+            row = tx.fetchone(
+                "UPDATE debounces SET run_id = ?, event_id = ?, first_at = ironflow_now(),"
+                " fire_at = ironflow_now() + ? WHERE function_id = ? AND key = ? RETURNING fire_at",
+                (new.run_id, event_id, debounce.period_s, fd.id, key),
+            )
+            assert row is not None
+            until = float(row[0])
+        result.runs.append(new)
+        result.notes.append(self._debounce_note(fd, key, new.run_id, until))
 
     @staticmethod
     def _debounce_note(fd: FunctionDef, key: str, run_id: str, until: float) -> FlowNote:
@@ -331,47 +539,43 @@ class FlowOps(CancelOnOps):
         )
 
     def _batch(
-        self, tx: Tx, fd: FunctionDef, key: str, event_id: str, data: Any, result: FlowResult
+        self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: FlowResult, group: FlowGroup | None
     ) -> None:
+        """Join the key's filling batch or plan the next batch's run (its id
+        chosen first: a new key's row names it, size 1, in the upsert)."""
         batch = fd.batch
         assert batch is not None
-        placeholder = new_id("run")
-        row = tx.fetchone(
-            "INSERT INTO batches (function_id, key, run_id, first_at, size)"
-            " VALUES (?, ?, ?, ironflow_now(), 0) ON CONFLICT (function_id, key)"
-            " DO UPDATE SET size = batches.size RETURNING run_id, size",
-            (fd.id, key, placeholder),
-        )
-        assert row is not None
-        filling, size = row[0], int(row[1])
-        if filling != placeholder and size < batch.max_size:
-            full = size + 1 >= batch.max_size
-            until = self._still_filling(
-                tx, filling, "ironflow_now()" if full else "eligible_at", ()
-            )
-            if until is not None:
-                self._join_batch(tx, fd, key, filling, size, event_id)
-                result.notes.append(FlowNote(
-                    fd.id, "batch", "batched", f"batch of run {filling}: {size + 1} of {batch.max_size}"
-                    + (" (full, due now)" if full else f" until {_iso(until)}"),
-                    run_id=filling, until=until, size=size + 1,
-                ))
-                return
         delay = 0.0 if batch.max_size == 1 else batch.timeout_s
-        run_id, until = self._create_held_run(tx, fd, event_id, data, delay, "batch")
-        tx.execute(
-            "UPDATE batches SET run_id = ?, first_at = ironflow_now(), size = 1"
-            " WHERE function_id = ? AND key = ?",
-            (run_id, fd.id, key),
-        )
-        tx.execute(
-            "INSERT INTO batch_events (run_id, position, event_id) VALUES (?, 0, ?)", (run_id, event_id)
-        )
-        # Marks a batch run: its assignments carry batch_events (dispatch.py).
-        tx.execute("UPDATE runs SET batch_size = 1 WHERE id = ?", (run_id,))
+        run_id, (filling, size, first_at) = self._upserted(tx, group, (fd.id, "batch", key), new_id("run"))
+        new = NewRun(fd, run_id, delay, "batch", batch=True)
+        size, first_at = int(size), float(first_at)
+        if filling != new.run_id:
+            if size < batch.max_size:
+                full = size + 1 >= batch.max_size
+                until = self._still_filling(
+                    tx, filling, "ironflow_now()" if full else "eligible_at", ()
+                )
+                if until is not None:
+                    self._join_batch(tx, fd, key, filling, size, event_id)
+                    result.notes.append(FlowNote(
+                        fd.id, "batch", "batched", f"batch of run {filling}: {size + 1} of {batch.max_size}"
+                        + (" (full, due now)" if full else f" until {_iso(until)}"),
+                        run_id=filling, until=until, size=size + 1,
+                    ))
+                    return
+            row = tx.fetchone(
+                "UPDATE batches SET run_id = ?, first_at = ironflow_now(), size = 1"
+                " WHERE function_id = ? AND key = ? RETURNING first_at",
+                (new.run_id, fd.id, key),
+            )
+            assert row is not None
+            first_at = float(row[0])
+        # Created with the event: batch_size 1, this event batch event 0 (core.py).
+        result.runs.append(new)
+        until = first_at + delay
         result.notes.append(FlowNote(
-            fd.id, "batch", "batched", f"batch of run {run_id}: 1 of {batch.max_size} until {_iso(until)}",
-            run_id=run_id, until=until, size=1,
+            fd.id, "batch", "batched", f"batch of run {new.run_id}: 1 of {batch.max_size} until {_iso(until)}",
+            run_id=new.run_id, until=until, size=1,
         ))
 
     @staticmethod
@@ -385,14 +589,6 @@ class FlowOps(CancelOnOps):
         )
 
     # ── the event record and the reads ──────────────────────────────────────
-
-    @staticmethod
-    def _record_flow(tx: Tx, event_id: str, run_ids: list[str], result: FlowResult) -> None:
-        """The event's row says what flow control did (written by the ingest just before)."""
-        tx.execute(
-            "UPDATE events SET run_ids = ?, flow = ? WHERE id = ?",
-            (_enc(run_ids), _enc(result.notes) if result.notes else None, event_id),
-        )
 
     async def list_debounces(self, *, function_id: str | None = None, limit: int = 100) -> list[DebounceRecord]:
         def work(tx: Tx) -> list[DebounceRecord]:

@@ -5,7 +5,7 @@ invocations, cancellation.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from ironflow.ids import new_id
@@ -22,15 +22,19 @@ from ironflow.store.base import (
 from ironflow.store.cancel_on import cancel_paths_sql, cancel_reason
 from ironflow.store.core import (
     INVOKED_EVENT,
+    MAX_STATEMENT_PARAMS,
     NamedLock,
+    NewRun,
     Tx,
     _dec,
+    _enc,
     _marks,
     _trigger_patterns,
     _triggered,
+    new_run,
 )
 from ironflow.store.filters import notes_text
-from ironflow.store.flow import FlowOps, has_flow
+from ironflow.store.flow import FlowGroup, FlowOps, FlowResult, has_flow
 from ironflow.store.waits import WaitOps, ingest_locks
 
 R = TypeVar("R")
@@ -79,15 +83,11 @@ class IngestOps(WaitOps, FlowOps):
         fds, filtered = self._judge(live, event_id, name, data)
         flow = self._flow(tx, fds, event_id, name, data) if any(has_flow(fd) for fd in fds) else None
         note = notes_text(filtered, [o.run_id for o in cancelled])
+        flow_json = None if flow is None else flow.flow_json()
         run_ids = self._create_runs_with_event(
-            tx, fds if flow is None else flow.plain, event_id, name, data, idempotency_key,
-            None if note is None else {event_id: note},
+            tx, fds if flow is None else flow.runs, event_id, name, data, idempotency_key,
+            None if note is None else {event_id: note}, None if flow_json is None else {event_id: flow_json},
         )
-        if flow is not None and flow.singletons:
-            self._singletons_started(tx, flow, run_ids)
-        if flow is not None and (flow.run_ids or flow.notes):
-            run_ids = [*run_ids, *flow.run_ids]
-            self._record_flow(tx, event_id, run_ids, flow)
         resumed = self._resolve_waits(tx, [(event_id, name, data)], paths)[0]
         if flow is not None:
             cancelled = [*cancelled, *flow.cancelled]
@@ -98,6 +98,114 @@ class IngestOps(WaitOps, FlowOps):
             paused_function_ids=[fd.id for fd in functions if fd.id in paused and _triggered(fd, name)],
             flow=[] if flow is None else flow.notes,
         )
+
+    def _create_runs_with_event(
+        self, tx: Tx, runs: Sequence[FunctionDef | NewRun], event_id: str, name: str, data: Any,
+        key: str | None, notes: dict[str, str] | None = None, flows: dict[str, str] | None = None,
+    ) -> list[str]:
+        """Create ``runs`` (a definition: a plain new run) for event
+        ``event_id`` and record the event with their ids (:meth:`_create_run` +
+        :meth:`_insert_event`); with :attr:`Tx.combined`, the event, the runs and
+        their queue rows in one statement. ``notes``: event id → its
+        ``events.notes`` (filters.py); ``flows``: → its ``events.flow`` (flow.py)."""
+        if not tx.combined or not runs:
+            planned = [r if isinstance(r, NewRun) else new_run(r) for r in runs]
+            run_ids = [
+                run_id for r in planned
+                if (run_id := self._create_run(tx, r.fd, event_id, data, new=r)) and r.reason == "new"
+            ]
+            self._insert_event(
+                tx, event_id, name, data, key, run_ids, (notes or {}).get(event_id), (flows or {}).get(event_id)
+            )
+            self._first_batch_events(tx, [(r.run_id, event_id) for r in planned if r.batch])
+            return run_ids
+        return self._create_runs_with_events(tx, [(event_id, name, data, key, list(runs))], notes, flows)[0]
+
+    def _create_runs_with_events(
+        self, tx: Tx, events: Sequence[tuple[str, str, Any, str | None, list[FunctionDef | NewRun]]],
+        notes: dict[str, str] | None = None, flows: dict[str, str] | None = None,
+    ) -> list[list[str]]:
+        """:meth:`_create_runs_with_event` for several events (``(event_id, name,
+        data, key, runs)`` each), all in one statement (PostgreSQL) unless
+        that would carry more than :data:`MAX_STATEMENT_PARAMS` parameters (then
+        halves, in order); each event's run ids."""
+        params = sum(7 + 12 * len(runs) for *_, runs in events)
+        if params > MAX_STATEMENT_PARAMS and len(events) > 1:
+            half = len(events) // 2
+            return [
+                *self._create_runs_with_events(tx, events[:half], notes, flows),
+                *self._create_runs_with_events(tx, events[half:], notes, flows),
+            ]
+        event_rows: list[Any] = []
+        run_rows: list[Any] = []
+        queue_rows: list[Any] = []
+        all_run_ids: list[list[str]] = []
+        subscribing: list[tuple[str, FunctionDef, Any]] = []
+        prioritised: list[tuple[str, float]] = []
+        batched: list[tuple[str, str]] = []
+        for event_id, name, data, key, runs in events:
+            run_ids: list[str] = []
+            for planned in runs:
+                new = planned if isinstance(planned, NewRun) else new_run(planned)
+                fd, run_id, ckey = new.fd, new.run_id, self._run_key(new.fd, name, data, event_id)
+                if new.reason == "new":
+                    run_ids.append(run_id)
+                run_rows += [
+                    run_id, fd.id, event_id, max(1, fd.retries.max_attempts), ckey, fd.timeout_s,
+                    1 if new.batch else None,
+                ]
+                queue_rows += [run_id, fd.id, ckey, new.delay_s, new.reason]
+                if new.batch:
+                    batched.append((run_id, event_id))
+                if fd.cancel_on:
+                    subscribing.append((run_id, fd, data))
+                if fd.priority is not None:  # flow control (issue 24): store/dispatch_flow.py
+                    from ironflow.store.dispatch_flow import priority_of
+
+                    prioritised.append((run_id, priority_of(fd, name, data)))
+            event_rows += [
+                event_id, name, _enc(data), key, _enc(run_ids), (notes or {}).get(event_id),
+                (flows or {}).get(event_id),
+            ]
+            all_run_ids.append(run_ids)
+        runs_n = len(run_rows) // 7
+        events_sql = (
+            "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids, notes, flow, xid)"
+            " VALUES " + ", ".join([f"(?, ?, ?, ?, ironflow_now(), ?, ?, ?, {tx.xid_sql})"] * len(events))
+        )
+        if not runs_n:
+            tx.execute(events_sql, event_rows)
+            return all_run_ids
+        tx.notify()
+        tx.execute(
+            f"WITH e AS ({events_sql}),"
+            " r AS (INSERT INTO runs (id, function_id, event_id, status, attempt, max_attempts,"
+            " recovery_count, current_execution_seq, concurrency_key, timeout_s, batch_size,"
+            " created_at, updated_at) VALUES "
+            + ", ".join(["(?, ?, ?, 'waiting_for_capacity', 1, ?, 0, 1, ?, ?, ?, ironflow_now(),"
+                         " ironflow_now())"] * runs_n)
+            + ") INSERT INTO dispatch_queue (run_id, execution_seq, function_id, concurrency_key,"
+            " eligible_at, reason, enqueued_at) VALUES "
+            + ", ".join(["(?, 1, ?, ?, ironflow_now() + ?, ?, ironflow_now())"] * runs_n),
+            (*event_rows, *run_rows, *queue_rows),
+        )
+        self._subscribe_cancels(tx, subscribing)
+        self._first_batch_events(tx, batched)
+        if prioritised:
+            from ironflow.store.dispatch_flow import set_priorities
+
+            set_priorities(tx, prioritised)
+        return all_run_ids
+
+    @staticmethod
+    def _first_batch_events(tx: Tx, runs: list[tuple[str, str]]) -> None:
+        """New batch runs ``(run_id, event_id)``: their first event is batch event 0."""
+        if runs:
+            tx.execute(
+                "INSERT INTO batch_events (run_id, position, event_id) VALUES "
+                + ", ".join(["(?, 0, ?)"] * len(runs)),
+                [p for row in runs for p in row],
+            )
 
     def _triggered_and_waited(
         self, tx: Tx, names: list[str]
@@ -207,34 +315,60 @@ class IngestOps(WaitOps, FlowOps):
         match paths waited on their names, one writes every event, run and
         queue row; waits they satisfy are then resolved together (waits.py)."""
         functions, paths, cancel_paths, paused = self._triggered_and_waited(tx, [name for name, _ in events])
-        if cancel_paths or any(has_flow(fd) for fd in functions):
+        if cancel_paths:
             # One by one, in order: a run one of them starts may be cancelled by
-            # a later one (cancel_on.py); flow control decides event by event
-            # (store/flow.py).
+            # a later one (cancel_on.py).
             return [
                 self._ingest_new(tx, name, data, None, functions, paths, cancel_paths, paused)
                 for name, data in events
             ]
         live = [fd for fd in functions if fd.id not in paused]  # a paused function starts nothing
-        planned = []
+        planned: list[tuple[str, str, Any, str | None, list[FunctionDef | NewRun]]] = []
+        flows: list[FlowResult | None] = []
         notes: dict[str, str] = {}
+        flow_notes: dict[str, str] = {}
+        created: list[list[str]] = []
+
+        def create_planned() -> None:
+            # The runs planned so far, with their events, in one statement.
+            created.extend(self._create_runs_with_events(tx, planned[len(created):], notes, flow_notes))
+
+        # Flow control decides on a key by reading its runs (store/flow.py):
+        # those an earlier event of the group planned must exist first.
+        group = FlowGroup(create_planned)
+        judged = []
         for name, data in events:
             event_id = new_id("evt")
             starting, filtered = self._judge(live, event_id, name, data)
             note = notes_text(filtered, [])
             if note is not None:
                 notes[event_id] = note
-            planned.append((event_id, name, data, None, starting))
-        created = self._create_runs_with_events(tx, planned, notes)
+            judged.append((event_id, name, data, starting))
+        self._claim_keys(tx, group, judged)
+        for event_id, name, data, starting in judged:
+            flow = (
+                self._flow(tx, starting, event_id, name, data, group)
+                if any(has_flow(fd) for fd in starting) else None
+            )
+            flows.append(flow)
+            if flow is not None and flow.notes:
+                flow_notes[event_id] = _enc(flow.notes)
+            planned.append((event_id, name, data, None, [*(starting if flow is None else flow.runs)]))
+        create_planned()
         resumed = self._resolve_waits(
             tx, [(event_id, name, data) for event_id, name, data, _, _ in planned], paths
         )
         return [
             IngestResult(
-                event_id, run_ids, False, resumed_run_ids=resumed_ids,
+                event_id, run_ids, False,
+                resumed_run_ids=[*resumed_ids, *(r for o in cancelled for r in o.kicked_run_ids)],
+                cancelled=cancelled,
                 paused_function_ids=[fd.id for fd in functions if fd.id in paused and _triggered(fd, name)],
+                flow=[] if flow is None else flow.notes,
             )
-            for (event_id, name, _, _, _), run_ids, resumed_ids in zip(planned, created, resumed, strict=True)
+            for (event_id, name, _, _, _), run_ids, resumed_ids, flow, cancelled in zip(
+                planned, created, resumed, flows, [[] if f is None else f.cancelled for f in flows], strict=True
+            )
         ]
 
     async def invoke_function(self, function_id: str, data: Any) -> str:

@@ -327,6 +327,15 @@ CREATE TABLE IF NOT EXISTS flow_throttle (
     tat           {REAL} NOT NULL,
     PRIMARY KEY (function_id, throttle_key)
 );
+-- A concurrency key whose on_limit (skip, cancel_in_progress) is decided at
+-- ingest (ironflow/store/flow.py): no state, only the row an ingest's upsert
+-- locks, so two nodes ingesting one key count its runs in flight in turn.
+-- The key is '' for none, 'k:<text>' otherwise.
+CREATE TABLE IF NOT EXISTS on_limit_keys (
+    function_id      TEXT NOT NULL,
+    concurrency_key  TEXT NOT NULL,
+    PRIMARY KEY (function_id, concurrency_key)
+);
 """
 
 _PG_EXTRA = """

@@ -40,6 +40,7 @@ from ironflow.store.core import (
     _enc,
     _marks,
     _run_record,
+    new_run,
     token_hash,
 )
 from ironflow.store.dispatch_flow import FlowPlan
@@ -145,9 +146,8 @@ class SingletonIgnored(SqliteStore):
     """An ingest that never looks at a singleton's run in flight: every event
     starts a run."""
 
-    def _singleton(self, tx: Tx, fd: Any, key: str, event_id: str, data: Any, result: Any) -> None:
-        result.plain.append(fd)
-        result.singletons.append((fd.id, key))
+    def _singleton(self, tx: Tx, fd: Any, key: str, event_id: str, result: Any, group: Any) -> None:
+        result.runs.append(new_run(fd))
 
 
 class KeyCountIgnored(SqliteStore):

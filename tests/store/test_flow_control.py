@@ -169,3 +169,66 @@ async def test_retention_keeps_the_events_of_a_kept_batch_run_and_purges_them_wi
     await store.advance_clock(7200)  # type: ignore[attr-defined]
     counts = await store.purge_history(older_than_s=60, idempotency_window_s=60, batch=100)
     assert counts.runs == 1 and counts.events == 2
+
+
+# A group of emits (``ingest_events``; on PostgreSQL one combined statement
+# for the group's runs and events): flow control decides event by event, and a
+# key decided again in the group sees the runs the group planned for it.
+
+
+async def emit_group(store: Store, datas: list) -> list:
+    return await store.ingest_events([(EVENT, d, None) for d in datas], idempotency_window_s=60)
+
+
+async def test_a_group_of_emits_decides_a_singleton_key_event_by_event(store):
+    await worker(store, fn("sync", singleton=Singleton(key="event.data.account")))
+    results = await emit_group(store, [{"account": 1}, {"account": 1}, {"account": 2}, {"account": 1}])
+    assert [len(r.run_ids) for r in results] == [1, 0, 1, 0]
+    assert {r.flow[0].run_id for r in (results[1], results[3])} == set(results[0].run_ids)
+    assert (await store.get_event(results[1].event_id)).flow == results[1].flow
+
+
+async def test_a_group_of_emits_replaces_a_singleton_run_it_started_itself(store):
+    await worker(store, fn("sync", singleton=Singleton(mode="cancel")))
+    first, second = await emit_group(store, [{}, {}])
+    assert [o.run_id for o in second.cancelled] == first.run_ids
+    assert (await store.get_run(first.run_ids[0])).run.status == "cancelled"
+    assert (await store.get_run(second.run_ids[0])).run.status != "cancelled"
+
+
+async def test_a_group_of_emits_fills_batches_in_arrival_order(store):
+    session = await worker(store, fn("ingest", batch=Batch(max_size=2, timeout_s=5.0, key="event.data.k")))
+    results = await emit_group(store, [{"k": 1, "n": n} for n in range(5)] + [{"k": 2, "n": 5}])
+    assert all(r.run_ids == [] and r.flow[0].outcome == "batched" for r in results)
+    runs = [r.flow[0].run_id for r in results]
+    assert runs[0] == runs[1] != runs[2] == runs[3] != runs[4] != runs[5]
+    assert [r.flow[0].size for r in results] == [1, 2, 1, 2, 1, 1]
+    reserved = await reserve(store, session)  # the two full batches
+    assert sorted([e.data["n"] for e in r.assignment.events or []] for r in reserved) == [[0, 1], [2, 3]]
+    await store.advance_clock(5.1)  # type: ignore[attr-defined]
+    late = await reserve(store, session)
+    assert sorted([e.data["n"] for e in r.assignment.events or []] for r in late) == [[4], [5]]
+
+
+async def test_a_group_of_emits_keeps_one_pending_debounce_with_its_last_event(store):
+    session = await worker(store, fn("digest", debounce=Debounce(2.0)))
+    results = await emit_group(store, [{"n": n} for n in range(3)])
+    assert len({r.flow[0].run_id for r in results}) == 1
+    await store.advance_clock(2.1)  # type: ignore[attr-defined]
+    [res] = await reserve(store, session)
+    assert res.assignment.event.data == {"n": 2}
+
+
+async def test_a_group_of_emits_finds_a_singleton_run_and_a_filling_batch_from_before(store):
+    await worker(
+        store, fn("sync", singleton=Singleton(key="event.data.k")),
+        fn("ingest", batch=Batch(max_size=3, timeout_s=5.0, key="event.data.k")),
+    )
+    before = await emit(store, {"k": 1})
+    [run_id] = before.run_ids
+    filling = next(n.run_id for n in before.flow if n.function_id == "ingest")
+    results = await emit_group(store, [{"k": 1}, {"k": 2}])
+    assert [r.run_ids for r in results][0] == [] and len(results[1].run_ids) == 1
+    notes = {(n.function_id, n.outcome): n for n in results[0].flow}
+    assert notes[("sync", "skipped")].run_id == run_id
+    assert notes[("ingest", "batched")].run_id == filling and notes[("ingest", "batched")].size == 2

@@ -13,7 +13,16 @@ import psycopg
 import pytest
 import trio
 
-from ironflow.protocol import Batch, Debounce, FunctionDef, RateLimit, Singleton, Throttle, Trigger
+from ironflow.protocol import (
+    Batch,
+    Concurrency,
+    Debounce,
+    FunctionDef,
+    RateLimit,
+    Singleton,
+    Throttle,
+    Trigger,
+)
 from ironflow.store.postgres import PostgresStore
 from tests.store.test_pg_races import HOOK_WAIT_S, HookedStore, lock_waiters, wait_until
 from tests.store.test_store_behaviour import reserve, worker
@@ -45,7 +54,15 @@ async def emit(store: PostgresStore, data: Any) -> Any:
     return await store.ingest_event(EVENT, data, None, idempotency_window_s=60)
 
 
-async def race(a: HookedStore, b: PostgresStore, pg_url: str, data: Any) -> tuple[Any, Any, bool]:
+async def emit_group(store: PostgresStore, datas: list[Any]) -> Any:
+    """A group of emits in one transaction (``ingest_events``): its singleton
+    and batch keys upserted in one statement (store/flow.py ``_claim_keys``)."""
+    return await store.ingest_events([(EVENT, d, None) for d in datas], idempotency_window_s=60)
+
+
+async def race(
+    a: HookedStore, b: PostgresStore, pg_url: str, data: Any, send: Any = emit
+) -> tuple[Any, Any, bool]:
     """Ingest ``data`` on ``a``, held before its commit, and on ``b`` meanwhile.
 
     Returns both results and whether ``b`` finished while ``a`` was held
@@ -60,10 +77,10 @@ async def race(a: HookedStore, b: PostgresStore, pg_url: str, data: Any) -> tupl
     results: dict[str, Any] = {}
 
     async def on_a() -> None:
-        results["a"] = await emit(a, data)
+        results["a"] = await send(a, data)
 
     async def on_b() -> None:
-        results["b"] = await emit(b, data)
+        results["b"] = await send(b, data)
 
     try:
         async with trio.open_nursery() as nursery:
@@ -99,13 +116,38 @@ async def test_two_nodes_ingesting_one_key_at_once_pass_a_rate_limit_once(stores
     assert second.flow[0].mechanism == "rate_limit"
 
 
-async def test_two_nodes_ingesting_one_singleton_key_at_once_start_one_run(stores, pg_url):
+@pytest.mark.parametrize("earlier", [False, True], ids=["first-event-of-the-key", "its-run-ended"])
+async def test_two_nodes_ingesting_one_singleton_key_at_once_start_one_run(stores, pg_url, earlier):
+    """The upsert names the new run at once when the key is new or its run is
+    seen ended; the second node's upsert waits for the first's and, not seeing
+    the first's run in its snapshot, reads it afresh: in flight, skipped."""
     a, b = stores
     await register(a, FunctionDef(id="single", triggers=[Trigger(EVENT)], singleton=Singleton(key="k")))
+    if earlier:
+        [ended] = (await emit(b, {"k": 1})).run_ids
+        await b.cancel_run(ended, "over")
     first, second, raced = await race(a, b, pg_url, {"k": 1})
     assert not raced
     assert len(first.run_ids) == 1 and second.run_ids == []
     assert second.flow[0].outcome == "skipped" and second.flow[0].run_id == first.run_ids[0]
+
+
+@pytest.mark.parametrize("kind", ["singleton", "on_limit"])
+async def test_two_nodes_ingesting_groups_that_share_a_key_start_one_run_of_it(stores, pg_url, kind):
+    """Each group upserts its keys in one statement, in key order (on_limit:
+    then counts them): the second waits on the shared key's row, then finds
+    the first's run in flight."""
+    a, b = stores
+    flow: dict[str, Any] = (
+        {"singleton": Singleton(key="k")} if kind == "singleton"
+        else {"concurrency": Concurrency(1, key="k", on_limit="skip")}
+    )
+    await register(a, FunctionDef(id="single", triggers=[Trigger(EVENT)], **flow))
+    first, second, raced = await race(a, b, pg_url, [{"k": 2}, {"k": 1}], emit_group)
+    assert not raced
+    assert [len(r.run_ids) for r in first] == [1, 1]
+    assert [len(r.run_ids) for r in second] == [0, 0]
+    assert second[1].flow[0].run_id == first[1].run_ids[0]
 
 
 @pytest.mark.parametrize("kind", ["debounce", "batch"])
@@ -206,3 +248,27 @@ async def test_two_nodes_reserving_one_throttle_key_at_once_start_one_run(stores
         a.after = None
     assert len(results["a"]) == 1
     assert results["b"] == [], "a third start of one throttle key inside its burst's period"
+
+
+@pytest.mark.parametrize("on_limit", ["skip", "cancel_in_progress"])
+async def test_two_nodes_ingesting_one_full_key_at_once_leave_the_limit_in_flight(stores, pg_url, on_limit):
+    """The second ingest waits on the ``on_limit_keys`` row lock the first
+    holds, then counts the first's run: never both started past the limit
+    (skip), never both cancelling the same run and starting (cancel)."""
+    a, b = stores
+    await register(a, FunctionDef(
+        id="gated", triggers=[Trigger(EVENT)],
+        concurrency=Concurrency(1, key="event.data.k", on_limit=on_limit),
+    ))
+    first, second, raced = await race(a, b, pg_url, {"k": 1})
+    assert not raced, "the second ingest counted the key without waiting for the first"
+    assert len(first.run_ids) == 1
+    if on_limit == "skip":
+        assert second.run_ids == [] and second.flow[0].run_id == first.run_ids[0]
+    else:
+        assert len(second.run_ids) == 1 and [o.run_id for o in second.cancelled] == first.run_ids
+    with psycopg.connect(pg_url) as conn:
+        live = conn.execute(
+            "SELECT count(*) FROM runs WHERE function_id = 'gated' AND status <> 'cancelled'"
+        ).fetchone()
+    assert live == (1,)

@@ -11,7 +11,15 @@ import pytest
 import ironflow
 from actors.session import RegistrationRefused, check_register
 from ironflow.config import Limits
-from ironflow.protocol import Debounce, FunctionDef, RateLimit, Register, Singleton, Trigger
+from ironflow.protocol import (
+    Concurrency,
+    Debounce,
+    FunctionDef,
+    RateLimit,
+    Register,
+    Singleton,
+    Trigger,
+)
 
 
 async def _handler(ctx):
@@ -81,3 +89,31 @@ def _register(fd: FunctionDef) -> None:
 def test_a_registration_with_bad_flow_control_is_refused_naming_the_field(fd, names):
     with pytest.raises(RegistrationRefused, match=names):
         _register(fd)
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "extra", "names"),
+    [
+        (ironflow.Concurrency(2, on_limit="sometimes"), {}, "on_limit"),  # type: ignore[arg-type]
+        ({"on_limit": "skip"}, {}, "limit"),
+        ([ironflow.Concurrency(9, on_limit="skip"), ironflow.Concurrency(1, key="k", on_limit="skip")], {},
+         "at most one of the two constraints may have an on_limit"),
+        (ironflow.Concurrency(1, on_limit="cancel_in_progress"), {"batch": ironflow.Batch(10, 2)},
+         "concurrency.on_limit='cancel_in_progress' cannot be combined with batch"),
+        ([ironflow.Concurrency(9), ironflow.Concurrency(1, key="k", on_limit="skip")],
+         {"singleton": ironflow.Singleton()}, r"concurrency\[1\].on_limit='skip' cannot be combined with singleton"),
+    ],
+)
+def test_a_bad_on_limit_is_refused_at_declaration_naming_the_field(concurrency, extra, names):
+    with pytest.raises((ValueError, TypeError), match=names):
+        ironflow.function(id="f", triggers=["a"], concurrency=concurrency, **extra)(_handler)
+
+
+def test_a_registration_with_two_on_limits_is_refused_naming_the_field():
+    fd = FunctionDef(id="f", triggers=[Trigger("a")], concurrency=[
+        Concurrency(9, on_limit="cancel_in_progress"), Concurrency(1, key="k", on_limit="skip"),
+    ])
+    with pytest.raises(RegistrationRefused, match="on_limit"):
+        _register(fd)
+    ok = FunctionDef(id="f", triggers=[Trigger("a")], concurrency=Concurrency(1, on_limit="skip"))
+    _register(ok)
