@@ -16,7 +16,6 @@ Prints ``READY <pid>`` once connected.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -54,12 +53,7 @@ def main() -> None:
         args.server, [gate, latest], max_concurrent_jobs=1, reconnect_delay=0.2,
     )
 
-    async def run() -> None:
-        async with anyio.create_task_group() as nursery:
-            await nursery.start(worker.run)
-            print(f"READY {os.getpid()}", flush=True)
-
-    worker_loop.run(run)
+    worker_loop.serve(worker)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ second store's ingest runs into the row lock it holds — never a sleep."""
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import psycopg
@@ -67,6 +67,15 @@ async def race(
 
     Returns both results and whether ``b`` finished while ``a`` was held
     (it must not: it waits for ``a``'s row lock, then reads ``a``'s row)."""
+    return await race_calls(a, pg_url, lambda: send(a, data), lambda: send(b, data))
+
+
+async def race_calls(
+    a: HookedStore, pg_url: str, call_a: Callable[[], Awaitable[Any]], call_b: Callable[[], Awaitable[Any]]
+) -> tuple[Any, Any, bool]:
+    """Run ``call_a`` (a call on ``a``) held before its commit, and ``call_b``
+    meanwhile; returns both results and whether ``call_b`` finished while
+    ``call_a`` was held rather than waiting for one of its locks."""
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
@@ -77,10 +86,10 @@ async def race(
     results: dict[str, Any] = {}
 
     async def on_a() -> None:
-        results["a"] = await send(a, data)
+        results["a"] = await call_a()
 
     async def on_b() -> None:
-        results["b"] = await send(b, data)
+        results["b"] = await call_b()
 
     try:
         async with trio.open_nursery() as nursery:
@@ -217,37 +226,13 @@ async def test_two_nodes_reserving_one_throttle_key_at_once_start_one_run(stores
     # a's round reads (and SKIP-locks) 4 queue rows: b's reads the 5th.
     for n in range(5):
         await emit(b, {"user": "u", "n": n})
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        held.set()
-        release.wait(HOOK_WAIT_S)
-
-    results: dict[str, Any] = {}
-
-    async def on_a() -> None:
-        results["a"] = await reserve(a, sa, limit=1, node="na")
-
-    async def on_b() -> None:
-        results["b"] = await reserve(b, sb, limit=1, node="nb")
-
-    a.after = hold
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(on_a)
-            assert await trio.to_thread.run_sync(lambda: held.wait(HOOK_WAIT_S))
-            a.after = None
-            nursery.start_soon(on_b)
-            assert await trio.to_thread.run_sync(
-                lambda: wait_until(lambda: "b" in results or lock_waiters(pg_url) > 0)
-            )
-            assert "b" not in results, "b's round passed the throttle row a holds"
-            release.set()
-    finally:
-        release.set()
-        a.after = None
-    assert len(results["a"]) == 1
-    assert results["b"] == [], "a third start of one throttle key inside its burst's period"
+    got_a, got_b, raced = await race_calls(
+        a, pg_url,
+        lambda: reserve(a, sa, limit=1, node="na"), lambda: reserve(b, sb, limit=1, node="nb"),
+    )
+    assert not raced, "b's round passed the throttle row a holds"
+    assert len(got_a) == 1
+    assert got_b == [], "a third start of one throttle key inside its burst's period"
 
 
 @pytest.mark.parametrize("on_limit", ["skip", "cancel_in_progress"])
