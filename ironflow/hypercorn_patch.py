@@ -1,4 +1,4 @@
-"""Two changes to hypercorn's Trio worker (0.18), installed by :func:`apply`.
+"""Three changes to hypercorn's Trio worker (0.18), installed by :func:`apply`.
 
 **Close a connection the protocol closed.** hypercorn (``trio/tcp_server.py``)
 closes an HTTP/1.1 connection after a response to ``Connection: close`` or
@@ -21,6 +21,14 @@ its empty end), and empty writes are skipped. The bytes on the wire are the
 same, in the same order. A response without a length (chunked, streamed: the
 dashboard's live feed) has its head written at once, as before, and so does an
 informational response (a websocket's ``101``).
+
+**The keep-alive timer restarted without a handshake.** A connection's idle
+timer is cancelled when a request arrives and started again when its response
+is done (``TrioSingleTask``): per request, two lock acquisitions and a
+``Nursery.start``, whose started-handshake costs a task switch of its own.
+:class:`_SingleTask` does the same with ``start_soon`` and no lock (nothing in
+it awaits, so restart and stop cannot interleave): the old run is cancelled,
+a new one is started, as before.
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ import h11
 import trio
 from hypercorn.events import Closed, RawData
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio import tcp_server
 from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import TrioSingleTask
 
 # Upper bound on the shielded close: send_eof and aclose do not block on a
 # healthy socket; this only guards a wedged one.
@@ -71,16 +81,45 @@ async def _send_h11_event(self: H11Protocol, event: Any) -> None:
         setattr(self, _HELD_HEAD, b"")
         data = head + data
     if isinstance(event, h11.Response) and _declares_length(event):
-        # Its body or its end follows from the same task: h11 requires one.
+        # Held until its body or its end (h11 needs one to finish the response);
+        # a head without its fixed-length body is of no use to the client.
         setattr(self, _HELD_HEAD, data)
         return
     if data:
         await self.send(RawData(data=data))
 
 
+class _SingleTask:
+    """hypercorn's ``TrioSingleTask`` (at most one run of an action, restarted
+    or stopped), without a lock or a started-handshake per restart."""
+
+    def __init__(self) -> None:
+        self._scope: trio.CancelScope | None = None
+
+    async def restart(self, task_group: Any, action: Any) -> None:
+        """Cancel the running action, if any, and start ``action`` afresh in ``task_group``."""
+        if self._scope is not None:
+            self._scope.cancel()
+        scope = self._scope = trio.CancelScope()
+        task_group._nursery.start_soon(_run_in, scope, action)
+
+    async def stop(self) -> None:
+        """Cancel the running action, if any."""
+        if self._scope is not None:
+            self._scope.cancel()
+        self._scope = None
+
+
+async def _run_in(scope: trio.CancelScope, action: Any) -> None:
+    with scope:
+        await action()
+
+
 def apply() -> None:
-    """Install both changes (idempotent)."""
+    """Install the three changes (idempotent)."""
     if TCPServer.protocol_send is not _protocol_send:
         TCPServer.protocol_send = _protocol_send  # type: ignore[method-assign]
     if H11Protocol._send_h11_event is not _send_h11_event:
         H11Protocol._send_h11_event = _send_h11_event  # type: ignore[method-assign]
+    if tcp_server.TrioSingleTask is TrioSingleTask:  # what TCPServer() makes its idle_task of
+        tcp_server.TrioSingleTask = _SingleTask  # type: ignore[misc,assignment]

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import h11
+import trio
+import trio.testing
 from hypercorn.config import Config
 from hypercorn.events import RawData
 from hypercorn.protocol.events import Body, EndBody, Response
@@ -68,3 +70,38 @@ async def test_an_empty_fixed_length_response_is_one_write() -> None:
     assert len(writes) == 1 and writes[0].endswith(b"\r\n\r\n")
 
 
+
+
+async def test_the_keep_alive_timer_runs_once_and_stops() -> None:
+    """The idle timer hypercorn restarts per request: one run at a time,
+    a restart cancels the previous run, a stop cancels the current one."""
+    hypercorn_patch.apply()
+    from hypercorn.trio import tcp_server
+
+    running: list[int] = []
+    ended: list[int] = []
+
+    def action(n: int) -> Any:
+        async def run() -> None:
+            running.append(n)
+            try:
+                await trio.sleep_forever()
+            finally:
+                ended.append(n)
+
+        return run
+
+    timer = tcp_server.TrioSingleTask()
+    async with trio.open_nursery() as nursery:
+        group: Any = type("TaskGroup", (), {"_nursery": nursery})()  # what the timer uses of one
+        await timer.restart(group, action(1))
+        await timer.restart(group, action(2))
+        await trio.testing.wait_all_tasks_blocked()
+        assert set(running) - set(ended) == {2}  # the first was cancelled
+        await timer.stop()
+        await trio.testing.wait_all_tasks_blocked()
+        assert set(running) - set(ended) == set()
+        await timer.restart(group, action(3))
+        await trio.testing.wait_all_tasks_blocked()
+        assert set(running) - set(ended) == {3}
+        await timer.stop()
