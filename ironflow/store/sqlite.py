@@ -61,6 +61,10 @@ _SQLITE_OUTAGES = {
 }
 
 
+def _not_abortable(_: Any) -> trio.lowlevel.Abort:
+    return trio.lowlevel.Abort.FAILED
+
+
 def _unavailable(exc: BaseException) -> StoreUnavailable | None:
     """The outage ``exc`` (a sqlite3 error) means, or None for any other error."""
     code = getattr(exc, "sqlite_errorcode", None)
@@ -436,16 +440,17 @@ class SqliteStore(SqlStore):
             return settle(self.availability, inline_box[0], _unavailable)
         if self._thread is None:
             raise RuntimeError("SqliteStore is not open")
-        done = trio.Event()
+        task = trio.lowlevel.current_task()
         box: list[outcome.Outcome[T]] = []
 
         def deliver(result: outcome.Outcome[T]) -> None:
             box.append(result)
-            done.set()
+            trio.lowlevel.reschedule(task)
 
         self._requests.put((work, trio.lowlevel.current_trio_token(), deliver))
-        # Shielded: a request in the writer's hands will commit; its result must
-        # reach the caller (cancellation is delivered at the next checkpoint).
-        with trio.CancelScope(shield=True):
-            await done.wait()
+        # Not abortable (the same as a shielded wait, without a cancel scope and
+        # an Event per store call): a request in the writer's hands will commit;
+        # its result must reach the caller. A cancellation is delivered at the
+        # caller's next checkpoint.
+        await trio.lowlevel.wait_task_rescheduled(_not_abortable)
         return settle(self.availability, box[0], _unavailable)
