@@ -61,10 +61,6 @@ _SQLITE_OUTAGES = {
 }
 
 
-def _not_abortable(_: Any) -> trio.lowlevel.Abort:
-    return trio.lowlevel.Abort.FAILED
-
-
 def _unavailable(exc: BaseException) -> StoreUnavailable | None:
     """The outage ``exc`` (a sqlite3 error) means, or None for any other error."""
     code = getattr(exc, "sqlite_errorcode", None)
@@ -440,17 +436,16 @@ class SqliteStore(SqlStore):
             return settle(self.availability, inline_box[0], _unavailable)
         if self._thread is None:
             raise RuntimeError("SqliteStore is not open")
-        task = trio.lowlevel.current_task()
+        done = trio.Event()
         box: list[outcome.Outcome[T]] = []
 
         def deliver(result: outcome.Outcome[T]) -> None:
             box.append(result)
-            trio.lowlevel.reschedule(task)
+            done.set()
 
         self._requests.put((work, trio.lowlevel.current_trio_token(), deliver))
-        # Not abortable (the same as a shielded wait, without a cancel scope and
-        # an Event per store call): a request in the writer's hands will commit;
-        # its result must reach the caller. A cancellation is delivered at the
-        # caller's next checkpoint.
-        await trio.lowlevel.wait_task_rescheduled(_not_abortable)
+        # Shielded: a request in the writer's hands will commit; its result must
+        # reach the caller (cancellation is delivered at the next checkpoint).
+        with trio.CancelScope(shield=True):
+            await done.wait()
         return settle(self.availability, box[0], _unavailable)
