@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -24,6 +25,43 @@ async def test_clock_follows_mock_clock(autojump_clock, tmp_path):
         assert await store.db_now() == pytest.approx(start + 100)
         await store.advance_clock(5)
         assert await store.db_now() == pytest.approx(start + 105)
+    finally:
+        await store.close()
+
+
+async def test_a_caller_cancelled_while_the_writer_runs_its_call_gets_its_committed_result(tmp_path):
+    """The wait for the writer is not abortable: the write commits, the caller
+    hears its result, and the cancellation comes at its next checkpoint."""
+    store = SqliteStore(str(tmp_path / "db"))
+    await store.open()
+    running, release = threading.Event(), threading.Event()
+    got: list[int] = []
+    after: list[str] = []
+
+    def work(tx) -> int:
+        running.set()
+        release.wait(10)
+        tx.execute("CREATE TABLE scratch (k INTEGER)")
+        return 7
+
+    async def caller(task_status: trio.TaskStatus[trio.CancelScope]) -> None:
+        with trio.CancelScope() as scope:
+            task_status.started(scope)
+            got.append(await store._write(work))
+            after.append("reached")
+            await trio.sleep_forever()  # the next checkpoint delivers the cancellation
+        after.append("cancelled")
+
+    try:
+        async with trio.open_nursery() as nursery:
+            scope = await nursery.start(caller)
+            await trio.to_thread.run_sync(running.wait, 10)
+            scope.cancel()
+            await trio.sleep(0.05)
+            assert not got  # still waiting: its call is in the writer's hands
+            release.set()
+        assert got == [7] and after == ["reached", "cancelled"]
+        assert await store._write(lambda tx: tx.fetchall("SELECT k FROM scratch")) == []  # committed
     finally:
         await store.close()
 
