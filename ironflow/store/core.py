@@ -523,12 +523,14 @@ class SqlStoreBase(Store):
         parent_run_id: str | None = None,
         parent_step_id: str | None = None,
         new: NewRun | None = None,
+        event_name: str = INVOKED_EVENT,
     ) -> str:
-        """Create a run of ``fd`` for event ``event_id`` and queue its first
+        """Create a run of ``fd`` for event ``event_id`` (named ``event_name``:
+        what a CEL key or priority reads as ``event.name``) and queue its first
         segment (``new``: the id, hold and kind an ingest chose); its id."""
         new = new or new_run(fd)
         run_id = new.run_id
-        ckey = self._run_key(fd, INVOKED_EVENT, data, event_id)
+        ckey = self._run_key(fd, event_name, data, event_id)
         tx.execute(
             "INSERT INTO runs (id, function_id, event_id, parent_run_id, parent_step_id, status,"
             " attempt, max_attempts, recovery_count, current_execution_seq, concurrency_key,"
@@ -551,7 +553,7 @@ class SqlStoreBase(Store):
         if fd.priority is not None:  # flow control (issue 24): store/flow.py
             from ironflow.store.dispatch_flow import priority_of, set_priorities
 
-            set_priorities(tx, [(run_id, priority_of(fd, "", data))])
+            set_priorities(tx, [(run_id, priority_of(fd, event_name, data))])
         return run_id
 
     # Trigger filters, expression keys and cancel-on (ironflow/store/filters.py,

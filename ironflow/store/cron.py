@@ -127,7 +127,7 @@ class CronOps(SqlStoreBase):
         ):
             return None
         data = tick_data(cron, tz, scheduled_at)
-        run_id = self._create_run(tx, fd, event_id, data)
+        run_id = self._create_run(tx, fd, event_id, data, event_name=CRON_EVENT)
         self._insert_event(tx, event_id, CRON_EVENT, data, None, [run_id])
         return run_id
 

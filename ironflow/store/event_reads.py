@@ -57,21 +57,21 @@ class EventReadOps(SqlStoreBase):
     async def rerun(self, run_id: str) -> tuple[str, str]:
         def work(tx: Tx) -> tuple[str, str]:
             run = tx.fetchone(
-                "SELECT r.event_id, e.data, f.definition FROM runs r"
+                "SELECT r.event_id, e.data, f.definition, e.name FROM runs r"
                 " JOIN events e ON e.id = r.event_id"
                 " JOIN functions f ON f.id = r.function_id WHERE r.id = ?",
                 (run_id,),
             )
             if run is None:
                 raise RunNotFound(f"run {run_id} not found, or its event or function is gone")
-            event_id, data_text, definition = run
+            event_id, data_text, definition, event_name = run
             fd = self._fdef_or_none(definition)
             if fd is None:
                 raise NotFound(
                     f"run {run_id}'s function has a stored definition this version refuses;"
                     " restart its worker to register it again"
                 )
-            new_run_id = self._create_run(tx, fd, event_id, _dec(data_text))
+            new_run_id = self._create_run(tx, fd, event_id, _dec(data_text), event_name=event_name)
             row = tx.fetchone("SELECT run_ids FROM events WHERE id = ?", (event_id,))
             run_ids = (_dec(row[0]) if row else None) or []
             tx.execute(

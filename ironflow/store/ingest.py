@@ -112,7 +112,8 @@ class IngestOps(WaitOps, FlowOps):
             planned = [r if isinstance(r, NewRun) else new_run(r) for r in runs]
             run_ids = [
                 run_id for r in planned
-                if (run_id := self._create_run(tx, r.fd, event_id, data, new=r)) and r.reason == "new"
+                if (run_id := self._create_run(tx, r.fd, event_id, data, new=r, event_name=name))
+                and r.reason == "new"
             ]
             self._insert_event(
                 tx, event_id, name, data, key, run_ids, (notes or {}).get(event_id), (flows or {}).get(event_id)

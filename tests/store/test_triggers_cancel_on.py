@@ -111,6 +111,17 @@ async def test_a_key_expression_keys_the_run_and_a_dotted_path_keeps_its_meaning
     assert note.function_id == "expr" and note.error and note.reason.startswith("concurrency key")
 
 
+async def test_a_key_reading_the_event_name_gets_the_events_name_on_every_path(store):
+    # SQLite's ingest, PostgreSQL's one-statement ingest and a re-run of the
+    # event all evaluate the key on the event's own name (not the invoke's).
+    await worker(store, fn("named", concurrency=Concurrency(1, "event.name + ':' + string(event.data.n)")))
+    ok = await emit(store, data={"n": 1})
+    (run_id,) = ok.run_ids
+    assert (await store.get_run_record(run_id)).concurrency_key == "order.created:1"
+    again, _ = await store.rerun(run_id)
+    assert (await store.get_run_record(again)).concurrency_key == "order.created:1"
+
+
 async def test_an_invocation_whose_key_fails_is_refused_and_starts_nothing(store):
     await worker(store, fn("child", concurrency=Concurrency(1, "string(event.data.region)")), fn("parent"))
     with pytest.raises(KeyEvaluationFailed, match="no such key: region"):
