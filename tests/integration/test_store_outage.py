@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -159,11 +160,18 @@ def _check_answers(emitter: Emitter, outage_code: str, down_at: float, back_at: 
     assert len(emitter.acked) == EVENTS
 
 
-def _check_node_log(node: Proc) -> None:
+def _check_node_log(node: Proc, *, flaps: int = 0) -> None:
+    """No crash, no internal error; one outage logged down and up. ``flaps``:
+    extra down/up pairs allowed, each under 1 s — a nearly full disk: the
+    failed write's rollback frees a page, the write probe fits in it, and the
+    next real write fails again (docs/operations.md, "A nearly full disk")."""
     text = node.log_path.read_text(errors="replace")
     assert "actor: crashed" not in text, node.tail(60)
-    assert text.count("store: unavailable") == 1, node.tail(60)
-    assert text.count("store: available again") == 1, node.tail(60)
+    downs = text.count("store: unavailable")
+    assert 1 <= downs <= 1 + flaps, node.tail(60)
+    assert text.count("store: available again") == downs, node.tail(60)
+    outages = sorted(float(d) for d in re.findall(r"down_s=([0-9.]+)", text))
+    assert all(d < 1.0 for d in outages[:-1]), node.tail(60)
     assert "api: internal error" not in text, node.tail(60)
 
 
@@ -318,7 +326,7 @@ async def test_sqlite_on_a_full_disk_answers_507_and_recovers_when_space_returns
         assert 503 in ready.statuses(down_at, back_at)
         assert ready.first_sent(200, back_at) - back_at <= READY_WITHIN_S
         assert ready.statuses(back_at + READY_WITHIN_S, time.time()) == {200}
-        _check_node_log(node)
+        _check_node_log(node, flaps=1)
         for worker in (load, slow):
             assert worker.alive()
             assert "Connection to engine lost" not in worker.log_path.read_text(errors="replace")
