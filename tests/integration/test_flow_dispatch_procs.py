@@ -162,8 +162,11 @@ async def _throttle(clients: list[httpx.AsyncClient], db: str, sampler: Sampler,
     assert len(starts) >= len(ids) - 2, f"the sampler missed throttled runs: saw {len(starts)} of {len(ids)}"
     report["throttle: starts seen"] = len(starts)
     gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    # GCRA: a start at tat (± the dispatch's 1 µs), tat then one interval on.
-    assert min(gaps) >= 1 / THROTTLE_PER_S - 1e-3, gaps
+    # GCRA: a start at tat, tat then one interval on. The round judges by the
+    # clock it read once at its start; the reservation's own timestamp is
+    # written statements later, so two stamps may sit a few ms closer than
+    # the interval (0.1978 s seen once in CI): 10 ms of slack.
+    assert min(gaps) >= 1 / THROTTLE_PER_S - 0.01, gaps
     busiest = max(sum(1 for t in starts if s <= t < s + 1.0 - 1e-3) for s in starts)
     assert busiest <= THROTTLE_PER_S, starts
     # Spread, not starved: each start when due (the dispatcher wakes for it,
