@@ -18,24 +18,16 @@ from ironflow.store import Conflict, Fence, StaleExecution
 from tests.store.test_pg_cancel_on_races import held_open
 from tests.store.test_pg_races import HOOK_WAIT_S, HookedStore, lock_waiters, wait_until
 from tests.store.test_pg_races import store as store  # the HookedStore fixture
+from tests.store.test_store_behaviour import running as shared_running
+from tests.store.test_store_behaviour import worker
 
 FN = FunctionDef(id="saga", triggers=[Trigger("saga.go")], retries=RetryPolicy(max_attempts=1))
 ORIGINAL = ErrorInfo("card declined", "DECLINED", retryable=False)
 
 
 async def running(store: HookedStore) -> Fence:
-    session = await store.register_worker(
-        node_id="n0", worker_id="w", mode="stream", max_concurrent_jobs=4,
-        functions=[FN], session_expiry_s=600,
-    )
-    await store.ingest_event("saga.go", {}, None, idempotency_window_s=60)
-    (res,) = await store.reserve_segments(
-        "n0", {session.session_id: frozenset({"saga"})}, 1, reservation_expiry_s=600
-    )
-    a = res.assignment
-    fence = Fence(session.session_id, a.run_id, a.execution_seq, a.lease_token)
-    await store.activate_lease(fence, lease_expiry_s=600)
-    return fence
+    """One run of ``saga`` taken to 'running': its live fence."""
+    return await shared_running(store, await worker(store, FN, slots=4), name="saga.go")
 
 
 async def register(store: HookedStore, fence: Fence, refused: list[BaseException]) -> None:
