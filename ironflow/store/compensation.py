@@ -58,17 +58,24 @@ from ironflow.store.base import JobOutcome
 from ironflow.store.core import RUN_END_FIGURES, SqlStoreBase, Tx, _dec_error, _enc
 
 
+def has_undos_sql(run: str) -> str:
+    """An SQL condition: run ``run`` (a column or ``?``) recorded
+    ``compensate:registered``; its one parameter is
+    ``compensation_step_id(run_id, "registered")``. Read it after the run's
+    lease went in this transaction (module docstring: locks)."""
+    return f"EXISTS (SELECT 1 FROM steps s WHERE s.run_id = {run} AND s.step_id = ?)"
+
+
 class CompensationOps(SqlStoreBase):
     """A run's compensation begun and ended (see the module docstring)."""
 
     @staticmethod
     def _has_undos(tx: Tx, run_id: str) -> bool:
-        """Whether the run recorded ``compensate:registered``. Read it after the
-        run's lease went in this transaction (module docstring: locks)."""
-        return tx.fetchone(
-            "SELECT 1 FROM steps WHERE run_id = ? AND step_id = ?",
-            (run_id, compensation_step_id(run_id, "registered")),
-        ) is not None
+        """Whether the run recorded ``compensate:registered`` (:func:`has_undos_sql`)."""
+        row = tx.fetchone(
+            f"SELECT {has_undos_sql('?')}", (run_id, compensation_step_id(run_id, "registered"))
+        )
+        return row is not None and bool(row[0])
 
     def _begin_compensation(
         self, tx: Tx, run_id: str, cause: CompensationCause, error: ErrorInfo

@@ -40,7 +40,7 @@ from ironflow.store.base import (
     StaleExecution,
     StepResult,
 )
-from ironflow.store.compensation import CompensationOps
+from ironflow.store.compensation import CompensationOps, has_undos_sql
 from ironflow.store.core import (
     _FENCE_SQL,
     _RUN_COLS,
@@ -350,7 +350,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             run = tx.fetchone(
                 "SELECT r.attempt, r.max_attempts, r.concurrency_key, r.parent_run_id,"
                 " r.parent_step_id, f.definition, f.audit, r.compensation, r.error,"
-                " EXISTS (SELECT 1 FROM steps s WHERE s.run_id = r.id AND s.step_id = ?)"
+                f" {has_undos_sql('r.id')}"
                 " FROM runs r JOIN functions f ON f.id = r.function_id WHERE r.id = ?",
                 (compensation_step_id(fence.run_id, "registered"), fence.run_id),
             )

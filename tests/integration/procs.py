@@ -153,6 +153,27 @@ async def start_node(
             await trio.sleep(0.1)
 
 
+def node_ports(backend: str) -> list[int]:
+    """Free ports for a test's nodes: one on SQLite, two sharing PostgreSQL."""
+    return [free_port()] if backend == "sqlite" else [free_port(), free_port()]
+
+
+async def start_nodes(db: str, tmp_path: Path, ports: list[int], procs: list[Proc]) -> list[Proc]:
+    """Node ``n<i>`` on each of ``ports``, started side by side; each is added
+    to ``procs`` once ready (for the test's clean-up, even if another fails).
+    Returns them in the order of ``ports``."""
+    started: dict[int, Proc] = {}
+
+    async def one(i: int, port: int) -> None:
+        started[i] = await start_node(db, tmp_path / f"n{i}", tmp_path, node_id=f"n{i}", port=port)
+        procs.append(started[i])
+
+    async with trio.open_nursery() as nursery:
+        for i, port in enumerate(ports):
+            nursery.start_soon(one, i, port)
+    return [started[i] for i in range(len(ports))]
+
+
 async def start_drain_worker(
     procs: list[Proc], server: str, effects: Path, log_dir: Path, name: str, *args: str
 ) -> Proc:

@@ -29,7 +29,7 @@ import pytest
 import trio
 
 from tests.integration.helpers import wait_for_run
-from tests.integration.procs import ROOT, Proc, db_rows, free_port, start_node
+from tests.integration.procs import ROOT, Proc, db_rows, node_ports, start_nodes
 from tests.integration.test_flow_control import _emit, _emit_all, _until
 
 pytestmark = [pytest.mark.slow, pytest.mark.serial]  # throttle spacing and a 20 ms sampler: wall-clock bounds
@@ -213,12 +213,8 @@ async def test_dispatch_side_flow_control_holds_in_total_across_nodes_and_a_work
     tmp_path: Path, request: pytest.FixtureRequest, backend: str
 ) -> None:
     db = str(request.getfixturevalue("pg_url")) if backend == "postgres" else str(tmp_path / "ironflow.db")
-    ports = [free_port()] if backend == "sqlite" else [free_port(), free_port()]
+    ports = node_ports(backend)
     nodes: list[Proc] = []
-
-    async def node(i: int, port: int) -> None:
-        nodes.append(await start_node(db, tmp_path / f"n{i}", tmp_path, node_id=f"n{i}", port=port))
-
     procs: list[Proc] = []
     sampler: Sampler | None = None
     urls = [f"http://127.0.0.1:{port}" for port in ports]
@@ -233,9 +229,7 @@ async def test_dispatch_side_flow_control_holds_in_total_across_nodes_and_a_work
         mains = [Proc([*worker, url, "--slots", str(SLOTS // len(urls)), "--id", f"main{i}",
                        "--wait-for", str(go)], tmp_path / f"main{i}.log") for i, url in enumerate(urls)]
         procs += [victim, *mains]
-        async with trio.open_nursery() as nursery:
-            for i, port in enumerate(ports):
-                nursery.start_soon(node, i, port)
+        await start_nodes(db, tmp_path, ports, nodes)
         clients = [httpx.AsyncClient(base_url=url, timeout=30) for url in urls]
         await victim.wait_line("READY", timeout=30)
         sampler = Sampler(db)

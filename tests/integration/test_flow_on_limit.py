@@ -13,12 +13,11 @@ from pathlib import Path
 import httpx
 import msgspec
 import pytest
-import trio
 
 from ironflow.node import Node
 from ironflow.protocol import Concurrency, Debounce, FunctionDef, Refused, Register, Trigger
 from tests.integration.helpers import raw_worker, wait_for_run
-from tests.integration.procs import ROOT, Proc, free_port, start_node
+from tests.integration.procs import ROOT, Proc, node_ports, start_nodes
 from tests.integration.test_flow_control import _emit_all
 
 WORKER = ROOT / "tests" / "procs" / "on_limit_worker.py"
@@ -63,16 +62,10 @@ async def test_skip_and_cancel_in_progress_hold_across_nodes_through_the_api(
     tmp_path: Path, request: pytest.FixtureRequest, backend: str
 ) -> None:
     db = str(request.getfixturevalue("pg_url")) if backend == "postgres" else str(tmp_path / "ironflow.db")
-    ports = [free_port()] if backend == "sqlite" else [free_port(), free_port()]
+    ports = node_ports(backend)
     procs: list[Proc] = []
-
-    async def node(i: int, port: int) -> None:
-        procs.append(await start_node(db, tmp_path / f"n{i}", tmp_path, node_id=f"n{i}", port=port))
-
     try:
-        async with trio.open_nursery() as nursery:  # the nodes start side by side
-            for i, port in enumerate(ports):
-                nursery.start_soon(node, i, port)
+        await start_nodes(db, tmp_path, ports, procs)
         urls = [f"http://127.0.0.1:{port}" for port in ports]
         procs.append(Proc([sys.executable, str(WORKER), urls[-1]], tmp_path / "worker.log"))
         await procs[-1].wait_line("READY")
