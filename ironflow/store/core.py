@@ -162,6 +162,12 @@ class Tx(Protocol):
         """``FOR KEY SHARE OF of`` on PostgreSQL (waits for a DELETE of the row,
         not for an UPDATE of its other columns), ``""`` on SQLite."""
 
+    def renew_lock(self, of: str) -> str:
+        """``FOR NO KEY UPDATE OF of SKIP LOCKED`` on PostgreSQL (what an UPDATE
+        of non-key columns takes, skipping a row another transaction is
+        deleting or locked for update; a ``FOR KEY SHARE`` holder is not
+        skipped), ``""`` on SQLite."""
+
     # SQL for this transaction's id (PostgreSQL: ``pg_current_xact_id()``, the
     # number :meth:`snapshot_sql`'s snapshot is judged against), ``NULL`` on SQLite.
     xid_sql: str

@@ -60,6 +60,9 @@ from ironflow.store.waits import WaitOps, park_locks
 # statement that changes the run or its step: a hot-path transition costs no
 # separate audit statement when auditing is off (the common case).
 _AUDIT_FLAG = "(SELECT f.audit FROM functions f WHERE f.id = function_id)"
+# Leases renewed per statement by a heartbeat (4 parameters each): far under
+# both backends' parameter limits and above any worker's slots.
+HEARTBEAT_JOBS_PER_STATEMENT = 500
 
 
 class FenceOps(StepResultOps, WaitOps, CompensationOps):
@@ -579,13 +582,15 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
 
     @staticmethod
     def _release_held(tx: Tx, session_id: str, free_slots: int) -> None:
-        """Give back up to ``free_slots`` credits held back after AT_CAPACITY nacks."""
+        """Give back up to ``free_slots`` credits held back after AT_CAPACITY
+        nacks; a credit another transaction has locked is left for the next
+        heartbeat (see :meth:`heartbeat`)."""
         if free_slots <= 0:
             return
         tx.execute(
             "UPDATE worker_credits SET held = 0 WHERE session_id = ? AND slot IN ("
             " SELECT slot FROM worker_credits WHERE session_id = ? AND held = 1"
-            " ORDER BY slot LIMIT ?)",
+            f" ORDER BY slot LIMIT ? {tx.lock()})",
             (session_id, session_id, free_slots),
         )
 
@@ -597,6 +602,21 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         session_expiry_s: float,
         lease_expiry_s: float,
     ) -> list[JobLeaseStatus]:
+        """Renew a worker session and its jobs' leases; each job's state.
+
+        PostgreSQL: after its session row, a heartbeat never waits for a row
+        lock. Its leases and held credits are many rows of one session, and
+        other transactions lock some of them in their own order (a group
+        commit's job results delete leases in the order the calls came, a
+        ``_complete_many`` in its join's): a heartbeat that waited for one
+        while holding others would deadlock with them. So it skips a lease
+        another transaction has locked (``renew_lock``: a job result, a
+        cancel or a fence deleting it; a step write's ``FOR KEY SHARE`` is not
+        in the way) and reports it REFRESHED when it is still live by the
+        committed state: it is exactly as live as it was a moment before, and
+        the next heartbeat, one ``heartbeat_interval_s`` later and far inside
+        ``lease_expiry_s``, renews it if it is still there."""
+
         def work(tx: Tx) -> list[JobLeaseStatus]:
             row = tx.fetchone(
                 "UPDATE worker_sessions SET expires_at = ironflow_now() + ?"
@@ -610,33 +630,26 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 # reaps it: expiry is decided by the database clock, once.
                 tx.execute(
                     "UPDATE concurrency_leases SET expires_at = ironflow_now() + ?"
-                    " WHERE session_id = ? AND expires_at > ironflow_now()",
+                    " WHERE run_id IN (SELECT c.run_id FROM concurrency_leases c"
+                    f" WHERE c.session_id = ? AND c.expires_at > ironflow_now() {tx.renew_lock('c')})",
                     (float(lease_expiry_s), session_id),
                 )
                 # No job list, no count of free slots: an older worker that
                 # heartbeats is taken at its word and gets its held slots back.
                 self._release_held(tx, session_id, row[0])
                 return []
+            refreshed = self._renew_leases(tx, session_id, jobs, lease_expiry_s)
             out: list[JobLeaseStatus] = []
             for job in jobs:
                 digest = token_hash(job.lease_token)
                 state: Literal["REFRESHED", "STALE", "UNKNOWN"]
-                if tx.execute(
-                    "UPDATE concurrency_leases SET expires_at = ironflow_now() + ?"
-                    f" WHERE {_FENCE_SQL} AND expires_at > ironflow_now()",
-                    (
-                        float(lease_expiry_s),
-                        job.run_id,
-                        job.execution_seq,
-                        session_id,
-                        digest,
-                        job.run_id,
-                        job.execution_seq,
-                    ),
-                ):
-                    state = "REFRESHED"
-                elif tx.fetchone(
-                    # Assigned but not yet activated: the reservation is still ours.
+                if job.run_id in refreshed or tx.fetchone(
+                    # Live but locked by another transaction (skipped above),
+                    # or assigned but not yet activated: the reservation is still ours.
+                    f"SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL}"
+                    " AND expires_at > ironflow_now()",
+                    (job.run_id, job.execution_seq, session_id, digest, job.run_id, job.execution_seq),
+                ) or tx.fetchone(
                     "SELECT 1 FROM dispatch_queue WHERE run_id = ? AND execution_seq = ?"
                     " AND reservation_owner = ? AND lease_token_hash = ?",
                     (job.run_id, job.execution_seq, session_id, digest),
@@ -652,3 +665,27 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             return out
 
         return await self._transact(work)
+
+    @staticmethod
+    def _renew_leases(
+        tx: Tx, session_id: str, jobs: list[ActiveJob], lease_expiry_s: float
+    ) -> set[str]:
+        """Extend the live, unlocked leases of ``jobs`` (one statement per
+        chunk); the run ids renewed."""
+        renewed: set[str] = set()
+        for first in range(0, len(jobs), HEARTBEAT_JOBS_PER_STATEMENT):
+            chunk = jobs[first:first + HEARTBEAT_JOBS_PER_STATEMENT]
+            renewed.update(row[0] for row in tx.fetchall(
+                "WITH f (run_id, execution_seq, session_id, digest) AS (VALUES "
+                + ", ".join(["(?, ?, ?, ?)"] * len(chunk))
+                + ") UPDATE concurrency_leases SET expires_at = ironflow_now() + ?"
+                " WHERE run_id IN (SELECT c.run_id FROM concurrency_leases c, f"
+                f" WHERE {fence_join('c', 'f')} AND c.expires_at > ironflow_now()"
+                f" {tx.renew_lock('c')}) RETURNING run_id",
+                (
+                    *(v for job in chunk
+                      for v in (job.run_id, job.execution_seq, session_id, token_hash(job.lease_token))),
+                    float(lease_expiry_s),
+                ),
+            ))
+        return renewed

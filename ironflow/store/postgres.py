@@ -233,6 +233,9 @@ class _PgTx:
     def key_share_lock(self, of: str) -> str:
         return f"FOR KEY SHARE OF {of}"
 
+    def renew_lock(self, of: str) -> str:
+        return f"FOR NO KEY UPDATE OF {of} SKIP LOCKED"
+
     xid_sql = "pg_current_xact_id()::text::bigint"
     snapshot_sql = "pg_current_snapshot()::text"
 

@@ -125,6 +125,9 @@ class _SqliteTx:
     def key_share_lock(self, of: str) -> str:
         return ""
 
+    def renew_lock(self, of: str) -> str:
+        return ""
+
     # One writer at a time: commit order is statement order, no snapshot to record.
     xid_sql = "NULL"
     snapshot_sql = "NULL"

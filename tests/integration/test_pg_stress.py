@@ -582,12 +582,21 @@ async def test_two_nodes_emitting_keys_in_opposite_orders_beside_waits_and_limit
     await eventually(backends_gone, timeout=30.0, message="the nodes' database sessions closed")
     await query(stress_db, "SELECT pg_stat_force_next_flush()")
     found = await deadlocks(stress_db) - before
-    logged = []
+    logged: list[str] = []
     if stress_server.log is not None:
         with stress_server.log.open("rb") as f:
             f.seek(log_from)
-            logged = [line for line in f.read().decode(errors="replace").splitlines()
-                      if "deadlock detected" in line]
+            lines = f.read().decode(errors="replace").splitlines()
+        # The report's own lines follow the ERROR: its backend's DETAIL (who
+        # waited on what, both statements), HINT, CONTEXT, STATEMENT.
+        for i, line in enumerate(lines):
+            if "deadlock detected" in line:
+                logged.append(line)
+                pid = line.split("]", 1)[0].rsplit("[", 1)[-1]
+                for follow in lines[i + 1:i + 40]:
+                    if follow[:4].isdigit() and f"[{pid}]" not in follow:
+                        break
+                    print(follow)
     print(
         f"\ndeadlocks: {found} (pg_stat_database), {len(logged)} in the server log;"
         f" {2 * KEYS} emits of {KEYS} keys in {driven:.1f}s, {KEYS} tally + {len(matched)}"

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 import trio
 
-from ironflow.protocol import FunctionDef, SleepYield, Trigger, WaitYield
+from ironflow.protocol import ActiveJob, FunctionDef, SleepYield, Trigger, WaitYield
 from ironflow.store import Fence, StaleExecution, StepResult
 from ironflow.store.postgres import PostgresStore
 
@@ -532,3 +532,85 @@ async def test_two_nodes_giving_back_one_outages_blind_time_take_turns(store, pg
         other.close()
     after = next(lease.expires_at for lease in await store.list_leases() if lease.run_id == fence.run_id)
     assert after - before == pytest.approx(10.0, abs=0.5)  # the other node's 10 s, not 20
+
+
+# ── a heartbeat never waits for a lease while holding others ───────────────
+
+def _lease_expiry(url: str, run_id: str) -> float:
+    with psycopg.connect(url, autocommit=True) as conn:
+        row = conn.execute("SELECT expires_at FROM concurrency_leases WHERE run_id = %s", (run_id,)).fetchone()
+        assert row is not None
+        return float(row[0])
+
+
+async def beside_a_holder(
+    url: str, holder: psycopg.Connection[Any], call: Callable[[], Any]
+) -> tuple[Any, bool]:
+    """Run ``call`` (a store call) while ``holder``'s transaction holds its
+    locks; its result, and whether it waited for one of them (then the holder
+    rolls back so that it can finish)."""
+    out: dict[str, Any] = {}
+
+    async def run() -> None:
+        out["result"] = await call()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run)
+        waited = await trio.to_thread.run_sync(
+            lambda: wait_until(lambda: "result" in out or lock_waiters(url) > 0)
+        ) and "result" not in out
+        if waited:
+            holder.rollback()
+    return out["result"], waited
+
+
+@pytest.mark.parametrize("with_jobs", [True, False], ids=["job-list", "no-job-list"])
+async def test_a_heartbeat_skips_a_lease_another_transaction_is_deleting(store, pg_url, with_jobs):
+    """A second connection holds the first lease locked as a job result's
+    DELETE does, then wants the second one (a group whose calls come in the
+    other order). The heartbeat must not wait for the first while it holds the
+    second: it renews the free lease, reports the locked one REFRESHED (it is
+    live), and commits with the lock still held. Waiting, it was a deadlock."""
+    first, second = await running(store, 2)
+    jobs = [
+        ActiveJob(job_id=f"j{i}", run_id=f.run_id, execution_seq=f.execution_seq, lease_token=f.lease_token)
+        for i, f in enumerate([second, first])  # the worker's order, not the run ids'
+    ]
+    before = _lease_expiry(pg_url, second.run_id)
+    with psycopg.connect(pg_url) as holder:
+        held = holder.execute(
+            "SELECT expires_at FROM concurrency_leases WHERE run_id = %s FOR UPDATE", (first.run_id,)
+        ).fetchone()
+        assert held is not None
+        states, waited = await beside_a_holder(pg_url, holder, lambda: store.heartbeat(
+            second.session_id, jobs if with_jobs else None, session_expiry_s=600, lease_expiry_s=900
+        ))
+        assert not waited, "the heartbeat waited for a lease another transaction holds"
+        # Committed while the first lease is still locked: the holder takes
+        # the second without waiting for anyone.
+        holder.execute("SET lock_timeout = '1s'")
+        holder.execute("SELECT 1 FROM concurrency_leases WHERE run_id = %s FOR UPDATE", (second.run_id,))
+        assert _lease_expiry(pg_url, first.run_id) == float(held[0]), "a locked lease was renewed"
+        holder.rollback()
+    assert _lease_expiry(pg_url, second.run_id) > before
+    if with_jobs:
+        assert [(s.run_id, s.state) for s in states] == [
+            (second.run_id, "REFRESHED"), (first.run_id, "REFRESHED")
+        ]
+
+
+async def test_a_heartbeat_renews_a_lease_a_step_write_holds(store, pg_url):
+    """A step write holds its lease ``FOR KEY SHARE`` until it commits: that
+    is no reason to skip the lease (a long step streak would starve it)."""
+    [fence] = await running(store, 1)
+    job = ActiveJob(job_id="j", run_id=fence.run_id, execution_seq=fence.execution_seq, lease_token=fence.lease_token)
+    before = _lease_expiry(pg_url, fence.run_id)
+    with psycopg.connect(pg_url) as holder:
+        holder.execute("SELECT 1 FROM concurrency_leases WHERE run_id = %s FOR KEY SHARE", (fence.run_id,))
+        [state], waited = await beside_a_holder(pg_url, holder, lambda: store.heartbeat(
+            fence.session_id, [job], session_expiry_s=600, lease_expiry_s=900
+        ))
+        holder.rollback()
+    assert not waited, "the heartbeat waited for a step write's key share lock"
+    assert state.state == "REFRESHED"
+    assert _lease_expiry(pg_url, fence.run_id) > before
