@@ -104,11 +104,9 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
                 if isinstance(data, bytes):
                     raise _CloseSocket(WS_UNSUPPORTED_DATA, "binary frames are not supported: send JSON text frames")
                 held += _decode_worker_frame(data)
-                while held:
-                    if isinstance(held[0], Register):
-                        peer_batches = held[0].batch_frames
-                    await inbound_send.send(held[0])
-                    del held[0]
+                if held and isinstance(held[0], Register):
+                    peer_batches = held[0].batch_frames
+                await _hand_over(held, inbound_send)
         except trio.Cancelled:
             # The peer closed: quart-trio cancels this handler as soon as it
             # sees the disconnect, while frames that arrived before it may
@@ -206,6 +204,27 @@ async def _serve_socket(ws: Any, deps: ApiDeps) -> None:
                     await ws.close(WS_GOING_AWAY, "engine node stopping")
                 except Exception:
                     pass
+
+
+async def _hand_over(held: list[WorkerMessage], inbound: trio.MemorySendChannel[WorkerMessage]) -> None:
+    """Hand ``held`` to the session actor in order, removing each message once sent.
+
+    Without a checkpoint while the channel has room: a frame's messages are all
+    queued before the session actor runs, so it takes the frame as one batch
+    (one wake-up per frame, not two task switches per message). Only a full
+    channel (the actor is behind) waits, and a cancellation there leaves the
+    unsent messages in ``held``.
+    """
+    sent = 0
+    try:
+        for msg in held:
+            try:
+                inbound.send_nowait(msg)
+            except trio.WouldBlock:
+                await inbound.send(msg)
+            sent += 1
+    finally:
+        del held[:sent]
 
 
 def _frames_left_in(ws: Any) -> list[WorkerMessage]:
