@@ -22,17 +22,22 @@ same, in the same order. A response without a length (chunked, streamed: the
 dashboard's live feed) has its head written at once, as before, and so does an
 informational response (a websocket's ``101``).
 
-**The keep-alive timer restarted without a handshake.** A connection's idle
-timer is cancelled when a request arrives and started again when its response
-is done (``TrioSingleTask``): per request, two lock acquisitions and a
-``Nursery.start``, whose started-handshake costs a task switch of its own.
-:class:`_SingleTask` does the same with ``start_soon`` and no lock (nothing in
-it awaits, so restart and stop cannot interleave): the old run is cancelled,
-a new one is started, as before.
+**The keep-alive timer moved, not restarted.** A connection's idle timer is
+stopped when a request arrives and started again when its response is done
+(``TrioSingleTask``): per request, two lock acquisitions, a cancelled task
+and a ``Nursery.start`` of a new one, whose started-handshake costs a task
+switch of its own. :class:`_KeepAliveTimer` keeps ONE task per connection
+waiting in a cancel scope and moves that scope's deadline instead: to
+``keep_alive_timeout`` from now when the connection goes idle, to never when
+a request arrives (no task switch either way). What it does when it fires is
+hypercorn's: an idle connection past its keep-alive, or one idle while the
+server stops, is closed (``TCPServer._initiate_server_close``); a
+connection busy with a request when the server stops is closed once idle.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import h11
@@ -89,30 +94,57 @@ async def _send_h11_event(self: H11Protocol, event: Any) -> None:
         await self.send(RawData(data=data))
 
 
-class _SingleTask:
-    """hypercorn's ``TrioSingleTask`` (at most one run of an action, restarted
-    or stopped), without a lock or a started-handshake per restart."""
+class _KeepAliveTimer:
+    """Stands in for hypercorn's ``TrioSingleTask`` as a connection's idle timer:
+    ``restart(task_group, server._idle_timeout)`` arms it (``keep_alive_timeout``
+    from now), ``stop()`` disarms it; both only move one cancel scope's deadline."""
 
     def __init__(self) -> None:
+        self._armed = False
+        self._deadline = math.inf
+        self._started = False
+        # The cancel scope the timer task waits in (None between two waits).
         self._scope: trio.CancelScope | None = None
+        # Set when the timer is armed again (the task waits for it after the
+        # server stopped while a request was in flight).
+        self._rearmed: trio.Event | None = None
 
     async def restart(self, task_group: Any, action: Any) -> None:
-        """Cancel the running action, if any, and start ``action`` afresh in ``task_group``."""
-        if self._scope is not None:
-            self._scope.cancel()
-        scope = self._scope = trio.CancelScope()
-        task_group._nursery.start_soon(_run_in, scope, action)
+        """Arm the timer: ``action``'s server (a ``TCPServer``, whose
+        ``_idle_timeout`` this replaces) is closed if still idle after its
+        ``keep_alive_timeout``."""
+        server = action.__self__
+        self._armed = True
+        self._deadline = trio.current_time() + server.config.keep_alive_timeout
+        if not self._started:
+            self._started = True
+            task_group._nursery.start_soon(self._run, server)
+        elif self._scope is not None:
+            self._scope.deadline = self._deadline
+        if self._rearmed is not None:
+            self._rearmed.set()
 
     async def stop(self) -> None:
-        """Cancel the running action, if any."""
+        """Disarm the timer (a request is in flight)."""
+        self._armed = False
         if self._scope is not None:
-            self._scope.cancel()
-        self._scope = None
+            self._scope.deadline = math.inf
 
-
-async def _run_in(scope: trio.CancelScope, action: Any) -> None:
-    with scope:
-        await action()
+    async def _run(self, server: Any) -> None:
+        terminated = server.context.terminated  # hypercorn's EventWrapper
+        while True:
+            with trio.CancelScope(deadline=self._deadline if self._armed else math.inf) as scope:
+                self._scope = scope
+                await terminated.wait()
+            self._scope = None
+            if self._armed:
+                break  # idle past the keep-alive, or idle while the server stops
+            # The server stops while a request is in flight: close once it is done.
+            self._rearmed = trio.Event()
+            await self._rearmed.wait()
+            self._rearmed = None
+        with trio.CancelScope(shield=True):
+            await server._initiate_server_close()
 
 
 def apply() -> None:
@@ -122,4 +154,4 @@ def apply() -> None:
     if H11Protocol._send_h11_event is not _send_h11_event:
         H11Protocol._send_h11_event = _send_h11_event  # type: ignore[method-assign]
     if tcp_server.TrioSingleTask is TrioSingleTask:  # what TCPServer() makes its idle_task of
-        tcp_server.TrioSingleTask = _SingleTask  # type: ignore[misc,assignment]
+        tcp_server.TrioSingleTask = _KeepAliveTimer  # type: ignore[misc,assignment]

@@ -70,38 +70,62 @@ async def test_an_empty_fixed_length_response_is_one_write() -> None:
     assert len(writes) == 1 and writes[0].endswith(b"\r\n\r\n")
 
 
+class _Server:
+    """What the keep-alive timer uses of a ``TCPServer``: its config, its
+    worker context, its ``_idle_timeout`` (the action) and its close."""
+
+    def __init__(self) -> None:
+        self.config = Config()
+        self.config.keep_alive_timeout = 5.0
+        self.context = WorkerContext(None)
+        self.closed_at: list[float] = []
+
+    async def _idle_timeout(self) -> None:
+        raise AssertionError("replaced by the timer")
+
+    async def _initiate_server_close(self) -> None:
+        self.closed_at.append(trio.current_time())
 
 
-async def test_the_keep_alive_timer_runs_once_and_stops() -> None:
-    """The idle timer hypercorn restarts per request: one run at a time,
-    a restart cancels the previous run, a stop cancels the current one."""
+async def test_the_keep_alive_timer_closes_an_idle_connection_after_its_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     hypercorn_patch.apply()
     from hypercorn.trio import tcp_server
 
-    running: list[int] = []
-    ended: list[int] = []
-
-    def action(n: int) -> Any:
-        async def run() -> None:
-            running.append(n)
-            try:
-                await trio.sleep_forever()
-            finally:
-                ended.append(n)
-
-        return run
-
-    timer = tcp_server.TrioSingleTask()
+    server, timer = _Server(), tcp_server.TrioSingleTask()
     async with trio.open_nursery() as nursery:
         group: Any = type("TaskGroup", (), {"_nursery": nursery})()  # what the timer uses of one
-        await timer.restart(group, action(1))
-        await timer.restart(group, action(2))
-        await trio.testing.wait_all_tasks_blocked()
-        assert set(running) - set(ended) == {2}  # the first was cancelled
-        await timer.stop()
-        await trio.testing.wait_all_tasks_blocked()
-        assert set(running) - set(ended) == set()
-        await timer.restart(group, action(3))
-        await trio.testing.wait_all_tasks_blocked()
-        assert set(running) - set(ended) == {3}
-        await timer.stop()
+        await timer.restart(group, server._idle_timeout)  # the connection opens idle
+        await trio.sleep(3)
+        await timer.stop()  # a request arrives ...
+        await trio.sleep(10)  # ... and takes longer than the keep-alive: not closed
+        assert server.closed_at == []
+        await timer.restart(group, server._idle_timeout)  # its response is done at t=13
+        for _ in range(100):  # the next requests: one task for them all, no new one
+            await timer.stop()
+            await timer.restart(group, server._idle_timeout)
+        assert len(nursery.child_tasks) == 1
+    assert server.closed_at == [13.0 + 5.0]
+
+
+async def test_a_stopping_server_closes_its_connections_once_idle(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    hypercorn_patch.apply()
+    from hypercorn.trio import tcp_server
+
+    idle, busy = _Server(), _Server()
+    timers = tcp_server.TrioSingleTask(), tcp_server.TrioSingleTask()
+    async with trio.open_nursery() as nursery:
+        group: Any = type("TaskGroup", (), {"_nursery": nursery})()
+        for server, timer in zip((idle, busy), timers, strict=True):
+            await timer.restart(group, server._idle_timeout)
+        await timers[1].stop()  # a request in flight on `busy`
+        await trio.sleep(1)
+        await idle.context.terminated.set()
+        await busy.context.terminated.set()
+        await trio.sleep(2)
+        assert idle.closed_at == [1.0] and busy.closed_at == []
+        await timers[1].restart(group, busy._idle_timeout)  # its response is done
+    assert busy.closed_at == [3.0]
