@@ -129,3 +129,43 @@ async def test_a_stopping_server_closes_its_connections_once_idle(
         assert idle.closed_at == [1.0] and busy.closed_at == []
         await timers[1].restart(group, busy._idle_timeout)  # its response is done
     assert busy.closed_at == [3.0]
+
+
+async def test_a_request_is_handed_to_its_app_without_a_task_switch_per_event() -> None:
+    """``spawn_app``'s put and the app's receive do not checkpoint while the
+    channel has room or an event waiting; the events arrive in order."""
+    hypercorn_patch.apply()
+    from hypercorn.trio.task_group import TaskGroup
+
+    config = Config()
+    config.max_app_queue_size = 2
+    received: list[Any] = []
+    receives: list[Any] = []  # the app's ASGI receive
+    app_started = trio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any) -> None:
+        receives.append(receive)
+        app_started.set()
+        await trio.sleep_forever()  # reads only when the test says
+
+    async def send(message: Any) -> None:
+        pass
+
+    async with TaskGroup() as group:
+        put = await group.spawn_app(app, config, {"type": "http"}, send)  # type: ignore[arg-type]
+        with trio.CancelScope() as scope:
+            scope.cancel()  # any checkpoint in here would raise Cancelled
+            await put({"type": "http.request", "body": b"{}", "more_body": True})
+            await put({"type": "http.request", "body": b"", "more_body": False})
+        assert not scope.cancelled_caught
+        with trio.move_on_after(0.05) as full:
+            await put({"type": "http.disconnect"})  # no room: waits for the app
+        assert full.cancelled_caught
+        await app_started.wait()
+        (receive,) = receives
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            received += [await receive(), await receive()]
+        assert not scope.cancelled_caught
+        assert [m.get("more_body") for m in received] == [True, False]
+        group._nursery.cancel_scope.cancel()  # type: ignore[union-attr]
