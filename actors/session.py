@@ -261,9 +261,9 @@ def step_results(msgs: list[StepCompleted | StepFailed]) -> list[StepResult]:
 def steps_recorded(msgs: list[StepCompleted | StepFailed], received: float) -> None:
     """Step results committed: count them, time report → commit from ``received``."""
     elapsed = time.perf_counter() - received
-    metrics.STEP_COMMIT.observe(elapsed, len(msgs))
     for m in msgs:
-        (metrics.STEPS_COMPLETED if isinstance(m, StepCompleted) else metrics.STEPS_FAILED).inc()
+        metrics.STEP_COMMIT.observe(elapsed)
+        metrics.STEPS_RECORDED.labels(status="completed" if isinstance(m, StepCompleted) else "failed").inc()
 
 
 def _units(msgs: list[WorkerMessage]) -> list[list[WorkerMessage]]:

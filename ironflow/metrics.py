@@ -1,14 +1,4 @@
-"""Prometheus metrics of the node (names follow the original product's dashboards).
-
-The series updated per event, step, run or store call are :class:`TrioCounter`
-and :class:`TrioHistogram`: plain additions, no lock (a ``prometheus_client``
-``Counter.inc`` takes a lock, ``labels()`` another and a dict lookup, and a
-``Histogram.observe`` walks its buckets: several µs per call, several calls per
-step). They are only ever updated on the node's Trio thread, as are scrapes,
-so nothing can interleave. Hot call sites bind a labelled series once
-(``STEPS_COMPLETED``) instead of looking it up per call. The exposition is
-``prometheus_client``'s, sample for sample.
-"""
+"""Prometheus metrics of the node (names follow the original product's dashboards)."""
 
 from __future__ import annotations
 
@@ -21,116 +11,16 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
-from prometheus_client.samples import Sample
+from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from ironflow.store import Store
 
 REGISTRY = CollectorRegistry()
 
-
-class _Series:
-    """One series of a :class:`TrioCounter` (``value``) or a
-    :class:`TrioHistogram` (``counts`` per bucket, the last above every bound; ``sum``)."""
-
-    __slots__ = ("bounds", "counts", "created", "sum", "value")
-
-    def __init__(self, bounds: tuple[float, ...] = ()) -> None:
-        self.value = 0.0
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)
-        self.sum = 0.0
-        self.created = time.time()
-
-    def inc(self, amount: float = 1.0) -> None:
-        """A counter: add ``amount``."""
-        self.value += amount
-
-    def observe(self, value: float, times: int = 1) -> None:
-        """A histogram: observe ``value``, ``times`` times."""
-        self.counts[bisect.bisect_left(self.bounds, value)] += times  # le: bound >= value
-        self.sum += value * times
-
-
-class _TrioMetric:
-    """A metric family whose series are :class:`_Series`, registered in ``registry``."""
-
-    def __init__(
-        self, name: str, documentation: str, labelnames: tuple[str, ...], bounds: tuple[float, ...],
-        registry: CollectorRegistry,
-    ) -> None:
-        self.name = name
-        self.documentation = documentation
-        self._labelnames = labelnames
-        self._bounds = bounds
-        self._series: dict[tuple[str, ...], _Series] = {}
-        # The one series of an unlabelled metric (None: labelled).
-        self._only = None if labelnames else self._series.setdefault((), _Series(bounds))
-        registry.register(self)  # type: ignore[arg-type]
-
-    def labels(self, *values: str, **by_name: str) -> _Series:
-        """The series of these label values (by position or by name), made on first use."""
-        key = tuple(by_name[n] for n in self._labelnames) if by_name else values
-        if len(key) != len(self._labelnames) or (by_name and len(by_name) != len(key)):
-            raise ValueError(f"{self.name}: expected labels {self._labelnames}, got {values or by_name}")
-        series = self._series.get(key)
-        if series is None:
-            series = self._series[key] = _Series(self._bounds)
-        return series
-
-    def _unlabelled(self) -> _Series:
-        if self._only is None:
-            raise ValueError(f"{self.name} has labels {self._labelnames}: use .labels(...)")
-        return self._only
-
-
-class TrioCounter(_TrioMetric):
-    """A Prometheus counter updated only on the node's Trio thread."""
-
-    def __init__(
-        self, name: str, documentation: str, labelnames: tuple[str, ...] = (),
-        registry: CollectorRegistry = REGISTRY,
-    ) -> None:
-        super().__init__(name, documentation, labelnames, (), registry)
-
-    def inc(self, amount: float = 1.0) -> None:
-        """Add ``amount`` (an unlabelled counter)."""
-        self._unlabelled().value += amount
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(self.name, self.documentation, labels=self._labelnames)
-        for key, series in self._series.items():
-            family.add_metric(list(key), series.value, created=series.created)
-        yield family
-
-
-class TrioHistogram(_TrioMetric):
-    """A Prometheus histogram updated only on the node's Trio thread."""
-
-    def __init__(
-        self, name: str, documentation: str, labelnames: tuple[str, ...] = (), *,
-        buckets: tuple[float, ...], registry: CollectorRegistry = REGISTRY,
-    ) -> None:
-        super().__init__(name, documentation, labelnames, tuple(buckets), registry)
-
-    def observe(self, value: float, times: int = 1) -> None:
-        """Observe ``value``, ``times`` times (an unlabelled histogram)."""
-        self._unlabelled().observe(value, times)
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=self._labelnames)
-        bounds = [floatToGoString(b) for b in self._bounds] + ["+Inf"]
-        for key, series in self._series.items():
-            cumulative = list(itertools.accumulate(series.counts))
-            family.add_metric(list(key), buckets=list(zip(bounds, cumulative, strict=True)),
-                              sum_value=series.sum)
-            labels = dict(zip(self._labelnames, key, strict=True))
-            family.samples.append(Sample(self.name + "_created", labels, series.created))
-        yield family
-
-
-EVENTS_EMITTED = TrioCounter("ironflow_events_emitted_total", "Events accepted by POST /v1/events")
+EVENTS_EMITTED = Counter(
+    "ironflow_events_emitted_total", "Events accepted by POST /v1/events", registry=REGISTRY
+)
 # Ingest-side flow control (ironflow/store/flow.py): events a function skipped,
 # debounced or batched, and runs cancelled for a new one (singleton, on_limit).
 FLOW_EVENTS = Counter(
@@ -139,10 +29,12 @@ FLOW_EVENTS = Counter(
     ["mechanism", "outcome"],  # rate_limit|singleton|debounce|batch|concurrency; skipped|debounced|batched|cancelled
     registry=REGISTRY,
 )
-RUNS_FINISHED = TrioCounter("ironflow_runs_total", "Runs that reached a terminal status", ("status",))
-STEPS_RECORDED = TrioCounter("ironflow_steps_total", "Step results recorded", ("status",))
-STEPS_COMPLETED = STEPS_RECORDED.labels(status="completed")
-STEPS_FAILED = STEPS_RECORDED.labels(status="failed")
+RUNS_FINISHED = Counter(
+    "ironflow_runs_total", "Runs that reached a terminal status", ["status"], registry=REGISTRY
+)
+STEPS_RECORDED = Counter(
+    "ironflow_steps_total", "Step results recorded", ["status"], registry=REGISTRY
+)
 STORE_AVAILABLE = Gauge(
     "ironflow_store_available",
     "1 while this node reaches its database, 0 during an outage (actors/store_monitor.py)",
@@ -173,7 +65,9 @@ STALE_REFUSED = Counter(
 ACTOR_RESTARTS = Counter(
     "ironflow_actor_restarts_total", "Actors restarted after a crash", ["actor"], registry=REGISTRY
 )
-ASSIGNMENTS = TrioCounter("ironflow_assignments_total", "JobAssignments handed to workers")
+ASSIGNMENTS = Counter(
+    "ironflow_assignments_total", "JobAssignments handed to workers", registry=REGISTRY
+)
 
 HISTORY_DELETED = Counter(
     "ironflow_history_rows_deleted_total",
@@ -192,24 +86,24 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 # Run durations (seconds): sub-second handlers up to day-long sleeps and waits.
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 6 * 3600, 86400)
 
-EMIT_TO_DISPATCH = TrioHistogram(
+EMIT_TO_DISPATCH = Histogram(
     "ironflow_emit_to_dispatch_seconds",
     "Event received → its run's first segment handed to a worker on this node"
     " (the handler starts one JobAck later)",
     buckets=LATENCY_BUCKETS,
     registry=REGISTRY,
 )
-STEP_COMMIT = TrioHistogram(
+STEP_COMMIT = Histogram(
     "ironflow_step_commit_seconds",
     "A step result received by this node → committed to the database",
     buckets=LATENCY_BUCKETS,
     registry=REGISTRY,
 )
-RUN_DURATION = TrioHistogram(
+RUN_DURATION = Histogram(
     "ironflow_run_duration_seconds",
     "Runs ended on this node (completed, failed — by the worker, the recovery ceiling or"
     " the function timeout — or cancelled): first start (or creation) → end",
-    ("function", "status"),
+    ["function", "status"],
     buckets=DURATION_BUCKETS,
     registry=REGISTRY,
 )
@@ -243,7 +137,7 @@ SESSIONS = Gauge(
 )
 
 
-WAKE_LATENESS = TrioHistogram(
+WAKE_LATENESS = Histogram(
     "ironflow_wake_lateness_seconds",
     "A sleep's wake time (or a wait's / invoke's timeout) → the run's resumed segment handed"
     " to a worker by this node (database clock); one handed over ahead of its wake time is"
@@ -253,13 +147,45 @@ WAKE_LATENESS = TrioHistogram(
 )
 
 
-# Every store call passes through here: an observation is a bisect and two additions.
-STORE_CALL = TrioHistogram(
-    "ironflow_store_call_seconds",
-    "A store method called on this node → its committed result back in the caller",
-    ("method",),
-    buckets=LATENCY_BUCKETS,
-)
+class _StoreCallHistogram:
+    """``ironflow_store_call_seconds{method}``, kept as plain per-method bucket counts.
+
+    Every store call passes through here, so an observation must cost next to
+    nothing: a ``bisect`` and two additions (a ``prometheus_client``
+    ``Histogram.observe`` takes a lock and walks the buckets, several µs).
+    Store calls and scrapes both run on the node's Trio thread, so no lock.
+    The exposition is built at scrape time.
+    """
+
+    name = "ironflow_store_call_seconds"
+    documentation = "A store method called on this node → its committed result back in the caller"
+
+    def __init__(self) -> None:
+        # method → counts per bucket (the last one: above every bound), seconds observed
+        self._counts: dict[str, list[int]] = {}
+        self._sums: dict[str, float] = {}
+
+    def observe(self, method: str, seconds: float) -> None:
+        counts = self._counts.get(method)
+        if counts is None:
+            counts = self._counts[method] = [0] * (len(LATENCY_BUCKETS) + 1)
+            self._sums[method] = 0.0
+        counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1  # le: bound >= seconds
+        self._sums[method] += seconds
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=["method"])
+        for method, counts in sorted(self._counts.items()):
+            cumulative = list(itertools.accumulate(counts))
+            bounds = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]
+            family.add_metric(
+                [method], buckets=list(zip(bounds, cumulative, strict=True)), sum_value=self._sums[method]
+            )
+        yield family
+
+
+STORE_CALL = _StoreCallHistogram()
+REGISTRY.register(STORE_CALL)  # type: ignore[arg-type]
 
 # Store methods not timed: ``watch_kicks`` lives as long as the node (it is a
 # listener, not a call), and opening/closing are not calls an operator tunes.
@@ -274,9 +200,9 @@ def run_ended(status: str, function_id: str | None, duration_s: float | None) ->
     returned; the store's guarded UPDATE ends a run only once, so the run is
     observed once.
     """
-    RUNS_FINISHED.labels(status).inc()
+    RUNS_FINISHED.labels(status=status).inc()
     if function_id is not None and duration_s is not None:
-        RUN_DURATION.labels(function_id, status).observe(max(duration_s, 0.0))
+        RUN_DURATION.labels(function=function_id, status=status).observe(max(duration_s, 0.0))
 
 
 def store_methods() -> frozenset[str]:
@@ -289,7 +215,7 @@ def store_methods() -> frozenset[str]:
 
 
 def _timed(method: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    observe = STORE_CALL.labels(method).observe
+    observe = STORE_CALL.observe
 
     @functools.wraps(call)
     async def timed(*args: Any, **kwargs: Any) -> Any:
@@ -299,9 +225,9 @@ def _timed(method: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Aw
         except Exception:
             # A refused call (stale fence, conflict) still took its transaction;
             # a cancelled one (BaseException) did not finish and is not observed.
-            observe(time.perf_counter() - started)
+            observe(method, time.perf_counter() - started)
             raise
-        observe(time.perf_counter() - started)
+        observe(method, time.perf_counter() - started)
         return result
 
     return timed

@@ -48,3 +48,24 @@ def test_the_method_label_can_only_take_the_store_interfaces_method_names() -> N
     # Not a call: the node-long kick listener; nor anything private.
     assert "watch_kicks" not in methods and not any(m.startswith("_") for m in methods)
     assert all(callable(getattr(Store, m)) for m in methods)
+
+
+def test_its_buckets_sum_and_count_are_those_a_prometheus_histogram_gives_the_same_observations() -> None:
+    from prometheus_client import CollectorRegistry, Histogram
+
+    ours = metrics._StoreCallHistogram()
+    registry = CollectorRegistry()
+    reference = Histogram("ref_seconds", "", ["method"], buckets=metrics.LATENCY_BUCKETS, registry=registry)
+    # On a bound, between bounds, below the first and above the last.
+    for seconds in (0.0001, 0.001, 0.0011, 0.05, 0.07, 2.5, 59.0, 61.0, 1000.0):
+        ours.observe("record_step", seconds)
+        reference.labels(method="record_step").observe(seconds)
+
+    def samples(families: object, prefix: str) -> list[tuple[str, list[tuple[str, str]], float]]:
+        return sorted(
+            (s.name.replace(prefix, ""), sorted(s.labels.items()), s.value)
+            for f in families for s in f.samples  # type: ignore[attr-defined]
+            if not s.name.endswith("_created")
+        )
+
+    assert samples(ours.collect(), "ironflow_store_call_seconds") == samples(registry.collect(), "ref_seconds")
