@@ -1,4 +1,4 @@
-"""Four changes to hypercorn's Trio worker (0.18), installed by :func:`apply`.
+"""Three changes to hypercorn's Trio worker (0.18), installed by :func:`apply`.
 
 **Close a connection the protocol closed.** hypercorn (``trio/tcp_server.py``)
 closes an HTTP/1.1 connection after a response to ``Connection: close`` or
@@ -33,24 +33,11 @@ a request arrives (no task switch either way). What it does when it fires is
 hypercorn's: an idle connection past its keep-alive, or one idle while the
 server stops, is closed (``TCPServer._initiate_server_close``); a
 connection busy with a request when the server stops is closed once idle.
-
-**A request's events handed over without a task switch each.** hypercorn
-gives every request a task and a memory channel (``TaskGroup.spawn_app``);
-the connection's reader puts the request's body and its end on the channel,
-and the application takes them off, each ``send`` and ``receive`` a
-checkpoint that yields to the scheduler even when the channel has room or
-an event waiting: four or five task switches per small ``POST``. The channel
-stays (the reader and the application run concurrently), but
-:func:`_spawn_app` hands it over with ``send_nowait`` and takes from it with
-``receive_nowait`` while that succeeds, waiting (``send``/``receive``) only
-when it must. Events arrive in the same order; a full channel still holds
-the reader back.
 """
 
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Any
 
 import h11
@@ -58,7 +45,6 @@ import trio
 from hypercorn.events import Closed, RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import tcp_server
-from hypercorn.trio.task_group import TaskGroup, _handle
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask
 
@@ -161,40 +147,11 @@ class _KeepAliveTimer:
             await server._initiate_server_close()
 
 
-async def _spawn_app(self: TaskGroup, app: Any, config: Any, scope: Any, send: Any) -> Any:
-    """hypercorn's ``TaskGroup.spawn_app`` with :func:`_put` and :func:`_take`
-    around the request's channel: the ASGI ``receive`` the application gets,
-    and the put the connection's reader is given back."""
-    put, take = trio.open_memory_channel[Any](config.max_app_queue_size)
-    assert self._nursery is not None
-    self._nursery.start_soon(
-        _handle, app, config, scope, partial(_take, take), send,
-        trio.to_thread.run_sync, trio.from_thread.run,
-    )
-    return partial(_put, put)
-
-
-async def _put(channel: trio.MemorySendChannel[Any], event: Any) -> None:
-    try:
-        channel.send_nowait(event)
-    except trio.WouldBlock:
-        await channel.send(event)  # the application is behind: wait for room
-
-
-async def _take(channel: trio.MemoryReceiveChannel[Any]) -> Any:
-    try:
-        return channel.receive_nowait()
-    except trio.WouldBlock:
-        return await channel.receive()
-
-
 def apply() -> None:
-    """Install the four changes (idempotent)."""
+    """Install the three changes (idempotent)."""
     if TCPServer.protocol_send is not _protocol_send:
         TCPServer.protocol_send = _protocol_send  # type: ignore[method-assign]
     if H11Protocol._send_h11_event is not _send_h11_event:
         H11Protocol._send_h11_event = _send_h11_event  # type: ignore[method-assign]
-    if TaskGroup.spawn_app is not _spawn_app:
-        TaskGroup.spawn_app = _spawn_app  # type: ignore[method-assign]
     if tcp_server.TrioSingleTask is TrioSingleTask:  # what TCPServer() makes its idle_task of
         tcp_server.TrioSingleTask = _KeepAliveTimer  # type: ignore[misc,assignment]
