@@ -26,7 +26,8 @@ informational response (a websocket's ``101``).
 stopped when a request arrives and started again when its response is done
 (``TrioSingleTask``): per request, two lock acquisitions, a cancelled task
 and a ``Nursery.start`` of a new one, whose started-handshake costs a task
-switch of its own. :class:`_KeepAliveTimer` keeps ONE task per connection
+switch of its own (this module's earlier ``_SingleTask`` still started a
+task per request). :class:`_KeepAliveTimer` keeps ONE task per connection
 waiting in a cancel scope and moves that scope's deadline instead: to
 ``keep_alive_timeout`` from now when the connection goes idle, to never when
 a request arrives (no task switch either way). What it does when it fires is
