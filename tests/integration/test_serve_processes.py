@@ -1,0 +1,108 @@
+"""``ironflow serve --processes 2`` as real processes on PostgreSQL (issue 26).
+
+One parent, two node processes on one port (SO_REUSEPORT): both answer, a
+worker runs work through the shared port, SIGTERM to the parent drains both
+(the graceful-drain seed, per process) and the parent exits 0. A node process
+killed after serving is started again under its own node id.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.integration.helpers import eventually
+from tests.integration.procs import (
+    Proc,
+    db_rows,
+    free_port,
+    start_load_worker,
+    start_node,
+    stored_audit,
+    wait_log,
+)
+
+pytestmark = pytest.mark.slow
+
+
+async def answering_node_ids(url: str, want: set[str]) -> set[str]:
+    """Node ids seen on ``/healthz``, one new connection per request, until ``want`` are seen."""
+    seen: set[str] = set()
+
+    async def check() -> bool:
+        # A new connection (a new source port) each time: the kernel picks the process by its hash.
+        async with httpx.AsyncClient(base_url=url, timeout=5) as http:
+            seen.add((await http.get("/healthz")).json()["node_id"])
+        return want <= seen
+
+    await eventually(check, timeout=5, interval=0.01, message=f"answers from {sorted(want)}")
+    return seen
+
+
+def children_of(pid: int) -> list[int]:
+    """Live child processes of ``pid`` (trio starts them from a thread: read every task's list)."""
+    return sorted(
+        int(c) for task in Path(f"/proc/{pid}/task").iterdir()
+        for c in (task / "children").read_text().split()
+    )
+
+
+async def test_two_processes_serve_one_port_run_work_and_drain_on_sigterm(
+    pg_url: str, tmp_path: Path, procs: list[Proc]
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    parent = await start_node(
+        pg_url, tmp_path / "state", tmp_path, node_id="grp", port=port, extra=["--processes", "2"]
+    )
+    procs.append(parent)
+    assert await answering_node_ids(url, {"grp-1", "grp-2"}) == {"grp-1", "grp-2"}
+    assert sorted(r[0] for r in db_rows(pg_url, "SELECT id FROM nodes")) == ["grp-1", "grp-2"]
+    await wait_log(parent, "2 node processes serving on port")
+
+    worker = await start_load_worker(url, tmp_path, name="worker", max_jobs=10)
+    procs.append(worker)
+    async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+        runs = [
+            (await http.post("/v1/events", json={"name": "load.go", "data": {}})).json()["run_ids"][0]
+            for _ in range(10)
+        ]
+
+        async def all_completed() -> bool:
+            got = [(await http.get(f"/v1/runs/{r}")).json()["run"]["status"] for r in runs]
+            return all(s == "completed" for s in got)
+
+        await eventually(all_completed, timeout=10, message="10 runs completed")
+
+    parent.signal(signal.SIGTERM)
+    assert await parent.wait_exit(timeout=10) == 0, parent.tail()
+    log = parent.log_path.read_text()
+    assert "SIGTERM: draining 2 node processes" in log
+    # Each process drained (its own audit records) and stopped on its own.
+    drains = sorted(a.type for a in await stored_audit(pg_url) if a.type.startswith("node.drain."))
+    assert drains == ["node.drain.completed"] * 2 + ["node.drain.started"] * 2
+    assert "node: stopped node_id=grp-1" in log and "node: stopped node_id=grp-2" in log
+
+
+async def test_a_process_killed_after_serving_is_started_again_under_its_node_id(
+    pg_url: str, tmp_path: Path, procs: list[Proc]
+) -> None:
+    port = free_port()
+    parent = await start_node(
+        pg_url, tmp_path / "state", tmp_path, node_id="grp", port=port, extra=["--processes", "2"]
+    )
+    procs.append(parent)
+    await wait_log(parent, "2 node processes serving on port")
+    first = children_of(parent.pid)
+    assert len(first) == 2
+    os.kill(first[0], signal.SIGKILL)
+    await wait_log(parent, "died after serving (signal SIGKILL); starting it again in 1 s")
+    await wait_log(parent, "serves again")
+    assert len(set(children_of(parent.pid)) - set(first)) == 1
+    await answering_node_ids(f"http://127.0.0.1:{port}", {"grp-1", "grp-2"})
+    parent.signal(signal.SIGTERM)
+    assert await parent.wait_exit(timeout=10) == 0, parent.tail()
