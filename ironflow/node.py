@@ -129,7 +129,14 @@ class Node:
         if key is None:
             _, key = await self.store.create_api_key("org", "admin")
         elif await self.store.authenticate(key) is None:
-            await self.store.create_api_key("org", "admin", key=key)
+            try:
+                await self.store.create_api_key("org", "admin", key=key)
+            except Exception:
+                # Nodes sharing a state dir and a database (the processes of
+                # `serve --processes N`) race here: the key a sibling created
+                # after our check is the key we need. Anything else is raised.
+                if await self.store.authenticate(key) is None:
+                    raise
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"key": key}))
         self.bootstrap_key = key

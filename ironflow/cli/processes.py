@@ -132,7 +132,8 @@ class _Group:
             code, served = await self._run_child(node_id, listener)
             listener = None
             if self.stopping:
-                if code != 0:
+                # Ended by a forwarded signal before (or after) its own handler: a stop, as asked.
+                if code != 0 and -code not in FORWARDED:
                     _say(f"node process {node_id} ended with {_exit_text(code)}")
                     self.exit_code = self.exit_code or EXIT_FAILURE
                 return
@@ -213,27 +214,34 @@ def _member_config(config: NodeConfig, node_id: str) -> NodeConfig:
     return msgspec.structs.replace(config, node_id=node_id)
 
 
-def serve_group(config: NodeConfig, count: int, base_id: str) -> int:
-    """Run ``count`` node processes for ``config`` on one port; returns the exit code.
+def bind_group(host: str, port: int, count: int) -> list[socket.socket]:
+    """``count`` sockets from :func:`bind_listener` on one port (port 0: one picked for all).
 
-    ``config`` must be on PostgreSQL (the caller refuses SQLite). The port is
-    bound here first (port 0 picks one for the whole group); a bind error is
-    a :class:`CliFailure`.
+    A bind error is a :class:`CliFailure` naming the address.
     """
-    ids = member_ids(base_id, count)
     try:
-        first = bind_listener(config.host, config.port)
+        sockets = [bind_listener(host, port)]
     except OSError as exc:
-        raise CliFailure(f"cannot bind {config.host}:{config.port}: {exc}") from exc
-    port = int(first.getsockname()[1])
-    sockets = [first]
+        raise CliFailure(f"cannot bind {host}:{port}: {exc}") from exc
+    port = int(sockets[0].getsockname()[1])
     try:
-        sockets += [bind_listener(config.host, port) for _ in ids[1:]]
+        sockets += [bind_listener(host, port) for _ in range(count - 1)]
     except OSError as exc:
         for sock in sockets:
             sock.close()
-        raise CliFailure(f"cannot bind {config.host}:{port} {count} times: {exc}") from exc
-    group = _Group(config, ids, port)
+        raise CliFailure(f"cannot bind {host}:{port} {count} times: {exc}") from exc
+    return sockets
+
+
+def serve_group(config: NodeConfig, sockets: list[socket.socket], base_id: str) -> int:
+    """Run a node process on each of ``sockets`` (from :func:`bind_group`); returns the exit code.
+
+    ``config`` must be on PostgreSQL (the caller refuses SQLite); child ``i``
+    runs it as node ``<base_id>-<i>``. Returns 0 once every child stopped after
+    a signal, else the code of the failure that stopped the group.
+    """
+    ids = member_ids(base_id, len(sockets))
+    group = _Group(config, ids, int(sockets[0].getsockname()[1]))
 
     async def main() -> None:
         with trio.open_signal_receiver(*FORWARDED) as signals:

@@ -12,9 +12,10 @@ import socket
 import sys
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, NoReturn
 
 import click
+import msgspec
 
 from ironflow.cli.errors import CliFailure, usage_failure
 from ironflow.config import (
@@ -147,6 +148,23 @@ def serve_node(
         raise CliFailure(str(refused)) from None
 
 
+def _serve_group(config: NodeConfig, processes: int) -> NoReturn:
+    """--processes N: bind the port, print the banner, run the group, exit with its code."""
+    _refuse_group(config)
+    from ironflow.cli import processes as group
+
+    sockets = group.bind_group(config.host, config.port, processes)
+    port = int(sockets[0].getsockname()[1])
+    for line in _banner(msgspec.structs.replace(config, port=port), processes):
+        click.echo(line, err=True)
+    try:
+        code = group.serve_group(config, sockets, config.node_id or default_node_id())
+    except KeyboardInterrupt:  # only before the group's signal receiver is open
+        click.echo("ironflow: interrupted", err=True)
+        code = EXIT_INTERRUPTED
+    sys.exit(code)
+
+
 def _refuse_group(config: NodeConfig) -> None:
     """--processes N needs PostgreSQL and SO_REUSEPORT; exit 2 naming why not."""
     if not config.is_postgres:
@@ -243,14 +261,10 @@ def serve(
     except ConfigError as exc:
         usage_failure(str(exc))
     if processes > 1:
-        _refuse_group(config)
+        _serve_group(config, processes)
     for line in _banner(config, processes):
         click.echo(line, err=True)
     try:
-        if processes > 1:
-            from ironflow.cli import processes as group
-
-            sys.exit(group.serve_group(config, processes, config.node_id or default_node_id()))
         serve_node(config)
     except KeyboardInterrupt:  # only before the node's signal receiver is open
         click.echo("ironflow: interrupted", err=True)

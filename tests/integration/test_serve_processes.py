@@ -8,9 +8,11 @@ killed after serving is started again under its own node id.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -106,3 +108,37 @@ async def test_a_process_killed_after_serving_is_started_again_under_its_node_id
     await answering_node_ids(f"http://127.0.0.1:{port}", {"grp-1", "grp-2"})
     parent.signal(signal.SIGTERM)
     assert await parent.wait_exit(timeout=10) == 0, parent.tail()
+
+
+async def test_dev_bootstrap_key_a_sibling_created_after_our_check_is_taken_not_an_error(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two --dev node processes on one state dir and database both find the key
+    file's key missing from the database; the second to create it must start."""
+    from ironflow.node import Node
+    from tests.integration.conftest import node_config
+
+    key = "ifkey_" + "ab" * 16
+    node = Node(node_config(pg_url, tmp_path / "state"))
+    node.config.bootstrap_key_path.parent.mkdir(parents=True)
+    node.config.bootstrap_key_path.write_text(json.dumps({"key": key}))
+    monkeypatch.delenv("IRONFLOW_BOOTSTRAP_ADMIN_KEY", raising=False)
+    await node.store.open()
+    try:
+        checks = 0
+        authenticate = node.store.authenticate
+
+        async def sibling_creates_it_after_our_check(k: str) -> Any:
+            nonlocal checks
+            checks += 1
+            found = await authenticate(k)
+            if checks == 1:
+                await node.store.create_api_key("org", "admin", key=key)  # the sibling
+            return found
+
+        monkeypatch.setattr(node.store, "authenticate", sibling_creates_it_after_our_check)
+        await node._bootstrap_key()
+        assert node.bootstrap_key == key and checks == 2
+        assert (await authenticate(key)) is not None
+    finally:
+        await node.store.close()
