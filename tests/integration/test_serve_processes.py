@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -142,3 +143,39 @@ async def test_dev_bootstrap_key_a_sibling_created_after_our_check_is_taken_not_
         assert (await authenticate(key)) is not None
     finally:
         await node.store.close()
+
+
+async def test_a_process_that_cannot_start_stops_the_group_with_its_exit_code(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    unreachable = f"postgresql://nobody@127.0.0.1:{free_port()}/none"
+    parent = Proc(
+        [sys.executable, "-m", "ironflow", "serve", "--db", unreachable, "--port", "0",
+         "--processes", "2", "--node-id", "grp", "--state-dir", str(tmp_path / "state")],
+        tmp_path / "grp.log",
+    )
+    procs.append(parent)
+    assert await parent.wait_exit(timeout=30) == 1, parent.tail()
+    assert "before it served; stopping the group" in parent.log_path.read_text(), parent.tail()
+
+
+async def test_node_processes_whose_parent_is_killed_drain_and_exit(
+    pg_url: str, tmp_path: Path, procs: list[Proc]
+) -> None:
+    port = free_port()
+    parent = await start_node(
+        pg_url, tmp_path / "state", tmp_path, node_id="grp", port=port, extra=["--processes", "2"]
+    )
+    procs.append(parent)
+    await wait_log(parent, "2 node processes serving on port")
+    children = children_of(parent.pid)
+    parent.signal(signal.SIGKILL)
+    await parent.wait_exit(timeout=5)
+
+    async def orphans_gone() -> bool:
+        return not any(Path(f"/proc/{pid}").exists() for pid in children)
+
+    await eventually(orphans_gone, timeout=10, message="the orphaned node processes exited")
+    log = parent.log_path.read_text()
+    assert log.count("node: parent process gone, draining") == 2, log[-2000:]
+    assert "node: stopped node_id=grp-1" in log and "node: stopped node_id=grp-2" in log
