@@ -163,32 +163,31 @@ class _Group:
     async def _run_child(self, node_id: str, listener: socket.socket) -> tuple[int, bool]:
         """Start one child on ``listener``; returns its exit code and whether it served."""
         parent_end, child_end = socket.socketpair()
+        control = trio.socket.from_stdlib_socket(parent_end)
         fds = (listener.fileno(), child_end.fileno())
         try:
-            proc = await trio.lowlevel.open_process(
-                [sys.executable, "-m", "ironflow.cli.processes", *map(str, fds)],
-                stdin=subprocess.PIPE,
-                pass_fds=fds,
-                # Own process group: a terminal's Ctrl-C reaches the child once, forwarded.
-                process_group=0,
-            )
-        finally:
-            # The child holds them now: its socket leaves the port when it exits.
-            listener.close()
-            child_end.close()
-        self.children[node_id] = proc
-        if self.stopping:
-            proc.send_signal(signal.SIGTERM)
-        served = False
-        control = trio.socket.from_stdlib_socket(parent_end)
-        try:
+            try:
+                proc = await trio.lowlevel.open_process(
+                    [sys.executable, "-m", "ironflow.cli.processes", *map(str, fds)],
+                    stdin=subprocess.PIPE,
+                    pass_fds=fds,
+                    # Own process group: a terminal's Ctrl-C reaches the child once, forwarded.
+                    process_group=0,
+                )
+            finally:
+                # The child holds them now: its socket leaves the port when it exits.
+                listener.close()
+                child_end.close()
+            self.children[node_id] = proc
+            if self.stopping:
+                proc.send_signal(signal.SIGTERM)
+            served = False
             assert proc.stdin is not None
-            with trio.move_on_after(10):  # a child that reads nothing dies on its own
-                try:
-                    await proc.stdin.send_all(msgspec.json.encode(_member_config(self.config, node_id)))
-                    await proc.stdin.aclose()
-                except trio.BrokenResourceError:
-                    pass
+            try:  # a few hundred bytes: the pipe's buffer takes them at once
+                await proc.stdin.send_all(msgspec.json.encode(_member_config(self.config, node_id)))
+                await proc.stdin.aclose()
+            except trio.BrokenResourceError:
+                pass  # it died first: its exit code says why
             # The first bytes from the child say it serves; end of file, that it exited.
             if await control.recv(64):
                 served = True

@@ -46,6 +46,16 @@ async def answering_node_ids(url: str, want: set[str]) -> set[str]:
     return seen
 
 
+async def start_group(pg_url: str, tmp_path: Path, procs: list[Proc], port: int) -> Proc:
+    """``ironflow serve --processes 2 --node-id grp`` on ``port``, once both processes serve."""
+    parent = await start_node(
+        pg_url, tmp_path / "state", tmp_path, node_id="grp", port=port, extra=["--processes", "2"]
+    )
+    procs.append(parent)
+    await wait_log(parent, "2 node processes serving on port")
+    return parent
+
+
 def children_of(pid: int) -> list[int]:
     """Live child processes of ``pid`` (trio starts them from a thread: read every task's list)."""
     return sorted(
@@ -59,13 +69,9 @@ async def test_two_processes_serve_one_port_run_work_and_drain_on_sigterm(
 ) -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    parent = await start_node(
-        pg_url, tmp_path / "state", tmp_path, node_id="grp", port=port, extra=["--processes", "2"]
-    )
-    procs.append(parent)
+    parent = await start_group(pg_url, tmp_path, procs, port)
     assert await answering_node_ids(url, {"grp-1", "grp-2"}) == {"grp-1", "grp-2"}
     assert sorted(r[0] for r in db_rows(pg_url, "SELECT id FROM nodes")) == ["grp-1", "grp-2"]
-    await wait_log(parent, "2 node processes serving on port")
 
     worker = await start_load_worker(url, tmp_path, name="worker", max_jobs=10)
     procs.append(worker)
@@ -95,11 +101,7 @@ async def test_a_process_killed_after_serving_is_started_again_under_its_node_id
     pg_url: str, tmp_path: Path, procs: list[Proc]
 ) -> None:
     port = free_port()
-    parent = await start_node(
-        pg_url, tmp_path / "state", tmp_path, node_id="grp", port=port, extra=["--processes", "2"]
-    )
-    procs.append(parent)
-    await wait_log(parent, "2 node processes serving on port")
+    parent = await start_group(pg_url, tmp_path, procs, port)
     first = children_of(parent.pid)
     assert len(first) == 2
     os.kill(first[0], signal.SIGKILL)
@@ -163,11 +165,7 @@ async def test_node_processes_whose_parent_is_killed_drain_and_exit(
     pg_url: str, tmp_path: Path, procs: list[Proc]
 ) -> None:
     port = free_port()
-    parent = await start_node(
-        pg_url, tmp_path / "state", tmp_path, node_id="grp", port=port, extra=["--processes", "2"]
-    )
-    procs.append(parent)
-    await wait_log(parent, "2 node processes serving on port")
+    parent = await start_group(pg_url, tmp_path, procs, port)
     children = children_of(parent.pid)
     parent.signal(signal.SIGKILL)
     await parent.wait_exit(timeout=5)
