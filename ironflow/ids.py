@@ -7,11 +7,12 @@ host), which keeps index inserts append-mostly and listings readable.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["ids_from", "new_id"]
+__all__ = ["default_node_id", "ids_from", "new_id"]
 
 # Set by ``ids_from`` (the deterministic simulator): where new ids come from.
 _source: Callable[[str], str] | None = None
@@ -25,6 +26,11 @@ def new_id(prefix: str) -> str:
     if _source is not None:
         return _source(prefix)
     return f"{prefix}_{time.time_ns():016x}{os.urandom(8).hex()}"
+
+
+def default_node_id() -> str:
+    """A node id for a node started without one: the host name and a random suffix."""
+    return f"{socket.gethostname()}-{new_id('node')[-8:]}"
 
 
 @contextmanager

@@ -59,13 +59,15 @@ from actors.supervisor import Supervisor
 from ironflow import hypercorn_patch, logs, metrics
 from ironflow.api import ApiDeps, HotRoutes, create_app
 from ironflow.config import NodeConfig, redact_url
-from ironflow.ids import new_id
+from ironflow.ids import default_node_id
 from ironflow.store import CancelNotice, Store, StoreReadOnly, StoreUnavailable, open_store
 
 log = logging.getLogger("ironflow.node")
 
 # Kicks coalesce; this only bounds how many can be pending at once.
 KICK_BUFFER = 1024
+# What a member of ``ironflow serve --processes`` writes to its parent once it serves.
+READY_LINE = b"ready\n"
 
 
 class StartRefused(Exception):
@@ -79,9 +81,14 @@ class Node:
     ``node_id``, ``directory``, ``bootstrap_key`` (dev only).
     """
 
-    def __init__(self, config: NodeConfig, *, store: Store | None = None) -> None:
+    def __init__(
+        self, config: NodeConfig, *, store: Store | None = None, listen_fd: int | None = None
+    ) -> None:
+        """``listen_fd``: an already bound socket to serve on instead of binding
+        ``config.host:config.port`` (a member of ``ironflow serve --processes``)."""
         self.config = config
-        self.node_id = config.node_id or f"{socket.gethostname()}-{new_id('node')[-8:]}"
+        self.node_id = config.node_id or default_node_id()
+        self.listen_fd = listen_fd
         self.store: Store = metrics.time_store_calls(
             store if store is not None
             else open_store(config.database_url, sqlite_auto_vacuum=config.sqlite_auto_vacuum)
@@ -122,7 +129,14 @@ class Node:
         if key is None:
             _, key = await self.store.create_api_key("org", "admin")
         elif await self.store.authenticate(key) is None:
-            await self.store.create_api_key("org", "admin", key=key)
+            try:
+                await self.store.create_api_key("org", "admin", key=key)
+            except Exception:
+                # Nodes sharing a state dir and a database (the processes of
+                # `serve --processes N`) race here: the key a sibling created
+                # after our check is the key we need. Anything else is raised.
+                if await self.store.authenticate(key) is None:
+                    raise
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({"key": key}))
         self.bootstrap_key = key
@@ -168,7 +182,10 @@ class Node:
                 ))
                 hypercorn_patch.apply()
                 hcfg = HypercornConfig()
-                hcfg.bind = [f"{config.host}:{config.port}"]
+                hcfg.bind = [
+                    f"fd://{self.listen_fd}" if self.listen_fd is not None
+                    else f"{config.host}:{config.port}"
+                ]
                 hcfg.websocket_max_message_size = config.max_frame_bytes
                 hcfg.graceful_timeout = 1.0
                 hcfg.accesslog = None
@@ -278,12 +295,43 @@ async def _watch_signals(signals: Any, node: Node) -> None:
             node.stop()
 
 
-async def serve(config: NodeConfig) -> None:
-    """Run a node until a signal: first SIGTERM/SIGINT drains, a second stops at once."""
-    node = Node(config)
+async def _report_to_parent(control: socket.socket, node: Node) -> None:
+    """Tell the parent of a process group this node serves; drain once the parent is gone.
+
+    The parent writes nothing: end of file on ``control`` means it died
+    (``kill -9``) and no signal will ever be forwarded, so the node drains
+    rather than serve on as an orphan nobody stops.
+    """
+    sock = trio.socket.from_stdlib_socket(control)
+    try:
+        await node.ready.wait()
+        await sock.send(READY_LINE)
+        while await sock.recv(64):
+            pass
+    except OSError:
+        pass
+    finally:
+        sock.close()
+    logs.event(log, logging.WARNING, "node: parent process gone, draining", node_id=node.node_id)
+    node.request_shutdown()
+
+
+async def serve(
+    config: NodeConfig, *, listen_fd: int | None = None, control_fd: int | None = None
+) -> None:
+    """Run a node until a signal: first SIGTERM/SIGINT drains, a second stops at once.
+
+    ``listen_fd`` and ``control_fd`` are given to a member of ``ironflow serve
+    --processes N`` (``ironflow/cli/processes.py``): the socket to serve on,
+    bound by the parent, and a socket pair end on which the node reports
+    :data:`READY_LINE` once it serves and learns the parent is gone (end of file).
+    """
+    node = Node(config, listen_fd=listen_fd)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_signals, signals, node)
+            if control_fd is not None:
+                nursery.start_soon(_report_to_parent, socket.socket(fileno=control_fd), node)
             await node.run()
             nursery.cancel_scope.cancel()
 

@@ -3,7 +3,7 @@
 
     python scripts/bench.py [--runs 1000] [--repeat 3] [--backend sqlite|postgres|both]
                             [--concurrency 50] [--inflight 32] [--json] [--profile]
-                            [--nodes 1]
+                            [--nodes 1] [--node-processes 1] [--workers 1]
                             [--dashboards N]
     python scripts/bench.py --wake 1000 [--backend …] [--nodes K] [--repeat R]
 
@@ -42,6 +42,14 @@ node and of the worker, read just before they are stopped.
 ``--profile`` adds one extra, unreported repeat (first backend) with
 ``py-spy`` attached to the node and the worker during the loaded phase and
 prints their hotspots (own time and inclusive time per function).
+
+``--node-processes N`` (PostgreSQL) starts each node as ``ironflow serve
+--processes N``: N node processes on one port; node CPU and peak RSS are
+then summed (RSS: the largest) over the parent and its node processes.
+``--workers W`` starts W worker processes per node URL, each with
+``--concurrency`` slots (the kernel spreads their sockets over the node
+processes; ``worker_sessions_by_node`` in the JSON says where they landed).
+``load1`` is the 1-minute load average at the end of the loaded phase.
 
 ``--dashboards N`` keeps N windows of the node's dashboard (runs view, live)
 open in one headless Chromium during every repeat, to measure what open
@@ -285,11 +293,27 @@ def _pg_server_cpu_s(pg: ThrowawayPostgres | None) -> float:
     return total
 
 
+def _with_children(pid: int) -> list[int]:
+    """``pid`` and its live children (the node processes of ``serve --processes N``)."""
+    pids = [pid]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        pids.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    return pids
+
+
 def _cpu_all(nodes: list[subprocess.Popen[bytes]],
              workers: list[subprocess.Popen[bytes]]) -> tuple[float, float, float, float]:
-    """CPU seconds so far: all nodes, all workers, this script, the nodes' main threads."""
-    return (sum(_cpu_s(n.pid) for n in nodes), sum(_cpu_s(w.pid) for w in workers),
-            time.process_time(), sum(_main_thread_cpu_s(n.pid) for n in nodes))
+    """CPU seconds so far: all nodes (with their node processes), all workers, this
+    script, the nodes' main threads."""
+    node_pids = [pid for n in nodes for pid in _with_children(n.pid)]
+    return (sum(_cpu_s(pid) for pid in node_pids), sum(_cpu_s(w.pid) for w in workers),
+            time.process_time(), sum(_main_thread_cpu_s(pid) for pid in node_pids))
 
 
 def _cpu_s(pid: int, stat: str = "") -> float:
@@ -326,6 +350,16 @@ def _pg_counters(db_url: str, reset: bool) -> dict[str, Any]:
     return {"xacts": int(xacts[0]) if xacts else 0,
             "statements": sum(int(c) for c, _, _ in rows),
             "top": [[int(c), float(ms), q] for c, ms, q in rows[:40]]}
+
+
+def _sessions_by_node(db_url: str) -> dict[str, int]:
+    """Live worker sessions per node id (where the kernel put each worker's socket)."""
+    import psycopg
+
+    with psycopg.connect(db_url, autocommit=True) as conn:
+        rows = conn.execute("SELECT node_id, count(*) FROM worker_sessions GROUP BY node_id"
+                            " ORDER BY node_id").fetchall()
+    return {str(node): int(n) for node, n in rows}
 
 
 def pct(values: list[float], p: float) -> float:
@@ -561,11 +595,12 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             port = _free_port()
             urls.append(f"http://127.0.0.1:{port}")
             node_log = tmp / f"node{k}.log"
+            processes = ["--processes", str(args.node_processes)] if args.node_processes > 1 else []
             nodes.append(_spawn([sys.executable, "-m", "ironflow", "serve", "--dev", "--port", str(port),
                                  "--db", db, "--state-dir", str(tmp / f"state{k}"),
-                                 "--log-level", args.node_log_level], node_log))
+                                 "--log-level", args.node_log_level, *processes], node_log))
             await _wait_ready(urls[k], nodes[k], node_log)
-        for k, node_url in enumerate(urls):
+        for k, node_url in enumerate(u for u in urls for _ in range(args.workers)):
             outs.append(tmp / f"worker{k}.jsonl")
             worker_log = tmp / f"worker{k}.log"
             workers.append(_spawn([sys.executable, str(Path(__file__).resolve()), "--worker",
@@ -611,6 +646,7 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             runs = await _wait_done(client, url, outs, LOAD_FN, args.runs, args.timeout, workers)
             cpu1 = _cpu_all(nodes, workers)
             pg_cpu1 = _pg_server_cpu_s(pg if backend == "postgres" else None)
+            load1 = os.getloadavg()[0]
             pg1 = _pg_counters(db, reset=False) if pg0 is not None else None
             sample = sorted(sent)[:: max(1, len(sent) // 100)]
             by_run_now = {r["run"]: r for r in _read_all(outs) if "run" in r}
@@ -618,10 +654,12 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
             # ── latency phase: one-step runs, one at a time, the node otherwise idle ──
             one_step = await _latency_phase(client, url, args.latency, args.timeout)
 
-        hwm_node = max((_vm_hwm_kib(n.pid) or 0) for n in nodes)
+        hwm_node = max((_vm_hwm_kib(pid) or 0) for n in nodes for pid in _with_children(n.pid))
+        sessions_by_node = _sessions_by_node(db) if backend == "postgres" else None
         hwm_worker = max((_vm_hwm_kib(w.pid) or 0) for w in workers)
         for p in profilers.values():
             p.stop()
+        workers_started = workers
         for proc in workers + nodes:
             _stop(proc)
         workers, nodes = [], []
@@ -647,6 +685,10 @@ async def one_repeat(args: argparse.Namespace, backend: str, pg: ThrowawayPostgr
         result: dict[str, Any] = {
             "backend": backend,
             "nodes": len(urls),
+            "node_processes": args.node_processes if backend == "postgres" else 1,
+            "workers": len(workers_started),
+            "worker_sessions_by_node": sessions_by_node,
+            "load1": load1,
             "runs": args.runs,
             "wall_s": wall,
             "emit_phase_s": emits_done - first_emit,
@@ -794,6 +836,7 @@ COLUMNS = [
     ("wrk CPU s", "cpu_worker_s", "{:.2f}"),
     ("emitter CPU s", "cpu_bench_client_s", "{:.2f}"),
     ("PG server CPU s", "cpu_pg_server_s", "{:.2f}"),
+    ("load1", "load1", "{:.2f}"),
     ("PG xacts/run", "pg_xacts_per_run", "{:.1f}"),
     ("PG stmts/run", "pg_statements_per_run", "{:.1f}"),
 ]
@@ -840,6 +883,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "config": {"runs": args.runs, "repeat": args.repeat, "concurrency": args.concurrency,
                    "inflight": args.inflight, "steps_per_run": STEPS_PER_RUN, "nodes": args.nodes,
+                   "node_processes": args.node_processes, "workers": args.workers,
                    "idle_events": args.idle_events, "idle_gap_s": args.idle_gap,
                    "cpus": os.cpu_count(), "python": sys.version.split()[0],
                    "worker_loop": args.worker_loop, "flow": args.flow},
@@ -894,6 +938,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=50, help="worker max_concurrent_jobs")
     ap.add_argument("--nodes", type=int, default=1,
                     help="PostgreSQL only: nodes sharing the database, one worker each")
+    ap.add_argument("--node-processes", type=int, default=1,
+                    help="PostgreSQL only: each node is `ironflow serve --processes N`")
+    ap.add_argument("--workers", type=int, default=1,
+                    help="worker processes per node URL, each with --concurrency slots")
     ap.add_argument("--inflight", type=int, default=32, help="emit requests in flight")
     ap.add_argument("--emit-batch", type=int, default=1,
                     help="events per request in the loaded phase (1: POST /v1/events each; "

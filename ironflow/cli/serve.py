@@ -8,11 +8,14 @@ needs.
 from __future__ import annotations
 
 import importlib.util
+import socket
 import sys
 from collections.abc import Callable
-from typing import Any
+from functools import partial
+from typing import Any, NoReturn
 
 import click
+import msgspec
 
 from ironflow.cli.errors import CliFailure, usage_failure
 from ironflow.config import (
@@ -25,6 +28,7 @@ from ironflow.config import (
     load_config,
     redact_url,
 )
+from ironflow.ids import default_node_id
 
 # What the shell reports for a process stopped by Ctrl-C (128 + SIGINT).
 EXIT_INTERRUPTED = 130
@@ -91,10 +95,11 @@ def _struct_options(struct: type[Any], section: str, dev: dict[str, float]) -> C
     return decorate
 
 
-def _banner(config: NodeConfig) -> list[str]:
+def _banner(config: NodeConfig, processes: int) -> list[str]:
     host = config.host
     shown = "localhost" if host in ("127.0.0.1", "0.0.0.0", "::", "") else host
-    lines = [f"ironflow: engine node starting on http://{shown}:{config.port}"]
+    what = "engine node" if processes == 1 else f"{processes} engine node processes"
+    lines = [f"ironflow: {what} starting on http://{shown}:{config.port}"]
     kind = "PostgreSQL" if config.is_postgres else "SQLite"
     lines.append(f"ironflow: database {redact_url(config.database_url)} ({kind})")
     if config.dev:
@@ -112,8 +117,14 @@ def _banner(config: NodeConfig) -> list[str]:
     return lines
 
 
-def _serve_node(config: NodeConfig) -> None:
-    """Run the node until it drains (imported late: the node pulls in the web stack)."""
+def serve_node(
+    config: NodeConfig, *, listen_fd: int | None = None, control_fd: int | None = None
+) -> None:
+    """Run the node until it drains (imported late: the node pulls in the web stack).
+
+    ``listen_fd`` and ``control_fd``: a member of ``--processes N``
+    (``ironflow/cli/processes.py``). A refused start is a :class:`CliFailure`.
+    """
     import trio
 
     from ironflow import logs, node, tracing
@@ -124,7 +135,7 @@ def _serve_node(config: NodeConfig) -> None:
         click.echo(f"ironflow: {traced}", err=True)
     sys.setswitchinterval(SWITCH_INTERVAL_S)
     try:
-        trio.run(node.serve, config)
+        trio.run(partial(node.serve, config, listen_fd=listen_fd, control_fd=control_fd))
     except node.StartRefused as exc:
         raise CliFailure(str(exc)) from exc
     except BaseExceptionGroup as group:  # raised inside the node's signal nursery
@@ -135,6 +146,35 @@ def _serve_node(config: NodeConfig) -> None:
         while isinstance(refused, BaseExceptionGroup):
             refused = refused.exceptions[0]
         raise CliFailure(str(refused)) from None
+
+
+def _serve_group(config: NodeConfig, processes: int) -> NoReturn:
+    """--processes N: bind the port, print the banner, run the group, exit with its code."""
+    _refuse_group(config)
+    from ironflow.cli import processes as group
+
+    sockets = group.bind_group(config.host, config.port, processes)
+    port = int(sockets[0].getsockname()[1])
+    for line in _banner(msgspec.structs.replace(config, port=port), processes):
+        click.echo(line, err=True)
+    try:
+        code = group.serve_group(config, sockets, config.node_id or default_node_id())
+    except KeyboardInterrupt:  # only before the group's signal receiver is open
+        click.echo("ironflow: interrupted", err=True)
+        code = EXIT_INTERRUPTED
+    sys.exit(code)
+
+
+def _refuse_group(config: NodeConfig) -> None:
+    """--processes N needs PostgreSQL and SO_REUSEPORT; exit 2 naming why not."""
+    if not config.is_postgres:
+        usage_failure(
+            "--processes needs PostgreSQL: SQLite has one writer, so node processes on one"
+            " file would take turns at its lock instead of adding capacity"
+            " (use --db postgresql://…, or run one process)"
+        )
+    if not hasattr(socket, "SO_REUSEPORT"):
+        usage_failure("--processes needs SO_REUSEPORT, which this platform lacks")
 
 
 @click.command()
@@ -167,6 +207,13 @@ def _serve_node(config: NodeConfig) -> None:
     help="Log level (default INFO).",
 )
 @click.option(
+    "--processes",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Node processes sharing the port (PostgreSQL only; ids <node-id>-1 … -N).",
+)
+@click.option(
     "--chaos",
     is_flag=True,
     default=None,
@@ -184,13 +231,15 @@ def serve(
     config_file: str | None,
     state_dir: str | None,
     log_level: str | None,
+    processes: int,
     **flags: Any,
 ) -> None:
     """Run an engine node (Ctrl-C drains, a second Ctrl-C stops).
 
     Precedence, lowest first: seed defaults, --dev, the -f file, IRONFLOW_*
     variables, flags. Leases, sessions and stale-claim thresholds must be at
-    least 2x the heartbeat interval.
+    least 2x the heartbeat interval. --processes N runs N node processes on
+    one port (SO_REUSEPORT), each its own node (docs/operations.md).
     """
     require_server("ironflow serve")
     try:
@@ -211,10 +260,12 @@ def serve(
         )
     except ConfigError as exc:
         usage_failure(str(exc))
-    for line in _banner(config):
+    if processes > 1:
+        _serve_group(config, processes)
+    for line in _banner(config, processes):
         click.echo(line, err=True)
     try:
-        _serve_node(config)
+        serve_node(config)
     except KeyboardInterrupt:  # only before the node's signal receiver is open
         click.echo("ironflow: interrupted", err=True)
         sys.exit(EXIT_INTERRUPTED)

@@ -76,7 +76,7 @@ def closed_port() -> int:
 def served(monkeypatch: pytest.MonkeyPatch) -> list[NodeConfig]:
     """Capture the config `serve` would run the node with, instead of running it."""
     configs: list[NodeConfig] = []
-    monkeypatch.setattr(serve_cli, "_serve_node", configs.append)
+    monkeypatch.setattr(serve_cli, "serve_node", configs.append)
     return configs
 
 
@@ -84,6 +84,21 @@ def test_serve_with_unsafe_timing_exits_2_with_the_config_error(served: list[Nod
     result = run(["serve", "--lease-expiry", "1"])
     assert result.exit_code == 2
     assert result.stderr.startswith("error: timings.lease_expiry_s=1s must be at least 2×")
+    assert served == []
+
+
+def test_serve_processes_on_sqlite_exits_2_naming_its_single_writer(
+    served: list[NodeConfig], tmp_path: Path
+) -> None:
+    result = run(["serve", "--processes", "2", "--db", str(tmp_path / "x.db")])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: --processes needs PostgreSQL: SQLite has one writer")
+    assert served == [] and not (tmp_path / "x.db").exists()
+
+
+def test_serve_processes_below_one_is_a_usage_error(served: list[NodeConfig]) -> None:
+    result = run(["serve", "--processes", "0"])
+    assert result.exit_code == 2 and "--processes" in result.stderr
     assert served == []
 
 
