@@ -36,6 +36,7 @@ from ironflow.protocol import (
     QueueRecord,
     RunDetail,
     RunRecord,
+    RunResult,
     RunStats,
     RunStatus,
     SessionRecord,
@@ -742,6 +743,14 @@ class Store(abc.ABC):
         store object ended runs: completed, failed, cancelled, timed out, or
         failed at the recovery ceiling. Runs ended by another node are not
         announced here; waiters re-read the store as a backstop."""
+
+    @abc.abstractmethod
+    def on_run_results(self, listener: Callable[[list[RunResult]], None]) -> None:
+        """Call ``listener(results)`` (in Trio, after commit, before the
+        :meth:`on_runs_ended` listeners hear the same runs) whenever a call on
+        this store object completed runs, each with its result as that commit
+        wrote it: a result wait answers from it instead of reading the run
+        back. Other run ends are announced by id only."""
 
     @abc.abstractmethod
     def on_jobs_cancelled(self, listener: Callable[[list[CancelNotice]], None]) -> None:
