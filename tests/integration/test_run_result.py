@@ -88,13 +88,17 @@ def count_reads(node: Node, monkeypatch: pytest.MonkeyPatch) -> list[str]:
 async def test_a_waiting_result_request_is_answered_from_the_commit_that_completes_the_run(
     node: Node, http: httpx.AsyncClient, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(node.config.timings, "result_recheck_s", 60.0)  # no backstop re-read
     worker = ironflow.StreamingWorker(node.url, [slowish], handle_signals=False)
     await nursery.start(worker.run)
     run_id = (await emit(http, "slowish.go", {"s": 0.3}))["run_ids"][0]
     reads = count_reads(node, monkeypatch)
     resp = await http.get(f"/v1/runs/{run_id}/result", params={"wait_s": 30}, timeout=40)
     assert resp.json() == {"run_id": run_id, "status": "completed", "ended": True, "output": {"done": True}, "error": None}
-    assert reads == [run_id]  # the read on arrival; the answer came with the run's end, not a read back
+    # The read on arrival; the answer came with the run's end, not a read back.
+    # On PostgreSQL the run-end NOTIFY (ids only) may reach this node before its
+    # own commit's answer does: then the waiter reads the run back once.
+    assert reads[0] == run_id and len(reads) <= (2 if node.config.is_postgres else 1)
     worker.stop()
 
 
