@@ -19,7 +19,7 @@ from actors.messages import Kick
 from ironflow import logs, metrics, tracing
 from ironflow.config import NodeConfig
 from ironflow.protocol import TERMINAL_RUN_STATUSES, JobAssignment
-from ironflow.store import Reservation, RunNotFound, Store
+from ironflow.store import Reservation, Reservations, RunNotFound, Store
 
 log = logging.getLogger("ironflow.dispatcher")
 
@@ -98,19 +98,22 @@ async def _dispatch_round(
     node_id: str,
     directory: SessionDirectory,
     holds: trio.Nursery,
-) -> int:
-    """Reserve and hand out segments until the queue or the credits run dry.
+) -> tuple[Reservations | None, float]:
+    """Reserve and hand out segments until the queue or the credits run dry;
+    return the last reservation transaction's answer (None if none ran: no
+    session had a free credit) and when it came back (``trio.current_time``).
 
     A job that may not start yet goes out at once to a worker that holds it
     (``delayed_start``); for any other worker it is held in ``holds`` until
     its start time."""
-    handed = 0
+    last: Reservations | None = None
+    reserved = trio.current_time()
     while True:
         offers = directory.offers()
         if not offers:
-            return handed
+            return last, reserved
         reserving_ns = time.time_ns()
-        reservations = await store.reserve_segments(
+        reservations = last = await store.reserve_segments(
             node_id,
             offers,
             BATCH,
@@ -129,7 +132,6 @@ async def _dispatch_round(
                 # segment back at once instead of waiting for reservation expiry.
                 await _release(store, reservation)
                 continue
-            handed += 1
             metrics.ASSIGNMENTS.inc()
             if assignment.event.traceparent is not None:
                 _dispatch_span(assignment, reservation.session_id, reserving_ns, session)
@@ -149,7 +151,7 @@ async def _dispatch_round(
                 start_delay_ms=assignment.start_delay_ms or None,
             )
         if len(reservations) < BATCH:
-            return handed
+            return last, reserved
 
 
 async def run(
@@ -179,7 +181,7 @@ async def run(
                     kicks.receive_nowait()
                 except trio.WouldBlock:
                     break
-            await _dispatch_round(store, config, node_id, directory, holds)
+            last, read_at = await _dispatch_round(store, config, node_id, directory, holds)
             if kicks.statistics().current_buffer_used:
                 # Kicked during the round: go again, no need to ask when to
                 # wake. The store waits are shielded, so this is the loop's one
@@ -189,7 +191,13 @@ async def run(
                 continue
             wait_s = config.timings.dispatch_idle_poll_s
             if directory.offers():
-                next_eligible = await store.seconds_until_next_eligible()
+                if isinstance(last, Reservations) and last.next_eligible_known:
+                    # Read by the round's last transaction: less the time since.
+                    next_eligible = last.next_eligible
+                    if next_eligible is not None and next_eligible > 0:
+                        next_eligible = max(next_eligible - (trio.current_time() - read_at), 1e-6)
+                else:
+                    next_eligible = await store.seconds_until_next_eligible()
                 # 0 means "every row is eligible now but none could start" (no
                 # free credit, a full concurrency limit): only a kick (a freed
                 # slot, a new session) can change that. A row due later (a

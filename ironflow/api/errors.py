@@ -124,10 +124,22 @@ def query_float(name: str, default: float, *, low: float, high: float) -> float:
     return _query_number(name, default, low, high, float, "a number")
 
 
+def float_param(name: str, raw: str | None, default: float, *, low: float, high: float) -> float:
+    """:func:`query_float` of a value already read (None: absent), for the
+    framework-free routes (ironflow/api/hot.py)."""
+    return _number(name, raw, default, low, high, float, "a number")
+
+
 def _query_number(
     name: str, default: float, low: float, high: float, kind: type[int] | type[float], what: str
 ) -> float:
-    raw = request.args.get(name)
+    return _number(name, request.args.get(name), default, low, high, kind, what)
+
+
+def _number(
+    name: str, raw: str | None, default: float, low: float, high: float,
+    kind: type[int] | type[float], what: str,
+) -> float:
     if raw is None:
         return default
     try:

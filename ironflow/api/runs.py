@@ -12,7 +12,7 @@ from actors.messages import kick
 from ironflow import logs, metrics, retention
 from ironflow.api.auth import require_org, require_platform
 from ironflow.api.errors import decode, json_response, optional_body, query_float, query_int
-from ironflow.api.state import state
+from ironflow.api.state import ApiState, state
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
     CancelRequest,
@@ -60,20 +60,30 @@ async def run_result(run_id: str) -> Response:
     """The run's output or error as soon as it ends (held open up to ``wait_s``)."""
     await require_org()
     wait_s = query_float("wait_s", 0.0, low=0.0, high=MAX_RESULT_WAIT_S)
-    st = state()
+    answer, status = await await_result(state(), run_id, wait_s)
+    return json_response(answer, status)
+
+
+async def await_result(st: ApiState, run_id: str, wait_s: float) -> tuple[RunResult, int]:
+    """The run's result and 200 as soon as it ends, or its status and 202 if it
+    has not ended within ``wait_s``. Shared by the route above and the
+    framework-free hot path (``hot``). RunNotFound for an unknown run."""
     deadline = trio.current_time() + wait_s
     while True:
-        with st.run_waiters.watch(run_id) as ended:
+        with st.run_waiters.watch(run_id) as waiter:
             run = await st.store.get_run_record(run_id)
             if run.status in TERMINAL_RUN_STATUSES:
-                return json_response(RunResult(run.id, run.status, True, run.output, run.error))
+                return RunResult(run.id, run.status, True, run.output, run.error), 200
             remaining = deadline - trio.current_time()
             if remaining <= 0:
-                return json_response(RunResult(run.id, run.status, False), 202)
+                return RunResult(run.id, run.status, False), 202
             # Woken the moment this node ends the run; the re-read backstop covers
             # a run ended by another node.
             with trio.move_on_after(min(remaining, st.config.timings.result_recheck_s)):
-                await ended.wait()
+                await waiter.ended.wait()
+            if waiter.result is not None:
+                # The commit that completed the run said how: no read back.
+                return waiter.result, 200
 
 
 @bp.post("/v1/runs/<run_id>/cancel")

@@ -14,6 +14,7 @@ from actors.directory import SessionDirectory
 from actors.grouped import Grouped
 from actors.messages import Kick
 from ironflow.config import NodeConfig
+from ironflow.protocol import RunResult
 from ironflow.store import IngestResult, Principal, SessionInfo, Store, StoreUnavailable
 
 if TYPE_CHECKING:
@@ -49,30 +50,51 @@ class ApiDeps:
         self.actors = actors
 
 
+class RunWaiter:
+    """One request waiting for a run to end: ``ended`` is set when this node
+    ends it; ``result`` is its result when the commit that ended it knew it
+    in full (a completion), else None (the waiter reads the run)."""
+
+    __slots__ = ("ended", "result")
+
+    def __init__(self) -> None:
+        self.ended = trio.Event()
+        self.result: RunResult | None = None
+
+
 class RunWaiters:
     """Requests waiting for runs to end, woken by the store's run-end announcements."""
 
     def __init__(self) -> None:
-        self._events: dict[str, set[trio.Event]] = {}
+        self._waiters: dict[str, set[RunWaiter]] = {}
 
     @contextlib.contextmanager
-    def watch(self, run_id: str) -> Iterator[trio.Event]:
-        """An Event set when this node ends ``run_id``; unregistered on exit."""
-        event = trio.Event()
-        self._events.setdefault(run_id, set()).add(event)
+    def watch(self, run_id: str) -> Iterator[RunWaiter]:
+        """A waiter for ``run_id``, woken when this node ends it; unregistered on exit."""
+        waiter = RunWaiter()
+        self._waiters.setdefault(run_id, set()).add(waiter)
         try:
-            yield event
+            yield waiter
         finally:
-            waiting = self._events.get(run_id)
+            waiting = self._waiters.get(run_id)
             if waiting is not None:
-                waiting.discard(event)
+                waiting.discard(waiter)
                 if not waiting:
-                    del self._events[run_id]
+                    del self._waiters[run_id]
 
     def notify(self, run_ids: list[str]) -> None:
+        """These runs ended (:meth:`Store.on_runs_ended`): wake their waiters."""
         for run_id in run_ids:
-            for event in self._events.get(run_id, ()):
-                event.set()
+            for waiter in self._waiters.get(run_id, ()):
+                waiter.ended.set()
+
+    def answer(self, results: list[RunResult]) -> None:
+        """These runs ended with these results (:meth:`Store.on_run_results`):
+        wake their waiters with them."""
+        for result in results:
+            for waiter in self._waiters.get(result.run_id, ()):
+                waiter.result = result
+                waiter.ended.set()
 
 
 class ApiState:
@@ -87,6 +109,7 @@ class ApiState:
         # Pull sessions this node has verified: id → (hash of its secret, session).
         self.pull_sessions: dict[str, tuple[str, SessionInfo]] = {}
         self.run_waiters = RunWaiters()
+        deps.store.on_run_results(self.run_waiters.answer)
         deps.store.on_runs_ended(self.run_waiters.notify)
         # Concurrent emits without an idempotency key, ingested together
         # (Store.ingest_events: two statements per group on PostgreSQL);

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -85,7 +86,18 @@ class _OutboxReporter:
         if not job.abandoned:
             await self._send.send(msg)
 
-    result = step
+    async def result(self, job: JobState, msg: Any) -> None:
+        """Queued at once when there is room (``send`` would yield first): the
+        writer, woken by the segment's last step result and yielding once
+        before it takes its batch, then sends both in one frame, which the
+        engine commits as one (steps, job result and the run's end together)."""
+        if job.abandoned:
+            return
+        try:
+            self._send.send_nowait(msg)
+        except anyio.WouldBlock:
+            await self._send.send(msg)
+
     nack = step
 
 
@@ -283,6 +295,12 @@ class StreamingWorker(WorkerLifecycle):
         limit = WRITE_BATCH if self._engine_batches else 1
         try:
             async for first in recv:
+                if limit > 1 and first is not _CLOSE:
+                    # One scheduling round before the batch is taken: what the
+                    # tasks woken with this one queue meanwhile (a job's result
+                    # right after its last step result, the acks of one
+                    # assignment frame) goes in the same frame.
+                    await anyio.lowlevel.checkpoint()
                 batch = [first]
                 while batch[-1] is not _CLOSE and len(batch) < limit:
                     try:

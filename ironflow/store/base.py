@@ -12,7 +12,7 @@ Nothing outside ``ironflow/store`` writes SQL.
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, Literal
 
 import msgspec
@@ -36,6 +36,7 @@ from ironflow.protocol import (
     QueueRecord,
     RunDetail,
     RunRecord,
+    RunResult,
     RunStats,
     RunStatus,
     SessionRecord,
@@ -93,6 +94,24 @@ class Reservation(msgspec.Struct, frozen=True):
     # clock now minus the step's wake time (negative when it is reserved ahead
     # of it, to be held until then), for the wake-lateness metric.
     wake_lateness_s: float | None = None
+
+
+class Reservations(list[Reservation]):
+    """What :meth:`Store.reserve_segments` returns: its reservations, in order.
+
+    When the transaction made fewer than it was asked for (the queue ran dry
+    for the offers), ``next_eligible`` also holds what
+    :meth:`Store.seconds_until_next_eligible` answers just after its commit,
+    read by the same transaction (``next_eligible_known``): the dispatcher,
+    going idle, need not ask in a transaction of its own."""
+
+    def __init__(
+        self, reservations: Iterable[Reservation] = (), *, next_eligible: float | None = None,
+        known: bool = False,
+    ) -> None:
+        super().__init__(reservations)
+        self.next_eligible = next_eligible
+        self.next_eligible_known = known
 
 
 class RecoveredSegment(msgspec.Struct, frozen=True):
@@ -518,7 +537,7 @@ class Store(abc.ABC):
         limit: int,
         *,
         reservation_expiry_s: float,
-    ) -> list[Reservation]:
+    ) -> Reservations:
         """Admit runnable segments to free credits of the offered sessions.
 
         ``offers`` maps session_id → function ids that session can run. In one
@@ -530,6 +549,8 @@ class Store(abc.ABC):
         non-draining session for each; stamp the row with reservation_owner,
         reservation_expires_at and sha256 of a fresh lease token; build the
         JobAssignment (event, attempt, memoised steps, execution_seq, token).
+        Fewer than ``limit`` made: the same transaction reads when the next
+        row becomes eligible (:class:`Reservations`).
         """
 
     @abc.abstractmethod
@@ -742,6 +763,14 @@ class Store(abc.ABC):
         store object ended runs: completed, failed, cancelled, timed out, or
         failed at the recovery ceiling. Runs ended by another node are not
         announced here; waiters re-read the store as a backstop."""
+
+    @abc.abstractmethod
+    def on_run_results(self, listener: Callable[[list[RunResult]], None]) -> None:
+        """Call ``listener(results)`` (in Trio, after commit, before the
+        :meth:`on_runs_ended` listeners hear the same runs) whenever a call on
+        this store object completed runs, each with its result as that commit
+        wrote it: a result wait answers from it instead of reading the run
+        back. Other run ends are announced by id only."""
 
     @abc.abstractmethod
     def on_jobs_cancelled(self, listener: Callable[[list[CancelNotice]], None]) -> None:

@@ -37,6 +37,7 @@ from ironflow.protocol import (
     LeaseRecord,
     QueueRecord,
     RunRecord,
+    RunResult,
     StepRecord,
     concurrency_keyed,
     job_id_for,
@@ -346,6 +347,9 @@ class SqlStoreBase(Store):
         self._defs: dict[str, FunctionDef] = {}
         # Called (in Trio, after commit) with the ids of runs this node ended.
         self._run_end_listeners: list[Callable[[list[str]], None]] = []
+        # Called (in Trio, after commit, before the above) with the results of
+        # runs this node completed: what a result wait answers.
+        self._run_result_listeners: list[Callable[[list[RunResult]], None]] = []
         # Called (in Trio, after commit) with the wake time of a step just parked.
         self._wake_listeners: list[Callable[[float], None]] = []
         # Called (in Trio, after commit) when a registration may have changed
@@ -395,6 +399,12 @@ class SqlStoreBase(Store):
         failed, cancelled, timed out, exhausted) through this store object."""
         self._run_end_listeners.append(listener)
 
+    def on_run_results(self, listener: Callable[[list[RunResult]], None]) -> None:
+        """Call ``listener(results)`` after each commit that completed runs through
+        this store object, with each run's result as that commit wrote it
+        (before the :meth:`on_runs_ended` listeners hear their ids)."""
+        self._run_result_listeners.append(listener)
+
     def on_wake_scheduled(self, listener: Callable[[float], None]) -> Callable[[], None]:
         """Call ``listener(wake_at)`` after each commit that parked a step with a
         wake time (a sleep, a wait's or an invoke's timeout) through this store.
@@ -413,12 +423,18 @@ class SqlStoreBase(Store):
                 listener(wake_at)
 
     async def _transact_ending(
-        self, work: Callable[[Tx], T], ended: Callable[[T], list[str]], locks: Sequence[NamedLock] = ()
+        self,
+        work: Callable[[Tx], T],
+        ended: Callable[[T], list[str]],
+        locks: Sequence[NamedLock] = (),
+        results: Callable[[T], list[RunResult]] | None = None,
     ) -> T:
         """:meth:`_transact` for work that may end runs (``ended`` picks their ids
         from its result): the transaction tells the other nodes
         (:meth:`Tx.runs_ended`, a NOTIFY on PostgreSQL) and, after the commit,
-        this node's listeners hear them."""
+        this node's listeners hear them. ``results`` picks the results of the
+        runs whose outcome the work knows in full (a completion's output): a
+        result wait is answered from them, without reading the run back."""
 
         def announcing(tx: Tx) -> T:
             result = work(tx)
@@ -428,6 +444,11 @@ class SqlStoreBase(Store):
             return result
 
         result = await self._transact(announcing, locks)
+        if results is not None and self._run_result_listeners:
+            known = results(result)
+            if known:
+                for listener in self._run_result_listeners:
+                    listener(known)
         self._announce_ended(ended(result))
         return result
 

@@ -19,6 +19,7 @@ from ironflow.protocol import (
 )
 from ironflow.store.base import (
     Reservation,
+    Reservations,
 )
 from ironflow.store.capacity_scan import CapacityLoop
 from ironflow.store.core import (
@@ -67,13 +68,21 @@ class DispatchOps(CapacityLoop):
         limit: int,
         *,
         reservation_expiry_s: float,
-    ) -> list[Reservation]:
+    ) -> Reservations:
         function_ids = sorted(set().union(*offers.values())) if offers else []
         session_ids = sorted(offers)
         if limit <= 0 or not function_ids:
-            return []
+            return Reservations()
 
-        def work(tx: Tx) -> list[Reservation]:
+        def work(tx: Tx) -> Reservations:
+            made = reserve(tx)
+            if len(made) >= limit:
+                return Reservations(made)
+            # The queue ran dry for these offers: the dispatcher goes idle and
+            # needs to know until when (one statement here, not a transaction).
+            return Reservations(made, next_eligible=_next_eligible(tx), known=True)
+
+        def reserve(tx: Tx) -> list[Reservation]:
             self._expire_reservations(tx)
             credits = tx.fetchall(
                 "SELECT c.session_id, c.slot FROM worker_credits c"
@@ -281,18 +290,20 @@ class DispatchOps(CapacityLoop):
         await self._transact(work)
 
     async def seconds_until_next_eligible(self) -> float | None:
-        def work(tx: Tx) -> float | None:
-            # The soonest row still to become eligible, even while rows
-            # eligible now wait: those may be held by a concurrency limit or
-            # wait for a credit (a kick ends that wait), but a throttled start,
-            # a debounce or a retry delay comes due by the clock alone.
-            row = tx.fetchone(
-                "SELECT (SELECT min(eligible_at) FROM dispatch_queue WHERE reservation_owner IS NULL"
-                " AND eligible_at > ironflow_now()) - ironflow_now(),"
-                " EXISTS (SELECT 1 FROM dispatch_queue WHERE reservation_owner IS NULL)"
-            )
-            if row is None or not row[1]:
-                return None
-            return 0.0 if row[0] is None else max(0.0, float(row[0]))
+        return await self._transact(_next_eligible)
 
-        return await self._transact(work)
+
+def _next_eligible(tx: Tx) -> float | None:
+    """:meth:`~ironflow.store.base.Store.seconds_until_next_eligible` in ``tx``."""
+    # The soonest row still to become eligible, even while rows eligible now
+    # wait: those may be held by a concurrency limit or wait for a credit (a
+    # kick ends that wait), but a throttled start, a debounce or a retry delay
+    # comes due by the clock alone.
+    row = tx.fetchone(
+        "SELECT (SELECT min(eligible_at) FROM dispatch_queue WHERE reservation_owner IS NULL"
+        " AND eligible_at > ironflow_now()) - ironflow_now(),"
+        " EXISTS (SELECT 1 FROM dispatch_queue WHERE reservation_owner IS NULL)"
+    )
+    if row is None or not row[1]:
+        return None
+    return 0.0 if row[0] is None else max(0.0, float(row[0]))

@@ -26,6 +26,7 @@ from ironflow.protocol import (
     JobLeaseStatus,
     JobNackReason,
     RunRecord,
+    RunResult,
     SleepYield,
     WaitYield,
     YieldInfo,
@@ -265,7 +266,9 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
 
     async def complete_job(self, fence: Fence, output: Any) -> JobOutcome:
         return await self._transact_ending(
-            lambda tx: self._complete(tx, fence, output), lambda _: [fence.run_id]
+            lambda tx: self._complete(tx, fence, output),
+            lambda _: [fence.run_id],
+            results=lambda _: [RunResult(fence.run_id, "completed", True, output)],
         )
 
     async def complete_jobs(
@@ -305,8 +308,15 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 )
             return results
 
+        outputs = {fence.run_id: output for fence, output, _ in items}
         return await self._transact_ending(
-            work, lambda results: [r.value.run_id for r in results if isinstance(r, outcome.Value)]
+            work,
+            lambda results: [r.value.run_id for r in results if isinstance(r, outcome.Value)],
+            results=lambda results: [
+                RunResult(r.value.run_id, "completed", True, outputs[r.value.run_id])
+                for r in results
+                if isinstance(r, outcome.Value)
+            ],
         )
 
     def _complete_or_stale(self, tx: Tx, fence: Fence, output: Any) -> JobOutcome | None:

@@ -318,6 +318,7 @@ class _Actor:
         # loss seen by another actor means this one is probably dead too.
         self._losses = 0
         self._prepared: dict[Any, bytes] = {}
+        self._pid = 0  # the backend pid of ``_conn``
         self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     def _connect(self) -> psycopg.Connection[Any]:
@@ -325,7 +326,13 @@ class _Actor:
         conn = connect(self._store.url)
         conn.prepared_max = PREPARED_MAX
         self._prepared = {}  # statements are prepared per connection
+        self._pid = conn.info.backend_pid
+        self._store.own_backends.add(self._pid)
         return conn
+
+    def _close(self, conn: psycopg.Connection[Any]) -> None:
+        self._store.own_backends.discard(self._pid)
+        conn.close()
 
     def _loop(self) -> None:
         retry: list[_Request] = []
@@ -339,7 +346,7 @@ class _Actor:
                 req.hand_back(outcome.Error(RuntimeError("PostgresStore closed")))
         finally:
             if self._conn is not None:
-                self._conn.close()
+                self._close(self._conn)
 
     def _run_group(self, batch: list[_Request]) -> list[_Request]:
         """Commit ``batch`` as one transaction; deliver outcomes; return calls to retry."""
@@ -370,7 +377,7 @@ class _Actor:
         conn, self._conn = self._conn, None
         if conn is not None:
             try:
-                conn.close()
+                self._close(conn)
             except Exception:
                 pass  # already broken; a fresh one is opened for the next group
 
@@ -492,6 +499,10 @@ class PostgresStore(SqlStore):
         self.availability = Availability()
         # Connections the actors lost (see _Actor._run_group).
         self.connection_losses = 0
+        # Backend pids of the actors' open connections: a run-end NOTIFY one of
+        # them sent is this node's own, announced here after its commit (with
+        # the results: Store.on_run_results), not again when it comes back.
+        self.own_backends: set[int] = set()
 
     # lifecycle --------------------------------------------------------------------
 
@@ -629,7 +640,8 @@ class PostgresStore(SqlStore):
                 while not stop.is_set():
                     for note in conn.notifies(timeout=LISTEN_POLL_S, stop_after=1):
                         if note.channel == RUN_END_CHANNEL:
-                            token.run_sync_soon(self._announce_ended, note.payload.split(","))
+                            if note.pid not in self.own_backends:  # another node's
+                                token.run_sync_soon(self._announce_ended, note.payload.split(","))
                         elif note.channel == CANCEL_CHANNEL:
                             token.run_sync_soon(self._announce_cancel_payload, note.payload)
                         else:

@@ -26,6 +26,9 @@ class _NoStore:
     def on_runs_ended(self, listener: Any) -> None:
         pass
 
+    def on_run_results(self, listener: Any) -> None:
+        pass
+
 
 def _app() -> Any:
     deps = ApiDeps(

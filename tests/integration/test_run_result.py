@@ -71,6 +71,53 @@ async def test_a_run_still_going_answers_202_and_bad_input_a_4xx(node: Node, htt
     assert got[0]["status"] == "cancelled" and got[0]["error"]["code"] == "CANCELLED"
 
 
+
+def count_reads(node: Node, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The run ids the node's store reads a run record of, from now on."""
+    reads: list[str] = []
+    read = node.store.get_run_record
+
+    async def counted(run_id: str) -> Any:
+        reads.append(run_id)
+        return await read(run_id)
+
+    monkeypatch.setattr(node.store, "get_run_record", counted)
+    return reads
+
+
+async def test_a_waiting_result_request_is_answered_from_the_commit_that_completes_the_run(
+    node: Node, http: httpx.AsyncClient, nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(node.config.timings, "result_recheck_s", 60.0)  # no backstop re-read
+    worker = ironflow.StreamingWorker(node.url, [slowish], handle_signals=False)
+    await nursery.start(worker.run)
+    run_id = (await emit(http, "slowish.go", {"s": 0.3}))["run_ids"][0]
+    reads = count_reads(node, monkeypatch)
+    resp = await http.get(f"/v1/runs/{run_id}/result", params={"wait_s": 30}, timeout=40)
+    assert resp.json() == {"run_id": run_id, "status": "completed", "ended": True, "output": {"done": True}, "error": None}
+    # The read on arrival; the answer came with the run's end, not a read back
+    # (on PostgreSQL the node's own run-end NOTIFY, ids only, is not heard).
+    assert reads == [run_id]
+    worker.stop()
+
+
+async def test_a_held_result_request_is_given_up_when_its_client_goes_away(
+    node: Node, http: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(node.config.timings, "result_recheck_s", 0.05)
+    reg = {"type": "register", "worker_id": "idle", "functions": [{"id": "idle", "triggers": [{"event": "idle.go"}]}]}
+    assert (await http.post("/v1/worker/register", json=reg)).status_code == 201
+    run_id = (await emit(http, "idle.go"))["run_ids"][0]
+    reads = count_reads(node, monkeypatch)
+    with trio.move_on_after(0.3):  # the client gives up: its connection closes
+        await http.get(f"/v1/runs/{run_id}/result", params={"wait_s": 30}, timeout=40)
+    assert len(reads) > 2  # it was waiting, re-reading every 0.05 s
+    await trio.sleep(0.1)
+    gone = len(reads)
+    await trio.sleep(0.3)
+    assert len(reads) == gone  # the node stopped waiting for nobody
+
+
 async def test_the_client_awaits_results_async_and_sync_and_the_cli_waits(
     node: Node, http: httpx.AsyncClient, nursery: trio.Nursery
 ) -> None:

@@ -22,6 +22,7 @@ from ironflow.protocol import (
     Register,
     Shutdown,
     StepCompleted,
+    worker_frame_decoder,
 )
 from ironflow.sdk.ws import ConnectionClosed
 
@@ -296,4 +297,34 @@ async def test_with_an_engine_that_reads_batches_the_worker_batches_and_reads_ba
     # Every job's messages complete and in order, however they were framed.
     assert all(v == ["JobAck", "StepCompleted", "StepCompleted", "JobCompleted"] for v in seen.values())
     assert conn.batched_frames > 0  # eight jobs at once: the worker's writer batched
+    worker.stop()
+
+
+@pytest.mark.parametrize("body", ["async", "sync"])
+async def test_a_jobs_last_step_result_and_its_result_go_to_the_engine_in_one_frame(task_group, body):
+    # The engine commits what one frame brings together: the step, the job's
+    # result and the run's end in one transaction instead of two.
+    engine = FakeEngine(batch_frames=True)
+    await engine.start(task_group)
+
+    async def async_step():
+        return 1
+
+    step = async_step if body == "async" else (lambda: 1)  # a sync body runs in a thread
+
+    @ironflow.function(id="fn")
+    async def handler(ctx):
+        return {"n": await ctx.step.run("a", step)}
+
+    worker = _worker(engine, [handler])
+    await task_group.start(worker.run)
+    conn = await engine.accept()
+    for i in range(5):
+        await conn.send(make_assignment(run_id=f"rF{i}"))
+        frames: list[list[str]] = []
+        with anyio.fail_after(10):
+            while not frames or "JobCompleted" not in frames[-1]:
+                frame = worker_frame_decoder.decode(await conn.ws.get_message())
+                frames.append([type(m).__name__ for m in (frame if isinstance(frame, list) else [frame])])
+        assert frames == [["JobAck"], ["StepCompleted", "JobCompleted"]]
     worker.stop()

@@ -24,6 +24,9 @@ class FailingStore:
     def on_runs_ended(self, listener: Any) -> None:
         pass
 
+    def on_run_results(self, listener: Any) -> None:
+        pass
+
     async def ingest_events(self, events: list[Any], *, idempotency_window_s: float) -> list[IngestResult]:
         await trio.lowlevel.checkpoint()
         if len(events) > 1:
