@@ -88,6 +88,17 @@ class SessionDirectory:
         """What the dispatcher may offer work to: non-draining sessions and their functions."""
         return {s.session_id: s.function_ids for s in self._sessions.values() if not s.draining}
 
+    def holding_offers(self) -> dict[str, frozenset[str]]:
+        """:meth:`offers` to streaming sessions whose worker holds a job until
+        its start time itself (``delayed_start``): what an emit's own
+        reservation offers (``Store.ingest_and_reserve``), having no task to
+        hold a job for a worker that cannot."""
+        return {
+            s.session_id: s.function_ids
+            for s in self._sessions.values()
+            if not s.draining and s.mode == "stream" and s.delayed_start
+        }
+
     def streaming(self) -> list[LocalSession]:
         return [s for s in self._sessions.values() if s.mode == "stream"]
 

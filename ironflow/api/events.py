@@ -54,8 +54,10 @@ async def ingest_one(
 async def _ingested(
     st: ApiState, body: EmitRequest, traceparent: str | None
 ) -> tuple[EmitResponse, int]:
-    if body.idempotency_key is None:
-        # With the emits that arrive alongside.
+    grouped = body.idempotency_key is None
+    if grouped:
+        # With the emits that arrive alongside (the group kicks the dispatcher,
+        # or hands its runs out itself: ApiState._ingest_group).
         result = await st.emits((body.name, body.data, traceparent))
     elif traceparent is None:
         result = await st.store.ingest_event(
@@ -69,7 +71,7 @@ async def _ingested(
     if not result.duplicate:
         metrics.EVENTS_EMITTED.inc()
         # New runs, and parked runs whose wait_for_event this event matched.
-        if result.run_ids or result.resumed_run_ids:
+        if not grouped and (result.run_ids or result.resumed_run_ids):
             kick(st.deps.kicks, "event ingested")
         cancelled_by_event(st, result)
     logs.event(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -12,13 +14,25 @@ from quart import current_app
 
 from actors.directory import SessionDirectory
 from actors.grouped import Grouped
-from actors.messages import Kick
+from actors.handout import BATCH, hand_out
+from actors.messages import Kick, kick
+from ironflow import logs
 from ironflow.config import NodeConfig
 from ironflow.protocol import RunResult
-from ironflow.store import IngestResult, Principal, SessionInfo, Store, StoreUnavailable
+from ironflow.store import (
+    IngestResult,
+    Principal,
+    Reservation,
+    SessionInfo,
+    Store,
+    StoreError,
+    StoreUnavailable,
+)
 
 if TYPE_CHECKING:
     from ironflow.api.chaos import CrashableActors
+
+log = logging.getLogger("ironflow.api")
 
 # Key of the ApiState in ``app.extensions``.
 EXTENSION = "ironflow"
@@ -131,9 +145,24 @@ class ApiState:
     async def _ingest_group(
         self, events: list[tuple[str, Any, str | None]]
     ) -> list[outcome.Outcome[IngestResult]]:
+        """Ingest a group of emits; the runs they queue go to the dispatcher
+        (a kick) — or, where the store reserves at ingest and a local worker
+        can take them, straight to that worker from the same transaction
+        (:meth:`Store.ingest_and_reserve`), before the emits are answered."""
+        offers = self.deps.directory.holding_offers() if self.store.reserve_at_ingest else {}
+        reserving_ns = time.time_ns()
+        reservations: list[Reservation] = []
         try:
-            results = await self._ingest([(name, data, None, tp) for name, data, tp in events])
-            return [outcome.Value(result) for result in results]
+            if offers and all(tp is None for _, _, tp in events):
+                results, reservations = await self.store.ingest_and_reserve(
+                    [(name, data, None) for name, data, _ in events],
+                    idempotency_window_s=self.config.idempotency_window_s,
+                    offers=offers,
+                    limit=BATCH,
+                    reservation_expiry_s=self.config.timings.reservation_expiry_s,
+                )
+            else:
+                results = await self._ingest([(name, data, None, tp) for name, data, tp in events])
         except StoreUnavailable:
             # An outage: one by one would fail again. Or CommitOutcomeUnknown
             # (one): it may have committed, one by one would write each event again.
@@ -141,16 +170,38 @@ class ApiState:
         except Exception:
             if len(events) == 1:
                 raise
-        # One event's failure must not fail the others': each alone.
-        return [await outcome.acapture(self._ingest_alone, name, data, tp) for name, data, tp in events]
+            # One event's failure must not fail the others': each alone.
+            return [await outcome.acapture(self._ingest_alone, name, data, tp) for name, data, tp in events]
+        # Committed: from here nothing may fail the emits.
+        if reservations:
+            await self._hand_out(reservations, reserving_ns)
+        reserved = {r.assignment.run_id for r in reservations}
+        if any(rid not in reserved for r in results for rid in (*r.run_ids, *r.resumed_run_ids)):
+            kick(self.deps.kicks, "event ingested")
+        return [outcome.Value(result) for result in results]
+
+    async def _hand_out(self, reservations: list[Reservation], reserving_ns: int) -> None:
+        """The emits' reservations to their workers, as the dispatcher hands
+        out its own; one that cannot be handed out nor given back (the store
+        failed meanwhile) waits for its reservation's expiry."""
+        try:
+            await hand_out(self.store, self.deps.directory, reservations, reserving_ns, None)
+        except StoreError as exc:
+            logs.event(
+                log, logging.WARNING, "dispatch: emit's reservation not handed out, it expires",
+                error=type(exc).__name__, reservations=len(reservations),
+            )
 
     async def _ingest_alone(self, name: str, data: Any, traceparent: str | None) -> IngestResult:
         window = self.config.idempotency_window_s
         if traceparent is None:
-            return await self.store.ingest_event(name, data, None, idempotency_window_s=window)
-        [result] = await self.store.ingest_traced_events(
-            [(name, data, None, traceparent)], idempotency_window_s=window
-        )
+            result = await self.store.ingest_event(name, data, None, idempotency_window_s=window)
+        else:
+            [result] = await self.store.ingest_traced_events(
+                [(name, data, None, traceparent)], idempotency_window_s=window
+            )
+        if result.run_ids or result.resumed_run_ids:
+            kick(self.deps.kicks, "event ingested")
         return result
 
 

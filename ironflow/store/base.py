@@ -306,6 +306,14 @@ class Store(abc.ABC):
     # own (SQLite, whose writer groups concurrent calls anyway: there a
     # group only serialised a session's acks, measured in docs/benchmarks.md).
     group_acks: bool = False
+    # Whether an emit that queues a run also reserves it for a local worker in
+    # its own transaction (:meth:`ingest_and_reserve`: one commit instead of
+    # two, the assignment out before the emit's answer). SQLite: one writer,
+    # no lock order to keep. PostgreSQL: not yet — the reservation's waiting
+    # locks (a session row FOR SHARE, a throttle row, ``conc:`` locks) would
+    # then be taken after the ingest's (wait, singleton and cancelled runs'
+    # rows): a lock order no transaction keeps today (docs/isolation.md).
+    reserve_at_ingest: bool = False
 
     async def in_order(
         self, calls: Sequence[Callable[[], Awaitable[Any]]]
@@ -552,6 +560,21 @@ class Store(abc.ABC):
         Fewer than ``limit`` made: the same transaction reads when the next
         row becomes eligible (:class:`Reservations`).
         """
+
+    @abc.abstractmethod
+    async def ingest_and_reserve(
+        self,
+        events: list[tuple[str, Any, str | None]],
+        *,
+        idempotency_window_s: float,
+        offers: dict[str, frozenset[str]],
+        limit: int,
+        reservation_expiry_s: float,
+    ) -> tuple[list[IngestResult], Reservations]:
+        """:meth:`ingest_events`, then, in the same transaction when the events
+        queued a run, one :meth:`reserve_segments` round for ``offers`` (in
+        dispatch order: older rows first); both answers. The round's
+        ``next_eligible`` is not read."""
 
     @abc.abstractmethod
     async def release_reservation(self, session_id: str, run_id: str, execution_seq: int) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 from ironflow import metrics
@@ -24,6 +25,7 @@ from ironflow.store.base import (
 from ironflow.store.capacity_scan import CapacityLoop
 from ironflow.store.core import (
     RESERVE_OVERSCAN,
+    NamedLock,
     Tx,
     _dec,
     _dec_error,
@@ -53,6 +55,30 @@ def _read_candidates(tx: Tx, function_ids: list[str], n: int) -> list[tuple[Any,
     )
 
 
+class ReservationRound:
+    """One reservation transaction's work, the named locks it takes at BEGIN,
+    and what flow control held back in its committed attempt (counted once
+    it committed: :meth:`count_held`)."""
+
+    __slots__ = ("work", "locks", "held")
+
+    def __init__(
+        self, work: Callable[[Tx], Reservations], locks: list[NamedLock], held: list[int]
+    ) -> None:
+        self.work = work
+        self.locks = locks
+        self.held = held  # refused by a limit, throttled, fair passes
+
+    def count_held(self) -> None:
+        refused, throttled, fair_passes = self.held
+        if refused:
+            metrics.FLOW_HELD.labels("concurrency").inc(refused)
+        if throttled:
+            metrics.FLOW_HELD.labels("throttle").inc(throttled)
+        if fair_passes:
+            metrics.FLOW_FAIR_PASSES.inc(fair_passes)
+
+
 class DispatchOps(CapacityLoop):
     """Reservations and assignments for sessions with free credits."""
 
@@ -69,14 +95,30 @@ class DispatchOps(CapacityLoop):
         *,
         reservation_expiry_s: float,
     ) -> Reservations:
+        round_ = self._reservation_round(offers, limit, reservation_expiry_s)
+        if round_ is None:
+            return Reservations()
+        result = await self._transact(round_.work, round_.locks)
+        round_.count_held()
+        return result
+
+    def _reservation_round(
+        self, offers: dict[str, frozenset[str]], limit: int, reservation_expiry_s: float,
+        *, read_next_eligible: bool = True,
+    ) -> ReservationRound | None:
+        """The work of one reservation transaction (:meth:`reserve_segments`)
+        and the named locks it takes at BEGIN; None when there is nothing to
+        offer. Also run inside an emit's transaction
+        (:meth:`~ironflow.store.sql.SqlStore.ingest_and_reserve`), which has no
+        use for ``next_eligible`` (``read_next_eligible=False``)."""
         function_ids = sorted(set().union(*offers.values())) if offers else []
         session_ids = sorted(offers)
         if limit <= 0 or not function_ids:
-            return Reservations()
+            return None
 
         def work(tx: Tx) -> Reservations:
             made = reserve(tx)
-            if len(made) >= limit:
+            if len(made) >= limit or not read_next_eligible:
                 return Reservations(made)
             # The queue ran dry for these offers: the dispatcher goes idle and
             # needs to know until when (one statement here, not a transaction).
@@ -194,14 +236,7 @@ class DispatchOps(CapacityLoop):
             limited.setdefault(fid, True)  # unknown: locked until a read shows otherwise
         locked = frozenset(fid for fid in function_ids if limited[fid])
         held = [0, 0, 0]  # of the committed attempt: refused by a limit, throttled, fair passes
-        result = await self._transact(work, [(conc_lock(fid), True) for fid in sorted(locked)])
-        if held[0]:
-            metrics.FLOW_HELD.labels("concurrency").inc(held[0])
-        if held[1]:
-            metrics.FLOW_HELD.labels("throttle").inc(held[1])
-        if held[2]:
-            metrics.FLOW_FAIR_PASSES.inc(held[2])
-        return result
+        return ReservationRound(work, [(conc_lock(fid), True) for fid in sorted(locked)], held)
 
     def _limited_functions(self) -> dict[str, bool]:
         """Function id → whether its usage is counted under :func:`conc_lock`

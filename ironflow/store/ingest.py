@@ -299,15 +299,19 @@ class IngestOps(WaitOps, FlowOps):
         *,
         idempotency_window_s: float,
     ) -> list[IngestResult]:
-        def work(tx: Tx) -> list[IngestResult]:
-            if tx.combined and len(events) > 1 and all(key is None for _, _, key in events):
-                return self._ingest_many(tx, [(name, data) for name, data, _ in events])
-            return [
-                self._ingest(tx, name, data, key, idempotency_window_s)
-                for name, data, key in events
-            ]
+        return await self._transact_ingest(
+            lambda tx: self._ingest_group(tx, events, idempotency_window_s),
+            lambda results: results,
+            self._ingest_locks(events),
+        )
 
-        return await self._transact_ingest(work, lambda results: results, self._ingest_locks(events))
+    def _ingest_group(
+        self, tx: Tx, events: list[tuple[str, Any, str | None]], idempotency_window_s: float
+    ) -> list[IngestResult]:
+        """:meth:`ingest_events`' work in ``tx``."""
+        if tx.combined and len(events) > 1 and all(key is None for _, _, key in events):
+            return self._ingest_many(tx, [(name, data) for name, data, _ in events])
+        return [self._ingest(tx, name, data, key, idempotency_window_s) for name, data, key in events]
 
     def _ingest_many(self, tx: Tx, events: list[tuple[str, Any]]) -> list[IngestResult]:
         """:meth:`_ingest` for several events without idempotency keys, in order,

@@ -20,6 +20,9 @@ from one module per concern so each seed mechanism reads on its own:
 
 from __future__ import annotations
 
+from typing import Any
+
+from ironflow.store.base import IngestResult, Reservations
 from ironflow.store.capacity_scan import CapacityLoop
 from ironflow.store.cron import CronOps
 from ironflow.store.dispatch import DispatchOps
@@ -44,3 +47,36 @@ class SqlStore(
     RunControlOps,  # issue #23 §4: resume / pause a run
 ):
     """Every Store method, written once. Backends supply ``_transact`` and lifecycle."""
+
+    async def ingest_and_reserve(
+        self,
+        events: list[tuple[str, Any, str | None]],
+        *,
+        idempotency_window_s: float,
+        offers: dict[str, frozenset[str]],
+        limit: int,
+        reservation_expiry_s: float,
+    ) -> tuple[list[IngestResult], Reservations]:
+        """:meth:`ingest_events`, then — in the same transaction, when the
+        events queued a run — one reservation round for ``offers`` (as
+        :meth:`reserve_segments` with ``limit``): the queue in dispatch order,
+        so a new run is reserved only when no older row of its functions
+        comes first. One commit instead of two, and the assignment can leave
+        before the emit is answered (docs/design.md, "The emit's reservation")."""
+        round_ = self._reservation_round(offers, limit, reservation_expiry_s, read_next_eligible=False)
+        if round_ is None:
+            return await self.ingest_events(events, idempotency_window_s=idempotency_window_s), Reservations()
+        reserve = round_.work
+
+        def work(tx: Any) -> tuple[list[IngestResult], Reservations]:
+            results = self._ingest_group(tx, events, idempotency_window_s)
+            if not any(r.run_ids or r.resumed_run_ids for r in results):
+                return results, Reservations()
+            return results, reserve(tx)
+
+        out = await self._transact_ingest(
+            work, lambda both: both[0], [*self._ingest_locks(events), *round_.locks]
+        )
+        round_.count_held()
+        return out
+

@@ -17,6 +17,8 @@ class FailingStore:
     """``ingest_events`` of a whole group fails with ``error``; each retry of one
     event alone is recorded (and succeeds)."""
 
+    reserve_at_ingest = False
+
     def __init__(self, error: Exception) -> None:
         self.error = error
         self.one_by_one: list[str] = []
