@@ -310,9 +310,10 @@ class Store(abc.ABC):
     # its own transaction (:meth:`ingest_and_reserve`: one commit instead of
     # two, the assignment out before the emit's answer). SQLite: one writer,
     # no lock order to keep. PostgreSQL: not yet — the reservation's waiting
-    # locks (a session row FOR SHARE, a throttle row, ``conc:`` locks) would
-    # then be taken after the ingest's (wait, singleton and cancelled runs'
-    # rows): a lock order no transaction keeps today (docs/isolation.md).
+    # locks (session rows FOR SHARE, throttle rows) would then be taken after
+    # the ingest's row locks (cancelled runs, resolved waits, flow-control
+    # keys), an order not yet argued against every other transaction
+    # (docs/design.md, "The emit's reservation").
     reserve_at_ingest: bool = False
 
     async def in_order(
