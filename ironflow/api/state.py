@@ -145,11 +145,11 @@ class ApiState:
     async def _ingest_group(
         self, events: list[tuple[str, Any, str | None]]
     ) -> list[outcome.Outcome[IngestResult]]:
-        """Ingest a group of emits; the runs they queue go to the dispatcher
-        (a kick) — or, where the store reserves at ingest and a local worker
-        can take them, straight to that worker from the same transaction
-        (:meth:`Store.ingest_and_reserve`), before the emits are answered."""
-        offers = self.deps.directory.holding_offers() if self.store.reserve_at_ingest else {}
+        """Ingest a group of emits. While a local worker can take them, the runs
+        they queue are reserved in the same transaction
+        (:meth:`Store.ingest_and_reserve`) and handed to it before the emits
+        are answered; the dispatcher is kicked for the rest."""
+        offers = self.deps.directory.holding_offers()
         reserving_ns = time.time_ns()
         reservations: list[Reservation] = []
         try:

@@ -306,15 +306,6 @@ class Store(abc.ABC):
     # own (SQLite, whose writer groups concurrent calls anyway: there a
     # group only serialised a session's acks, measured in docs/benchmarks.md).
     group_acks: bool = False
-    # Whether an emit that queues a run also reserves it for a local worker in
-    # its own transaction (:meth:`ingest_and_reserve`: one commit instead of
-    # two, the assignment out before the emit's answer). SQLite: one writer,
-    # no lock order to keep. PostgreSQL: not yet — the reservation's waiting
-    # locks (session rows FOR SHARE, throttle rows) would then be taken after
-    # the ingest's row locks (cancelled runs, resolved waits, flow-control
-    # keys), an order not yet argued against every other transaction
-    # (docs/design.md, "The emit's reservation").
-    reserve_at_ingest: bool = False
 
     async def in_order(
         self, calls: Sequence[Callable[[], Awaitable[Any]]]

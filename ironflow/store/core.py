@@ -150,6 +150,11 @@ class Tx(Protocol):
     def notify(self) -> None:
         """Tell every node's dispatcher, at commit, that queue rows became claimable."""
 
+    def take_notify(self) -> bool:
+        """Whether this call asked for :meth:`notify` so far, withdrawing the ask
+        (it can be made again): the emit that reserved every run it queued
+        kicks nobody (``SqlStore.ingest_and_reserve``)."""
+
     def share_lock(self, of: str) -> str:
         """``FOR SHARE OF of`` (waits) on PostgreSQL, ``""`` on SQLite."""
 

@@ -243,6 +243,10 @@ class _PgTx:
         # One pg_notify per group, sent before COMMIT (see _commit).
         self.notify_wanted = True
 
+    def take_notify(self) -> bool:
+        wanted, self.notify_wanted = self.notify_wanted, False
+        return wanted
+
     def runs_ended(self, run_ids: list[str]) -> None:
         self.ended.extend(run_ids)
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from ironflow.store.base import IngestResult, Reservations
 from ironflow.store.capacity_scan import CapacityLoop
+from ironflow.store.core import Tx
 from ironflow.store.cron import CronOps
 from ironflow.store.dispatch import DispatchOps
 from ironflow.store.event_reads import EventReadOps
@@ -68,11 +69,20 @@ class SqlStore(
             return await self.ingest_events(events, idempotency_window_s=idempotency_window_s), Reservations()
         reserve = round_.work
 
-        def work(tx: Any) -> tuple[list[IngestResult], Reservations]:
+        def work(tx: Tx) -> tuple[list[IngestResult], Reservations]:
             results = self._ingest_group(tx, events, idempotency_window_s)
-            if not any(r.run_ids or r.resumed_run_ids for r in results):
+            queued = {rid for r in results for rid in (*r.run_ids, *r.resumed_run_ids)}
+            if not queued:
                 return results, Reservations()
-            return results, reserve(tx)
+            # The other nodes' dispatchers (and this node's, through its kick
+            # listener) need the ingest's kick only for what this round leaves
+            # behind: a run not reserved here, or a cancelled run's freed slot.
+            kick_others = tx.take_notify()
+            made = reserve(tx)
+            left = queued - {r.assignment.run_id for r in made}
+            if kick_others and (left or any(r.cancelled for r in results)):
+                tx.notify()
+            return results, made
 
         out = await self._transact_ingest(
             work, lambda both: both[0], [*self._ingest_locks(events), *round_.locks]

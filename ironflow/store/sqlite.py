@@ -113,6 +113,9 @@ class _SqliteTx:
     def notify(self) -> None:
         pass  # one node per SQLite file: local kicks already cover it
 
+    def take_notify(self) -> bool:
+        return False
+
     def runs_ended(self, run_ids: list[str]) -> None:
         pass  # one node per SQLite file: its own listeners hear every run end
 
@@ -174,10 +177,6 @@ class SqliteStore(SqlStore):
     request, so ``MockClock(autojump_threshold=0)`` cannot jump while the
     database works, and ``now`` may then read ``trio.current_time()``.
     """
-
-    # One writer: an emit's reservation in its own transaction has no lock
-    # order to keep (Store.reserve_at_ingest).
-    reserve_at_ingest = True
 
     def __init__(
         self,

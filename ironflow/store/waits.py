@@ -46,7 +46,10 @@ look-back takes the events of the name that snapshot did not see — exactly
 those committed after the reservation (or so close before that the worker
 could not have known), whatever their ``received_at``. An event whose
 transaction began before the segment and committed after it is therefore
-found; by ``received_at`` it was not. SQLite commits one transaction at a time
+found; by ``received_at`` it was not. The run's own events (its trigger, a
+batch's events) are excluded by id: a first segment reserved in the
+transaction that ingested them (``SqlStore.ingest_and_reserve``) has a
+snapshot that does not count them as seen. SQLite commits one transaction at a time
 in the order they run, so there the look-back is ``received_at >=`` the
 reservation's time (``began_at``). It reads events a page at a time until one
 matches: no row limit can hide a matching event behind others.
@@ -175,6 +178,17 @@ class WaitOps(SqlStoreBase):
         after its segment began (see the module docstring)."""
         want = None if info.match is None else match_text(info.match_value)
         after: tuple[Any, str] | None = None
+        # The run's own events (its trigger; a batch's events) never resolve its
+        # waits: they came before it. Its first segment may be reserved in the
+        # very transaction that ingested them (SqlStore.ingest_and_reserve),
+        # whose snapshot does not count its own writes as seen.
+        own = {
+            row[0] for row in tx.fetchall(
+                "SELECT event_id FROM runs WHERE id = ? UNION ALL"
+                " SELECT event_id FROM batch_events WHERE run_id = ?",
+                (run_id, run_id),
+            )
+        }
         while True:
             if began_snapshot is not None:
                 # PostgreSQL: the events the activation's snapshot did not see.
@@ -196,7 +210,8 @@ class WaitOps(SqlStoreBase):
                 )
             matching = [
                 row for row in page
-                if want is None or match_text(lookup_path(_dec(row[1]), info.match or "")) == want
+                if row[0] not in own
+                and (want is None or match_text(lookup_path(_dec(row[1]), info.match or "")) == want)
             ]
             if matching:
                 event_id, data_text, received_at, _ = min(matching, key=lambda row: (row[2], row[0]))

@@ -4,8 +4,14 @@ dispatch order, nothing for an emit that queued nothing (both backends)."""
 
 from __future__ import annotations
 
-from ironflow.protocol import Concurrency
+import time
+
+from ironflow.protocol import Concurrency, WaitYield
 from tests.store.test_store_behaviour import RESERVATION, emit, fence_of, fn, reserve, worker
+
+
+async def step_status(store, run_id: str, step_id: str) -> str | None:
+    return next((st.status for st in (await store.get_run(run_id)).steps if st.step_id == step_id), None)
 
 
 async def ingest_and_reserve(store, session, *names: str, limit: int = 10):
@@ -51,3 +57,24 @@ async def test_an_emit_that_queues_nothing_reserves_nothing(store):
     (result,), reservations = await ingest_and_reserve(store, s, "nobody.listens")
     assert result.run_ids == [] and reservations == []
     assert len(await reserve(store, s)) == 1  # still there for the dispatcher
+
+
+async def test_a_wait_on_the_runs_own_event_name_is_not_resolved_by_its_own_trigger(store):
+    """The run's first segment reserved in the transaction that ingested its
+    event (on PostgreSQL that snapshot does not count its own event as seen):
+    the wait it parks on the same name and key waits for the NEXT event."""
+    s = await worker(store, fn("f", "order.updated"), slots=2)
+    (result,), (reservation,) = await store.ingest_and_reserve(
+        [("order.updated", {"order": 7}, None)],
+        idempotency_window_s=3600,
+        offers={s.session_id: frozenset(s.function_ids)},
+        limit=10,
+        reservation_expiry_s=RESERVATION,
+    )
+    fence = fence_of(reservation)
+    await store.activate_lease(fence, lease_expiry_s=90.0)
+    info = WaitYield(event="order.updated", timeout_at=time.time() + 600, match="data.order", match_value=7)
+    await store.yield_job(fence, step_id="w", name="w", info=info)
+    assert await step_status(store, fence.run_id, "w") == "waiting"
+    await emit(store, "order.updated", {"order": 7})
+    assert await step_status(store, fence.run_id, "w") == "completed"

@@ -17,8 +17,6 @@ class FailingStore:
     """``ingest_events`` of a whole group fails with ``error``; each retry of one
     event alone is recorded (and succeeds)."""
 
-    reserve_at_ingest = False
-
     def __init__(self, error: Exception) -> None:
         self.error = error
         self.one_by_one: list[str] = []
@@ -41,7 +39,10 @@ class FailingStore:
 
 
 def api_state(store: FailingStore) -> ApiState:
-    deps: Any = SimpleNamespace(store=store, config=SimpleNamespace(idempotency_window_s=60.0))
+    deps: Any = SimpleNamespace(
+        store=store, config=SimpleNamespace(idempotency_window_s=60.0),
+        directory=SimpleNamespace(holding_offers=dict),
+    )
     return ApiState(deps)
 
 

@@ -1,6 +1,5 @@
-"""The API's grouped emits on a store that reserves at ingest (SQLite): the
-run an emit queued goes straight to the local worker's outbox from the emit's
-own transaction, and the dispatcher is kicked only for a run that was not
+"""The API's grouped emits: the run an emit queued goes straight to the
+local worker's outbox from the emit's own transaction, and the dispatcher is kicked only for a run that was not
 reserved there (ironflow/api/state.py, ``ApiState._ingest_group``)."""
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ def drained(channel: trio.MemoryReceiveChannel[Any]) -> list[Any]:
 
 
 async def test_the_emits_runs_reach_the_worker_from_the_emit_and_the_dispatcher_is_not_kicked(store):
-    assert store.reserve_at_ingest
     api, assigned, kicked = await api_over(store)
     results = [r.unwrap() for r in await api._ingest_group([("order.created", {"i": 1}, None), ("order.created", {"i": 2}, None)])]
     sent = drained(assigned)
