@@ -344,8 +344,16 @@ class _Lanes:
         lease_expiry_s = config.timings.lease_expiry_s
         # A lane whose only message is of one of these kinds applies it with
         # other runs' (see actors/grouped.py).
+        # Acks commit without waiting for their WAL flush: the session tells
+        # the worker nothing when one commits (the SDK started the handler when
+        # the JobAck went on the wire; only a refusal is answered), so a
+        # PostgreSQL crash that loses one takes back nothing anyone was told —
+        # the segment runs again once its reservation expires, as after a late
+        # ack (FenceOps.activate_leases, docs/isolation.md).
         self._acks: Grouped[Fence, RunRecord] = Grouped(
-            lambda fences: store.activate_leases(fences, lease_expiry_s=lease_expiry_s)
+            lambda fences: store.activate_leases(
+                fences, lease_expiry_s=lease_expiry_s, synchronous_commit=False
+            )
         )
         self._steps: Grouped[tuple[Fence, list[StepResult]], None] = Grouped(store.record_steps_many)
         self._completions: Grouped[tuple[Fence, Any, list[StepResult]], JobOutcome] = Grouped(

@@ -590,12 +590,21 @@ class Store(abc.ABC):
         'running'. Raises StaleExecution otherwise."""
 
     async def activate_leases(
-        self, fences: Sequence[Fence], *, lease_expiry_s: float
+        self,
+        fences: Sequence[Fence],
+        *,
+        lease_expiry_s: float,
+        synchronous_commit: bool = True,
     ) -> list[outcome.Outcome[RunRecord]]:
         """:meth:`activate_lease` for several segments (the acks of a burst of
         assignments), each its own outcome in ``fences``' order: one refused
         ack (StaleExecution) never undoes another (a backend may activate them
-        all in one statement). At most one fence per run."""
+        all in one statement). At most one fence per run.
+
+        ``synchronous_commit=False``: the commit need not wait for its WAL
+        flush (PostgreSQL), for a caller that tells nobody the activations
+        happened — see :meth:`ironflow.store.fence.FenceOps.activate_leases`
+        for why losing them in a database crash is safe."""
         results: list[outcome.Outcome[RunRecord]] = []
         for fence in fences:
             try:

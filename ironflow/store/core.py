@@ -384,20 +384,35 @@ class SqlStoreBase(Store):
         )
 
     @abc.abstractmethod
-    async def _transact(self, work: Callable[[Tx], T], locks: Sequence[NamedLock] = ()) -> T:
+    async def _transact(
+        self,
+        work: Callable[[Tx], T],
+        locks: Sequence[NamedLock] = (),
+        *,
+        synchronous_commit: bool = True,
+    ) -> T:
         """Run ``work(tx)`` as one transaction and return its result (or raise).
 
         ``locks``: named locks the transaction takes before its first statement
         (PostgreSQL: transaction-scoped advisory locks, shared or exclusive; SQLite's
         single writer needs none). A group commit takes the union of its calls'
         locks at its BEGIN, sorted by :func:`lock_id`, the strongest mode of each:
-        one global order, so two groups can never deadlock on them."""
+        one global order, so two groups can never deadlock on them.
+
+        ``synchronous_commit=False`` (PostgreSQL): the call's commit need not
+        wait for its WAL flush — only for a call whose loss in a database crash
+        costs nothing the product promises (the argument for each such call is
+        in docs/isolation.md, "Commits that do not wait for their WAL flush").
+        A group commit waits unless every call in it said False. SQLite ignores
+        it (its writer's commits are the same either way)."""
 
     async def _read(self, work: Callable[[Tx], T]) -> T:
         """Run read-only ``work(tx)`` and return its result. A backend may serve it
         off the write path (SQLite: a pool of read connections); by default it is
-        a transaction like any other."""
-        return await self._transact(work)
+        a transaction like any other, except that it writes nothing, so its
+        commit has nothing to flush: it does not keep the rest of its group
+        commit waiting for a flush either (``synchronous_commit=False``)."""
+        return await self._transact(work, synchronous_commit=False)
 
     def on_runs_ended(self, listener: Callable[[list[str]], None]) -> None:
         """Call ``listener(run_ids)`` after each commit that ended runs (completed,

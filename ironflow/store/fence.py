@@ -93,17 +93,63 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         )
 
     async def activate_leases(
-        self, fences: Sequence[Fence], *, lease_expiry_s: float
+        self,
+        fences: Sequence[Fence],
+        *,
+        lease_expiry_s: float,
+        synchronous_commit: bool = True,
     ) -> list[outcome.Outcome[RunRecord]]:
+        """Activate several runs' segments in one transaction (one statement on
+        PostgreSQL), each its own outcome.
+
+        ``synchronous_commit=False`` lets the commit return before its WAL is
+        flushed (PostgreSQL's ``SET LOCAL synchronous_commit TO off``; the WAL
+        writer flushes it within ~3 × ``wal_writer_delay``, and any later
+        synchronous commit flushes it first). The streaming session passes it
+        for its acks: it tells the worker nothing when an activation commits
+        (the SDK started the handler when its JobAck went on the wire). Why a
+        PostgreSQL crash that loses such a commit breaks no promise (the long
+        form: docs/isolation.md, "Commits that do not wait for their WAL
+        flush"):
+
+        - It is lost only together with every commit after it that was not
+          flushed either: a commit that read the lease (a step result, the
+          job's result, a cancel, another node's scan) comes later in the WAL
+          and, being synchronous, flushed this one before it was reported.
+        - What is left is what the ack found: the reservation (synchronous,
+          flushed before the assignment was sent), the queue row, the credit;
+          no lease, the run as it was. The worker's next fenced write finds
+          no lease and is refused as stale; its heartbeat says REFRESHED while
+          the reservation lasts and STALE once the scanner has freed it. The
+          run is then dispatched again — the outcome of a JobAck that arrives
+          after its reservation expired.
+        - Fencing holds: activation hands out no number. The execution_seq is
+          the queue row's (changed only by recovery, nack, retry or resume,
+          all synchronous) and a new reservation draws a new lease token
+          (128 random bits), so the old worker's token matches no lease and no
+          reservation and every write it makes is refused.
+        - Nothing recorded twice (the lost segment recorded nothing), nothing
+          lost (ingest, reservation, step results and run ends are all
+          synchronous). The cost: a handler acked in the last moments before
+          a PostgreSQL crash runs again once its reservation expires (not
+          counted as a recovery), as after a node crash; its timeout and
+          ``started_at`` count from the start that was kept.
+
+        A group commit that holds any other call waits for its flush."""
         if len({f.run_id for f in fences}) < len(fences):
             # The same run twice (a repeated JobAck in one burst): one after another.
             return [
-                (await self.activate_leases([fence], lease_expiry_s=lease_expiry_s))[0]
+                (await self.activate_leases(
+                    [fence], lease_expiry_s=lease_expiry_s, synchronous_commit=synchronous_commit
+                ))[0]
                 for fence in fences
             ]
         if not fences:
             return []
-        return await self._transact(lambda tx: self._activate(tx, fences, lease_expiry_s))
+        return await self._transact(
+            lambda tx: self._activate(tx, fences, lease_expiry_s),
+            synchronous_commit=synchronous_commit,
+        )
 
     def _activate(
         self, tx: Tx, fences: Sequence[Fence], lease_expiry_s: float

@@ -6,8 +6,11 @@ store call is a ``work(tx)`` closure queued to those threads. A thread takes
 everything pending (at most :data:`MAX_GROUP` calls) and runs it as ONE
 transaction with ONE commit (group commit), then hands each result back to
 its Trio task with ``run_sync_soon``. A result is delivered only after the
-COMMIT returned: ``synchronous_commit`` stays on, so an acknowledged call
-survives a crash of the node or of PostgreSQL.
+COMMIT returned, and the COMMIT waits for its WAL flush (``synchronous_commit``
+on), so an acknowledged call survives a crash of the node or of PostgreSQL —
+unless every call of the group was queued with ``synchronous_commit=False``
+(see :meth:`PostgresStore._transact`): then the group runs ``SET LOCAL
+synchronous_commit TO off``.
 
 One call's failure never undoes another call's work:
 
@@ -267,14 +270,21 @@ class _PgTx:
         shared), all in the same round trip. One global order for every group of
         every node: a group waits for a lock only while holding smaller ones, so
         no two groups wait for each other on them (the deadlocks of issue #21's
-        race 6, where each call took its idempotency lock when it ran)."""
+        race 6, where each call took its idempotency lock when it ran).
+
+        A group all of whose calls were queued with ``synchronous_commit=False``
+        turns it off for this transaction only (``SET LOCAL``, same round
+        trip); one call that did not say so keeps the whole group waiting for
+        its flush."""
         wanted: dict[int, bool] = {}
         for req in batch:
             for name, exclusive in req.locks:
                 number = lock_id(name)
                 wanted[number] = wanted.get(number, False) or exclusive
+        flush = any(req.synchronous_commit for req in batch)
         self.raw("; ".join([
             "BEGIN",
+            *([] if flush else ["SET LOCAL synchronous_commit TO off"]),
             *(
                 f"SELECT pg_advisory_xact_lock{'' if exclusive else '_shared'}({number})"
                 for number, exclusive in sorted(wanted.items())
@@ -285,7 +295,9 @@ class _PgTx:
 class _Request:
     """One queued store call: its closure and how to hand back its outcome."""
 
-    __slots__ = ("attempts", "chain", "deliver", "locks", "state", "token", "work")
+    __slots__ = (
+        "attempts", "chain", "deliver", "locks", "state", "synchronous_commit", "token", "work",
+    )
 
     def __init__(
         self,
@@ -294,9 +306,12 @@ class _Request:
         deliver: Callable[[outcome.Outcome[Any]], None],
         chain: object | None = None,
         locks: Sequence[NamedLock] = (),
+        synchronous_commit: bool = True,
     ) -> None:
         self.work = work
         self.locks = locks
+        # False: this call's commit need not wait for its WAL flush (_PgTx.begin).
+        self.synchronous_commit = synchronous_commit
         self.token = token
         self.deliver = deliver
         self.state = _PENDING
@@ -743,7 +758,16 @@ class PostgresStore(SqlStore):
             await done.wait()
         return translated(self.availability, [box[i] for i in range(len(works))], unavailable)
 
-    async def _transact(self, work: Callable[[Tx], T], locks: Sequence[NamedLock] = ()) -> T:
+    async def _transact(
+        self,
+        work: Callable[[Tx], T],
+        locks: Sequence[NamedLock] = (),
+        *,
+        synchronous_commit: bool = True,
+    ) -> T:
+        """``work`` queued to the database actor; its result once its group
+        committed. ``synchronous_commit=False``: see ``SqlStoreBase._transact``
+        (a chained call — ``in_order`` — always waits for its flush)."""
         self.availability.check()
         pending = chained(work, locks)
         if pending is not None:
@@ -757,7 +781,10 @@ class PostgresStore(SqlStore):
             box.append(result)
             done.set()
 
-        req = _Request(work, trio.lowlevel.current_trio_token(), deliver, locks=locks)
+        req = _Request(
+            work, trio.lowlevel.current_trio_token(), deliver, locks=locks,
+            synchronous_commit=synchronous_commit,
+        )
         self._requests.put(req)
         try:
             await done.wait()

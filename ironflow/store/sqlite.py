@@ -419,8 +419,16 @@ class SqliteStore(SqlStore):
 
     # the Trio side ----------------------------------------------------------------
 
-    async def _transact(self, work: Callable[[Tx], T], locks: Sequence[NamedLock] = ()) -> T:
-        # ``locks`` need nothing here: the single writer runs one transaction at a time.
+    async def _transact(
+        self,
+        work: Callable[[Tx], T],
+        locks: Sequence[NamedLock] = (),
+        *,
+        synchronous_commit: bool = True,
+    ) -> T:
+        # ``locks`` need nothing here: the single writer runs one transaction at
+        # a time; nor ``synchronous_commit``: with PRAGMA synchronous=NORMAL (WAL)
+        # no commit waits for an fsync.
         self.availability.check()
         return await self._write(work)
 

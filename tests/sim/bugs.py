@@ -268,9 +268,9 @@ class ParkAndIngestUnserialised(SimPostgresStore):
     ingest of that name, as before: each reads before the other commits and
     neither sees the other's row."""
 
-    async def _transact(self, work: Callable[[Any], Any], *locks: Any) -> Any:
+    async def _transact(self, work: Callable[[Any], Any], *locks: Any, **kwargs: Any) -> Any:
         kept = [[lock for lock in group if not lock[0].startswith(_WAIT_LOCK_PREFIX)] for group in locks]
-        return await super()._transact(work, *kept)
+        return await super()._transact(work, *kept, **kwargs)
 
     async def _transact_many(self, works: list[Any]) -> Any:
         return await super()._transact_many([

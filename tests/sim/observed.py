@@ -77,7 +77,7 @@ class OutcomesByTask(SqlStore):
         self.begun: dict[Any, int] = {}  # task → when its last transaction began
         self.committed: dict[Any, int] = {}  # task → when its last transaction committed
 
-    async def _transact(self, work: Callable[[Tx], Any], *locks: Any) -> Any:
+    async def _transact(self, work: Callable[[Tx], Any], *locks: Any, **kwargs: Any) -> Any:
         task = trio.lowlevel.current_task()
 
         def observed(tx: Tx) -> Any:
@@ -98,7 +98,7 @@ class OutcomesByTask(SqlStore):
                 probe(tx)
             return result.unwrap()
 
-        return await super()._transact(observed, *locks)
+        return await super()._transact(observed, *locks, **kwargs)
 
     def last_begin(self) -> int:
         return self.begun.get(trio.lowlevel.current_task(), self.transactions)
@@ -643,13 +643,17 @@ class ObservedStore:
     # runs) are watched one fence at a time (the interface's one-by-one forms);
     # on PostgreSQL the store's grouped forms run, each fence judged.
 
-    async def activate_leases(self, fences: Sequence[Fence], *, lease_expiry_s: float) -> Any:
+    async def activate_leases(
+        self, fences: Sequence[Fence], *, lease_expiry_s: float, synchronous_commit: bool = True
+    ) -> Any:
         if not self._oracle.concurrent:
             return await Store.activate_leases(self, fences, lease_expiry_s=lease_expiry_s)  # type: ignore[arg-type]
         return await self._fenced_many(
             "activate_lease",
             [(f, (), {"lease_expiry_s": lease_expiry_s}) for f in fences],
-            lambda: self._store.activate_leases(fences, lease_expiry_s=lease_expiry_s),
+            lambda: self._store.activate_leases(
+                fences, lease_expiry_s=lease_expiry_s, synchronous_commit=synchronous_commit
+            ),
         )
 
     async def record_steps_many(self, items: Sequence[tuple[Fence, list[StepResult]]]) -> Any:

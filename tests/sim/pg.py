@@ -247,10 +247,10 @@ class SimPostgresStore(OutcomesByTask, PostgresStore):
             while holds:
                 release()
 
-    async def _transact(self, work: Callable[[Any], Any], *locks: Any) -> Any:
+    async def _transact(self, work: Callable[[Any], Any], *locks: Any, **kwargs: Any) -> Any:
         self.hold.hold()
         try:
-            return await super()._transact(work, *locks)
+            return await super()._transact(work, *locks, **kwargs)
         finally:
             self.hold.release()
 
