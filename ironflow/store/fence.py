@@ -150,27 +150,22 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
 
         def statement_per_table(tx: Tx) -> list[tuple[Any, ...]]:
             """The same in three statements (SQLite has no data-modifying WITH;
-            its single writer makes the session check and the DELETE one step)."""
-            sessions = {fence.session_id for fence in fences}
-            nodes = dict(
-                tx.fetchall(
-                    "SELECT id, node_id FROM worker_sessions WHERE id IN ("
-                    + ", ".join("?" * len(sessions)) + ")",
-                    tuple(sessions),
-                )
-            )
-            live = [row for row in rows if row[2] in nodes]  # a gone session's acks are refused
-            if not live:
-                return []
+            its single writer makes the session check and the DELETE one step).
+            ``run_id IN`` beside the row-value list keeps SQLite on the primary
+            key (a row-value list of several rows alone makes it scan)."""
             taken = tx.fetchall(
-                "DELETE FROM dispatch_queue WHERE (run_id, execution_seq, reservation_owner,"
-                " lease_token_hash) IN (VALUES " + ", ".join(["(?, ?, ?, ?)"] * len(live)) + ")"
+                "DELETE FROM dispatch_queue WHERE run_id IN (" + ", ".join("?" * len(rows)) + ")"
+                " AND (run_id, execution_seq, reservation_owner, lease_token_hash) IN (VALUES "
+                + ", ".join(["(?, ?, ?, ?)"] * len(rows)) + ")"
                 " AND EXISTS (SELECT 1 FROM runs WHERE id = dispatch_queue.run_id"
                 " AND current_execution_seq = dispatch_queue.execution_seq"
                 f" AND status NOT IN {_TERMINAL_SQL})"
+                # A gone session's acks are refused: its queue rows stay.
+                " AND EXISTS (SELECT 1 FROM worker_sessions WHERE id = dispatch_queue.reservation_owner)"
                 " RETURNING run_id, execution_seq, function_id, concurrency_key,"
-                " reservation_owner, lease_token_hash, reserved_at",
-                tuple(value for row in live for value in row),
+                " reservation_owner, lease_token_hash, reserved_at,"
+                " (SELECT node_id FROM worker_sessions WHERE id = dispatch_queue.reservation_owner)",
+                (*(row[0] for row in rows), *flat),
             )
             if not taken:
                 return []
@@ -181,9 +176,9 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ironflow_now() + ?, ironflow_now(), ?)"] * len(taken)),
                 tuple(
                     value
-                    for run_id, seq, function_id, key, session_id, digest, reserved_at in taken
+                    for run_id, seq, function_id, key, session_id, digest, reserved_at, node_id in taken
                     for value in (
-                        run_id, seq, function_id, key, session_id, nodes[session_id], digest,
+                        run_id, seq, function_id, key, session_id, node_id, digest,
                         float(lease_expiry_s), reserved_at,
                     )
                 ),
