@@ -369,9 +369,9 @@ class SqlStoreBase(Store):
     @staticmethod
     def _fences_alive(tx: Tx, fences: Sequence[Fence]) -> set[str]:
         """The runs of ``fences`` (different runs) whose fence is the live
-        lease (:func:`fence_join`): one statement. It reads and locks nothing
-        (PostgreSQL: a guard that must hold at commit needs its own lock, as
-        ``steps._record_fenced``'s)."""
+        lease (:func:`fence_join`): one statement. It locks nothing: right for
+        SQLite's single writer; on PostgreSQL a verdict that must still hold
+        at commit needs a lock (``steps._record_fenced``)."""
         if not fences:
             return set()
         return {

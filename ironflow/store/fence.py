@@ -150,8 +150,8 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
 
         def statement_per_table(tx: Tx) -> list[tuple[Any, ...]]:
             """The same in three statements (SQLite has no data-modifying WITH;
-            its single writer makes the session check and the DELETE one step).
-            ``run_id IN`` beside the row-value list keeps SQLite on the primary
+            the session check is in the DELETE's own WHERE, and its single
+            writer makes the three one step). ``run_id IN`` beside the row-value list keeps SQLite on the primary
             key (a row-value list of several rows alone makes it scan)."""
             taken = tx.fetchall(
                 "DELETE FROM dispatch_queue WHERE run_id IN (" + ", ".join("?" * len(rows)) + ")"
