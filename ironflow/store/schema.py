@@ -461,7 +461,7 @@ _LATE_INDEXES = [
 # SQLite only: each function's unreserved queue rows in dispatch order, so the
 # reservation's candidate read (dispatch.py) of one function walks its first
 # rows and stops at the LIMIT. Without it SQLite (no statistics) reads them
-# through dispatch_queue_key_order and sorts every eligible row first: ~1.4 ms
+# through dispatch_queue_key_order and sorts every eligible row first: ~1–1.4 ms
 # against ~45 µs with 1,000 rows queued (docs/benchmarks.md). PostgreSQL keeps
 # its plan (not measured here).
 _FUNCTION_ORDER_INDEX = {
