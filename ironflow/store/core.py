@@ -372,6 +372,27 @@ class SqlStoreBase(Store):
         )
 
     @staticmethod
+    def _fences_alive(tx: Tx, fences: Sequence[Fence]) -> set[str]:
+        """The runs of ``fences`` (different runs) whose fence is the live
+        lease (:func:`fence_join`): one statement. It locks nothing: right for
+        SQLite's single writer; on PostgreSQL a verdict that must still hold
+        at commit needs a lock (``steps._record_fenced``)."""
+        if not fences:
+            return set()
+        return {
+            row[0]
+            for row in tx.fetchall(
+                "WITH f (run_id, execution_seq, session_id, digest) AS (VALUES "
+                + ", ".join(["(?, ?, ?, ?)"] * len(fences))
+                + f") SELECT c.run_id FROM f CROSS JOIN concurrency_leases c WHERE {fence_join('c', 'f')}",
+                tuple(
+                    v for fence in fences
+                    for v in (fence.run_id, fence.execution_seq, fence.session_id, token_hash(fence.lease_token))
+                ),
+            )
+        }
+
+    @staticmethod
     def _fence_params(fence: Fence) -> tuple[Any, ...]:
         """The parameters of :data:`_FENCE_SQL` for ``fence``, in its order."""
         return (

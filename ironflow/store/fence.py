@@ -196,27 +196,22 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
 
         def statement_per_table(tx: Tx) -> list[tuple[Any, ...]]:
             """The same in three statements (SQLite has no data-modifying WITH;
-            its single writer makes the session check and the DELETE one step)."""
-            sessions = {fence.session_id for fence in fences}
-            nodes = dict(
-                tx.fetchall(
-                    "SELECT id, node_id FROM worker_sessions WHERE id IN ("
-                    + ", ".join("?" * len(sessions)) + ")",
-                    tuple(sessions),
-                )
-            )
-            live = [row for row in rows if row[2] in nodes]  # a gone session's acks are refused
-            if not live:
-                return []
+            the session check is in the DELETE's own WHERE, and its single
+            writer makes the three one step). ``run_id IN`` beside the row-value list keeps SQLite on the primary
+            key (a row-value list of several rows alone makes it scan)."""
             taken = tx.fetchall(
-                "DELETE FROM dispatch_queue WHERE (run_id, execution_seq, reservation_owner,"
-                " lease_token_hash) IN (VALUES " + ", ".join(["(?, ?, ?, ?)"] * len(live)) + ")"
+                "DELETE FROM dispatch_queue WHERE run_id IN (" + ", ".join("?" * len(rows)) + ")"
+                " AND (run_id, execution_seq, reservation_owner, lease_token_hash) IN (VALUES "
+                + ", ".join(["(?, ?, ?, ?)"] * len(rows)) + ")"
                 " AND EXISTS (SELECT 1 FROM runs WHERE id = dispatch_queue.run_id"
                 " AND current_execution_seq = dispatch_queue.execution_seq"
                 f" AND status NOT IN {_TERMINAL_SQL})"
+                # A gone session's acks are refused: its queue rows stay.
+                " AND EXISTS (SELECT 1 FROM worker_sessions WHERE id = dispatch_queue.reservation_owner)"
                 " RETURNING run_id, execution_seq, function_id, concurrency_key,"
-                " reservation_owner, lease_token_hash, reserved_at",
-                tuple(value for row in live for value in row),
+                " reservation_owner, lease_token_hash, reserved_at,"
+                " (SELECT node_id FROM worker_sessions WHERE id = dispatch_queue.reservation_owner)",
+                (*(row[0] for row in rows), *flat),
             )
             if not taken:
                 return []
@@ -227,9 +222,9 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ironflow_now() + ?, ironflow_now(), ?)"] * len(taken)),
                 tuple(
                     value
-                    for run_id, seq, function_id, key, session_id, digest, reserved_at in taken
+                    for run_id, seq, function_id, key, session_id, digest, reserved_at, node_id in taken
                     for value in (
-                        run_id, seq, function_id, key, session_id, nodes[session_id], digest,
+                        run_id, seq, function_id, key, session_id, node_id, digest,
                         float(lease_expiry_s), reserved_at,
                     )
                 ),
@@ -281,24 +276,12 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
     def _complete(self, tx: Tx, fence: Fence, output: Any) -> JobOutcome:
         """Complete one segment's run (StaleExecution, nothing written, if its
         fence is not live)."""
-        if tx.combined:
-            # The lease out, its credit freed, the run completed: one statement.
-            done = self._complete_many(tx, [(fence, output)]).get(fence.run_id)
-            if done is None:
-                raise StaleExecution(
-                    f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
-                )
-            return done
-        self._take_lease(tx, fence)
-        row = tx.fetchone(
-            "UPDATE runs SET status = 'completed', output = ?, ended_at = ironflow_now(),"
-            " updated_at = ironflow_now() WHERE id = ?"
-            f" RETURNING parent_run_id, parent_step_id, {RUN_END_FIGURES},"
-            f" {_AUDIT_FLAG}",
-            (_enc(output), fence.run_id),
-        )
-        assert row is not None
-        return self._completed(tx, fence, output, row)
+        done = self._complete_many(tx, [(fence, output)]).get(fence.run_id)
+        if done is None:
+            raise StaleExecution(
+                f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
+            )
+        return done
 
     def _completed(self, tx: Tx, fence: Fence, output: Any, row: tuple[Any, ...]) -> JobOutcome:
         """After the run's UPDATE: ``row`` = parent run, parent step, function,
@@ -338,9 +321,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 for (fence, output, _), steps_done in zip(items, recorded, strict=True)
                 if isinstance(steps_done, outcome.Value)
             ]
-            completed = self._complete_many(tx, live) if tx.combined else {
-                fence.run_id: self._complete_or_stale(tx, fence, output) for fence, output in live
-            }
+            completed = self._complete_many(tx, live)
             results: list[outcome.Outcome[JobOutcome]] = []
             for (fence, _, _), steps_done in zip(items, recorded, strict=True):
                 if isinstance(steps_done, outcome.Error):
@@ -365,22 +346,12 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             ],
         )
 
-    def _complete_or_stale(self, tx: Tx, fence: Fence, output: Any) -> JobOutcome | None:
-        try:
-            return self._complete(tx, fence, output)
-        except StaleExecution:  # raised before it wrote anything
-            return None
-
-    def _complete_many(self, tx: Tx, items: list[tuple[Fence, Any]]) -> dict[str, JobOutcome]:
-        """Every lease out, its credit freed, its run completed: one statement
-        (PostgreSQL). The outcome of each run whose fence was live."""
-        if not items:
-            return {}
-        rows = [
-            (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), _enc(output))
-            for f, output in items
-        ]
-        ended = tx.fetchall(
+    @staticmethod
+    def _complete_fenced(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """PostgreSQL: :meth:`_complete_many`'s rows (run, seq, session, digest,
+        output) in one statement; per run completed: its id, parent run,
+        parent step, function, duration, audit flag."""
+        return tx.fetchall(
             "WITH v (run_id, execution_seq, session_id, digest, output) AS (VALUES "
             + ", ".join(["(?, ?, ?, ?, ?)"] * len(rows))
             + f"), l AS (DELETE FROM concurrency_leases c USING v WHERE {fence_join('c', 'v')}"
@@ -394,6 +365,56 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             f" {RUN_END_FIGURES}, {_AUDIT_FLAG}",
             tuple(value for row in rows for value in row),
         )
+
+    @staticmethod
+    def _complete_per_table(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """SQLite (no data-modifying WITH): :meth:`_complete_fenced` in one
+        statement per table. The fenced leases out (the fence verdict), their
+        credits freed, their runs completed. ``run_id IN`` beside each row-value
+        list keeps SQLite on the primary key (a row-value list of several rows
+        alone makes it scan the table)."""
+        runs = ", ".join("?" * len(rows))
+        run_ids = [row[0] for row in rows]
+        taken = tx.fetchall(
+            f"DELETE FROM concurrency_leases WHERE run_id IN ({runs}) AND (run_id, execution_seq,"
+            " session_id, lease_token_hash) IN (VALUES "
+            + ", ".join(["(?, ?, ?, ?)"] * len(rows))
+            + ") AND EXISTS (SELECT 1 FROM runs WHERE id = concurrency_leases.run_id"
+            " AND current_execution_seq = concurrency_leases.execution_seq)"
+            " RETURNING run_id, execution_seq, session_id",
+            (*run_ids, *(value for row in rows for value in row[:4])),
+        )
+        if not taken:
+            return []
+        live = ", ".join("?" * len(taken))
+        tx.execute(
+            "UPDATE worker_credits SET claimed_run_id = NULL, claimed_execution_seq = NULL,"
+            f" held = 0 WHERE claimed_run_id IN ({live}) AND (session_id, claimed_run_id,"
+            " claimed_execution_seq) IN (VALUES " + ", ".join(["(?, ?, ?)"] * len(taken)) + ")",
+            (*(row[0] for row in taken), *(v for run_id, seq, session in taken for v in (session, run_id, seq))),
+        )
+        outputs = {row[0]: row[4] for row in rows}
+        return tx.fetchall(
+            "WITH v (run_id, output) AS (VALUES " + ", ".join(["(?, ?)"] * len(taken)) + ")"
+            " UPDATE runs SET status = 'completed', output = v.output,"
+            " ended_at = ironflow_now(), updated_at = ironflow_now() FROM v"
+            " WHERE runs.id = v.run_id RETURNING id, parent_run_id, parent_step_id,"
+            f" {RUN_END_FIGURES}, {_AUDIT_FLAG}",
+            tuple(v for row in taken for v in (row[0], outputs[row[0]])),
+        )
+
+    def _complete_many(self, tx: Tx, items: list[tuple[Fence, Any]]) -> dict[str, JobOutcome]:
+        """Every lease out, its credit freed, its run completed (different
+        runs): PostgreSQL in one statement, SQLite in one statement per table
+        (its single writer makes them one step). The outcome of each run whose
+        fence was live; the others are left as they were."""
+        if not items:
+            return {}
+        rows = [
+            (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), _enc(output))
+            for f, output in items
+        ]
+        ended = self._complete_fenced(tx, rows) if tx.combined else self._complete_per_table(tx, rows)
         by_run = {row[0]: row[1:] for row in ended}
         return {
             fence.run_id: self._completed(tx, fence, output, by_run[fence.run_id])

@@ -104,32 +104,22 @@ class IngestOps(WaitOps, FlowOps):
         key: str | None, notes: dict[str, str] | None = None, flows: dict[str, str] | None = None,
     ) -> list[str]:
         """Create ``runs`` (a definition: a plain new run) for event
-        ``event_id`` and record the event with their ids (:meth:`_create_run` +
-        :meth:`_insert_event`); with :attr:`Tx.combined`, the event, the runs and
-        their queue rows in one statement. ``notes``: event id → its
+        ``event_id`` and record the event with their ids: one event's
+        :meth:`_create_runs_with_events`. ``notes``: event id → its
         ``events.notes`` (filters.py); ``flows``: → its ``events.flow`` (flow.py)."""
-        if not tx.combined or not runs:
-            planned = [r if isinstance(r, NewRun) else new_run(r) for r in runs]
-            run_ids = [
-                run_id for r in planned
-                if (run_id := self._create_run(tx, r.fd, event_id, data, new=r, event_name=name))
-                and r.reason == "new"
-            ]
-            self._insert_event(
-                tx, event_id, name, data, key, run_ids, (notes or {}).get(event_id), (flows or {}).get(event_id)
-            )
-            self._first_batch_events(tx, [(r.run_id, event_id) for r in planned if r.batch])
-            return run_ids
         return self._create_runs_with_events(tx, [(event_id, name, data, key, list(runs))], notes, flows)[0]
 
     def _create_runs_with_events(
         self, tx: Tx, events: Sequence[tuple[str, str, Any, str | None, list[FunctionDef | NewRun]]],
         notes: dict[str, str] | None = None, flows: dict[str, str] | None = None,
     ) -> list[list[str]]:
-        """:meth:`_create_runs_with_event` for several events (``(event_id, name,
-        data, key, runs)`` each), all in one statement (PostgreSQL) unless
-        that would carry more than :data:`MAX_STATEMENT_PARAMS` parameters (then
-        halves, in order); each event's run ids."""
+        """Create the runs of several events (``(event_id, name, data, key,
+        runs)`` each; a definition: a plain new run) and record each event with
+        its run ids, in one statement per table (SQLite; PostgreSQL: the three
+        in one statement) unless that would carry more than
+        :data:`MAX_STATEMENT_PARAMS` parameters (then halves, in order); each
+        event's run ids. The runs are written under pre-made event ids (no
+        foreign key ties them), so each event is written once, with its runs."""
         params = sum(7 + 12 * len(runs) for *_, runs in events)
         if params > MAX_STATEMENT_PARAMS and len(events) > 1:
             half = len(events) // 2
@@ -178,18 +168,27 @@ class IngestOps(WaitOps, FlowOps):
             tx.execute(events_sql, event_rows)
             return all_run_ids
         tx.notify()
-        tx.execute(
-            f"WITH e AS ({events_sql}),"
-            " r AS (INSERT INTO runs (id, function_id, event_id, status, attempt, max_attempts,"
+        runs_sql = (
+            "INSERT INTO runs (id, function_id, event_id, status, attempt, max_attempts,"
             " recovery_count, current_execution_seq, concurrency_key, timeout_s, batch_size,"
             " created_at, updated_at) VALUES "
             + ", ".join(["(?, ?, ?, 'waiting_for_capacity', 1, ?, 0, 1, ?, ?, ?, ironflow_now(),"
                          " ironflow_now())"] * runs_n)
-            + ") INSERT INTO dispatch_queue (run_id, execution_seq, function_id, concurrency_key,"
-            " eligible_at, reason, enqueued_at) VALUES "
-            + ", ".join(["(?, 1, ?, ?, ironflow_now() + ?, ?, ironflow_now())"] * runs_n),
-            (*event_rows, *run_rows, *queue_rows),
         )
+        queue_sql = (
+            "INSERT INTO dispatch_queue (run_id, execution_seq, function_id, concurrency_key,"
+            " eligible_at, reason, enqueued_at) VALUES "
+            + ", ".join(["(?, 1, ?, ?, ironflow_now() + ?, ?, ironflow_now())"] * runs_n)
+        )
+        if tx.combined:
+            tx.execute(
+                f"WITH e AS ({events_sql}), r AS ({runs_sql}) {queue_sql}",
+                (*event_rows, *run_rows, *queue_rows),
+            )
+        else:
+            tx.execute(events_sql, event_rows)
+            tx.execute(runs_sql, run_rows)
+            tx.execute(queue_sql, queue_rows)
         self._subscribe_cancels(tx, subscribing)
         self._first_batch_events(tx, batched)
         if prioritised:
@@ -214,7 +213,7 @@ class IngestOps(WaitOps, FlowOps):
         """The functions any of ``names`` may trigger, the match paths waited
         on per name (waits.py), those cancel-on entries name per name
         (cancel_on.py), and which of the functions are paused
-        (ironflow/store/cron.py): on PostgreSQL in one round trip."""
+        (ironflow/store/cron.py): one statement."""
         names = sorted(set(names))
         patterns = sorted({pattern for name in names for pattern in _trigger_patterns(name)})
         # The third column says whether the function is paused (ironflow/store/cron.py).
@@ -223,19 +222,12 @@ class IngestOps(WaitOps, FlowOps):
             " FROM functions f WHERE f.id IN (SELECT t.function_id"
             f" FROM function_triggers t WHERE t.pattern IN ({_marks(len(patterns))}))"
         )
-        if tx.combined:
-            rows = tx.fetchall(
-                f"{functions_sql} UNION ALL SELECT 1, w.wait_event, w.wait_match FROM"
-                f" ({self._wait_paths_sql(len(names))}) w UNION ALL SELECT 2, c.event_name,"
-                f" c.match_path FROM ({cancel_paths_sql(len(names))}) c ORDER BY 1, 2, 3",
-                (*patterns, *names, *names),
-            )
-        else:
-            rows = (
-                tx.fetchall(functions_sql + " ORDER BY 2", patterns)
-                + [(1, *row) for row in tx.fetchall(self._wait_paths_sql(len(names)), names)]
-                + [(2, *row) for row in tx.fetchall(cancel_paths_sql(len(names)), names)]
-            )
+        rows = tx.fetchall(
+            f"{functions_sql} UNION ALL SELECT 1, w.wait_event, w.wait_match FROM"
+            f" ({self._wait_paths_sql(len(names))}) w UNION ALL SELECT 2, c.event_name,"
+            f" c.match_path FROM ({cancel_paths_sql(len(names))}) c ORDER BY 1, 2, 3",
+            (*patterns, *names, *names),
+        )
         fds: list[FunctionDef] = []
         paused: set[str] = set()
         for row in rows:
@@ -309,16 +301,17 @@ class IngestOps(WaitOps, FlowOps):
         self, tx: Tx, events: list[tuple[str, Any, str | None]], idempotency_window_s: float
     ) -> list[IngestResult]:
         """:meth:`ingest_events`' work in ``tx``."""
-        if tx.combined and len(events) > 1 and all(key is None for _, _, key in events):
+        if len(events) > 1 and all(key is None for _, _, key in events):
             return self._ingest_many(tx, [(name, data) for name, data, _ in events])
         return [self._ingest(tx, name, data, key, idempotency_window_s) for name, data, key in events]
 
     def _ingest_many(self, tx: Tx, events: list[tuple[str, Any]]) -> list[IngestResult]:
         """:meth:`_ingest` for several events without idempotency keys, in order,
-        in two statements whatever their number when nothing waits on their
-        names (PostgreSQL): one reads the functions any of them triggers and the
-        match paths waited on their names, one writes every event, run and
-        queue row; waits they satisfy are then resolved together (waits.py)."""
+        in a fixed number of statements whatever their number when nothing
+        waits on their names: one reads the functions any of them triggers and
+        the match paths waited on their names, then every event, run and queue
+        row is written (PostgreSQL: one statement; SQLite: one per table);
+        waits they satisfy are then resolved together (waits.py)."""
         functions, paths, cancel_paths, paused = self._triggered_and_waited(tx, [name for name, _ in events])
         if cancel_paths:
             # One by one, in order: a run one of them starts may be cancelled by

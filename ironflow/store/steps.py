@@ -135,9 +135,10 @@ class StepResultOps(SqlStoreBase):
     def _record_checked(
         self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]
     ) -> set[str]:
-        """SQLite: each fence checked, then its rows written (its single writer
-        makes the check and the write one step). The runs whose fence was live."""
-        live = {run_id for run_id, fence in fences.items() if self._fence_alive(tx, fence)}
+        """SQLite: the fences checked (one statement), then the live ones' rows
+        written (its single writer makes the check and the write one step).
+        The runs whose fence was live."""
+        live = self._fences_alive(tx, list(fences.values()))
         for chunk in _statement_chunks([row for row in rows if row[0] in live], _STEP_ROW_PARAMS):
             written = tx.fetchall(
                 "WITH v (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "

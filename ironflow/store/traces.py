@@ -28,7 +28,7 @@ class TraceOps(IngestOps):
         plain = [(name, data, key) for name, data, key, _ in events]
 
         def work(tx: Tx) -> list[IngestResult]:
-            if tx.combined and len(plain) > 1 and all(key is None for _, _, key in plain):
+            if len(plain) > 1 and all(key is None for _, _, key in plain):
                 results = self._ingest_many(tx, [(name, data) for name, data, _ in plain])
             else:
                 results = [
