@@ -98,8 +98,13 @@ class Gate:
 
 
 class Job:
-    def __init__(self, a: JobAssignment, start_at: float) -> None:
+    def __init__(self, a: JobAssignment, start_at: float, no: int) -> None:
         self.a = a
+        # The worker's count of assignments taken: step outputs name it, as one
+        # segment may be assigned twice (same execution_seq, same job id, two
+        # lease tokens: its reservation expired before the first ack came), and
+        # the oracle tells the two executions' writes apart by their outputs.
+        self.no = no
         self.scope = trio.CancelScope()
         self.abandoned = False
         # When the handler may start (virtual time): a held job's delay from receipt.
@@ -131,6 +136,7 @@ class SimWorker:
         self.functions = functions
         self.gate = Gate()
         self.jobs: dict[str, Job] = {}
+        self.assignments = 0
         self.jobs_changed = trio.Event()
         self.draining = False
         self.drain_deadline = math.inf
@@ -281,7 +287,8 @@ class SimWorker:
             self._send(JobNack(*fence, reason="AT_CAPACITY"))
             return
         delay = a.start_delay_ms / 1000 if self.delayed_start else 0.0
-        job = Job(a, trio.current_time() + delay)
+        self.assignments += 1
+        job = Job(a, trio.current_time() + delay, self.assignments)
         self.jobs[a.job_id] = job
         self._send(JobAck(*fence))
         nursery.start_soon(self._execute, job)
@@ -371,7 +378,7 @@ class SimWorker:
                     await trio.sleep(float(arg))  # the step's body, in virtual time
                     self.counts["step_bodies_run"] += 1
                     await self.gate.wait()
-                    output = {"i": index, "by": f"{self.name}/{a.execution_seq}"}
+                    output = {"i": index, "by": f"{self.name}/{a.execution_seq}#{job.no}"}
                     self._report(job, StepCompleted(*fence, step_id=sid, name=name, output=output))
                 self._report(job, JobCompleted(*fence, output={"k": plan["k"], "steps": len(plan["durations"])}))
         finally:
