@@ -30,7 +30,15 @@ Checked against the database (read-only), the oracle's counter table
 11. a throttled function's first starts conform to its GCRA, by the
     database clock, in commit order (:mod:`tests.sim.limits`);
 12. a singleton function never has two runs in flight (not ended), and an
-    event it skipped named a run then in flight (:mod:`tests.sim.limits`).
+    event it skipped named a run then in flight (:mod:`tests.sim.limits`);
+13. a cron schedule starts at most one run per tick, none before its time,
+    none for a missed tick its catch-up policy does not fire, and one for
+    every tick a node was up to fire at most ``cron_missed_after_s`` late
+    (and every missed tick its policy fires) (:mod:`tests.sim.ticks`);
+14. a rate-limited function's events that started runs, in commit order,
+    conform to its GCRA; one that started none was skipped by the rate limit
+    (its flow note says so), and would not have conformed
+    (:mod:`tests.sim.limits`).
 """
 
 from __future__ import annotations
@@ -40,12 +48,14 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from ironflow.protocol import lookup_path
-from tests.sim.worker import program, step_id
+from ironflow.protocol.cron import CRON_EVENT
+from tests.sim.ticks import CRON_PLAN
+from tests.sim.worker import handler_plan, program, step_id
 
 if TYPE_CHECKING:
     from tests.sim.simulator import Simulation
 
-MAX_ATTEMPTS = {"sim-a": 3, "sim-b": 2, "sim-r": 2, "sim-s": 2}
+MAX_ATTEMPTS = {"sim-a": 3, "sim-b": 2, "sim-r": 2, "sim-s": 2, "sim-c": 2, "sim-l": 3}
 
 
 def check(sim: Simulation) -> None:
@@ -71,10 +81,11 @@ def check(sim: Simulation) -> None:
         name = sim.schedule.events[k][0]
         row = o.one("SELECT run_ids, flow FROM events WHERE id = ?", (event_id,))
         stored = json.loads(row[0]) if row and row[0] else []
-        # A singleton's skip (invariant 12 judges it) starts no run of its function.
+        # A singleton's or a rate limit's skip (invariants 12 and 14 judge
+        # them) starts no run of its function.
         skipped = {
             note["function_id"] for note in (json.loads(row[1]) if row and row[1] else [])
-            if note["outcome"] == "skipped" and note["mechanism"] == "singleton"
+            if note["outcome"] == "skipped" and note["mechanism"] in ("singleton", "rate_limit")
         }
         expected = sorted(f for f in TRIGGERED[name] if f not in skipped)
         functions = sorted(
@@ -84,12 +95,15 @@ def check(sim: Simulation) -> None:
         ) if stored else []
         if functions != expected or sorted(stored) != sorted(runs_of_event.get(event_id, [])):
             bad(f"event {k} ({name}) has runs {stored} of {functions}; expected one of each of {expected}")
+    # A cron tick's event and run are invariant 13's (tests/sim/ticks.py).
+    ticks = {event_id for (event_id,) in o.all("SELECT id FROM events WHERE name = ?", (CRON_EVENT,))}
     for event_id in sorted(runs_of_event):
-        if event_id not in known_events:
+        if event_id not in known_events and event_id not in ticks:
             bad(f"runs {runs_of_event[event_id]} belong to no emitted event ({event_id})")
 
     # 2–6, run by run
     event_plan = {sim.event_ids[k]: sim.schedule.events[k][1] for k in sim.event_ids}
+    event_plan.update(dict.fromkeys(ticks, CRON_PLAN))
     for run_id, function_id, event_id, status, attempt, recovery_count, error_text, output_text in o.all(
         "SELECT id, function_id, event_id, status, attempt, recovery_count, error, output FROM runs ORDER BY id"
     ):
@@ -97,6 +111,7 @@ def check(sim: Simulation) -> None:
         plan = event_plan.get(event_id)
         if plan is None:
             continue
+        plan = handler_plan(function_id, plan)
         error = json.loads(error_text) if error_text else None
         code = error["code"] if error else None
         where = f"run {run_id} ({function_id}, event k={plan['k']})"
@@ -225,6 +240,8 @@ def check(sim: Simulation) -> None:
 
     check_waits(sim)
     o.flow.check_throttles()
+    o.flow.check_rate_limits()
+    sim.ticks.check(sim)
 
 
 def _matches(data: Any, match: str | None, value: Any) -> bool:

@@ -16,10 +16,22 @@
 12. **Singleton**: only an ingest creates runs, so after every ingest no
     singleton function has two runs not ended; and an event it skipped named
     a run that was in flight.
+14. **Rate limit**: the events of a rate-limited function, in the commit
+    order of their ingests (the order the ``rate_limits`` row's lock
+    serialised them in), at their own database time (``received_at``):
+    those that started a run, replayed through the GCRA of the declared
+    limit and period, all conform; every one that started none has a flow
+    note saying the rate limit skipped it; and (without concurrent nodes,
+    when the oracle saw every ingest) none was skipped that would have
+    conformed. An ingest whose call was cancelled after its commit is not
+    seen (no commit number): the first two checks judge the events seen (a
+    subsequence of conforming starts conforms), the third is then not made.
 """
 
 from __future__ import annotations
 
+import json
+import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -118,6 +130,53 @@ class FlowWatch:
                     f"event {result.event_id} skipped by singleton {note.function_id} for run"
                     f" {note.run_id}, which is not in flight ({row[0] if row else 'no such run'})"
                 )
+
+    def check_rate_limits(self) -> None:
+        """14: each rate-limited function's events against its GCRA."""
+        o = self.oracle
+        from tests.sim.simulator import TRIGGERED
+
+        for function_id, fd in sorted(_functions().items()):
+            limit = fd.rate_limit
+            if limit is None:
+                continue
+            assert limit.key is None  # keyed limits: key the replay too
+            names = sorted(name for name, fids in TRIGGERED.items() if function_id in fids)
+            events = o.all(
+                f"SELECT e.id, e.received_at, e.flow, EXISTS (SELECT 1 FROM runs r WHERE r.event_id = e.id"
+                f" AND r.function_id = ?) FROM events e WHERE e.name IN ({', '.join('?' * len(names))})",
+                (function_id, *names),
+            )
+            seen = sorted(
+                (o.ingests[event_id][1], float(at), event_id, bool(started), flow)
+                for event_id, at, flow, started in events if event_id in o.ingests
+            )
+            exact = not o.concurrent and len(seen) == len(events)
+            interval = limit.period_s / limit.limit
+            tau = limit.period_s - interval  # `limit` events may pass at once
+            tat = -math.inf
+            for _, at, event_id, started, flow in seen:
+                conforms = at >= tat - tau - CLOCK_SLACK_S
+                what = f"rate limit of {function_id} ({limit.limit} per {limit.period_s:g}s)"
+                if started:
+                    o.counts["rate_limited_starts"] += 1
+                    if not conforms:
+                        o.violation(
+                            f"{what} broken: event {event_id} started a run {tat - tau - at:.3f} s"
+                            " before it conformed"
+                        )
+                    tat = max(tat, at) + interval
+                    continue
+                o.counts["rate_limited_skips"] += 1
+                notes = [n for n in json.loads(flow or "[]") if n["function_id"] == function_id]
+                if not any(n["mechanism"] == "rate_limit" and n["outcome"] == "skipped"
+                           and n["reason"].startswith("rate limit:") for n in notes):
+                    o.violation(f"event {event_id} started no run of {function_id}; its flow notes: {notes}")
+                if exact and at >= tat - tau + CLOCK_SLACK_S:
+                    o.violation(
+                        f"{what}: event {event_id} skipped, though it conformed"
+                        f" ({at - (tat - tau):.3f} s after it could pass)"
+                    )
 
     def check_throttles(self) -> None:
         """11: the first starts of each throttled function conform to its GCRA."""

@@ -128,3 +128,18 @@ def test_the_simulator_finds_a_singleton_with_two_runs_in_flight() -> None:
     """Injected: an ingest ignores the singleton's run in flight (tests/sim/bugs.py): invariant 12."""
     _, violations = _first_violation("singleton_ignored")
     assert any("singleton sim-s has 2 runs in flight" in v for v in violations), violations
+
+
+def test_the_simulator_finds_a_late_cron_tick_taken_for_a_missed_one() -> None:
+    """Injected: the scheduler reads every due tick as missed, so a tick fired
+    milliseconds late is left to the catch-up policy (tests/sim/bugs.py):
+    invariant 13, under ``catchup="none"``."""
+    _, violations = _first_violation("late_tick_missed")
+    assert any("has no run, though a node was up" in v for v in violations), violations
+
+
+def test_the_simulator_finds_a_rate_limit_that_lets_one_extra_event_through() -> None:
+    """Injected: the rate limit's GCRA one interval short, so a burst passes
+    ``limit + 1`` events (tests/sim/bugs.py): invariant 14."""
+    _, violations = _first_violation("rate_limit_one_extra")
+    assert any("rate limit of sim-l (1 per 10s) broken" in v for v in violations), violations
