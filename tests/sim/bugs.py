@@ -17,6 +17,11 @@ store subclasses, so the engine carries no switch for them.
 - ``rate_limit_one_extra``: the rate limit's GCRA compares the theoretical
   arrival time with the period without the event's own interval: a burst
   lets ``limit + 1`` events through.
+- ``debounce_keeps_first_event``: an event joining a debounced run's quiet
+  period moves its start but not its event: the run starts with the
+  period's first event's data, not its last.
+- ``debounce_never_joins``: every event opens a new quiet period's run,
+  the pending one left to fire too: two runs for one period.
 - ``late_tick_missed``: the scheduler takes every due tick for a missed one
   (``cron_missed_after_s`` read as 0): a tick fired a few milliseconds late
   is left to the catch-up policy, which under ``none`` drops it.
@@ -192,6 +197,37 @@ class RateLimitOneExtra(SqliteStore):
         ))
 
 
+class _RunEventKept:
+    """A transaction whose ``UPDATE runs SET event_id`` writes nothing."""
+
+    def __init__(self, tx: Tx) -> None:
+        self._tx = tx
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tx, name)
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        if sql.startswith("UPDATE runs SET event_id"):
+            return 1
+        return self._tx.execute(sql, params)
+
+
+class DebounceKeepsFirstEvent(SqliteStore):
+    """``_debounce`` (ironflow/store/flow.py) without moving the pending run
+    to the joining event."""
+
+    def _debounce(self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: Any) -> None:
+        super()._debounce(_RunEventKept(tx), fd, key, event_id, result)  # type: ignore[arg-type]
+
+
+class DebounceNeverJoins(SqliteStore):
+    """A debounced run's held queue row is never found still filling."""
+
+    @staticmethod
+    def _still_filling(tx: Tx, run_id: str, due: str, params: tuple[Any, ...]) -> float | None:
+        return None
+
+
 class LateTickMissed(SqliteStore):
     """Every due tick is taken for a missed one: only the catch-up policy
     fires it."""
@@ -209,6 +245,8 @@ BUGS: dict[str, type[SqliteStore]] = {
     "singleton_ignored": SingletonIgnored,
     "late_tick_missed": LateTickMissed,
     "rate_limit_one_extra": RateLimitOneExtra,
+    "debounce_keeps_first_event": DebounceKeepsFirstEvent,
+    "debounce_never_joins": DebounceNeverJoins,
 }
 
 

@@ -38,6 +38,10 @@ Checked against the database (read-only), the oracle's counter table
 14. a rate-limited function's events that started runs, in commit order,
     conform to its GCRA; one that started none was skipped by the rate limit
     (its flow note says so), and would not have conformed
+    (:mod:`tests.sim.limits`);
+15. a debounced function's events each joined a run or opened the next
+    quiet period's, as the period and max_wait allow; a run carries its
+    period's last event and starts no earlier than the period's end
     (:mod:`tests.sim.limits`).
 """
 
@@ -55,10 +59,11 @@ from tests.sim.worker import handler_plan, program, step_id
 if TYPE_CHECKING:
     from tests.sim.simulator import Simulation
 
-MAX_ATTEMPTS = {"sim-a": 3, "sim-b": 2, "sim-r": 2, "sim-s": 2, "sim-c": 2, "sim-l": 3}
+MAX_ATTEMPTS = {"sim-a": 3, "sim-b": 2, "sim-r": 2, "sim-s": 2, "sim-c": 2, "sim-l": 3, "sim-d": 3}
 
 
 def check(sim: Simulation) -> None:
+    from tests.sim.limits import _functions
     from tests.sim.simulator import TRIGGERED
 
     o = sim.oracle
@@ -66,9 +71,13 @@ def check(sim: Simulation) -> None:
     ceiling = int(sim.schedule.timings.recovery_ceiling)
 
     # 1. events → runs
+    # A debounced function's runs move from event to event (invariant 15
+    # judges them): left out here.
+    debounced = tuple(sorted(fid for fid, fd in _functions().items() if fd.debounce is not None))
     runs_of_event: dict[str, list[str]] = {}
-    for run_id, event_id in o.all("SELECT id, event_id FROM runs ORDER BY id"):
-        runs_of_event.setdefault(event_id, []).append(run_id)
+    for run_id, event_id, function_id in o.all("SELECT id, event_id, function_id FROM runs ORDER BY id"):
+        if function_id not in debounced:
+            runs_of_event.setdefault(event_id, []).append(run_id)
     emitted = {k for a in sim.schedule.actions if a.kind in ("emit", "emit_again") for k in [a.target]}
     emitted |= {k for a in sim.schedule.actions if a.kind == "worker_stall" for k, _ in a.arg[1]}
     known_events = set()
@@ -81,13 +90,18 @@ def check(sim: Simulation) -> None:
         name = sim.schedule.events[k][0]
         row = o.one("SELECT run_ids, flow FROM events WHERE id = ?", (event_id,))
         stored = json.loads(row[0]) if row and row[0] else []
+        if stored:
+            stored = [r for (r,) in o.all(
+                f"SELECT id FROM runs WHERE id IN ({', '.join('?' * len(stored))})"
+                f" AND function_id NOT IN ({', '.join('?' * len(debounced))})", (*stored, *debounced)
+            )]
         # A singleton's or a rate limit's skip (invariants 12 and 14 judge
         # them) starts no run of its function.
         skipped = {
             note["function_id"] for note in (json.loads(row[1]) if row and row[1] else [])
             if note["outcome"] == "skipped" and note["mechanism"] in ("singleton", "rate_limit")
         }
-        expected = sorted(f for f in TRIGGERED[name] if f not in skipped)
+        expected = sorted(f for f in TRIGGERED[name] if f not in skipped and f not in debounced)
         functions = sorted(
             f for (f,) in o.all(
                 f"SELECT function_id FROM runs WHERE id IN ({', '.join('?' * len(stored))})", tuple(stored)
@@ -241,6 +255,7 @@ def check(sim: Simulation) -> None:
     check_waits(sim)
     o.flow.check_throttles()
     o.flow.check_rate_limits()
+    o.flow.check_debounces()
     sim.ticks.check(sim)
 
 

@@ -26,6 +26,14 @@
     conformed. An ingest whose call was cancelled after its commit is not
     seen (no commit number): the first two checks judge the events seen (a
     subsequence of conforming starts conforms), the third is then not made.
+15. **Debounce**: every event of a debounced function has a note naming the
+    run it joined or opened. Per run, its events in commit order: none
+    joined after the run's first reservation committed; the run carries the
+    last of them (``runs.event_id``, and the assignment's event at its first
+    reservation); that reservation's database time is no earlier than the
+    period's end, ``min(last + period, first + max_wait)``. And one run per
+    quiet period: an event opened a new run only if the previous one was
+    due (by that end) or already reserved when its ingest began.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ironflow.protocol import FunctionDef, concurrency_limits
+from ironflow.protocol import Debounce, FunctionDef, concurrency_limits
 
 if TYPE_CHECKING:
     from tests.sim.observed import Oracle
@@ -52,6 +60,14 @@ def _functions() -> dict[str, FunctionDef]:
     return {fd.id: fd for fd in FUNCTIONS}
 
 
+def _period_end(d: Debounce, joined: list[tuple[int, int, float, str, str]]) -> float:
+    """When a debounced run's quiet period ends, its events (commit order,
+    database time third) being ``joined``: ``period`` after the last, at
+    most ``max_wait`` after the first."""
+    end = joined[-1][2] + d.period_s
+    return end if d.max_wait_s is None else min(end, joined[0][2] + d.max_wait_s)
+
+
 @dataclass
 class FlowWatch:
     """What the oracle keeps of flow control while a seed runs."""
@@ -60,6 +76,8 @@ class FlowWatch:
     # run id → (commit number, database time) of its first reservation seen.
     first_starts: dict[str, tuple[int, float]] = field(default_factory=dict)
     peaks: Counter[tuple[str, str | None]] = field(default_factory=Counter)
+    # debounced run id → (commit number, database time, assignment's event id) of its first reservation.
+    debounce_starts: dict[str, tuple[int, float | None, str]] = field(default_factory=dict)
 
     def reserved(self, reservations: Sequence[Any], db_now: float | None, committed: int) -> None:
         """A reservation call of one node returned ``reservations``, made in
@@ -72,6 +90,8 @@ class FlowWatch:
             fd = functions.get(a.function_id)
             if fd is not None and fd.throttle is not None and a.run_id not in self.first_starts and db_now is not None:
                 self.first_starts[a.run_id] = (committed, db_now)
+            if fd is not None and fd.debounce is not None and a.run_id not in self.debounce_starts:
+                self.debounce_starts[a.run_id] = (committed, db_now, a.event.id)
         if any(concurrency_limits(functions[r.assignment.function_id]) for r in reservations
                if r.assignment.function_id in functions):
             self.check_concurrency(functions)
@@ -176,6 +196,82 @@ class FlowWatch:
                     o.violation(
                         f"{what}: event {event_id} skipped, though it conformed"
                         f" ({at - (tat - tau):.3f} s after it could pass)"
+                    )
+
+    def check_debounces(self) -> None:
+        """15: each debounced function's events and runs."""
+        o = self.oracle
+        from tests.sim.simulator import TRIGGERED
+
+        for function_id, fd in sorted(_functions().items()):
+            d = fd.debounce
+            if d is None:
+                continue
+            assert d.key is None  # keyed debounces: group by key too
+            names = sorted(name for name, fids in TRIGGERED.items() if function_id in fids)
+            events = o.all(
+                f"SELECT id, received_at, flow FROM events WHERE name IN ({', '.join('?' * len(names))})",
+                tuple(names),
+            )
+            exact = all(event_id in o.ingests for event_id, _, _ in events)
+            # (ingest committed, ingest begun, database time, event id, run it names): sorted, commit order.
+            seen: list[tuple[int, int, float, str, str]] = []
+            for event_id, at, flow in events:
+                notes = [n for n in json.loads(flow or "[]")
+                         if n["function_id"] == function_id and n["mechanism"] == "debounce"
+                         and n["outcome"] == "debounced" and n.get("run_id")]
+                if not notes:
+                    o.violation(f"event {event_id} has no debounce note for {function_id}")
+                elif event_id in o.ingests:
+                    begun, committed = o.ingests[event_id]
+                    seen.append((committed, begun, float(at), event_id, notes[0]["run_id"]))
+            seen.sort()
+            period: dict[str, list[tuple[int, int, float, str, str]]] = {}
+            for e in seen:
+                period.setdefault(e[4], []).append(e)
+            run_rows = {
+                run_id: (event_id, status)
+                for run_id, event_id, status in o.all(
+                    "SELECT id, event_id, status FROM runs WHERE function_id = ?", (function_id,)
+                )
+            }
+
+            for run_id, joined in period.items():
+                o.counts["debounced_runs"] += 1
+                o.counts["debounced_events"] += len(joined)
+                started = self.debounce_starts.get(run_id)
+                last = joined[-1][3]
+                if exact and run_rows.get(run_id, (None,))[0] != last:
+                    o.violation(
+                        f"debounced run {run_id} of {function_id} carries event"
+                        f" {run_rows.get(run_id, (None,))[0]}, not its period's last, {last}"
+                    )
+                if started is None:
+                    continue
+                reserved, at, assigned = started
+                late = [e[3] for e in joined if e[1] > reserved]  # began after it committed
+                if late:
+                    o.violation(f"events {late} joined debounced run {run_id} after its reservation committed")
+                elif exact and assigned != last:
+                    o.violation(f"debounced run {run_id} was assigned with event {assigned}, not {last}")
+                if at is not None and at < _period_end(d, joined) - CLOCK_SLACK_S:
+                    o.violation(
+                        f"debounced run {run_id} of {function_id} reserved {_period_end(d, joined) - at:.3f} s"
+                        " before its quiet period ended"
+                    )
+            for before, after in zip(seen, seen[1:], strict=False):
+                if before[4] == after[4]:
+                    continue
+                prior = period[before[4]]
+                upto = prior[: prior.index(before) + 1]
+                started = self.debounce_starts.get(before[4])
+                if started is None:
+                    continue  # cancelled before any reservation (or one not seen): its period ended
+                taken = started[0] < after[1]  # reserved before the next event's ingest began
+                if not taken and after[2] < _period_end(d, upto) - CLOCK_SLACK_S:
+                    o.violation(
+                        f"event {after[3]} opened debounced run {after[4]} of {function_id}"
+                        f" {_period_end(d, upto) - after[2]:.3f} s before the quiet period of run {before[4]} ended"
                     )
 
     def check_throttles(self) -> None:

@@ -65,6 +65,7 @@ from ironflow.node import KICK_BUFFER, start_actors
 from ironflow.protocol import (
     Cancel,
     Concurrency,
+    Debounce,
     FunctionDef,
     RateLimit,
     RetryPolicy,
@@ -139,6 +140,16 @@ FUNCTIONS = [
         rate_limit=RateLimit(limit=1, period_s=10.0),
         audit=True,
     ),
+    # A debounce (ingest side): a.go's events start one run of it per quiet
+    # period of 2 s, at most 4 s after the period's first event, with the
+    # period's last event (invariant 15); the stall bursts make the periods.
+    FunctionDef(
+        id="sim-d",
+        triggers=[Trigger("a.go")],
+        retries=RetryPolicy(max_attempts=3, initial_delay_s=0.5),
+        debounce=Debounce(period_s=2.0, max_wait_s=4.0),
+        audit=True,
+    ),
     # A singleton (ingest-side flow control): a b.go event while a sim-s run is
     # in flight starts none (invariants 1 and 12).
     FunctionDef(
@@ -151,7 +162,7 @@ FUNCTIONS = [
 ]
 # What a campaign reports as "faults injected", in this order.
 FAULT_KINDS = (*TIMED_FAULTS, "frame_drop", "frame_delay", "frame_duplicate", "frame_reorder")
-TRIGGERED = {"a.go": ["sim-a", "sim-l"], "b.go": ["sim-b", "sim-s"], "both.go": ["sim-a", "sim-b"], "r.go": ["sim-r"]}
+TRIGGERED = {"a.go": ["sim-a", "sim-l", "sim-d"], "b.go": ["sim-b", "sim-s"], "both.go": ["sim-a", "sim-b"], "r.go": ["sim-r"]}
 
 
 def deterministic_trio(seed: int) -> None:

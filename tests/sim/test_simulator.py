@@ -143,3 +143,17 @@ def test_the_simulator_finds_a_rate_limit_that_lets_one_extra_event_through() ->
     ``limit + 1`` events (tests/sim/bugs.py): invariant 14."""
     _, violations = _first_violation("rate_limit_one_extra")
     assert any("rate limit of sim-l (1 per 10s) broken" in v for v in violations), violations
+
+
+def test_the_simulator_finds_a_debounced_run_that_keeps_its_first_event() -> None:
+    """Injected: an event joining a quiet period moves the run's start but not
+    its event (tests/sim/bugs.py): invariant 15."""
+    _, violations = _first_violation("debounce_keeps_first_event")
+    assert any("not its period's last" in v for v in violations), violations
+
+
+def test_the_simulator_finds_two_debounced_runs_in_one_quiet_period() -> None:
+    """Injected: a debounced run is never joined, every event opens a new
+    period's run (tests/sim/bugs.py): invariant 15."""
+    _, violations = _first_violation("debounce_never_joins")
+    assert any("before the quiet period of run" in v for v in violations), violations
