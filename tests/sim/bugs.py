@@ -20,8 +20,11 @@ store subclasses, so the engine carries no switch for them.
 - ``debounce_keeps_first_event``: an event joining a debounced run's quiet
   period moves its start but not its event: the run starts with the
   period's first event's data, not its last.
-- ``debounce_never_joins``: every event opens a new quiet period's run,
-  the pending one left to fire too: two runs for one period.
+- ``debounce_never_joins``: a held queue row is never found still filling
+  (``_still_filling``, shared by debounce and batches): every event opens a
+  new quiet period's run, the pending one left to fire too, and a new batch.
+- ``batch_overfills``: a batch's fill check one event short: a batch takes
+  ``max_size + 1`` events.
 - ``late_tick_missed``: the scheduler takes every due tick for a missed one
   (``cron_missed_after_s`` read as 0): a tick fired a few milliseconds late
   is left to the catch-up policy, which under ``none`` drops it.
@@ -221,11 +224,21 @@ class DebounceKeepsFirstEvent(SqliteStore):
 
 
 class DebounceNeverJoins(SqliteStore):
-    """A debounced run's held queue row is never found still filling."""
+    """A debounced run's (or a batch's) held queue row is never found still filling."""
 
     @staticmethod
     def _still_filling(tx: Tx, run_id: str, due: str, params: tuple[Any, ...]) -> float | None:
         return None
+
+
+class BatchOverfills(SqliteStore):
+    """``_batch`` (ironflow/store/flow.py) comparing the batch's size with
+    ``max_size + 1``."""
+
+    def _batch(self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: Any, group: Any) -> None:
+        assert fd.batch is not None
+        wider = msgspec.structs.replace(fd.batch, max_size=fd.batch.max_size + 1)
+        super()._batch(tx, msgspec.structs.replace(fd, batch=wider), key, event_id, result, group)
 
 
 class LateTickMissed(SqliteStore):
@@ -247,6 +260,7 @@ BUGS: dict[str, type[SqliteStore]] = {
     "rate_limit_one_extra": RateLimitOneExtra,
     "debounce_keeps_first_event": DebounceKeepsFirstEvent,
     "debounce_never_joins": DebounceNeverJoins,
+    "batch_overfills": BatchOverfills,
 }
 
 

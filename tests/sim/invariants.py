@@ -59,7 +59,7 @@ from tests.sim.worker import handler_plan, program, step_id
 if TYPE_CHECKING:
     from tests.sim.simulator import Simulation
 
-MAX_ATTEMPTS = {"sim-a": 3, "sim-b": 2, "sim-r": 2, "sim-s": 2, "sim-c": 2, "sim-l": 3, "sim-d": 3}
+MAX_ATTEMPTS = {"sim-a": 3, "sim-b": 2, "sim-r": 2, "sim-s": 2, "sim-c": 2, "sim-l": 3, "sim-d": 3, "sim-t": 3}
 
 
 def check(sim: Simulation) -> None:
@@ -71,9 +71,11 @@ def check(sim: Simulation) -> None:
     ceiling = int(sim.schedule.timings.recovery_ceiling)
 
     # 1. events → runs
-    # A debounced function's runs move from event to event (invariant 15
-    # judges them): left out here.
-    debounced = tuple(sorted(fid for fid, fd in _functions().items() if fd.debounce is not None))
+    # A debounced function's runs move from event to event, a batch's run
+    # holds several (invariants 15 and 16 judge them): left out here.
+    debounced = tuple(sorted(
+        fid for fid, fd in _functions().items() if fd.debounce is not None or fd.batch is not None
+    ))
     runs_of_event: dict[str, list[str]] = {}
     for run_id, event_id, function_id in o.all("SELECT id, event_id, function_id FROM runs ORDER BY id"):
         if function_id not in debounced:
@@ -256,6 +258,7 @@ def check(sim: Simulation) -> None:
     o.flow.check_throttles()
     o.flow.check_rate_limits()
     o.flow.check_debounces()
+    o.flow.check_batches()
     sim.ticks.check(sim)
 
 

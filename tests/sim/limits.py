@@ -34,6 +34,13 @@
     period's end, ``min(last + period, first + max_wait)``. And one run per
     quiet period: an event opened a new run only if the previous one was
     due (by that end) or already reserved when its ingest began.
+16. **Batches**: every event of a batched function has a note naming its
+    batch's run, and is in exactly that batch (``batch_events``); a batch
+    holds at most ``max_size`` events, all joined before the run's first
+    reservation committed (whose assignment carries exactly them), and that
+    reservation's database time is no earlier than the first event's plus
+    ``timeout`` unless the batch was full. An event opened a new batch only
+    if the previous one was full, due or reserved when its ingest began.
 """
 
 from __future__ import annotations
@@ -78,6 +85,8 @@ class FlowWatch:
     peaks: Counter[tuple[str, str | None]] = field(default_factory=Counter)
     # debounced run id → (commit number, database time, assignment's event id) of its first reservation.
     debounce_starts: dict[str, tuple[int, float | None, str]] = field(default_factory=dict)
+    # batch run id → (commit number, database time, the assignment's events) of its first reservation.
+    batch_starts: dict[str, tuple[int, float | None, list[str]]] = field(default_factory=dict)
 
     def reserved(self, reservations: Sequence[Any], db_now: float | None, committed: int) -> None:
         """A reservation call of one node returned ``reservations``, made in
@@ -92,6 +101,8 @@ class FlowWatch:
                 self.first_starts[a.run_id] = (committed, db_now)
             if fd is not None and fd.debounce is not None and a.run_id not in self.debounce_starts:
                 self.debounce_starts[a.run_id] = (committed, db_now, a.event.id)
+            if fd is not None and fd.batch is not None and a.run_id not in self.batch_starts:
+                self.batch_starts[a.run_id] = (committed, db_now, [e.id for e in a.events or [a.event]])
         if any(concurrency_limits(functions[r.assignment.function_id]) for r in reservations
                if r.assignment.function_id in functions):
             self.check_concurrency(functions)
@@ -272,6 +283,88 @@ class FlowWatch:
                     o.violation(
                         f"event {after[3]} opened debounced run {after[4]} of {function_id}"
                         f" {_period_end(d, upto) - after[2]:.3f} s before the quiet period of run {before[4]} ended"
+                    )
+
+    def check_batches(self) -> None:
+        """16: each batched function's events and batches."""
+        o = self.oracle
+        from tests.sim.simulator import TRIGGERED
+
+        for function_id, fd in sorted(_functions().items()):
+            b = fd.batch
+            if b is None:
+                continue
+            assert b.key is None  # keyed batches: group by key too
+            names = sorted(name for name, fids in TRIGGERED.items() if function_id in fids)
+            events = o.all(
+                f"SELECT id, received_at, flow FROM events WHERE name IN ({', '.join('?' * len(names))})",
+                tuple(names),
+            )
+            members: dict[str, list[str]] = {}  # batch run → its events, by position
+            where: dict[str, list[str]] = {}  # event → the batch runs holding it
+            for run_id, event_id in o.all(
+                "SELECT b.run_id, b.event_id FROM batch_events b JOIN runs r ON r.id = b.run_id"
+                " WHERE r.function_id = ? ORDER BY b.run_id, b.position",
+                (function_id,),
+            ):
+                members.setdefault(run_id, []).append(event_id)
+                where.setdefault(event_id, []).append(run_id)
+            # (ingest committed, ingest begun, database time, event id, its batch's run): commit order.
+            seen: list[tuple[int, int, float, str, str]] = []
+            for event_id, at, flow in events:
+                notes = [n for n in json.loads(flow or "[]")
+                         if n["function_id"] == function_id and n["mechanism"] == "batch"
+                         and n["outcome"] == "batched" and n.get("run_id")]
+                if not notes:
+                    o.violation(f"event {event_id} has no batch note for {function_id}")
+                    continue
+                if where.get(event_id) != [notes[0]["run_id"]]:
+                    o.violation(
+                        f"event {event_id} is in batches {where.get(event_id)} of {function_id},"
+                        f" its note says {notes[0]['run_id']}"
+                    )
+                if event_id in o.ingests:
+                    begun, committed = o.ingests[event_id]
+                    seen.append((committed, begun, float(at), event_id, notes[0]["run_id"]))
+            seen.sort()
+            batches: dict[str, list[tuple[int, int, float, str, str]]] = {}
+            for e in seen:
+                batches.setdefault(e[4], []).append(e)
+            for run_id, held in sorted(members.items()):
+                o.counts["batch_runs"] += 1
+                o.counts["batched_events"] += len(held)
+                if len(held) > b.max_size:
+                    o.violation(f"batch run {run_id} of {function_id} holds {len(held)} events, max_size {b.max_size}")
+                started = self.batch_starts.get(run_id)
+                if started is None:
+                    continue
+                reserved, at, assigned = started
+                late = [e[3] for e in batches.get(run_id, []) if e[1] > reserved]  # began after it committed
+                if late:
+                    o.violation(f"events {late} joined batch run {run_id} after its reservation committed")
+                elif assigned != held:
+                    o.violation(f"batch run {run_id} was assigned events {assigned}, its batch holds {held}")
+                joined = batches.get(run_id)
+                if (at is not None and joined and len(assigned) < b.max_size
+                        and at < joined[0][2] + b.timeout_s - CLOCK_SLACK_S):
+                    o.violation(
+                        f"batch run {run_id} of {function_id} reserved {joined[0][2] + b.timeout_s - at:.3f} s"
+                        f" before its timeout, with {len(assigned)} of {b.max_size} events"
+                    )
+            for before, after in zip(seen, seen[1:], strict=False):
+                if before[4] == after[4]:
+                    continue
+                upto = batches[before[4]][: batches[before[4]].index(before) + 1]
+                started = self.batch_starts.get(before[4])
+                if started is None:
+                    continue  # cancelled before any reservation (or one not seen): its batch closed
+                taken = started[0] < after[1]  # reserved before the next event's ingest began
+                held = members.get(before[4], [])
+                size = held.index(before[3]) + 1 if before[3] in held else b.max_size  # when it joined
+                if not taken and size < b.max_size and after[2] < upto[0][2] + b.timeout_s - CLOCK_SLACK_S:
+                    o.violation(
+                        f"event {after[3]} opened batch run {after[4]} of {function_id} while batch"
+                        f" {before[4]} held {size} of {b.max_size} events and was not due"
                     )
 
     def check_throttles(self) -> None:

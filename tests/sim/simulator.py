@@ -63,6 +63,7 @@ from ironflow.config import NodeConfig
 from ironflow.ids import ids_from
 from ironflow.node import KICK_BUFFER, start_actors
 from ironflow.protocol import (
+    Batch,
     Cancel,
     Concurrency,
     Debounce,
@@ -150,6 +151,16 @@ FUNCTIONS = [
         debounce=Debounce(period_s=2.0, max_wait_s=4.0),
         audit=True,
     ),
+    # Event batches (ingest side): a.go's events in batches of at most 3,
+    # each run 2 s after its batch's first event (or at once when full), one
+    # run per batch (invariant 16); the stall bursts fill them.
+    FunctionDef(
+        id="sim-t",
+        triggers=[Trigger("a.go")],
+        retries=RetryPolicy(max_attempts=3, initial_delay_s=0.5),
+        batch=Batch(max_size=3, timeout_s=2.0),
+        audit=True,
+    ),
     # A singleton (ingest-side flow control): a b.go event while a sim-s run is
     # in flight starts none (invariants 1 and 12).
     FunctionDef(
@@ -162,7 +173,7 @@ FUNCTIONS = [
 ]
 # What a campaign reports as "faults injected", in this order.
 FAULT_KINDS = (*TIMED_FAULTS, "frame_drop", "frame_delay", "frame_duplicate", "frame_reorder")
-TRIGGERED = {"a.go": ["sim-a", "sim-l", "sim-d"], "b.go": ["sim-b", "sim-s"], "both.go": ["sim-a", "sim-b"], "r.go": ["sim-r"]}
+TRIGGERED = {"a.go": ["sim-a", "sim-l", "sim-d", "sim-t"], "b.go": ["sim-b", "sim-s"], "both.go": ["sim-a", "sim-b"], "r.go": ["sim-r"]}
 
 
 def deterministic_trio(seed: int) -> None:

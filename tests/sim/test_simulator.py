@@ -153,7 +153,14 @@ def test_the_simulator_finds_a_debounced_run_that_keeps_its_first_event() -> Non
 
 
 def test_the_simulator_finds_two_debounced_runs_in_one_quiet_period() -> None:
-    """Injected: a debounced run is never joined, every event opens a new
-    period's run (tests/sim/bugs.py): invariant 15."""
+    """Injected: a held queue row is never joined, every event opens a new
+    period's run, or a new batch (tests/sim/bugs.py): invariants 15 and 16."""
     _, violations = _first_violation("debounce_never_joins")
     assert any("before the quiet period of run" in v for v in violations), violations
+    assert any("opened batch run" in v for v in violations), violations
+
+
+def test_the_simulator_finds_a_batch_over_its_max_size() -> None:
+    """Injected: a batch's fill check one event short (tests/sim/bugs.py): invariant 16."""
+    _, violations = _first_violation("batch_overfills")
+    assert any("holds 4 events, max_size 3" in v for v in violations), violations
