@@ -14,10 +14,28 @@ store subclasses, so the engine carries no switch for them.
   as fast as credits allow.
 - ``singleton_ignored``: an ingest never looks at a singleton's run in
   flight: every event starts a run.
+- ``rate_limit_one_extra``: the rate limit's GCRA compares the theoretical
+  arrival time with the period without the event's own interval: a burst
+  lets ``limit + 1`` events through.
+- ``debounce_keeps_first_event``: an event joining a debounced run's quiet
+  period moves its start but not its event: the run starts with the
+  period's first event's data, not its last.
+- ``debounce_never_joins``: a held queue row is never found still filling
+  (``_still_filling``, shared by debounce and batches): every event opens a
+  new quiet period's run, the pending one left to fire too, and a new batch.
+- ``batch_overfills``: a batch's fill check one event short: a batch takes
+  ``max_size + 1`` events.
+- ``late_tick_missed``: the scheduler takes every due tick for a missed one
+  (``cron_missed_after_s`` read as 0): a tick fired a few milliseconds late
+  is left to the catch-up policy, which under ``none`` drops it.
 
 And on PostgreSQL (``run_seed(seed, bug=NAME, pg=...)``), issue #21's races
 with their fixes reverted, as they were at 4a4dd38: ``stranded_ack``,
-``wait_row_skipped``, ``park_and_ingest_missed``, ``false_stale``.
+``wait_row_skipped``, ``park_and_ingest_missed``, ``false_stale``; and
+``cron_claim_unguarded``: a cron pass reads due schedules without ``FOR
+UPDATE SKIP LOCKED`` and claims no tick in ``cron_ticks`` (each guard alone
+makes a tick once: both are gone), so two nodes passing at one instant
+both start the tick's run.
 """
 
 from __future__ import annotations
@@ -29,8 +47,11 @@ from typing import Any, Literal
 import msgspec
 import outcome
 
-from ironflow.protocol import ErrorInfo, JobNackReason, RunRecord, lookup_path
+from ironflow.ids import new_id
+from ironflow.protocol import ErrorInfo, FunctionDef, JobNackReason, RunRecord, lookup_path
+from ironflow.protocol.cron import CRON_EVENT, next_tick, tick_data
 from ironflow.store import Fence, JobOutcome, Reservation, StaleExecution, Store
+from ironflow.store.base import CronFired
 from ironflow.store.core import (
     _FENCE_SQL,
     _RUN_COLS,
@@ -43,6 +64,7 @@ from ironflow.store.core import (
     new_run,
     token_hash,
 )
+from ironflow.store.cron import _SCHEDULE_COLS, _due
 from ironflow.store.dispatch_flow import FlowPlan
 from ironflow.store.sqlite import SqliteStore
 from ironflow.store.steps import _STEP_AUDITED_FUNCTION, _STEP_RESULT_UPSERT
@@ -154,6 +176,79 @@ class KeyCountIgnored(SqliteStore):
     flow_plan_class = KeyCountIgnoredPlan
 
 
+class RateLimitOneExtra(SqliteStore):
+    """``_rate_limit_passes`` (ironflow/store/flow.py) with its condition one
+    interval short: ``max(tat, now) <= now + period``."""
+
+    @staticmethod
+    def _rate_limit_passes(tx: Tx, fd: FunctionDef, key: str) -> bool:
+        limit = fd.rate_limit
+        assert limit is not None
+        interval = limit.period_s / limit.limit
+        if tx.fetchone(
+            "INSERT INTO rate_limits (function_id, key, tat) VALUES (?, ?, ironflow_now() + ?)"
+            " ON CONFLICT (function_id, key) DO NOTHING RETURNING 1",
+            (fd.id, key, interval),
+        ):
+            return True
+        return bool(tx.execute(
+            "UPDATE rate_limits SET tat = (CASE WHEN tat > ironflow_now() THEN tat"
+            " ELSE ironflow_now() END) + ? WHERE function_id = ? AND key = ?"
+            " AND (CASE WHEN tat > ironflow_now() THEN tat ELSE ironflow_now() END)"
+            " <= ironflow_now() + ?",
+            (interval, fd.id, key, limit.period_s),
+        ))
+
+
+class _RunEventKept:
+    """A transaction whose ``UPDATE runs SET event_id`` writes nothing."""
+
+    def __init__(self, tx: Tx) -> None:
+        self._tx = tx
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tx, name)
+
+    def execute(self, sql: str, params: Any = ()) -> Any:
+        if sql.startswith("UPDATE runs SET event_id"):
+            return 1
+        return self._tx.execute(sql, params)
+
+
+class DebounceKeepsFirstEvent(SqliteStore):
+    """``_debounce`` (ironflow/store/flow.py) without moving the pending run
+    to the joining event."""
+
+    def _debounce(self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: Any) -> None:
+        super()._debounce(_RunEventKept(tx), fd, key, event_id, result)  # type: ignore[arg-type]
+
+
+class DebounceNeverJoins(SqliteStore):
+    """A debounced run's (or a batch's) held queue row is never found still filling."""
+
+    @staticmethod
+    def _still_filling(tx: Tx, run_id: str, due: str, params: tuple[Any, ...]) -> float | None:
+        return None
+
+
+class BatchOverfills(SqliteStore):
+    """``_batch`` (ironflow/store/flow.py) comparing the batch's size with
+    ``max_size + 1``."""
+
+    def _batch(self, tx: Tx, fd: FunctionDef, key: str, event_id: str, result: Any, group: Any) -> None:
+        assert fd.batch is not None
+        wider = msgspec.structs.replace(fd.batch, max_size=fd.batch.max_size + 1)
+        super()._batch(tx, msgspec.structs.replace(fd, batch=wider), key, event_id, result, group)
+
+
+class LateTickMissed(SqliteStore):
+    """Every due tick is taken for a missed one: only the catch-up policy
+    fires it."""
+
+    async def fire_due_ticks(self, node_id: str, *, limit: int, missed_after_s: float) -> list[CronFired]:
+        return await super().fire_due_ticks(node_id, limit=limit, missed_after_s=0.0)
+
+
 BUGS: dict[str, type[SqliteStore]] = {
     "record_step_unfenced": UnfencedRecordStep,
     "nack_spends_attempt": NackSpendsAttempt,
@@ -161,6 +256,11 @@ BUGS: dict[str, type[SqliteStore]] = {
     "key_count_ignored": KeyCountIgnored,
     "throttle_ignored": ThrottleIgnored,
     "singleton_ignored": SingletonIgnored,
+    "late_tick_missed": LateTickMissed,
+    "rate_limit_one_extra": RateLimitOneExtra,
+    "debounce_keeps_first_event": DebounceKeepsFirstEvent,
+    "debounce_never_joins": DebounceNeverJoins,
+    "batch_overfills": BatchOverfills,
 }
 
 
@@ -313,12 +413,52 @@ class KeyCountIgnoredPg(SimPostgresStore):
     flow_plan_class = KeyCountIgnoredPlan
 
 
+class CronClaimUnguarded(SimPostgresStore):
+    """``fire_due_ticks`` (ironflow/store/cron.py) with neither of its two
+    guards: the due schedules read without ``FOR UPDATE SKIP LOCKED``, and
+    each tick's run started without its claim in ``cron_ticks``."""
+
+    def _claim_tick(self, tx: Tx, fd: FunctionDef, cron: str, tz: str, scheduled_at: float, node_id: str) -> str:
+        event_id = new_id("evt")
+        data = tick_data(cron, tz, scheduled_at)
+        run_id = self._create_run(tx, fd, event_id, data, event_name=CRON_EVENT)
+        self._insert_event(tx, event_id, CRON_EVENT, data, None, [run_id])
+        return run_id
+
+    async def fire_due_ticks(self, node_id: str, *, limit: int, missed_after_s: float) -> list[CronFired]:
+        def work(tx: Tx) -> list[CronFired]:
+            now = self._now(tx)
+            rows = tx.fetchall(
+                f"SELECT {_SCHEDULE_COLS}, f.definition, f.paused_at FROM cron_schedules s"
+                " JOIN functions f ON f.id = s.function_id WHERE s.next_at <= ?"
+                " ORDER BY s.next_at LIMIT ?",
+                (now, limit),
+            )
+            fired: list[CronFired] = []
+            for fid, cron, tz, catchup, window_s, next_at, text, paused_at in rows:
+                fd = self._fdef_or_none(text)
+                due = [] if paused_at is not None or fd is None else _due(
+                    catchup, cron, tz, window_s, next_at, now, missed_after_s
+                )
+                for scheduled_at in due:
+                    assert fd is not None
+                    fired.append(CronFired(fid, scheduled_at, self._claim_tick(tx, fd, cron, tz, scheduled_at, node_id)))
+                tx.execute(
+                    "UPDATE cron_schedules SET next_at = ? WHERE function_id = ? AND cron = ? AND timezone = ?",
+                    (next_tick(cron, tz, now), fid, cron, tz),
+                )
+            return fired
+
+        return await self._transact(work)
+
+
 PG_BUGS: dict[str, type[SimPostgresStore]] = {
     "stranded_ack": StrandedAck,
     "wait_row_skipped": WaitRowSkipped,
     "park_and_ingest_missed": ParkAndIngestUnserialised,
     "false_stale": FalseStale,
     "key_count_ignored": KeyCountIgnoredPg,
+    "cron_claim_unguarded": CronClaimUnguarded,
 }
 
 

@@ -30,7 +30,19 @@ Checked against the database (read-only), the oracle's counter table
 11. a throttled function's first starts conform to its GCRA, by the
     database clock, in commit order (:mod:`tests.sim.limits`);
 12. a singleton function never has two runs in flight (not ended), and an
-    event it skipped named a run then in flight (:mod:`tests.sim.limits`).
+    event it skipped named a run then in flight (:mod:`tests.sim.limits`);
+13. a cron schedule starts at most one run per tick, none before its time,
+    none for a missed tick its catch-up policy does not fire, and one for
+    every tick a node was up to fire at most ``cron_missed_after_s`` late
+    (and every missed tick its policy fires) (:mod:`tests.sim.ticks`);
+14. a rate-limited function's events that started runs, in commit order,
+    conform to its GCRA; one that started none was skipped by the rate limit
+    (its flow note says so), and would not have conformed
+    (:mod:`tests.sim.limits`);
+15. a debounced function's events each joined a run or opened the next
+    quiet period's, as the period and max_wait allow; a run carries its
+    period's last event and starts no earlier than the period's end
+    (:mod:`tests.sim.limits`).
 """
 
 from __future__ import annotations
@@ -40,15 +52,18 @@ from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from ironflow.protocol import lookup_path
-from tests.sim.worker import program, step_id
+from ironflow.protocol.cron import CRON_EVENT
+from tests.sim.ticks import CRON_PLAN
+from tests.sim.worker import handler_plan, program, step_id
 
 if TYPE_CHECKING:
     from tests.sim.simulator import Simulation
 
-MAX_ATTEMPTS = {"sim-a": 3, "sim-b": 2, "sim-r": 2, "sim-s": 2}
+MAX_ATTEMPTS = {"sim-a": 3, "sim-b": 2, "sim-r": 2, "sim-s": 2, "sim-c": 2, "sim-l": 3, "sim-d": 3, "sim-t": 3}
 
 
 def check(sim: Simulation) -> None:
+    from tests.sim.limits import _functions
     from tests.sim.simulator import TRIGGERED
 
     o = sim.oracle
@@ -56,9 +71,15 @@ def check(sim: Simulation) -> None:
     ceiling = int(sim.schedule.timings.recovery_ceiling)
 
     # 1. events → runs
+    # A debounced function's runs move from event to event, a batch's run
+    # holds several (invariants 15 and 16 judge them): left out here.
+    debounced = tuple(sorted(
+        fid for fid, fd in _functions().items() if fd.debounce is not None or fd.batch is not None
+    ))
     runs_of_event: dict[str, list[str]] = {}
-    for run_id, event_id in o.all("SELECT id, event_id FROM runs ORDER BY id"):
-        runs_of_event.setdefault(event_id, []).append(run_id)
+    for run_id, event_id, function_id in o.all("SELECT id, event_id, function_id FROM runs ORDER BY id"):
+        if function_id not in debounced:
+            runs_of_event.setdefault(event_id, []).append(run_id)
     emitted = {k for a in sim.schedule.actions if a.kind in ("emit", "emit_again") for k in [a.target]}
     emitted |= {k for a in sim.schedule.actions if a.kind == "worker_stall" for k, _ in a.arg[1]}
     known_events = set()
@@ -71,12 +92,18 @@ def check(sim: Simulation) -> None:
         name = sim.schedule.events[k][0]
         row = o.one("SELECT run_ids, flow FROM events WHERE id = ?", (event_id,))
         stored = json.loads(row[0]) if row and row[0] else []
-        # A singleton's skip (invariant 12 judges it) starts no run of its function.
+        if stored:
+            stored = [r for (r,) in o.all(
+                f"SELECT id FROM runs WHERE id IN ({', '.join('?' * len(stored))})"
+                f" AND function_id NOT IN ({', '.join('?' * len(debounced))})", (*stored, *debounced)
+            )]
+        # A singleton's or a rate limit's skip (invariants 12 and 14 judge
+        # them) starts no run of its function.
         skipped = {
             note["function_id"] for note in (json.loads(row[1]) if row and row[1] else [])
-            if note["outcome"] == "skipped" and note["mechanism"] == "singleton"
+            if note["outcome"] == "skipped" and note["mechanism"] in ("singleton", "rate_limit")
         }
-        expected = sorted(f for f in TRIGGERED[name] if f not in skipped)
+        expected = sorted(f for f in TRIGGERED[name] if f not in skipped and f not in debounced)
         functions = sorted(
             f for (f,) in o.all(
                 f"SELECT function_id FROM runs WHERE id IN ({', '.join('?' * len(stored))})", tuple(stored)
@@ -84,12 +111,15 @@ def check(sim: Simulation) -> None:
         ) if stored else []
         if functions != expected or sorted(stored) != sorted(runs_of_event.get(event_id, [])):
             bad(f"event {k} ({name}) has runs {stored} of {functions}; expected one of each of {expected}")
+    # A cron tick's event and run are invariant 13's (tests/sim/ticks.py).
+    ticks = {event_id for (event_id,) in o.all("SELECT id FROM events WHERE name = ?", (CRON_EVENT,))}
     for event_id in sorted(runs_of_event):
-        if event_id not in known_events:
+        if event_id not in known_events and event_id not in ticks:
             bad(f"runs {runs_of_event[event_id]} belong to no emitted event ({event_id})")
 
     # 2–6, run by run
     event_plan = {sim.event_ids[k]: sim.schedule.events[k][1] for k in sim.event_ids}
+    event_plan.update(dict.fromkeys(ticks, CRON_PLAN))
     for run_id, function_id, event_id, status, attempt, recovery_count, error_text, output_text in o.all(
         "SELECT id, function_id, event_id, status, attempt, recovery_count, error, output FROM runs ORDER BY id"
     ):
@@ -97,6 +127,7 @@ def check(sim: Simulation) -> None:
         plan = event_plan.get(event_id)
         if plan is None:
             continue
+        plan = handler_plan(function_id, plan)
         error = json.loads(error_text) if error_text else None
         code = error["code"] if error else None
         where = f"run {run_id} ({function_id}, event k={plan['k']})"
@@ -225,6 +256,10 @@ def check(sim: Simulation) -> None:
 
     check_waits(sim)
     o.flow.check_throttles()
+    o.flow.check_rate_limits()
+    o.flow.check_debounces()
+    o.flow.check_batches()
+    sim.ticks.check(sim)
 
 
 def _matches(data: Any, match: str | None, value: Any) -> bool:

@@ -546,7 +546,9 @@ class ObservedStore:
         steps = self._steps_of(method, args, kwargs)
         if steps:
             # "Stale: nothing written." This call's outputs are its own
-            # (they name the worker and the segment).
+            # (they name the worker, the segment and the worker's assignment:
+            # a segment whose reservation expired before its ack may reach one
+            # worker twice, and both executions write; tests/sim/worker.py).
             prior = before if isinstance(before, dict) else {steps[0].step_id: before}
             for s in steps:
                 if s.status != "completed":

@@ -63,9 +63,12 @@ from ironflow.config import NodeConfig
 from ironflow.ids import ids_from
 from ironflow.node import KICK_BUFFER, start_actors
 from ironflow.protocol import (
+    Batch,
     Cancel,
     Concurrency,
+    Debounce,
     FunctionDef,
+    RateLimit,
     RetryPolicy,
     Singleton,
     Throttle,
@@ -86,6 +89,7 @@ from tests.sim.schedule import (
     build,
     rng_for,
 )
+from tests.sim.ticks import TickWatch, cron_function
 from tests.sim.worker import RACE_EVENT, SIGNAL_EVENT, SimWorker
 
 # ``ironflow_now()`` at virtual time 0.
@@ -127,6 +131,36 @@ FUNCTIONS = [
         throttle=Throttle(limit=1, period_s=3.0),
         audit=True,
     ),
+    # A rate limit (ingest side): of a.go's events at most 1 per 10 s starts a
+    # run of it (invariant 14); the stall bursts of a.go events (schedule.py)
+    # run into it.
+    FunctionDef(
+        id="sim-l",
+        triggers=[Trigger("a.go")],
+        retries=RetryPolicy(max_attempts=3, initial_delay_s=0.5),
+        rate_limit=RateLimit(limit=1, period_s=10.0),
+        audit=True,
+    ),
+    # A debounce (ingest side): a.go's events start one run of it per quiet
+    # period of 2 s, at most 4 s after the period's first event, with the
+    # period's last event (invariant 15); the stall bursts make the periods.
+    FunctionDef(
+        id="sim-d",
+        triggers=[Trigger("a.go")],
+        retries=RetryPolicy(max_attempts=3, initial_delay_s=0.5),
+        debounce=Debounce(period_s=2.0, max_wait_s=4.0),
+        audit=True,
+    ),
+    # Event batches (ingest side): a.go's events in batches of at most 3,
+    # each run 2 s after its batch's first event (or at once when full), one
+    # run per batch (invariant 16); the stall bursts fill them.
+    FunctionDef(
+        id="sim-t",
+        triggers=[Trigger("a.go")],
+        retries=RetryPolicy(max_attempts=3, initial_delay_s=0.5),
+        batch=Batch(max_size=3, timeout_s=2.0),
+        audit=True,
+    ),
     # A singleton (ingest-side flow control): a b.go event while a sim-s run is
     # in flight starts none (invariants 1 and 12).
     FunctionDef(
@@ -139,7 +173,7 @@ FUNCTIONS = [
 ]
 # What a campaign reports as "faults injected", in this order.
 FAULT_KINDS = (*TIMED_FAULTS, "frame_drop", "frame_delay", "frame_duplicate", "frame_reorder")
-TRIGGERED = {"a.go": ["sim-a"], "b.go": ["sim-b", "sim-s"], "both.go": ["sim-a", "sim-b"], "r.go": ["sim-r"]}
+TRIGGERED = {"a.go": ["sim-a", "sim-l", "sim-d", "sim-t"], "b.go": ["sim-b", "sim-s"], "both.go": ["sim-a", "sim-b"], "r.go": ["sim-r"]}
 
 
 def deterministic_trio(seed: int) -> None:
@@ -212,6 +246,12 @@ class SimNode:
         self.nursery: trio.Nursery | None = None
         self.kick_send: trio.MemorySendChannel[Kick] | None = None
         self.deps: ApiDeps | None = None
+        self.span: list[float] | None = None  # while up (invariant 13: tests/sim/ticks.py)
+
+    def down(self) -> None:
+        """From now on this incarnation fires no cron tick (crashed, stopped,
+        or asked to drain: invariant 13 counts a draining node as down)."""
+        self.sim.ticks.node_down(self.span, trio.current_time())
 
     async def run(self) -> None:
         cfg = self.sim.config
@@ -245,6 +285,7 @@ class SimNode:
                         ready=trio.Event(),
                     )
                     self.up = True
+                    self.span = self.sim.ticks.node_up(trio.current_time())
                     self.sim.trace(f"node {self.no} up")
                     await self.drained.wait()
                     self.sim.trace(f"node {self.no} drained, stopping")
@@ -253,6 +294,7 @@ class SimNode:
             pass  # calls made after a hard crash: a dead process writes nothing
         finally:
             self.up = False
+            self.down()
 
     def accept(self, conn: Connection) -> bool:
         """A worker connects (refused while draining, like the API's 503)."""
@@ -292,6 +334,9 @@ class Simulation:
         # transactions then interleave: the oracle judges accordingly.
         self.concurrent = nodes > 1
         self.schedule: Schedule = build(seed)
+        # The workers' functions: FUNCTIONS and the seed's cron function.
+        self.functions = [*FUNCTIONS, cron_function(seed)]
+        self.ticks = TickWatch(self.functions[-1])  # invariant 13
         self.config = NodeConfig(timings=self.schedule.timings, idempotency_window_s=IDEMPOTENCY_WINDOW_S)
         self.counts: Counter[str] = Counter()
         self.keep_trace = keep_trace
@@ -365,6 +410,7 @@ class Simulation:
         self.counts["node_crash" if hard else "node_restart"] += 1
         if hard:
             node.store.severed = True
+        node.down()
         node.scope.cancel()
 
     async def _node_keeper(self, slot: int) -> None:
@@ -400,7 +446,7 @@ class Simulation:
         rng = rng_for(self.seed, "worker-keeper", slot)
         incarnation = 0
         while not self.stopping:
-            worker = SimWorker(self, slot, incarnation, self.schedule.workers[slot], FUNCTIONS)
+            worker = SimWorker(self, slot, incarnation, self.schedule.workers[slot], self.functions)
             self.workers[slot] = worker
             await worker.run()
             self.workers[slot] = None
@@ -571,6 +617,7 @@ class Simulation:
             self.crash_node(hard=True, node=node)
         elif a.kind == "node_drain" and node is not None and node.up:
             self.counts["node_drain"] += 1
+            node.down()
             node.shutdown_requested.set()
 
     async def _run_schedule(self) -> None:
@@ -636,13 +683,16 @@ class Simulation:
                     root.start_soon(self._worker_keeper, slot)
                 # The schedule's clock starts once the functions are registered
                 # (an event emitted before that starts no run, by design).
-                while self.oracle.one("SELECT count(*) FROM functions") != (len(FUNCTIONS),):
+                while self.oracle.one("SELECT count(*) FROM functions") != (len(self.functions),):
                     await trio.sleep(0.001)
                 self.t0 = trio.current_time()
+                row = self.oracle.one("SELECT min(next_at) FROM cron_schedules")
+                self.ticks.first_at = None if row is None or row[0] is None else float(row[0])
                 await self._run_schedule()
                 self._heal()
                 await self._quiesce()
                 self.stopping = True
+                self.ticks.stop_at = trio.current_time()
                 self.trace("stopping")
                 root.cancel_scope.cancel()
             invariants.check(self)

@@ -128,3 +128,39 @@ def test_the_simulator_finds_a_singleton_with_two_runs_in_flight() -> None:
     """Injected: an ingest ignores the singleton's run in flight (tests/sim/bugs.py): invariant 12."""
     _, violations = _first_violation("singleton_ignored")
     assert any("singleton sim-s has 2 runs in flight" in v for v in violations), violations
+
+
+def test_the_simulator_finds_a_late_cron_tick_taken_for_a_missed_one() -> None:
+    """Injected: the scheduler reads every due tick as missed, so a tick fired
+    milliseconds late is left to the catch-up policy (tests/sim/bugs.py):
+    invariant 13, under ``catchup="none"``."""
+    _, violations = _first_violation("late_tick_missed")
+    assert any("has no run, though a node was up" in v for v in violations), violations
+
+
+def test_the_simulator_finds_a_rate_limit_that_lets_one_extra_event_through() -> None:
+    """Injected: the rate limit's GCRA one interval short, so a burst passes
+    ``limit + 1`` events (tests/sim/bugs.py): invariant 14."""
+    _, violations = _first_violation("rate_limit_one_extra")
+    assert any("rate limit of sim-l (1 per 10s) broken" in v for v in violations), violations
+
+
+def test_the_simulator_finds_a_debounced_run_that_keeps_its_first_event() -> None:
+    """Injected: an event joining a quiet period moves the run's start but not
+    its event (tests/sim/bugs.py): invariant 15."""
+    _, violations = _first_violation("debounce_keeps_first_event")
+    assert any("not its period's last" in v for v in violations), violations
+
+
+def test_the_simulator_finds_two_debounced_runs_in_one_quiet_period() -> None:
+    """Injected: a held queue row is never joined, every event opens a new
+    period's run, or a new batch (tests/sim/bugs.py): invariants 15 and 16."""
+    _, violations = _first_violation("debounce_never_joins")
+    assert any("before the quiet period of run" in v for v in violations), violations
+    assert any("opened batch run" in v for v in violations), violations
+
+
+def test_the_simulator_finds_a_batch_over_its_max_size() -> None:
+    """Injected: a batch's fill check one event short (tests/sim/bugs.py): invariant 16."""
+    _, violations = _first_violation("batch_overfills")
+    assert any("holds 4 events, max_size 3" in v for v in violations), violations

@@ -44,7 +44,9 @@ from ironflow.protocol import (
     StepCompleted,
     WaitYield,
 )
+from ironflow.protocol.cron import CRON_EVENT
 from tests.sim.net import CLOSE, Connection, decode_engine
+from tests.sim.ticks import CRON_FUNCTION, CRON_PLAN
 
 if TYPE_CHECKING:
     from tests.sim.simulator import Simulation
@@ -56,6 +58,17 @@ RECONNECT_DELAY_S = 2.0
 SIGNAL_EVENT = "signal.k"
 # What a race run waits for (its matching and non-matching events: schedule.race_plan).
 RACE_EVENT = "race.go"
+
+
+# Functions whose handler runs no step, whatever their event's plan: they are
+# there for their flow control (invariants 13 to 16), and a run of no step
+# costs the fewest transactions (their runs still face every fault).
+NO_STEPS = frozenset({CRON_FUNCTION, "sim-l", "sim-d", "sim-t"})
+
+
+def handler_plan(function_id: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """What ``function_id``'s handler does for an event of plan ``plan``."""
+    return {"k": plan["k"], "durations": []} if function_id in NO_STEPS else plan
 
 
 def program(plan: dict[str, Any]) -> list[tuple[str, str, Any]]:
@@ -98,8 +111,13 @@ class Gate:
 
 
 class Job:
-    def __init__(self, a: JobAssignment, start_at: float) -> None:
+    def __init__(self, a: JobAssignment, start_at: float, no: int) -> None:
         self.a = a
+        # The worker's count of assignments taken: step outputs name it, as one
+        # segment may be assigned twice (same execution_seq, same job id, two
+        # lease tokens: its reservation expired before the first ack came), and
+        # the oracle tells the two executions' writes apart by their outputs.
+        self.no = no
         self.scope = trio.CancelScope()
         self.abandoned = False
         # When the handler may start (virtual time): a held job's delay from receipt.
@@ -131,6 +149,7 @@ class SimWorker:
         self.functions = functions
         self.gate = Gate()
         self.jobs: dict[str, Job] = {}
+        self.assignments = 0
         self.jobs_changed = trio.Event()
         self.draining = False
         self.drain_deadline = math.inf
@@ -281,7 +300,8 @@ class SimWorker:
             self._send(JobNack(*fence, reason="AT_CAPACITY"))
             return
         delay = a.start_delay_ms / 1000 if self.delayed_start else 0.0
-        job = Job(a, trio.current_time() + delay)
+        self.assignments += 1
+        job = Job(a, trio.current_time() + delay, self.assignments)
         self.jobs[a.job_id] = job
         self._send(JobAck(*fence))
         nursery.start_soon(self._execute, job)
@@ -324,7 +344,8 @@ class SimWorker:
     async def _execute(self, job: Job) -> None:
         a = job.a
         fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
-        plan = a.event.data
+        # A cron run's event carries its tick, not a plan: CRON_PLAN.
+        plan = handler_plan(a.function_id, CRON_PLAN if a.event.name == CRON_EVENT else a.event.data)
         memo = {m.step_id: m for m in a.completed_steps}
         try:
             with job.scope:
@@ -371,7 +392,7 @@ class SimWorker:
                     await trio.sleep(float(arg))  # the step's body, in virtual time
                     self.counts["step_bodies_run"] += 1
                     await self.gate.wait()
-                    output = {"i": index, "by": f"{self.name}/{a.execution_seq}"}
+                    output = {"i": index, "by": f"{self.name}/{a.execution_seq}#{job.no}"}
                     self._report(job, StepCompleted(*fence, step_id=sid, name=name, output=output))
                 self._report(job, JobCompleted(*fence, output={"k": plan["k"], "steps": len(plan["durations"])}))
         finally:
