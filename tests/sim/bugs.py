@@ -140,6 +140,15 @@ class HeldStartDropped(SqliteStore):
             for r in await super().reserve_segments(*args, **kwargs)
         ]
 
+    async def ingest_and_reserve(self, *args: Any, **kwargs: Any) -> Any:
+        results, made = await super().ingest_and_reserve(*args, **kwargs)
+        return results, [
+            msgspec.structs.replace(
+                r, assignment=msgspec.structs.replace(r.assignment, start_delay_ms=0, db_now=None)
+            )
+            for r in made
+        ]
+
 
 class KeyCountIgnoredPlan(FlowPlan):
     """A reservation transaction's admission that reads no key's usage from

@@ -712,6 +712,33 @@ class ObservedStore:
             result = await store.reserve_segments(*args, **kwargs)
         finally:
             store.probes.pop(task, None)
+        self._reserved(result, clock)
+        self._after("reserve_segments", result)
+        return result
+
+    async def ingest_and_reserve(self, *args: Any, **kwargs: Any) -> Any:
+        """An emit's ingest and its reservation round in one transaction:
+        judged as an ``ingest_event`` for each event, then as a
+        ``reserve_segments`` (same transaction numbers, its database time)."""
+        self._check()
+        store: Any = self._store
+        task = trio.lowlevel.current_task()
+        clock: list[float] = []
+        store.probes[task] = lambda tx: clock.append(float(TxReader(tx).one("SELECT ironflow_now()")[0]))
+        try:
+            results, reservations = await store.ingest_and_reserve(*args, **kwargs)
+        finally:
+            store.probes.pop(task, None)
+        store.take_outcome()
+        for result in results:
+            self._oracle.ingests.setdefault(result.event_id, (store.last_begin(), store.last_commit()))
+            self._oracle.flow.ingested(result)
+        self._reserved(reservations, clock)
+        self._after("ingest_and_reserve", reservations)
+        return results, reservations
+
+    def _reserved(self, result: Sequence[Any], clock: list[float]) -> None:
+        store: Any = self._store
         at = store.last_begin()
         committed = store.last_commit()
         self._oracle.flow.reserved(result, clock[-1] if clock else None, committed)
@@ -719,8 +746,6 @@ class ObservedStore:
             self._oracle.run(r.assignment.run_id).reserved_at[r.assignment.execution_seq] = at
             self._oracle.reserved[(r.assignment.run_id, r.assignment.execution_seq)] = committed
             self._sim.trace(f"reserved {r.assignment.run_id}/{r.assignment.execution_seq} for {r.session_id}")
-        self._after("reserve_segments", result)
-        return result
 
     # ── loop 1: the recoveries ─────────────────────────────────────────────
 

@@ -200,6 +200,7 @@ def race_plan(rng: random.Random, k: int) -> dict[str, Any]:
 # before that expiry, so it is assigned several runs and acks them only after
 # its session was removed, while their reservations still stand.
 STALL_CHANCE = 0.5
+EMIT_CRASH_CHANCE = 0.25
 STALL_PAST_EXPIRY_S = (0.2, 1.0)
 STALL_BURST = (3, 6)
 STALL_BURST_BEFORE_EXPIRY_S = (1.0, 3.5)
@@ -295,5 +296,10 @@ def build(seed: int) -> Schedule:
         sched.actions.append(
             Action(at_s, "worker_stall", slot, (round(stalls.uniform(*STALL_PAST_EXPIRY_S), 3), burst))
         )
+    # A node crash right after an emit's reservation committed, before it
+    # is handed out (the API's ingest_and_reserve; from an RNG of its own).
+    emit_crash = rng_for(seed, "emit-crash")
+    if emit_crash.random() < EMIT_CRASH_CHANCE:
+        sched.node_crash_after.append(("ingest_and_reserve", emit_crash.randint(1, 2)))
     sched.actions.sort(key=lambda a: (a.at, a.kind, str(a.target)))
     return sched

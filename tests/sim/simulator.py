@@ -55,6 +55,7 @@ import trio
 import trio.testing
 
 from actors.directory import SessionDirectory
+from actors.handout import BATCH, hand_out
 from actors.messages import Kick, kick
 from actors.supervisor import Supervisor
 from ironflow.api.state import ApiDeps
@@ -74,7 +75,7 @@ from ironflow.protocol import (
     Throttle,
     Trigger,
 )
-from ironflow.store import Conflict, RunNotFound
+from ironflow.store import Conflict, IngestResult, Reservation, RunNotFound, StoreError
 from tests.sim import invariants
 from tests.sim.net import Connection, Link
 from tests.sim.observed import NodeDown, ObservedStore, Oracle, OutcomesByTask, Reader, SqliteReader
@@ -466,9 +467,7 @@ class Simulation:
                 if node is not None and node.up and node.kick_send is not None:
                     try:
                         if signal:
-                            result = await node.store.ingest_event(
-                                SIGNAL_EVENT, {"k": k}, None, idempotency_window_s=IDEMPOTENCY_WINDOW_S
-                            )
+                            result = await self._emit_unkeyed(node, SIGNAL_EVENT, {"k": k})
                         else:
                             result = await node.store.ingest_event(
                                 name, plan, f"ev-{k}", idempotency_window_s=IDEMPOTENCY_WINDOW_S
@@ -476,7 +475,7 @@ class Simulation:
                     except NodeDown:
                         result = None
                     if result is not None:
-                        if not result.duplicate and (result.run_ids or result.resumed_run_ids):
+                        if not signal and not result.duplicate and (result.run_ids or result.resumed_run_ids):
                             kick(node.kick_send, "event ingested")
                         if not signal:
                             self._note_event(k, result)
@@ -488,6 +487,46 @@ class Simulation:
                 await trio.sleep(1.0)
         finally:
             self.pending_emits -= 1
+
+    async def _emit_unkeyed(self, node: SimNode, name: str, data: Any) -> IngestResult:
+        """An emit without an idempotency key, as the API ingests one
+        (``ApiState._ingest_group``, a group of one): while a local worker
+        holds offers, the runs it queues are reserved in the ingest's own
+        transaction (``Store.ingest_and_reserve``) and handed out before the
+        emit is answered; the dispatcher is kicked for the rest."""
+        assert node.kick_send is not None
+        offers = node.directory.holding_offers()
+        reserving_ns = time.time_ns()
+        reservations: list[Reservation] = []
+        if offers:
+            [result], reservations = await node.store.ingest_and_reserve(
+                [(name, data, None)],
+                idempotency_window_s=IDEMPOTENCY_WINDOW_S,
+                offers=offers,
+                limit=BATCH,
+                reservation_expiry_s=self.config.timings.reservation_expiry_s,
+            )
+            self.counts["emit_reserve_calls"] += 1
+            self.counts["emit_reserve_queued"] += len(result.run_ids) + len(result.resumed_run_ids)
+        else:
+            result = await node.store.ingest_event(name, data, None, idempotency_window_s=IDEMPOTENCY_WINDOW_S)
+        # Committed: from here nothing fails the emit (a node that crashed
+        # meanwhile, right after the call, hands out and kicks nothing).
+        if reservations:
+            self.counts["emit_reservations"] += len(reservations)
+            self.trace(f"{name} {data} reserved in its emit: {[r.assignment.run_id for r in reservations]}")
+        if node.store.severed:
+            self.counts["emit_reservations_orphaned"] += len(reservations)
+            return result
+        if reservations:
+            try:
+                await hand_out(node.store, node.directory, reservations, reserving_ns, None)
+            except (StoreError, NodeDown):
+                pass  # not handed out nor given back: it waits for its reservation's expiry
+        reserved = {r.assignment.run_id for r in reservations}
+        if any(rid not in reserved for rid in (*result.run_ids, *result.resumed_run_ids)):
+            kick(node.kick_send, "event ingested")
+        return result
 
     def race_started(self, run_id: str, plan: dict[str, Any]) -> None:
         """A worker began the step before a race run's wait: emit the run's
@@ -508,14 +547,10 @@ class Simulation:
                 node = self.node
                 if node is not None and node.up and node.kick_send is not None:
                     try:
-                        result = await node.store.ingest_event(
-                            RACE_EVENT, data, None, idempotency_window_s=IDEMPOTENCY_WINDOW_S
-                        )
+                        result = await self._emit_unkeyed(node, RACE_EVENT, data)
                     except NodeDown:
                         result = None
                     if result is not None:
-                        if result.resumed_run_ids:
-                            kick(node.kick_send, "event ingested")
                         self.counts["race_events"] += 1
                         self.trace(f"race {data} -> {result.event_id} resumed={result.resumed_run_ids}")
                         return
