@@ -139,5 +139,3 @@ def _dispatch_span(
     span.end()
     if session is not None and a.event.traceparent is not None:
         session.traceparents[a.run_id] = a.event.traceparent
-
-

@@ -89,4 +89,3 @@ class SqlStore(
         )
         round_.count_held()
         return out
-

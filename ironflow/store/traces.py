@@ -28,13 +28,7 @@ class TraceOps(IngestOps):
         plain = [(name, data, key) for name, data, key, _ in events]
 
         def work(tx: Tx) -> list[IngestResult]:
-            if len(plain) > 1 and all(key is None for _, _, key in plain):
-                results = self._ingest_many(tx, [(name, data) for name, data, _ in plain])
-            else:
-                results = [
-                    self._ingest(tx, name, data, key, idempotency_window_s)
-                    for name, data, key in plain
-                ]
+            results = self._ingest_group(tx, plain, idempotency_window_s)
             for result, (_, _, _, traceparent) in zip(results, events, strict=True):
                 if traceparent is not None and not result.duplicate:
                     tx.execute(
