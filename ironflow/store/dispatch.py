@@ -16,6 +16,7 @@ from ironflow.protocol import (
     EventInfo,
     JobAssignment,
     MemoStep,
+    concurrency_limits,
     job_id_for,
 )
 from ironflow.store.base import (
@@ -125,6 +126,18 @@ class DispatchOps(CapacityLoop):
             return Reservations(made, next_eligible=_next_eligible(tx), known=True)
 
         def reserve(tx: Tx) -> list[Reservation]:
+            if unknown:
+                # Learn whether they are limited from their definitions, so the
+                # next round locks only the limited ones: a function offered
+                # but never seen among candidates would otherwise keep every
+                # round (and every emit's) serialised on its lock.
+                self._limited_functions().update(
+                    (fid, bool(concurrency_limits(self._fdef(definition))))
+                    for fid, definition in tx.fetchall(
+                        f"SELECT id, definition FROM functions WHERE id IN ({_marks(len(unknown))})",
+                        unknown,
+                    )
+                )
             self._expire_reservations(tx)
             credits = tx.fetchall(
                 "SELECT c.session_id, c.slot FROM worker_credits c"
@@ -232,9 +245,9 @@ class DispatchOps(CapacityLoop):
             return self._assignments(tx, chosen)
 
         limited = self._limited_functions()
-        for fid in function_ids:
-            limited.setdefault(fid, True)  # unknown: locked until a read shows otherwise
-        locked = frozenset(fid for fid in function_ids if limited[fid])
+        # Unknown: locked until a read shows otherwise (the round reads them).
+        unknown = [fid for fid in function_ids if fid not in limited]
+        locked = frozenset(fid for fid in function_ids if limited.get(fid, True))
         held = [0, 0, 0]  # of the committed attempt: refused by a limit, throttled, fair passes
         return ReservationRound(work, [(conc_lock(fid), True) for fid in sorted(locked)], held)
 

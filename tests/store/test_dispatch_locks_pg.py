@@ -1,0 +1,88 @@
+"""Which ``conc:<function>`` named locks a reservation round takes on
+PostgreSQL (store/dispatch.py): a function with a concurrency limit is
+counted under its lock; one without is not, even when the round never sees
+a run of it. Forced with a second connection holding the lock, never a sleep."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import psycopg
+import pytest
+import trio
+
+from ironflow.protocol import Concurrency
+from ironflow.store.core import lock_id
+from ironflow.store.dispatch_flow import conc_lock
+from ironflow.store.postgres import PostgresStore
+from tests.store.test_pg_races import lock_waiters, wait_until
+from tests.store.test_store_behaviour import emit, fn, reserve, worker
+
+
+@pytest.fixture
+async def store(pg_url: str) -> AsyncIterator[PostgresStore]:
+    s = PostgresStore(pg_url)
+    await s.open()
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+def hold(pg_url: str, name: str) -> psycopg.Connection:
+    """A second connection inside a transaction holding named lock ``name``."""
+    conn = psycopg.connect(pg_url)
+    conn.execute("SELECT pg_advisory_xact_lock(%s)", (lock_id(name),))
+    return conn
+
+
+async def test_an_unlimited_function_never_dispatched_is_not_locked_after_one_round(
+    store: PostgresStore, pg_url: str
+) -> None:
+    # "idle" is offered by the worker but no event ever starts it: the round
+    # never reads a candidate of it. It used to stay "unknown, so locked" for
+    # the node's life: every round and every emit's reservation took its lock
+    # exclusively, one after another (bench.py on PostgreSQL: 201 of 242
+    # transactions took it, 686 ms of waiting in a 2.5 s trial).
+    session = await worker(store, fn("busy"), fn("idle", "never.emitted"), slots=4)
+    await emit(store)
+    assert len(await reserve(store, session)) == 1  # learns both definitions
+    assert not await round_beside(store, session, pg_url, conc_lock("idle"))
+
+
+async def round_beside(store: PostgresStore, session, pg_url: str, name: str) -> bool:
+    """One more run emitted and a reservation round run while a second
+    connection holds named lock ``name``; whether the round waited for it.
+    The lock is let go either way and the round must reserve the run."""
+    conn = hold(pg_url, name)
+    done = trio.Event()
+    got: list[int] = []
+
+    async def round_() -> None:
+        got.append(len(await reserve(store, session)))
+        done.set()
+
+    try:
+        await emit(store)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(round_)
+            ended = await trio.to_thread.run_sync(
+                wait_until, lambda: done.is_set() or lock_waiters(pg_url) >= 1
+            )
+            waited = ended and not done.is_set()
+            conn.rollback()
+        assert got == [1]
+        return waited
+    finally:
+        conn.close()
+
+
+async def test_a_limited_function_is_counted_under_its_lock_even_unseen(
+    store: PostgresStore, pg_url: str
+) -> None:
+    session = await worker(
+        store, fn("busy"), fn("limited", "never.emitted", concurrency=Concurrency(1)), slots=4
+    )
+    await emit(store)
+    assert len(await reserve(store, session)) == 1
+    assert await round_beside(store, session, pg_url, conc_lock("limited"))
