@@ -22,10 +22,12 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Literal
 
+import outcome
 import trio
 
 from actors.directory import LocalSession, SessionDirectory
 from actors.grouped import Grouped
+from actors.handout import BATCH, hand_out
 from actors.messages import Kick, kick
 from ironflow import logs, metrics, tracing
 from ironflow.config import Limits, NodeConfig
@@ -60,6 +62,7 @@ from ironflow.store import (
     StaleExecution,
     StepResult,
     Store,
+    StoreError,
     StoreUnavailable,
 )
 
@@ -225,10 +228,12 @@ async def handle(
     raise ProtocolViolation(f"unexpected message {type(msg).__name__} after Register")
 
 
-def completed(outcome_: JobOutcome, kicks: trio.MemorySendChannel[Kick]) -> None:
-    """A JobCompleted applied: count the run's end, kick the dispatcher (a credit is free)."""
+def completed(outcome_: JobOutcome, kicks: trio.MemorySendChannel[Kick] | None) -> None:
+    """A JobCompleted applied: count the run's end, kick the dispatcher (a
+    credit is free) unless ``kicks`` is None (its group decided)."""
     metrics.run_ended("completed", outcome_.function_id, outcome_.duration_s)
-    kick(kicks, "job completed")
+    if kicks is not None:
+        kick(kicks, "job completed")
 
 
 async def handle_steps(
@@ -292,6 +297,21 @@ def _last_steps_and_result(steps: list[WorkerMessage], result: list[WorkerMessag
     )
 
 
+def _acked_segment(units: list[list[WorkerMessage]]) -> bool:
+    """Units [JobAck], optionally [step results], then [JobCompleted], all of
+    one segment (one execution and lease token)."""
+    if len(units) not in (2, 3) or not isinstance(units[0][0], JobAck):
+        return False
+    ack, last = units[0][0], units[-1][0]
+    if not isinstance(last, JobCompleted) or len(units[-1]) != 1:
+        return False
+    if len(units) == 3 and not _last_steps_and_result(units[1], units[2]):
+        return False
+    return (ack.run_id, ack.execution_seq, ack.lease_token) == (
+        last.run_id, last.execution_seq, last.lease_token
+    )
+
+
 def _run_key(msg: WorkerMessage) -> str:
     """Messages of one run are serialised; everything else may run concurrently."""
     run_id = getattr(msg, "run_id", None)
@@ -303,6 +323,16 @@ def _run_key(msg: WorkerMessage) -> str:
 IN_FLIGHT_MAX = 512
 # Most messages of one run applied as one chain (one group commit, in order).
 CHAIN_MAX = 64
+# How long a JobAck that arrived alone waits for the rest of its segment (the
+# step results and the job's result a short handler sends right after it)
+# before it is applied alone. One that finds them is applied with them: the
+# lease activated in the completion's own transaction, one commit for the
+# segment instead of two (actors/session.py ``_Lanes._hold_ack``). Nothing
+# waits for an ack's commit (the worker started its handler when the ack went
+# on the wire; the reservation holds the segment meanwhile).
+ACK_HOLD_S = 0.005
+# What ends a segment: a held ack waits for no more than one of these.
+_SEGMENT_ENDS = (JobCompleted, JobFailed, JobYielded, JobNack)
 
 
 class _Lanes:
@@ -331,8 +361,12 @@ class _Lanes:
         outbox: trio.MemorySendChannel[EngineMessage],
         kicks: trio.MemorySendChannel[Kick],
         traceparents: dict[str, str] | None = None,
+        directory: SessionDirectory | None = None,
     ) -> None:
         self._nursery = nursery
+        # Where a completion group hands out the segments its transaction
+        # reserved for the credits it freed (None: it only kicks the dispatcher).
+        self._directory = directory
         # Traced runs assigned to this session (LocalSession.traceparents).
         self._traceparents = traceparents if traceparents is not None else {}
         self._store = store
@@ -341,6 +375,9 @@ class _Lanes:
         self._outbox = outbox
         self._kicks = kicks
         self._queues: dict[str, deque[WorkerMessage]] = {}
+        # Lanes holding a lone JobAck, woken when their run's next message comes.
+        self._woken: dict[str, trio.Event] = {}
+        self._flushing = False  # the socket closed: nothing is held any more
         lease_expiry_s = config.timings.lease_expiry_s
         # A lane whose only message is of one of these kinds applies it with
         # other runs' (see actors/grouped.py).
@@ -356,8 +393,9 @@ class _Lanes:
             )
         )
         self._steps: Grouped[tuple[Fence, list[StepResult]], None] = Grouped(store.record_steps_many)
-        self._completions: Grouped[tuple[Fence, Any, list[StepResult]], JobOutcome] = Grouped(
-            store.complete_jobs
+        # (fence, output, step results, whether its JobAck came with it).
+        self._completions: Grouped[tuple[Fence, Any, list[StepResult], bool], JobOutcome] = Grouped(
+            self._complete
         )
         self._room = trio.Semaphore(IN_FLIGHT_MAX)
         self.fatal: Exception | None = None
@@ -371,6 +409,9 @@ class _Lanes:
         queue = self._queues.get(key)
         if queue is not None:
             queue.append(msg)  # its lane is running and takes it in turn
+            woken = self._woken.pop(key, None)
+            if woken is not None:
+                woken.set()
             return
         self._queues[key] = deque([msg])
         self._nursery.start_soon(self._lane, key)
@@ -379,6 +420,8 @@ class _Lanes:
         queue = self._queues[key]
         try:
             while queue:
+                if len(queue) == 1 and isinstance(queue[0], JobAck) and not self._flushing:
+                    await self._hold_ack(key, queue)
                 msgs = [queue.popleft() for _ in range(min(len(queue), CHAIN_MAX))]
                 try:
                     units = _units(msgs)
@@ -400,6 +443,27 @@ class _Lanes:
         finally:
             del self._queues[key]
 
+    async def _hold_ack(self, key: str, queue: deque[WorkerMessage]) -> None:
+        """Wait (at most :data:`ACK_HOLD_S`) until the held ack's run sent what
+        ends its segment, or the socket closed."""
+        with trio.move_on_after(ACK_HOLD_S):
+            while (
+                not self._flushing
+                and len(queue) < CHAIN_MAX
+                and not isinstance(queue[-1], _SEGMENT_ENDS)
+            ):
+                woken = self._woken[key] = trio.Event()
+                await woken.wait()
+        self._woken.pop(key, None)
+
+    def flush(self) -> None:
+        """The socket closed: every held ack is applied now (frames read
+        before a socket drops are applied before its leases are recovered)."""
+        self._flushing = True
+        for woken in self._woken.values():
+            woken.set()
+        self._woken.clear()
+
     async def _apply(self, units: list[list[WorkerMessage]]) -> list[list[WorkerMessage]]:
         """Apply a run's units in order; return those left to apply (empty once
         all were). Raises StoreUnavailable if none was applied for an outage."""
@@ -411,6 +475,11 @@ class _Lanes:
             # sent together: one grouped completion.
             await self._handle_unit(units[0] + units[1], grouped=True)
             return []
+        if _acked_segment(units):
+            # A whole short segment: its ack, step results and result, one
+            # grouped completion that activates the lease first.
+            await self._handle_unit([m for unit in units for m in unit], grouped=True)
+            return []
         outcomes = await self._store.in_order([partial(self._handle_unit, unit) for unit in units])
         for done, result in enumerate(outcomes):
             try:
@@ -420,6 +489,47 @@ class _Lanes:
                     raise
                 return units[done:]  # the rest, in order, once the store is back
         return []
+
+    async def _complete(
+        self, group: list[tuple[Fence, Any, list[StepResult], bool]]
+    ) -> list[outcome.Outcome[JobOutcome]]:
+        """A group of job results applied. While a local worker can take work,
+        the credits they free are offered again in the same transaction
+        (:meth:`Store.complete_jobs_and_reserve`) and what it reserved is
+        handed out before the results are acknowledged; the dispatcher is
+        kicked only when the round may have left work it could not offer (a
+        full batch, or a session the round could not offer to)."""
+        items = [(fence, output, steps) for fence, output, steps, _ in group]
+        activate = frozenset(fence.run_id for fence, _, _, acked in group if acked)
+        lease_expiry_s = self._config.timings.lease_expiry_s
+        offers = self._directory.holding_offers() if self._directory is not None else {}
+        if not offers:
+            results = await self._store.complete_jobs(
+                items, activate=activate, lease_expiry_s=lease_expiry_s
+            )
+            kick(self._kicks, "job completed")
+            return results
+        reserving_ns = time.time_ns()
+        results, reservations = await self._store.complete_jobs_and_reserve(
+            items,
+            offers=offers,
+            limit=BATCH,
+            reservation_expiry_s=self._config.timings.reservation_expiry_s,
+            activate=activate,
+            lease_expiry_s=lease_expiry_s,
+        )
+        assert self._directory is not None
+        if reservations:
+            try:
+                await hand_out(self._store, self._directory, reservations, reserving_ns, None)
+            except StoreError as exc:
+                logs.event(
+                    log, logging.WARNING, "dispatch: completion's reservation not handed out, it expires",
+                    error=type(exc).__name__, reservations=len(reservations),
+                )
+        if len(reservations) >= BATCH or len(offers) < len(self._directory.offers()):
+            kick(self._kicks, "job completed")
+        return results
 
     async def _record_steps(self, fence: Fence, steps: list[StepResult]) -> None:
         await self._steps((fence, steps))
@@ -449,18 +559,19 @@ class _Lanes:
         answers: list[EngineMessage] = []
         first = unit[0]
         try:
-            if grouped and isinstance(first, JobAck) and self._store.group_acks:
+            if grouped and len(unit) == 1 and isinstance(first, JobAck) and self._store.group_acks:
                 await self._acks(_fence(self._session_id, first))
             elif grouped and isinstance(unit[-1], JobCompleted):
                 result = unit[-1]
                 steps = [m for m in unit if isinstance(m, StepCompleted | StepFailed)]
                 received = time.perf_counter()
-                done = await self._completions(
-                    (_fence(self._session_id, result), result.output, step_results(steps))
-                )
+                done = await self._completions((
+                    _fence(self._session_id, result), result.output, step_results(steps),
+                    isinstance(first, JobAck),
+                ))
                 if steps:
                     steps_recorded(steps, received)
-                completed(done, self._kicks)
+                completed(done, None)  # the group kicked the dispatcher if need be
             elif grouped and isinstance(first, StepCompleted | StepFailed):
                 steps = [m for m in unit if isinstance(m, StepCompleted | StepFailed)]
                 await handle_steps(self._record_steps, self._session_id, steps)
@@ -564,11 +675,14 @@ async def run(
     try:
         violation: ProtocolViolation | None = None
         async with trio.open_nursery() as nursery:
-            lanes = _Lanes(nursery, store, config, session_id, outbox, kicks, local.traceparents)
+            lanes = _Lanes(
+                nursery, store, config, session_id, outbox, kicks, local.traceparents, directory
+            )
             while True:
                 try:
                     msg = await inbound.receive()
                 except trio.EndOfChannel:
+                    lanes.flush()  # held acks are applied now, not after their hold
                     break  # the nursery waits for the messages already read
                 batch = [msg]
                 while True:
@@ -578,6 +692,7 @@ async def run(
                         break
                 if any(isinstance(m, Register) for m in batch):
                     violation = ProtocolViolation("register sent twice on one connection")
+                    lanes.flush()
                     break
                 await _handle_batch(batch, lanes)
         if violation is not None:

@@ -661,22 +661,48 @@ class Store(abc.ABC):
         """Run → 'completed'; delete the lease; free the credit. StaleExecution."""
 
     async def complete_jobs(
-        self, items: Sequence[tuple[Fence, Any, list[StepResult]]]
+        self,
+        items: Sequence[tuple[Fence, Any, list[StepResult]]],
+        *,
+        activate: frozenset[str] = frozenset(),
+        lease_expiry_s: float = 0.0,
     ) -> list[outcome.Outcome[JobOutcome]]:
         """:meth:`complete_job` for several segments (different runs), each its
         own outcome in ``items``' order, as :meth:`record_steps_many`. An
         item is (fence, output, step results): the segment's last step
         results, which a worker sends together with the job's result, are
-        recorded first (:meth:`record_steps`), in the same transaction."""
+        recorded first (:meth:`record_steps`), in the same transaction.
+        The segments of runs in ``activate`` are activated first (their
+        JobAck came with the result; :meth:`activate_leases` with
+        ``lease_expiry_s``): an ack refused refuses its item."""
         results: list[outcome.Outcome[JobOutcome]] = []
         for fence, output, steps in items:
             try:
+                if fence.run_id in activate:
+                    await self.activate_lease(fence, lease_expiry_s=lease_expiry_s)
                 if steps:
                     await self.record_steps(fence, steps)
                 results.append(outcome.Value(await self.complete_job(fence, output)))
             except StaleExecution as exc:
                 results.append(outcome.Error(exc))
         return results
+
+    @abc.abstractmethod
+    async def complete_jobs_and_reserve(
+        self,
+        items: Sequence[tuple[Fence, Any, list[StepResult]]],
+        *,
+        offers: dict[str, frozenset[str]],
+        limit: int,
+        reservation_expiry_s: float,
+        activate: frozenset[str] = frozenset(),
+        lease_expiry_s: float = 0.0,
+    ) -> tuple[list[outcome.Outcome[JobOutcome]], Reservations]:
+        """:meth:`complete_jobs` (``activate``, ``lease_expiry_s`` as there),
+        then, in the same transaction when one of
+        them freed a credit, one :meth:`reserve_segments` round for
+        ``offers`` (the freed credits among them): both answers. The round's
+        ``next_eligible`` is not read."""
 
     @abc.abstractmethod
     async def fail_job(self, fence: Fence, error: ErrorInfo) -> JobOutcome:

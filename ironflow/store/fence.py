@@ -13,7 +13,7 @@ applied.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import outcome
@@ -301,29 +301,60 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         )
 
     async def complete_jobs(
-        self, items: Sequence[tuple[Fence, Any, list[StepResult]]]
+        self,
+        items: Sequence[tuple[Fence, Any, list[StepResult]]],
+        *,
+        activate: frozenset[str] = frozenset(),
+        lease_expiry_s: float = 0.0,
     ) -> list[outcome.Outcome[JobOutcome]]:
         if len({fence.run_id for fence, _, _ in items}) < len(items):
-            return await super().complete_jobs(items)
+            return await super().complete_jobs(items, activate=activate, lease_expiry_s=lease_expiry_s)
         # Even one item takes the path below: its steps and its completion in
         # one transaction (the interface's form would commit each).
+        return await self._transact_ending(
+            self._completing(items, activate, lease_expiry_s),
+            completed_ids,
+            results=completed_results(items),
+        )
+
+    def _completing(
+        self,
+        items: Sequence[tuple[Fence, Any, list[StepResult]]],
+        activate: frozenset[str] = frozenset(),
+        lease_expiry_s: float = 0.0,
+    ) -> Callable[[Tx], list[outcome.Outcome[JobOutcome]]]:
+        """The work of :meth:`complete_jobs` (different runs) in one
+        transaction: the segments of ``activate`` activated first (their
+        JobAck came with their result: ``_activate``, as an ack alone would),
+        then each segment's last step results, then the completions."""
         prepared = [(fence, self._step_fields(steps)) for fence, _, steps in items]
 
         def work(tx: Tx) -> list[outcome.Outcome[JobOutcome]]:
+            refused: dict[str, outcome.Outcome[Any]] = {}
+            if activate:
+                fences = [fence for fence, _ in prepared if fence.run_id in activate]
+                for fence, started in zip(fences, self._activate(tx, fences, lease_expiry_s), strict=True):
+                    if isinstance(started, outcome.Error):
+                        refused[fence.run_id] = started
+            todo = [(fence, fields) for fence, fields in prepared if fence.run_id not in refused]
             # Each segment's last step results first (all under their fences).
-            recorded = (
-                self._record_many(tx, prepared)
-                if any(fields for _, fields in prepared)
-                else [outcome.Value(None) for _ in items]
-            )
+            recorded = dict(refused)
+            recorded.update(zip(
+                (fence.run_id for fence, _ in todo),
+                self._record_many(tx, todo)
+                if any(fields for _, fields in todo)
+                else [outcome.Value(None) for _ in todo],
+                strict=True,
+            ))
             live = [
                 (fence, output)
-                for (fence, output, _), steps_done in zip(items, recorded, strict=True)
-                if isinstance(steps_done, outcome.Value)
+                for fence, output, _ in items
+                if isinstance(recorded[fence.run_id], outcome.Value)
             ]
             completed = self._complete_many(tx, live)
             results: list[outcome.Outcome[JobOutcome]] = []
-            for (fence, _, _), steps_done in zip(items, recorded, strict=True):
+            for fence, _, _ in items:
+                steps_done = recorded[fence.run_id]
                 if isinstance(steps_done, outcome.Error):
                     results.append(outcome.Error(steps_done.error))
                     continue
@@ -335,16 +366,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 )
             return results
 
-        outputs = {fence.run_id: output for fence, output, _ in items}
-        return await self._transact_ending(
-            work,
-            lambda results: [r.value.run_id for r in results if isinstance(r, outcome.Value)],
-            results=lambda results: [
-                RunResult(r.value.run_id, "completed", True, outputs[r.value.run_id])
-                for r in results
-                if isinstance(r, outcome.Value)
-            ],
-        )
+        return work
 
     @staticmethod
     def _complete_fenced(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
@@ -766,3 +788,21 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 ),
             ))
         return renewed
+
+
+def completed_ids(results: list[outcome.Outcome[JobOutcome]]) -> list[str]:
+    """The runs a :meth:`FenceOps.complete_jobs` transaction ended."""
+    return [r.value.run_id for r in results if isinstance(r, outcome.Value)]
+
+
+def completed_results(
+    items: Sequence[tuple[Fence, Any, list[StepResult]]],
+) -> Callable[[list[outcome.Outcome[JobOutcome]]], list[RunResult]]:
+    """The results of the runs a completion transaction of ``items`` ended
+    (their outputs are the items'): a result wait is answered from them."""
+    outputs = {fence.run_id: output for fence, output, _ in items}
+    return lambda results: [
+        RunResult(r.value.run_id, "completed", True, outputs[r.value.run_id])
+        for r in results
+        if isinstance(r, outcome.Value)
+    ]

@@ -20,15 +20,18 @@ from one module per concern so each seed mechanism reads on its own:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from ironflow.store.base import IngestResult, Reservations
+import outcome
+
+from ironflow.store.base import Fence, IngestResult, JobOutcome, Reservations, StepResult
 from ironflow.store.capacity_scan import CapacityLoop
 from ironflow.store.core import Tx
 from ironflow.store.cron import CronOps
 from ironflow.store.dispatch import DispatchOps
 from ironflow.store.event_reads import EventReadOps
-from ironflow.store.fence import FenceOps
+from ironflow.store.fence import FenceOps, completed_ids, completed_results
 from ironflow.store.gauges import GaugeOps
 from ironflow.store.history import RetentionOps
 from ironflow.store.ingest import IngestOps
@@ -86,6 +89,39 @@ class SqlStore(
 
         out = await self._transact_ingest(
             work, lambda both: both[0], [*self._ingest_locks(events), *round_.locks]
+        )
+        round_.count_held()
+        return out
+
+    async def complete_jobs_and_reserve(
+        self,
+        items: Sequence[tuple[Fence, Any, list[StepResult]]],
+        *,
+        offers: dict[str, frozenset[str]],
+        limit: int,
+        reservation_expiry_s: float,
+        activate: frozenset[str] = frozenset(),
+        lease_expiry_s: float = 0.0,
+    ) -> tuple[list[outcome.Outcome[JobOutcome]], Reservations]:
+        """:meth:`complete_jobs`, then — in the same transaction, when one of
+        them freed its credit — one reservation round for ``offers``: the
+        freed slot's next segment is reserved by the commit that freed it,
+        not by a dispatcher round after it (one transaction per segment
+        fewer; docs/design.md, "The emit's reservation")."""
+        round_ = self._reservation_round(offers, limit, reservation_expiry_s, read_next_eligible=False)
+        if round_ is None or len({fence.run_id for fence, _, _ in items}) < len(items):
+            return await self.complete_jobs(items, activate=activate, lease_expiry_s=lease_expiry_s), Reservations()
+        complete, reserve = self._completing(items, activate, lease_expiry_s), round_.work
+
+        def work(tx: Tx) -> tuple[list[outcome.Outcome[JobOutcome]], Reservations]:
+            results = complete(tx)
+            if not any(isinstance(r, outcome.Value) for r in results):
+                return results, Reservations()  # no credit freed: nothing new to reserve
+            return results, reserve(tx)
+
+        ended = completed_results(items)
+        out = await self._transact_ending(
+            work, lambda both: completed_ids(both[0]), round_.locks, results=lambda both: ended(both[0])
         )
         round_.count_held()
         return out

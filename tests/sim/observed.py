@@ -43,7 +43,7 @@ import outcome
 import trio
 
 from ironflow.protocol import TERMINAL_RUN_STATUSES, WaitYield
-from ironflow.store import Fence, StaleExecution, StepResult, Store
+from ironflow.store import Fence, Reservations, StaleExecution, StepResult, Store
 from ironflow.store.core import Tx, token_hash
 from ironflow.store.sql import SqlStore
 from tests.sim.limits import FlowWatch
@@ -673,6 +673,38 @@ class ObservedStore:
             [(f, (output,), {"steps": steps}) for f, output, steps in items],
             lambda: self._store.complete_jobs(items),
         )
+
+    async def complete_jobs_and_reserve(
+        self,
+        items: Sequence[tuple[Fence, Any, list[StepResult]]],
+        *,
+        offers: dict[str, frozenset[str]],
+        limit: int,
+        reservation_expiry_s: float,
+        activate: frozenset[str] = frozenset(),
+        lease_expiry_s: float = 0.0,
+    ) -> Any:
+        """A session's completion group that also activates the acks that came
+        with it and reserves for the credits it freed: judged as its parts,
+        one transaction each — the acks (``activate_leases``), the job results
+        (``complete_jobs``), then a ``reserve_segments`` round — so every
+        fenced write and every reservation is seen by the oracle. (The parts
+        in one transaction are the store's, tested in
+        ``tests/store/test_complete_and_reserve.py`` on both backends.)"""
+        refused: dict[str, outcome.Outcome[Any]] = {}
+        acks = [fence for fence, _, _ in items if fence.run_id in activate]
+        if acks:
+            started = await self.activate_leases(acks, lease_expiry_s=lease_expiry_s)
+            refused = {f.run_id: r for f, r in zip(acks, started, strict=True) if isinstance(r, outcome.Error)}
+        rest = [item for item in items if item[0].run_id not in refused]
+        done = dict(zip((f.run_id for f, _, _ in rest), await self.complete_jobs(rest) if rest else [], strict=True))
+        results = [refused.get(f.run_id) or done[f.run_id] for f, _, _ in items]
+        made = Reservations()
+        if any(isinstance(r, outcome.Value) for r in results):
+            made = await self.reserve_segments(
+                f"node-{self._node_no}", offers, limit, reservation_expiry_s=reservation_expiry_s
+            )
+        return results, made
 
     async def record_step(self, fence: Fence, **kwargs: Any) -> Any:
         return await self._fenced("record_step", fence, **kwargs)

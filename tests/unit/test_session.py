@@ -315,3 +315,125 @@ async def test_acks_of_many_runs_read_together_are_activated_as_one_group_and_a_
             await sock.until_status(a.run_id, "running")
     assert (await store.get_run(stale.run_id)).run.status == before != "running"
     assert sum(counted.groups) == 30 and len(counted.groups) <= 2, counted.groups
+
+
+def _drained(channel: trio.MemoryReceiveChannel[Any]) -> list[Any]:
+    out = []
+    while True:
+        try:
+            out.append(channel.receive_nowait())
+        except trio.WouldBlock:
+            return out
+
+
+@pytest.mark.parametrize("delayed_start", [True, False])
+async def test_a_job_result_hands_the_freed_credit_its_next_segment_without_a_dispatcher_round(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, delayed_start: bool
+) -> None:
+    """The completion's own transaction reserves the queued run for the credit
+    it freed (Store.complete_jobs_and_reserve) and the session hands it out:
+    no kick. A worker that cannot hold a job itself (no ``delayed_start``) is
+    not offered work there: the dispatcher is kicked, as before."""
+    sock = Socket(store)
+    reg = Register(worker_id="w1", functions=[FN], max_concurrent_jobs=1, delayed_start=delayed_start)
+    await sock.send.send(reg)
+    session_id = await nursery.start(sock.serve)
+    await sock.answer()  # Registered
+    a = await sock.assign(session_id)
+    await sock.until_status(a.run_id, "running")
+    queued = await store.ingest_event("go", {"next": 1}, None, idempotency_window_s=60)
+    _drained(sock.kicks)  # the session's opening kick
+    await sock.send.send(JobCompleted(a.job_id, a.run_id, a.execution_seq, a.lease_token, "done"))
+    await sock.until_status(a.run_id, "completed")
+    if delayed_start:
+        nxt = await sock.answer()
+        assert isinstance(nxt, JobAssignment) and nxt.run_id == queued.run_ids[0]
+        assert _drained(sock.kicks) == []
+    else:
+        await trio.sleep(1)
+        assert _drained(sock.received) == []
+        assert [k.why for k in _drained(sock.kicks)] == ["job completed"]
+        assert (await store.get_run(queued.run_ids[0])).run.status == "waiting_for_capacity"
+
+
+class _CountedCalls(_CountedAcks):
+    """:class:`_CountedAcks` that also counts the completion groups and which
+    of their items came with their JobAck."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.activated_with_result: list[str] = []
+
+    async def complete_jobs_and_reserve(self, items: Any, **kwargs: Any) -> Any:
+        self.activated_with_result += sorted(kwargs.get("activate", ()))
+        return await self._store.complete_jobs_and_reserve(items, **kwargs)
+
+    async def complete_jobs(self, items: Any, **kwargs: Any) -> Any:
+        self.activated_with_result += sorted(kwargs.get("activate", ()))
+        return await self._store.complete_jobs(items, **kwargs)
+
+
+async def _reserved(store: Store, session_id: str) -> JobAssignment:
+    await store.ingest_event("go", {}, None, idempotency_window_s=60)
+    (res,) = await store.reserve_segments("n1", {session_id: frozenset({"fn"})}, 1, reservation_expiry_s=30)
+    return res.assignment
+
+
+async def test_an_ack_followed_at_once_by_its_segment_is_applied_with_it_in_one_completion(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A short handler's JobAck, step results and job result: one grouped
+    completion that activates the lease first — no activation of its own."""
+    counted = _CountedCalls(store)
+    sock = Socket(counted)  # type: ignore[arg-type]
+    await sock.send.send(register())
+    session_id = await nursery.start(sock.serve)
+    await sock.answer()  # Registered
+    a = await _reserved(store, session_id)
+    fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
+    await sock.send.send(JobAck(*fence))
+    await trio.sleep(session.ACK_HOLD_S / 2)  # a later read of the socket, inside the hold
+    await sock.send.send(StepCompleted(*fence, "s1", "s1", 1))
+    await sock.send.send(JobCompleted(*fence, "done"))
+    await sock.until_status(a.run_id, "completed")
+    assert counted.groups == [] and counted.activated_with_result == [a.run_id]
+    detail = await store.get_run(a.run_id)
+    assert [s.output for s in detail.steps] == [1] and detail.run.output == "done"
+
+
+async def test_an_ack_whose_segment_goes_on_is_applied_alone_after_the_hold(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    counted = _CountedCalls(store)
+    sock = Socket(counted)  # type: ignore[arg-type]
+    await sock.send.send(register())
+    session_id = await nursery.start(sock.serve)
+    await sock.answer()  # Registered
+    a = await _reserved(store, session_id)
+    await sock.send.send(JobAck(a.job_id, a.run_id, a.execution_seq, a.lease_token))
+    await trio.sleep(session.ACK_HOLD_S * 0.8)
+    assert (await store.get_run(a.run_id)).run.status != "running"  # held
+    await trio.sleep(session.ACK_HOLD_S)
+    assert (await store.get_run(a.run_id)).run.status == "running"
+    assert counted.groups == [1] and counted.activated_with_result == []
+
+
+async def test_a_held_ack_is_applied_at_once_when_the_socket_closes(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """Frames read before a socket drops are applied before its leases are
+    recovered: the held ack is applied (not dropped, not waited out)."""
+    counted = _CountedCalls(store)
+    sock = Socket(counted)  # type: ignore[arg-type]
+    await sock.send.send(register())
+    session_id = await nursery.start(sock.serve)
+    await sock.answer()  # Registered
+    a = await _reserved(store, session_id)
+    await sock.send.send(JobAck(a.job_id, a.run_id, a.execution_seq, a.lease_token))
+    await trio.sleep(0)
+    await sock.send.aclose()
+    with trio.fail_after(session.ACK_HOLD_S / 2):
+        while await store.list_sessions():
+            await trio.sleep(0.0001)
+    assert counted.groups == [1]  # activated, then recovered with the session
+    assert (await store.get_run(a.run_id)).run.recovery_count == 1
