@@ -665,7 +665,15 @@ class ObservedStore:
             "record_steps", [(f, (steps,), {}) for f, steps in items], lambda: self._store.record_steps_many(items)
         )
 
-    async def complete_jobs(self, items: Sequence[tuple[Fence, Any, list[StepResult]]]) -> Any:
+    async def complete_jobs(
+        self,
+        items: Sequence[tuple[Fence, Any, list[StepResult]]],
+        *,
+        activate: frozenset[str] = frozenset(),
+        lease_expiry_s: float = 0.0,
+    ) -> Any:
+        if activate:
+            return await self._activated_then_completed(items, activate, lease_expiry_s)
         if not self._oracle.concurrent:
             return await Store.complete_jobs(self, items)  # type: ignore[arg-type]
         return await self._fenced_many(
@@ -691,20 +699,29 @@ class ObservedStore:
         fenced write and every reservation is seen by the oracle. (The parts
         in one transaction are the store's, tested in
         ``tests/store/test_complete_and_reserve.py`` on both backends.)"""
-        refused: dict[str, outcome.Outcome[Any]] = {}
-        acks = [fence for fence, _, _ in items if fence.run_id in activate]
-        if acks:
-            started = await self.activate_leases(acks, lease_expiry_s=lease_expiry_s)
-            refused = {f.run_id: r for f, r in zip(acks, started, strict=True) if isinstance(r, outcome.Error)}
-        rest = [item for item in items if item[0].run_id not in refused]
-        done = dict(zip((f.run_id for f, _, _ in rest), await self.complete_jobs(rest) if rest else [], strict=True))
-        results = [refused.get(f.run_id) or done[f.run_id] for f, _, _ in items]
+        results = await self.complete_jobs(items, activate=activate, lease_expiry_s=lease_expiry_s)
         made = Reservations()
         if any(isinstance(r, outcome.Value) for r in results):
             made = await self.reserve_segments(
                 f"node-{self._node_no}", offers, limit, reservation_expiry_s=reservation_expiry_s
             )
         return results, made
+
+    async def _activated_then_completed(
+        self,
+        items: Sequence[tuple[Fence, Any, list[StepResult]]],
+        activate: frozenset[str],
+        lease_expiry_s: float,
+    ) -> list[outcome.Outcome[Any]]:
+        """``complete_jobs(activate=…)`` judged as its parts: the acks that came
+        with their results (``activate_leases``), then the job results of
+        those not refused (``complete_jobs``)."""
+        acks = [fence for fence, _, _ in items if fence.run_id in activate]
+        started = await self.activate_leases(acks, lease_expiry_s=lease_expiry_s)
+        refused = {f.run_id: r for f, r in zip(acks, started, strict=True) if isinstance(r, outcome.Error)}
+        rest = [item for item in items if item[0].run_id not in refused]
+        done = dict(zip((f.run_id for f, _, _ in rest), await self.complete_jobs(rest) if rest else [], strict=True))
+        return [refused.get(f.run_id) or done[f.run_id] for f, _, _ in items]
 
     async def record_step(self, fence: Fence, **kwargs: Any) -> Any:
         return await self._fenced("record_step", fence, **kwargs)
