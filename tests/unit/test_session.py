@@ -32,6 +32,7 @@ from ironflow.protocol import (
     WorkerMessage,
 )
 from ironflow.store import Store
+from tests.unit.test_emit_hands_out import drained
 
 FN = FunctionDef(id="fn", triggers=[Trigger("go")])
 CFG = NodeConfig(timings=Timings(), limits=Limits(max_slots_per_session=8))
@@ -61,6 +62,13 @@ class Socket:
             self.store, self.cfg, "n1", self.directory, self.kick_send, self.inbound, self.outbox,
             task_status=task_status,
         )
+
+    async def open(self, nursery: trio.Nursery, reg: Register | None = None) -> str:
+        """Register (``reg``, or :func:`register`'s) and read Registered: the session id."""
+        await self.send.send(reg or register())
+        session_id: str = await nursery.start(self.serve)
+        await self.answer()  # Registered
+        return session_id
 
     async def answer(self) -> EngineMessage:
         with trio.fail_after(10):
@@ -317,15 +325,6 @@ async def test_acks_of_many_runs_read_together_are_activated_as_one_group_and_a_
     assert sum(counted.groups) == 30 and len(counted.groups) <= 2, counted.groups
 
 
-def _drained(channel: trio.MemoryReceiveChannel[Any]) -> list[Any]:
-    out = []
-    while True:
-        try:
-            out.append(channel.receive_nowait())
-        except trio.WouldBlock:
-            return out
-
-
 @pytest.mark.parametrize("delayed_start", [True, False])
 async def test_a_job_result_hands_the_freed_credit_its_next_segment_without_a_dispatcher_round(
     store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, delayed_start: bool
@@ -336,23 +335,21 @@ async def test_a_job_result_hands_the_freed_credit_its_next_segment_without_a_di
     not offered work there: the dispatcher is kicked, as before."""
     sock = Socket(store)
     reg = Register(worker_id="w1", functions=[FN], max_concurrent_jobs=1, delayed_start=delayed_start)
-    await sock.send.send(reg)
-    session_id = await nursery.start(sock.serve)
-    await sock.answer()  # Registered
+    session_id = await sock.open(nursery, reg)
     a = await sock.assign(session_id)
     await sock.until_status(a.run_id, "running")
     queued = await store.ingest_event("go", {"next": 1}, None, idempotency_window_s=60)
-    _drained(sock.kicks)  # the session's opening kick
+    drained(sock.kicks)  # the session's opening kick
     await sock.send.send(JobCompleted(a.job_id, a.run_id, a.execution_seq, a.lease_token, "done"))
     await sock.until_status(a.run_id, "completed")
     if delayed_start:
         nxt = await sock.answer()
         assert isinstance(nxt, JobAssignment) and nxt.run_id == queued.run_ids[0]
-        assert _drained(sock.kicks) == []
+        assert drained(sock.kicks) == []
     else:
         await trio.sleep(1)
-        assert _drained(sock.received) == []
-        assert [k.why for k in _drained(sock.kicks)] == ["job completed"]
+        assert drained(sock.received) == []
+        assert [k.why for k in drained(sock.kicks)] == ["job completed"]
         assert (await store.get_run(queued.run_ids[0])).run.status == "waiting_for_capacity"
 
 
@@ -386,9 +383,7 @@ async def test_an_ack_followed_at_once_by_its_segment_is_applied_with_it_in_one_
     completion that activates the lease first — no activation of its own."""
     counted = _CountedCalls(store)
     sock = Socket(counted)  # type: ignore[arg-type]
-    await sock.send.send(register())
-    session_id = await nursery.start(sock.serve)
-    await sock.answer()  # Registered
+    session_id = await sock.open(nursery)
     a = await _reserved(store, session_id)
     fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
     await sock.send.send(JobAck(*fence))
@@ -406,9 +401,7 @@ async def test_an_ack_whose_segment_goes_on_is_applied_alone_after_the_hold(
 ) -> None:
     counted = _CountedCalls(store)
     sock = Socket(counted)  # type: ignore[arg-type]
-    await sock.send.send(register())
-    session_id = await nursery.start(sock.serve)
-    await sock.answer()  # Registered
+    session_id = await sock.open(nursery)
     a = await _reserved(store, session_id)
     await sock.send.send(JobAck(a.job_id, a.run_id, a.execution_seq, a.lease_token))
     await trio.sleep(session.ACK_HOLD_S * 0.8)
@@ -425,9 +418,7 @@ async def test_a_held_ack_is_applied_at_once_when_the_socket_closes(
     recovered: the held ack is applied (not dropped, not waited out)."""
     counted = _CountedCalls(store)
     sock = Socket(counted)  # type: ignore[arg-type]
-    await sock.send.send(register())
-    session_id = await nursery.start(sock.serve)
-    await sock.answer()  # Registered
+    session_id = await sock.open(nursery)
     a = await _reserved(store, session_id)
     await sock.send.send(JobAck(a.job_id, a.run_id, a.execution_seq, a.lease_token))
     await trio.sleep(0)
