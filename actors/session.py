@@ -409,9 +409,11 @@ class _Lanes:
         queue = self._queues.get(key)
         if queue is not None:
             queue.append(msg)  # its lane is running and takes it in turn
-            woken = self._woken.pop(key, None)
-            if woken is not None:
-                woken.set()
+            if isinstance(msg, _SEGMENT_ENDS) or len(queue) >= CHAIN_MAX:
+                # A lane holding its ack waits for this, not for every frame.
+                woken = self._woken.pop(key, None)
+                if woken is not None:
+                    woken.set()
             return
         self._queues[key] = deque([msg])
         self._nursery.start_soon(self._lane, key)
@@ -446,14 +448,10 @@ class _Lanes:
     async def _hold_ack(self, key: str, queue: deque[WorkerMessage]) -> None:
         """Wait (at most :data:`ACK_HOLD_S`) until the held ack's run sent what
         ends its segment, or the socket closed."""
-        with trio.move_on_after(ACK_HOLD_S):
-            while (
-                not self._flushing
-                and len(queue) < CHAIN_MAX
-                and not isinstance(queue[-1], _SEGMENT_ENDS)
-            ):
+        if len(queue) < CHAIN_MAX and not isinstance(queue[-1], _SEGMENT_ENDS):
+            with trio.move_on_after(ACK_HOLD_S):
                 woken = self._woken[key] = trio.Event()
-                await woken.wait()
+                await woken.wait()  # set by put() or flush()
         self._woken.pop(key, None)
 
     def flush(self) -> None:
