@@ -17,7 +17,7 @@ import trio
 from actors.directory import LocalSession, SessionDirectory
 from ironflow import logs, metrics, tracing
 from ironflow.protocol import TERMINAL_RUN_STATUSES, JobAssignment
-from ironflow.store import Reservation, RunNotFound, Store
+from ironflow.store import Reservation, RunNotFound, Store, StoreError
 
 log = logging.getLogger("ironflow.dispatcher")
 
@@ -74,6 +74,29 @@ async def hand_out(
             execution_seq=assignment.execution_seq,
             session_id=reservation.session_id,
             start_delay_ms=assignment.start_delay_ms or None,
+        )
+
+
+async def hand_out_or_expire(
+    store: Store,
+    directory: SessionDirectory,
+    reservations: list[Reservation],
+    reserving_ns: int,
+    made_by: str,
+) -> None:
+    """:func:`hand_out` for reservations made inside another call's
+    transaction (``made_by``: an emit's, a completion's), with no task to
+    hold a job until its start. One that can be neither handed out nor given
+    back (the store failed meanwhile) waits for its reservation's expiry: the
+    call it rode on committed and must not fail for it."""
+    if not reservations:
+        return
+    try:
+        await hand_out(store, directory, reservations, reserving_ns, None)
+    except StoreError as exc:
+        logs.event(
+            log, logging.WARNING, f"dispatch: {made_by}'s reservation not handed out, it expires",
+            error=type(exc).__name__, reservations=len(reservations),
         )
 
 

@@ -27,7 +27,7 @@ import trio
 
 from actors.directory import LocalSession, SessionDirectory
 from actors.grouped import Grouped
-from actors.handout import BATCH, hand_out
+from actors.handout import BATCH, hand_out_or_expire
 from actors.messages import Kick, kick
 from ironflow import logs, metrics, tracing
 from ironflow.config import Limits, NodeConfig
@@ -56,13 +56,13 @@ from ironflow.store import (
     Fence,
     JobOutcome,
     LimitExceeded,
+    Reservation,
     RunRecord,
     SessionInfo,
     SessionNotFound,
     StaleExecution,
     StepResult,
     Store,
-    StoreError,
     StoreUnavailable,
 )
 
@@ -181,7 +181,8 @@ async def handle(
         await handle_steps(store.record_steps, session_id, [msg])
         return None
     if isinstance(msg, JobCompleted):
-        completed(await store.complete_job(_fence(session_id, msg), msg.output), kicks)
+        completed(await store.complete_job(_fence(session_id, msg), msg.output))
+        kick(kicks, "job completed")  # a credit is free
         return None
     if isinstance(msg, JobFailed):
         outcome = await store.fail_job(_fence(session_id, msg), msg.error)
@@ -228,12 +229,9 @@ async def handle(
     raise ProtocolViolation(f"unexpected message {type(msg).__name__} after Register")
 
 
-def completed(outcome_: JobOutcome, kicks: trio.MemorySendChannel[Kick] | None) -> None:
-    """A JobCompleted applied: count the run's end, kick the dispatcher (a
-    credit is free) unless ``kicks`` is None (its group decided)."""
+def completed(outcome_: JobOutcome) -> None:
+    """A JobCompleted applied: count the run's end."""
     metrics.run_ended("completed", outcome_.function_id, outcome_.duration_s)
-    if kicks is not None:
-        kick(kicks, "job completed")
 
 
 async def handle_steps(
@@ -323,15 +321,8 @@ def _run_key(msg: WorkerMessage) -> str:
 IN_FLIGHT_MAX = 512
 # Most messages of one run applied as one chain (one group commit, in order).
 CHAIN_MAX = 64
-# How long a JobAck that arrived alone waits for the rest of its segment (the
-# step results and the job's result a short handler sends right after it)
-# before it is applied alone. One that finds them is applied with them: the
-# lease activated in the completion's own transaction, one commit for the
-# segment instead of two (actors/session.py ``_Lanes._hold_ack``). Nothing
-# waits for an ack's commit (the worker started its handler when the ack went
-# on the wire; the reservation holds the segment meanwhile).
-ACK_HOLD_S = 0.005
-# What ends a segment: a held ack waits for no more than one of these.
+# What ends a segment: a held ack (``Timings.ack_hold_s``) waits for no more
+# than one of these.
 _SEGMENT_ENDS = (JobCompleted, JobFailed, JobYielded, JobNack)
 
 
@@ -360,12 +351,11 @@ class _Lanes:
         session_id: str,
         outbox: trio.MemorySendChannel[EngineMessage],
         kicks: trio.MemorySendChannel[Kick],
+        directory: SessionDirectory,
         traceparents: dict[str, str] | None = None,
-        directory: SessionDirectory | None = None,
     ) -> None:
         self._nursery = nursery
-        # Where a completion group hands out the segments its transaction
-        # reserved for the credits it freed (None: it only kicks the dispatcher).
+        # Where a completion group hands out what its transaction reserved.
         self._directory = directory
         # Traced runs assigned to this session (LocalSession.traceparents).
         self._traceparents = traceparents if traceparents is not None else {}
@@ -378,6 +368,7 @@ class _Lanes:
         # Lanes holding a lone JobAck, woken when their run's next message comes.
         self._woken: dict[str, trio.Event] = {}
         self._flushing = False  # the socket closed: nothing is held any more
+        self._ack_hold_s = config.timings.ack_hold_s
         lease_expiry_s = config.timings.lease_expiry_s
         # A lane whose only message is of one of these kinds applies it with
         # other runs' (see actors/grouped.py).
@@ -422,7 +413,7 @@ class _Lanes:
         queue = self._queues[key]
         try:
             while queue:
-                if len(queue) == 1 and isinstance(queue[0], JobAck) and not self._flushing:
+                if self._ack_hold_s and len(queue) == 1 and isinstance(queue[0], JobAck) and not self._flushing:
                     await self._hold_ack(key, queue)
                 msgs = [queue.popleft() for _ in range(min(len(queue), CHAIN_MAX))]
                 try:
@@ -446,10 +437,10 @@ class _Lanes:
             del self._queues[key]
 
     async def _hold_ack(self, key: str, queue: deque[WorkerMessage]) -> None:
-        """Wait (at most :data:`ACK_HOLD_S`) until the held ack's run sent what
-        ends its segment, or the socket closed."""
+        """Wait (at most ``Timings.ack_hold_s``) until the held ack's run sent
+        what ends its segment, or the socket closed."""
         if len(queue) < CHAIN_MAX and not isinstance(queue[-1], _SEGMENT_ENDS):
-            with trio.move_on_after(ACK_HOLD_S):
+            with trio.move_on_after(self._ack_hold_s):
                 woken = self._woken[key] = trio.Event()
                 await woken.wait()  # set by put() or flush()
         self._woken.pop(key, None)
@@ -491,40 +482,29 @@ class _Lanes:
     async def _complete(
         self, group: list[tuple[Fence, Any, list[StepResult], bool]]
     ) -> list[outcome.Outcome[JobOutcome]]:
-        """A group of job results applied. While a local worker can take work,
-        the credits they free are offered again in the same transaction
-        (:meth:`Store.complete_jobs_and_reserve`) and what it reserved is
-        handed out before the results are acknowledged; the dispatcher is
-        kicked only when the round may have left work it could not offer (a
-        full batch, or a session the round could not offer to)."""
+        """A group of job results applied. The credits they free are offered
+        again in the same transaction to the local workers that hold jobs
+        themselves (:meth:`Store.complete_jobs_and_reserve`; none: no round)
+        and what it reserved is handed out before the results are
+        acknowledged. The dispatcher is kicked only when that round may have
+        left work: it filled a whole batch, or some connected session was not
+        offered work in it."""
+        t = self._config.timings
         items = [(fence, output, steps) for fence, output, steps, _ in group]
         activate = frozenset(fence.run_id for fence, _, _, acked in group if acked)
-        lease_expiry_s = self._config.timings.lease_expiry_s
-        offers = self._directory.holding_offers() if self._directory is not None else {}
-        if not offers:
-            results = await self._store.complete_jobs(
-                items, activate=activate, lease_expiry_s=lease_expiry_s
+        offers = self._directory.holding_offers()
+        reservations: list[Reservation] = []
+        if offers:
+            reserving_ns = time.time_ns()
+            results, reservations = await self._store.complete_jobs_and_reserve(
+                items, offers=offers, limit=BATCH, reservation_expiry_s=t.reservation_expiry_s,
+                activate=activate, lease_expiry_s=t.lease_expiry_s,
             )
-            kick(self._kicks, "job completed")
-            return results
-        reserving_ns = time.time_ns()
-        results, reservations = await self._store.complete_jobs_and_reserve(
-            items,
-            offers=offers,
-            limit=BATCH,
-            reservation_expiry_s=self._config.timings.reservation_expiry_s,
-            activate=activate,
-            lease_expiry_s=lease_expiry_s,
-        )
-        assert self._directory is not None
-        if reservations:
-            try:
-                await hand_out(self._store, self._directory, reservations, reserving_ns, None)
-            except StoreError as exc:
-                logs.event(
-                    log, logging.WARNING, "dispatch: completion's reservation not handed out, it expires",
-                    error=type(exc).__name__, reservations=len(reservations),
-                )
+            await hand_out_or_expire(self._store, self._directory, reservations, reserving_ns, "completion")
+        else:
+            results = await self._store.complete_jobs(
+                items, activate=activate, lease_expiry_s=t.lease_expiry_s
+            )
         if len(reservations) >= BATCH or len(offers) < len(self._directory.offers()):
             kick(self._kicks, "job completed")
         return results
@@ -569,7 +549,7 @@ class _Lanes:
                 ))
                 if steps:
                     steps_recorded(steps, received)
-                completed(done, None)  # the group kicked the dispatcher if need be
+                completed(done)  # its group kicked the dispatcher if need be
             elif grouped and isinstance(first, StepCompleted | StepFailed):
                 steps = [m for m in unit if isinstance(m, StepCompleted | StepFailed)]
                 await handle_steps(self._record_steps, self._session_id, steps)
@@ -674,7 +654,7 @@ async def run(
         violation: ProtocolViolation | None = None
         async with trio.open_nursery() as nursery:
             lanes = _Lanes(
-                nursery, store, config, session_id, outbox, kicks, local.traceparents, directory
+                nursery, store, config, session_id, outbox, kicks, directory, local.traceparents
             )
             while True:
                 try:

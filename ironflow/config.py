@@ -95,10 +95,18 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True):
     # merely late: its schedule's catch-up policy decides whether it fires.
     # Under a 2 s schedule's period, so a return from an outage fires one tick.
     cron_missed_after_s: float = 1.5
+    # ── the streaming session (actors/session.py) ──
+    # A JobAck that arrives alone waits this long for the rest of its segment
+    # (the step results and job result a short handler sends right after it):
+    # found, the lease is activated in the completion's own transaction, one
+    # commit for the segment instead of two. Nothing waits for an ack's commit
+    # (the SDK starts the handler once the ack is on the wire; the reservation
+    # holds the segment meanwhile). 0: every ack is applied as it comes.
+    ack_hold_s: float = 0.005
 
 
 # Timings where 0 means "off" rather than "unsafe".
-ZERO_MEANS_OFF = frozenset({"history_retention_s", "waker_lookahead_s"})
+ZERO_MEANS_OFF = frozenset({"history_retention_s", "waker_lookahead_s", "ack_hold_s"})
 
 # `--dev` shortens loop 1 as well as loop 2 (deliberately beyond the seed).
 DEV_TIMINGS: dict[str, float] = {

@@ -14,9 +14,8 @@ from quart import current_app
 
 from actors.directory import SessionDirectory
 from actors.grouped import Grouped
-from actors.handout import BATCH, hand_out
+from actors.handout import BATCH, hand_out_or_expire
 from actors.messages import Kick, kick
-from ironflow import logs
 from ironflow.config import NodeConfig
 from ironflow.protocol import RunResult
 from ironflow.store import (
@@ -25,7 +24,6 @@ from ironflow.store import (
     Reservation,
     SessionInfo,
     Store,
-    StoreError,
     StoreUnavailable,
 )
 
@@ -173,24 +171,11 @@ class ApiState:
             # One event's failure must not fail the others': each alone.
             return [await outcome.acapture(self._ingest_alone, name, data, tp) for name, data, tp in events]
         # Committed: from here nothing may fail the emits.
-        if reservations:
-            await self._hand_out(reservations, reserving_ns)
+        await hand_out_or_expire(self.store, self.deps.directory, reservations, reserving_ns, "emit")
         reserved = {r.assignment.run_id for r in reservations}
         if any(rid not in reserved for r in results for rid in (*r.run_ids, *r.resumed_run_ids)):
             kick(self.deps.kicks, "event ingested")
         return [outcome.Value(result) for result in results]
-
-    async def _hand_out(self, reservations: list[Reservation], reserving_ns: int) -> None:
-        """The emits' reservations to their workers, as the dispatcher hands
-        out its own; one that cannot be handed out nor given back (the store
-        failed meanwhile) waits for its reservation's expiry."""
-        try:
-            await hand_out(self.store, self.deps.directory, reservations, reserving_ns, None)
-        except StoreError as exc:
-            logs.event(
-                log, logging.WARNING, "dispatch: emit's reservation not handed out, it expires",
-                error=type(exc).__name__, reservations=len(reservations),
-            )
 
     async def _ingest_alone(self, name: str, data: Any, traceparent: str | None) -> IngestResult:
         window = self.config.idempotency_window_s

@@ -307,7 +307,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         activate: frozenset[str] = frozenset(),
         lease_expiry_s: float = 0.0,
     ) -> list[outcome.Outcome[JobOutcome]]:
-        if len({fence.run_id for fence, _, _ in items}) < len(items):
+        if not distinct_runs(items):
             return await super().complete_jobs(items, activate=activate, lease_expiry_s=lease_expiry_s)
         # Even one item takes the path below: its steps and its completion in
         # one transaction (the interface's form would commit each).
@@ -788,6 +788,12 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 ),
             ))
         return renewed
+
+
+def distinct_runs(items: Sequence[tuple[Fence, Any, list[StepResult]]]) -> bool:
+    """Whether ``items`` are of different runs (a completion group's one
+    transaction needs it; a repeated result goes one by one)."""
+    return len({fence.run_id for fence, _, _ in items}) == len(items)
 
 
 def completed_ids(results: list[outcome.Outcome[JobOutcome]]) -> list[str]:

@@ -31,7 +31,7 @@ from ironflow.store.core import Tx
 from ironflow.store.cron import CronOps
 from ironflow.store.dispatch import DispatchOps
 from ironflow.store.event_reads import EventReadOps
-from ironflow.store.fence import FenceOps, completed_ids, completed_results
+from ironflow.store.fence import FenceOps, completed_ids, completed_results, distinct_runs
 from ironflow.store.gauges import GaugeOps
 from ironflow.store.history import RetentionOps
 from ironflow.store.ingest import IngestOps
@@ -109,7 +109,7 @@ class SqlStore(
         not by a dispatcher round after it (one transaction per segment
         fewer; docs/design.md, "The emit's reservation")."""
         round_ = self._reservation_round(offers, limit, reservation_expiry_s, read_next_eligible=False)
-        if round_ is None or len({fence.run_id for fence, _, _ in items}) < len(items):
+        if round_ is None or not distinct_runs(items):
             return await self.complete_jobs(items, activate=activate, lease_expiry_s=lease_expiry_s), Reservations()
         complete, reserve = self._completing(items, activate, lease_expiry_s), round_.work
 

@@ -5,10 +5,7 @@ a run of it. Forced with a second connection holding the lock, never a sleep."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import psycopg
-import pytest
 import trio
 
 from ironflow.protocol import Concurrency
@@ -19,16 +16,6 @@ from tests.store.test_pg_races import lock_waiters, wait_until
 from tests.store.test_store_behaviour import emit, fn, reserve, worker
 
 
-@pytest.fixture
-async def store(pg_url: str) -> AsyncIterator[PostgresStore]:
-    s = PostgresStore(pg_url)
-    await s.open()
-    try:
-        yield s
-    finally:
-        await s.close()
-
-
 def hold(pg_url: str, name: str) -> psycopg.Connection:
     """A second connection inside a transaction holding named lock ``name``."""
     conn = psycopg.connect(pg_url)
@@ -37,8 +24,9 @@ def hold(pg_url: str, name: str) -> psycopg.Connection:
 
 
 async def test_an_unlimited_function_never_dispatched_is_not_locked_after_one_round(
-    store: PostgresStore, pg_url: str
+    postgres_store: PostgresStore, pg_url: str
 ) -> None:
+    store = postgres_store
     # "idle" is offered by the worker but no event ever starts it: the round
     # never reads a candidate of it. It used to stay "unknown, so locked" for
     # the node's life: every round and every emit's reservation took its lock
@@ -78,8 +66,9 @@ async def round_beside(store: PostgresStore, session, pg_url: str, name: str) ->
 
 
 async def test_a_limited_function_is_counted_under_its_lock_even_unseen(
-    store: PostgresStore, pg_url: str
+    postgres_store: PostgresStore, pg_url: str
 ) -> None:
+    store = postgres_store
     session = await worker(
         store, fn("busy"), fn("limited", "never.emitted", concurrency=Concurrency(1)), slots=4
     )

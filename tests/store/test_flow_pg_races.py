@@ -6,7 +6,7 @@ second store's ingest runs into the row lock it holds — never a sleep."""
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
@@ -29,18 +29,6 @@ from tests.store.test_store_behaviour import reserve, worker
 
 EVENT = "race.flow"
 
-
-@pytest.fixture
-async def stores(pg_url: str) -> AsyncIterator[tuple[HookedStore, PostgresStore]]:
-    """Two stores on one database: two nodes' connection pools."""
-    a, b = HookedStore(pg_url), PostgresStore(pg_url)
-    await a.open()
-    await b.open()
-    try:
-        yield a, b
-    finally:
-        await a.close()
-        await b.close()
 
 
 async def register(store: PostgresStore, fd: FunctionDef) -> None:

@@ -5,33 +5,17 @@ sends other nodes only for what its round left behind."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 import psycopg
-import pytest
 
 from ironflow.protocol import Concurrency, FunctionDef, Trigger
 from ironflow.store.postgres import KICK_CHANNEL, PostgresStore
 from tests.store.test_flow_pg_races import race_calls
-from tests.store.test_pg_races import HookedStore
 from tests.store.test_store_behaviour import RESERVATION, reserve, worker
 
 EVENT = "emit.reserve"
 LIMITED = FunctionDef(id="one-at-a-time", triggers=[Trigger(EVENT)], concurrency=Concurrency(limit=1))
 PLAIN = FunctionDef(id="plain", triggers=[Trigger(EVENT)])
 
-
-@pytest.fixture
-async def stores(pg_url: str) -> AsyncIterator[tuple[HookedStore, PostgresStore]]:
-    """Two stores on one database: two nodes."""
-    a, b = HookedStore(pg_url), PostgresStore(pg_url)
-    await a.open()
-    await b.open()
-    try:
-        yield a, b
-    finally:
-        await a.close()
-        await b.close()
 
 
 async def emit_reserving(store: PostgresStore, session, data: object = None):

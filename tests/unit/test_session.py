@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from actors import session
-from actors.directory import SessionDirectory
+from actors.directory import LocalSession, SessionDirectory
 from actors.messages import Kick
 from ironflow.config import Limits, NodeConfig, Timings
 from ironflow.protocol import (
@@ -36,6 +36,8 @@ from tests.unit.test_emit_hands_out import drained
 
 FN = FunctionDef(id="fn", triggers=[Trigger("go")])
 CFG = NodeConfig(timings=Timings(), limits=Limits(max_slots_per_session=8))
+# How long a lone JobAck waits for its segment (Timings.ack_hold_s).
+HOLD_S = CFG.timings.ack_hold_s
 
 
 # The test itself must take ``autojump_clock`` too: pytest-trio only runs a
@@ -387,7 +389,7 @@ async def test_an_ack_followed_at_once_by_its_segment_is_applied_with_it_in_one_
     a = await _reserved(store, session_id)
     fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
     await sock.send.send(JobAck(*fence))
-    await trio.sleep(session.ACK_HOLD_S / 2)  # a later read of the socket, inside the hold
+    await trio.sleep(HOLD_S / 2)  # a later read of the socket, inside the hold
     await sock.send.send(StepCompleted(*fence, "s1", "s1", 1))
     await sock.send.send(JobCompleted(*fence, "done"))
     await sock.until_status(a.run_id, "completed")
@@ -404,9 +406,9 @@ async def test_an_ack_whose_segment_goes_on_is_applied_alone_after_the_hold(
     session_id = await sock.open(nursery)
     a = await _reserved(store, session_id)
     await sock.send.send(JobAck(a.job_id, a.run_id, a.execution_seq, a.lease_token))
-    await trio.sleep(session.ACK_HOLD_S * 0.8)
+    await trio.sleep(HOLD_S * 0.8)
     assert (await store.get_run(a.run_id)).run.status != "running"  # held
-    await trio.sleep(session.ACK_HOLD_S)
+    await trio.sleep(HOLD_S)
     assert (await store.get_run(a.run_id)).run.status == "running"
     assert counted.groups == [1] and counted.activated_with_result == []
 
@@ -423,8 +425,43 @@ async def test_a_held_ack_is_applied_at_once_when_the_socket_closes(
     await sock.send.send(JobAck(a.job_id, a.run_id, a.execution_seq, a.lease_token))
     await trio.sleep(0)
     await sock.send.aclose()
-    with trio.fail_after(session.ACK_HOLD_S / 2):
+    with trio.fail_after(HOLD_S / 2):
         while await store.list_sessions():
             await trio.sleep(0.0001)
     assert counted.groups == [1]  # activated, then recovered with the session
     assert (await store.get_run(a.run_id)).run.recovery_count == 1
+
+
+async def test_a_job_result_also_kicks_the_dispatcher_when_a_session_was_not_offered_work(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The completion's round offers work only to workers that hold jobs
+    themselves; with another session connected (a worker without
+    ``delayed_start``) the dispatcher is kicked for it as well."""
+    sock = Socket(store)
+    reg = Register(worker_id="w1", functions=[FN], max_concurrent_jobs=1, delayed_start=True)
+    session_id = await sock.open(nursery, reg)
+    other_outbox, _ = trio.open_memory_channel[EngineMessage](10)
+    sock.directory.add(LocalSession("other", frozenset({"fn"}), other_outbox, delayed_start=False))
+    a = await sock.assign(session_id)
+    await sock.until_status(a.run_id, "running")
+    queued = await store.ingest_event("go", {}, None, idempotency_window_s=60)
+    drained(sock.kicks)
+    await sock.send.send(JobCompleted(a.job_id, a.run_id, a.execution_seq, a.lease_token, "done"))
+    nxt = await sock.answer()
+    assert isinstance(nxt, JobAssignment) and nxt.run_id == queued.run_ids[0]
+    assert [k.why for k in drained(sock.kicks)] == ["job completed"]
+
+
+async def test_with_no_ack_hold_an_ack_is_applied_as_it_comes(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    counted = _CountedCalls(store)
+    cfg = NodeConfig(timings=Timings(ack_hold_s=0), limits=Limits(max_slots_per_session=8))
+    sock = Socket(counted, cfg)  # type: ignore[arg-type]
+    session_id = await sock.open(nursery)
+    a = await _reserved(store, session_id)
+    await sock.send.send(JobAck(a.job_id, a.run_id, a.execution_seq, a.lease_token))
+    await sock.until_status(a.run_id, "running")
+    assert trio.current_time() < HOLD_S  # not held (the default would hold it that long)
+    assert counted.groups == [1]
