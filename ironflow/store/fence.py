@@ -64,6 +64,14 @@ _AUDIT_FLAG = "(SELECT f.audit FROM functions f WHERE f.id = function_id)"
 # Leases renewed per statement by a heartbeat (4 parameters each): far under
 # both backends' parameter limits and above any worker's slots.
 HEARTBEAT_JOBS_PER_STATEMENT = 500
+# A run whose segment begins and ends in one transaction: what its activation
+# would have set (the start, the function's timeout from the first start) and
+# what its completion sets (its output is set beside this).
+_BEGUN_AND_ENDED = (
+    "status = 'completed', started_at = coalesce(started_at, ironflow_now()),"
+    " deadline_at = coalesce(deadline_at, ironflow_now() + timeout_s),"
+    " ended_at = ironflow_now(), updated_at = ironflow_now()"
+)
 
 
 class FenceOps(StepResultOps, WaitOps, CompensationOps):
@@ -312,7 +320,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         # Even one item takes the path below: its steps and its completion in
         # one transaction (the interface's form would commit each).
         return await self._transact_ending(
-            self._completing(items, activate, lease_expiry_s),
+            self._completing(items, activate),
             completed_ids,
             results=completed_results(items),
         )
@@ -321,23 +329,31 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         self,
         items: Sequence[tuple[Fence, Any, list[StepResult]]],
         activate: frozenset[str] = frozenset(),
-        lease_expiry_s: float = 0.0,
     ) -> Callable[[Tx], list[outcome.Outcome[JobOutcome]]]:
         """The work of :meth:`complete_jobs` (different runs) in one
-        transaction: the segments of ``activate`` activated first (their
-        JobAck came with their result: ``_activate``, as an ack alone would),
-        then each segment's last step results, then the completions."""
+        transaction. A segment of ``activate`` (its JobAck came with its
+        result) begins and ends here (:meth:`_begin_and_complete`: its
+        reservation is its fence, no lease is written); the others' last step
+        results are written under their leases, then they complete."""
         prepared = [(fence, self._step_fields(steps)) for fence, _, steps in items]
 
         def work(tx: Tx) -> list[outcome.Outcome[JobOutcome]]:
             refused: dict[str, outcome.Outcome[Any]] = {}
+            ended: dict[str, JobOutcome] = {}
             if activate:
-                fences = [fence for fence, _ in prepared if fence.run_id in activate]
-                for fence, started in zip(fences, self._activate(tx, fences, lease_expiry_s), strict=True):
-                    if isinstance(started, outcome.Error):
-                        refused[fence.run_id] = started
-            todo = [(fence, fields) for fence, fields in prepared if fence.run_id not in refused]
-            # Each segment's last step results first (all under their fences).
+                ended = self._begin_and_complete(
+                    tx, [item for item in zip(prepared, items, strict=True) if item[0][0].run_id in activate]
+                )
+                for fence, _ in prepared:
+                    # Not begun here: an ack repeated after its lease was
+                    # activated goes on under that lease; any other is stale.
+                    if fence.run_id in activate and fence.run_id not in ended and not self._fence_alive(tx, fence):
+                        refused[fence.run_id] = outcome.Error(StaleExecution(
+                            f"segment {fence.run_id}/{fence.execution_seq} is not reserved for"
+                            " this session with this lease token, or the session is gone"
+                        ))
+            todo = [(fence, fields) for fence, fields in prepared if fence.run_id not in refused | ended.keys()]
+            # Each leased segment's last step results first (under their fences).
             recorded = dict(refused)
             recorded.update(zip(
                 (fence.run_id for fence, _ in todo),
@@ -349,12 +365,13 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             live = [
                 (fence, output)
                 for fence, output, _ in items
-                if isinstance(recorded[fence.run_id], outcome.Value)
+                if isinstance(recorded.get(fence.run_id), outcome.Value)
             ]
             completed = self._complete_many(tx, live)
+            completed.update(ended)
             results: list[outcome.Outcome[JobOutcome]] = []
             for fence, _, _ in items:
-                steps_done = recorded[fence.run_id]
+                steps_done = recorded.get(fence.run_id)
                 if isinstance(steps_done, outcome.Error):
                     results.append(outcome.Error(steps_done.error))
                     continue
@@ -367,6 +384,103 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             return results
 
         return work
+
+    def _begin_and_complete(
+        self,
+        tx: Tx,
+        items: list[tuple[tuple[Fence, list[tuple[Any, ...]]], tuple[Fence, Any, list[StepResult]]]],
+    ) -> dict[str, JobOutcome]:
+        """Segments whose JobAck, step results and job result are applied
+        together (different runs; ``items``: the step fields, the item): each
+        live reservation's queue row out (the activation's fence: the same
+        session, seq and token, the session still there, the run at that seq
+        and not ended), its credit freed and its run completed, with no lease
+        written and deleted between (docs/design.md, "A segment that begins
+        and ends in one transaction"); then each one's ``run.started`` audit,
+        its step results (proven live by that DELETE, whose row lock holds
+        off every other end of the reservation until commit) and its end.
+        The outcome of each begun segment; the others are left as they were."""
+        if not items:
+            return {}
+        rows = [
+            (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), _enc(output))
+            for (f, _), (_, output, _) in items
+        ]
+        begun = {
+            row[0]: row[1:]
+            for row in (self._begin_ended(tx, rows) if tx.combined else self._begin_ended_per_table(tx, rows))
+        }
+        fences = [(fence, fields) for (fence, fields), _ in items if fence.run_id in begun]
+        for fence, _ in fences:
+            if begun[fence.run_id][4]:
+                self._audit(
+                    tx, "run.started", fence.run_id, begun[fence.run_id][2],
+                    {"execution_seq": fence.execution_seq},
+                )
+        self._write_steps(tx, self._step_rows(fences))
+        return {
+            fence.run_id: self._completed(tx, fence, output, begun[fence.run_id])
+            for _, (fence, output, _) in items
+            if fence.run_id in begun
+        }
+
+    @staticmethod
+    def _begin_ended(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """PostgreSQL: :meth:`_begin_and_complete`'s statement over ``rows``
+        (run, seq, session, digest, output): the activation's DELETE
+        (:meth:`_activate`, same conditions and lock order: the queue row,
+        then the run row), the credit freed, the run completed with its start
+        figures. Per run: its id, parent run, parent step, function, duration,
+        audit flag."""
+        return tx.fetchall(
+            "WITH v (run_id, execution_seq, session_id, digest, output) AS (VALUES "
+            + ", ".join(["(?, ?, ?, ?, ?)"] * len(rows))
+            + "), q AS (DELETE FROM dispatch_queue d USING v JOIN worker_sessions s"
+            " ON s.id = v.session_id WHERE d.run_id = v.run_id"
+            " AND d.execution_seq = v.execution_seq AND d.reservation_owner = v.session_id"
+            " AND d.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
+            " WHERE id = v.run_id AND current_execution_seq = v.execution_seq"
+            f" AND status NOT IN {_TERMINAL_SQL}) RETURNING d.run_id, d.execution_seq,"
+            " v.session_id, v.output),"
+            " k AS (UPDATE worker_credits w SET claimed_run_id = NULL,"
+            " claimed_execution_seq = NULL, held = 0 FROM q WHERE w.session_id = q.session_id"
+            " AND w.claimed_run_id = q.run_id AND w.claimed_execution_seq = q.execution_seq)"
+            f" UPDATE runs SET {_BEGUN_AND_ENDED}, output = q.output FROM q WHERE runs.id = q.run_id"
+            f" RETURNING runs.id, parent_run_id, parent_step_id, {RUN_END_FIGURES}, {_AUDIT_FLAG}",
+            tuple(value for row in rows for value in row),
+        )
+
+    @staticmethod
+    def _begin_ended_per_table(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """SQLite (no data-modifying WITH): :meth:`_begin_ended` in one
+        statement per table (its single writer makes them one step)."""
+        taken = tx.fetchall(
+            "DELETE FROM dispatch_queue WHERE run_id IN (" + ", ".join("?" * len(rows)) + ")"
+            " AND (run_id, execution_seq, reservation_owner, lease_token_hash) IN (VALUES "
+            + ", ".join(["(?, ?, ?, ?)"] * len(rows)) + ")"
+            " AND EXISTS (SELECT 1 FROM runs WHERE id = dispatch_queue.run_id"
+            " AND current_execution_seq = dispatch_queue.execution_seq"
+            f" AND status NOT IN {_TERMINAL_SQL})"
+            " AND EXISTS (SELECT 1 FROM worker_sessions WHERE id = dispatch_queue.reservation_owner)"
+            " RETURNING run_id, execution_seq, reservation_owner",
+            (*(row[0] for row in rows), *(value for row in rows for value in row[:4])),
+        )
+        if not taken:
+            return []
+        live = ", ".join("?" * len(taken))
+        tx.execute(
+            "UPDATE worker_credits SET claimed_run_id = NULL, claimed_execution_seq = NULL,"
+            f" held = 0 WHERE claimed_run_id IN ({live}) AND (session_id, claimed_run_id,"
+            " claimed_execution_seq) IN (VALUES " + ", ".join(["(?, ?, ?)"] * len(taken)) + ")",
+            (*(row[0] for row in taken), *(v for run_id, seq, session in taken for v in (session, run_id, seq))),
+        )
+        outputs = {row[0]: row[4] for row in rows}
+        return tx.fetchall(
+            "WITH v (run_id, output) AS (VALUES " + ", ".join(["(?, ?)"] * len(taken)) + ")"
+            f" UPDATE runs SET {_BEGUN_AND_ENDED}, output = v.output FROM v WHERE runs.id = v.run_id"
+            f" RETURNING id, parent_run_id, parent_step_id, {RUN_END_FIGURES}, {_AUDIT_FLAG}",
+            tuple(v for row in taken for v in (row[0], outputs[row[0]])),
+        )
 
     @staticmethod
     def _complete_fenced(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:

@@ -111,7 +111,7 @@ class SqlStore(
         round_ = self._reservation_round(offers, limit, reservation_expiry_s, read_next_eligible=False)
         if round_ is None or not distinct_runs(items):
             return await self.complete_jobs(items, activate=activate, lease_expiry_s=lease_expiry_s), Reservations()
-        complete, reserve = self._completing(items, activate, lease_expiry_s), round_.work
+        complete, reserve = self._completing(items, activate), round_.work
 
         def work(tx: Tx) -> tuple[list[outcome.Outcome[JobOutcome]], Reservations]:
             results = complete(tx)

@@ -114,12 +114,7 @@ class StepResultOps(SqlStoreBase):
         """Several segments' step fields (:meth:`_step_fields`; different runs),
         each under its own fence and with its own outcome: StaleExecution, and
         nothing of it written, for a segment whose fence is not live."""
-        # Step order: when their transaction ran (a chain runs in arrival
-        # order), then their order in this call.
-        first = time.time_ns()
-        rows: list[tuple[Any, ...]] = []
-        for fence, fields in prepared:
-            rows += [(fence.run_id, *row, first + len(rows) + i) for i, row in enumerate(fields)]
+        rows = self._step_rows(prepared)
         fences = {fence.run_id: fence for fence, _ in prepared}
         live = (
             self._record_fenced(tx, fences, rows) if tx.combined
@@ -132,6 +127,17 @@ class StepResultOps(SqlStoreBase):
             for fence, fields in prepared
         ]
 
+    @staticmethod
+    def _step_rows(prepared: list[tuple[Fence, list[tuple[Any, ...]]]]) -> list[tuple[Any, ...]]:
+        """The step rows of :meth:`_step_fields` per segment, each with its
+        run id first and its order last: when their transaction ran (a chain
+        runs in arrival order), then their order in this call."""
+        first = time.time_ns()
+        rows: list[tuple[Any, ...]] = []
+        for fence, fields in prepared:
+            rows += [(fence.run_id, *row, first + len(rows) + i) for i, row in enumerate(fields)]
+        return rows
+
     def _record_checked(
         self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]
     ) -> set[str]:
@@ -139,7 +145,13 @@ class StepResultOps(SqlStoreBase):
         written (its single writer makes the check and the write one step).
         The runs whose fence was live."""
         live = self._fences_alive(tx, list(fences.values()))
-        for chunk in _statement_chunks([row for row in rows if row[0] in live], _STEP_ROW_PARAMS):
+        self._write_steps(tx, [row for row in rows if row[0] in live])
+        return live
+
+    def _write_steps(self, tx: Tx, rows: list[tuple[Any, ...]]) -> None:
+        """Write step rows (:meth:`_step_rows`) whose segments' fences the
+        caller has proven in this transaction, and audit them."""
+        for chunk in _statement_chunks(rows, _STEP_ROW_PARAMS):
             written = tx.fetchall(
                 "WITH v (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
                 + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
@@ -153,7 +165,6 @@ class StepResultOps(SqlStoreBase):
                 tuple(value for row in chunk for value in row),
             )
             self._audit_steps(tx, chunk, written)
-        return live
 
     def _record_fenced(
         self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]
