@@ -105,13 +105,16 @@ class DispatchOps(CapacityLoop):
 
     def _reservation_round(
         self, offers: dict[str, frozenset[str]], limit: int, reservation_expiry_s: float,
-        *, read_next_eligible: bool = True,
+        *, joined: bool = False,
     ) -> ReservationRound | None:
         """The work of one reservation transaction (:meth:`reserve_segments`)
         and the named locks it takes at BEGIN; None when there is nothing to
-        offer. Also run inside an emit's transaction
-        (:meth:`~ironflow.store.sql.SqlStore.ingest_and_reserve`), which has no
-        use for ``next_eligible`` (``read_next_eligible=False``)."""
+        offer. Also run inside an emit's or a completion's transaction
+        (``joined``: :meth:`~ironflow.store.sql.SqlStore.ingest_and_reserve`,
+        ``complete_jobs_and_reserve``), which has no use for
+        ``next_eligible`` and leaves expired reservations to the dispatcher's
+        rounds and loop 1 (a statement per emit and per completion fewer; a
+        credit an expired reservation still holds is only not offered by it)."""
         function_ids = sorted(set().union(*offers.values())) if offers else []
         session_ids = sorted(offers)
         if limit <= 0 or not function_ids:
@@ -119,7 +122,7 @@ class DispatchOps(CapacityLoop):
 
         def work(tx: Tx) -> Reservations:
             made = reserve(tx)
-            if len(made) >= limit or not read_next_eligible:
+            if len(made) >= limit or joined:
                 return Reservations(made)
             # The queue ran dry for these offers: the dispatcher goes idle and
             # needs to know until when (one statement here, not a transaction).
@@ -138,7 +141,8 @@ class DispatchOps(CapacityLoop):
                         unknown,
                     )
                 )
-            self._expire_reservations(tx)
+            if not joined:
+                self._expire_reservations(tx)
             credits = tx.fetchall(
                 "SELECT c.session_id, c.slot FROM worker_credits c"
                 " JOIN worker_sessions s ON s.id = c.session_id"
@@ -226,22 +230,7 @@ class DispatchOps(CapacityLoop):
                 tx.notify()  # throttled rows moved: the dispatcher re-reads when they are due
             if not chosen:
                 return []
-            tx.executemany(
-                "UPDATE dispatch_queue SET reservation_owner = ?,"
-                " reservation_expires_at = ironflow_now() + ?, lease_token_hash = ?,"
-                # The segment begins here for a wait's look-back (waits.py).
-                f" reserved_at = ironflow_now(), reservation_snapshot = {tx.snapshot_sql}"
-                " WHERE run_id = ? AND execution_seq = ?",
-                [
-                    (sid, float(reservation_expiry_s), token_hash(tok), rid, seq)
-                    for rid, seq, sid, tok in chosen
-                ],
-            )
-            tx.executemany(
-                "UPDATE worker_credits SET claimed_run_id = ?, claimed_execution_seq = ?"
-                " WHERE session_id = ? AND slot = ?",
-                credit_rows,
-            )
+            _write_reservations(tx, chosen, credit_rows, reservation_expiry_s)
             return self._assignments(tx, chosen)
 
         limited = self._limited_functions()
@@ -276,12 +265,17 @@ class DispatchOps(CapacityLoop):
             )
         }
         memo: dict[str, list[MemoStep]] = {rid: [] for rid in run_ids}
+        # A run's first segment (seq 1) has no steps: a step is written only
+        # under a segment's fence, and every later segment of a run (a resume,
+        # retry, nack, recovery, compensation) has a higher seq. Most
+        # reservations are first segments: their round reads no steps.
+        again = [c[0] for c in chosen if c[1] > 1]
         for run_id, step_id, name, kind, status, output, error in tx.fetchall(
             "SELECT run_id, step_id, name, kind, status, output, error FROM steps"
-            f" WHERE run_id IN ({marks}) AND status IN ('completed', 'failed', 'timed_out')"
+            f" WHERE run_id IN ({_marks(len(again))}) AND status IN ('completed', 'failed', 'timed_out')"
             " ORDER BY run_id, seq",
-            run_ids,
-        ):
+            again,
+        ) if again else ():
             memo[run_id].append(
                 MemoStep(step_id, name, kind, status, _dec(output), _dec_error(error))
             )
@@ -339,6 +333,55 @@ class DispatchOps(CapacityLoop):
 
     async def seconds_until_next_eligible(self) -> float | None:
         return await self._transact(_next_eligible)
+
+
+def _write_reservations(
+    tx: Tx,
+    chosen: list[tuple[str, int, str, str]],
+    credit_rows: list[tuple[Any, ...]],
+    reservation_expiry_s: float,
+) -> None:
+    """The chosen segments' queue rows reserved (run, seq, session, token) and
+    their credits claimed (run, seq, session, slot): rows the round has locked.
+    PostgreSQL: one statement (a round trip, where two pipelined statements
+    cost two); SQLite: one statement per table."""
+    # The segment begins at reserved_at for a wait's look-back (waits.py).
+    reserved = (
+        "reservation_owner = {sid}, reservation_expires_at = ironflow_now() + {expiry},"
+        " lease_token_hash = {digest}, reserved_at = ironflow_now(),"
+        f" reservation_snapshot = {tx.snapshot_sql}"
+    )
+    queue_rows = [(rid, seq, sid, token_hash(tok)) for rid, seq, sid, tok in chosen]
+    if tx.combined:
+        tx.execute(
+            "WITH v (run_id, execution_seq, session_id, digest) AS (VALUES "
+            + ", ".join(["(?, ?, ?, ?)"] * len(queue_rows))
+            + "), c (session_id, slot, run_id, execution_seq) AS (VALUES "
+            + ", ".join(["(?, ?, ?, ?)"] * len(credit_rows))
+            + "), k AS (UPDATE worker_credits w SET claimed_run_id = c.run_id,"
+            " claimed_execution_seq = c.execution_seq FROM c"
+            " WHERE w.session_id = c.session_id AND w.slot = c.slot)"
+            " UPDATE dispatch_queue d SET "
+            + reserved.format(sid="v.session_id", expiry="?", digest="v.digest")
+            + " FROM v WHERE d.run_id = v.run_id AND d.execution_seq = v.execution_seq",
+            (
+                *(value for row in queue_rows for value in row),
+                *(value for rid, seq, sid, slot in credit_rows for value in (sid, slot, rid, seq)),
+                float(reservation_expiry_s),
+            ),
+        )
+        return
+    tx.executemany(
+        "UPDATE dispatch_queue SET "
+        + reserved.format(sid="?", expiry="?", digest="?")
+        + " WHERE run_id = ? AND execution_seq = ?",
+        [(sid, float(reservation_expiry_s), digest, rid, seq) for rid, seq, sid, digest in queue_rows],
+    )
+    tx.executemany(
+        "UPDATE worker_credits SET claimed_run_id = ?, claimed_execution_seq = ?"
+        " WHERE session_id = ? AND slot = ?",
+        credit_rows,
+    )
 
 
 def _next_eligible(tx: Tx) -> float | None:

@@ -67,7 +67,7 @@ class SqlStore(
         so a new run is reserved only when no older row of its functions
         comes first. One commit instead of two, and the assignment can leave
         before the emit is answered (docs/design.md, "The emit's reservation")."""
-        round_ = self._reservation_round(offers, limit, reservation_expiry_s, read_next_eligible=False)
+        round_ = self._reservation_round(offers, limit, reservation_expiry_s, joined=True)
         if round_ is None:
             return await self.ingest_events(events, idempotency_window_s=idempotency_window_s), Reservations()
         reserve = round_.work
@@ -108,7 +108,7 @@ class SqlStore(
         freed slot's next segment is reserved by the commit that freed it,
         not by a dispatcher round after it (one transaction per segment
         fewer; docs/design.md, "The emit's reservation")."""
-        round_ = self._reservation_round(offers, limit, reservation_expiry_s, read_next_eligible=False)
+        round_ = self._reservation_round(offers, limit, reservation_expiry_s, joined=True)
         if round_ is None or not distinct_runs(items):
             return await self.complete_jobs(items, activate=activate, lease_expiry_s=lease_expiry_s), Reservations()
         complete, reserve = self._completing(items, activate), round_.work

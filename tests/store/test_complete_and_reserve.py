@@ -120,3 +120,24 @@ async def test_an_ack_that_came_with_its_result_is_activated_in_the_same_transac
     assert (await store.get_run_record(second.run_id)).status != "running"
     assert await store.list_leases() == []
     assert (await store.list_sessions())[0].credits_claimed == 1  # the stale ack's reservation
+
+
+async def test_a_round_gives_a_resumed_segment_its_steps_and_a_first_segment_none(store):
+    """A first segment (seq 1) has no steps and its round reads none; a
+    resumed one in the same round still gets every recorded step."""
+    s = await worker(store, fn("parent"), fn("child", "never"), slots=2)
+    parent = await running(store, s)
+    await store.record_steps(parent, [StepResult("before", "before", "completed", "b")])
+    await store.yield_job(parent, step_id="i", name="i", info=InvokeYield("child", {}))
+    (res,) = await reserve(store, s)
+    child = fence_of(res)
+    await store.activate_lease(child, lease_expiry_s=LEASE)
+    fresh = await emit(store)
+    (result,), reservations = await complete_and_reserve(store, s, [(child, 42, [])])
+    assert result.unwrap().kicked_run_ids == [parent.run_id]
+    by_run = {r.assignment.run_id: r.assignment for r in reservations}
+    assert set(by_run) == {parent.run_id, *fresh.run_ids}
+    assert by_run[parent.run_id].execution_seq == 2
+    assert [m.output for m in by_run[parent.run_id].completed_steps] == ["b", 42]
+    assert by_run[fresh.run_ids[0]].execution_seq == 1
+    assert by_run[fresh.run_ids[0]].completed_steps == []
