@@ -36,6 +36,13 @@ from ironflow.store.core import (
 from ironflow.store.dispatch_flow import CANDIDATE_COLS, ORDER_SQL, FlowPlan, conc_lock
 from ironflow.store.flow import batch_events
 
+# What a segment's assignment needs of its run (``r``), its trigger event
+# (``e``) and its queue row (``q``), and the database clock.
+_ASSIGNMENT_COLS = (
+    "r.id, r.function_id, r.attempt, r.max_attempts, e.id, e.name, e.data,"
+    " e.received_at, e.idempotency_key, r.start_at - ironflow_clock(), q.reason,"
+    " ironflow_clock(), e.traceparent, r.batch_size"
+)
 # Candidate reads past held functions per reservation round, at most (each
 # excludes the functions the one before found held): bounds a round's cost
 # when many functions are held at once; the next round reads on.
@@ -230,8 +237,8 @@ class DispatchOps(CapacityLoop):
                 tx.notify()  # throttled rows moved: the dispatcher re-reads when they are due
             if not chosen:
                 return []
-            _write_reservations(tx, chosen, credit_rows, reservation_expiry_s)
-            return self._assignments(tx, chosen)
+            runs = _write_reservations(tx, chosen, credit_rows, reservation_expiry_s)
+            return self._assignments(tx, chosen, runs)
 
         limited = self._limited_functions()
         # Unknown: locked until a read shows otherwise (the round reads them).
@@ -250,20 +257,19 @@ class DispatchOps(CapacityLoop):
         """Function id → the last concurrency key a fairness pass visited."""
         return self.__dict__.setdefault("_flow_cursors", {})
 
-    def _assignments(self, tx: Tx, chosen: list[tuple[str, int, str, str]]) -> list[Reservation]:
+    def _assignments(
+        self, tx: Tx, chosen: list[tuple[str, int, str, str]], read: list[tuple[Any, ...]] | None
+    ) -> list[Reservation]:
+        """The chosen segments' assignments; ``read``: their :data:`_ASSIGNMENT_COLS`
+        rows if the reservation's statement returned them (else read here)."""
         run_ids = [c[0] for c in chosen]
-        marks = _marks(len(run_ids))
-        runs = {
-            row[0]: row
-            for row in tx.fetchall(
-                "SELECT r.id, r.function_id, r.attempt, r.max_attempts, e.id, e.name, e.data,"
-                " e.received_at, e.idempotency_key, r.start_at - ironflow_clock(), q.reason,"
-                " ironflow_clock(), e.traceparent, r.batch_size"
-                " FROM runs r LEFT JOIN events e ON e.id = r.event_id"
-                f" LEFT JOIN dispatch_queue q ON q.run_id = r.id WHERE r.id IN ({marks})",
+        if read is None:
+            read = tx.fetchall(
+                f"SELECT {_ASSIGNMENT_COLS} FROM runs r LEFT JOIN events e ON e.id = r.event_id"
+                f" LEFT JOIN dispatch_queue q ON q.run_id = r.id WHERE r.id IN ({_marks(len(run_ids))})",
                 run_ids,
             )
-        }
+        runs = {row[0]: row for row in read}
         memo: dict[str, list[MemoStep]] = {rid: [] for rid in run_ids}
         # A run's first segment (seq 1) has no steps: a step is written only
         # under a segment's fence, and every later segment of a run (a resume,
@@ -340,11 +346,13 @@ def _write_reservations(
     chosen: list[tuple[str, int, str, str]],
     credit_rows: list[tuple[Any, ...]],
     reservation_expiry_s: float,
-) -> None:
+) -> list[tuple[Any, ...]] | None:
     """The chosen segments' queue rows reserved (run, seq, session, token) and
     their credits claimed (run, seq, session, slot): rows the round has locked.
     PostgreSQL: one statement (a round trip, where two pipelined statements
-    cost two); SQLite: one statement per table."""
+    and the assignments' read cost three) that also returns what the
+    assignments need (:data:`_ASSIGNMENT_COLS`; the joined runs and events
+    are read, not locked); SQLite: one statement per table, None."""
     # The segment begins at reserved_at for a wait's look-back (waits.py).
     reserved = (
         "reservation_owner = {sid}, reservation_expires_at = ironflow_now() + {expiry},"
@@ -353,7 +361,7 @@ def _write_reservations(
     )
     queue_rows = [(rid, seq, sid, token_hash(tok)) for rid, seq, sid, tok in chosen]
     if tx.combined:
-        tx.execute(
+        return tx.fetchall(
             "WITH v (run_id, execution_seq, session_id, digest) AS (VALUES "
             + ", ".join(["(?, ?, ?, ?)"] * len(queue_rows))
             + "), c (session_id, slot, run_id, execution_seq) AS (VALUES "
@@ -363,14 +371,15 @@ def _write_reservations(
             " WHERE w.session_id = c.session_id AND w.slot = c.slot)"
             " UPDATE dispatch_queue d SET "
             + reserved.format(sid="v.session_id", expiry="?", digest="v.digest")
-            + " FROM v WHERE d.run_id = v.run_id AND d.execution_seq = v.execution_seq",
+            + " FROM v JOIN runs r ON r.id = v.run_id LEFT JOIN events e ON e.id = r.event_id"
+            " WHERE d.run_id = v.run_id AND d.execution_seq = v.execution_seq"
+            f" RETURNING {_ASSIGNMENT_COLS.replace('q.', 'd.')}",
             (
                 *(value for row in queue_rows for value in row),
                 *(value for rid, seq, sid, slot in credit_rows for value in (sid, slot, rid, seq)),
                 float(reservation_expiry_s),
             ),
         )
-        return
     tx.executemany(
         "UPDATE dispatch_queue SET "
         + reserved.format(sid="?", expiry="?", digest="?")
@@ -382,6 +391,7 @@ def _write_reservations(
         " WHERE session_id = ? AND slot = ?",
         credit_rows,
     )
+    return None
 
 
 def _next_eligible(tx: Tx) -> float | None:
