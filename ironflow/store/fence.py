@@ -417,7 +417,11 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                     tx, "run.started", fence.run_id, begun[fence.run_id][2],
                     {"execution_seq": fence.execution_seq},
                 )
-        self._write_steps(tx, self._step_rows(fences))
+        rows = self._step_rows(fences)
+        if any(begun[fence.run_id][4] for fence, _ in fences):
+            self._write_steps(tx, rows)
+        else:  # the common case: nothing to audit, every seq known
+            self._write_steps_unaudited(tx, rows, {fence.run_id: fence.execution_seq for fence, _ in fences})
         return {
             fence.run_id: self._completed(tx, fence, output, begun[fence.run_id])
             for _, (fence, output, _) in items

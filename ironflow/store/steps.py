@@ -166,6 +166,20 @@ class StepResultOps(SqlStoreBase):
             )
             self._audit_steps(tx, chunk, written)
 
+    @staticmethod
+    def _write_steps_unaudited(tx: Tx, rows: list[tuple[Any, ...]], seqs: dict[str, int]) -> None:
+        """:meth:`_write_steps` for segments whose functions record no audit
+        events and whose execution seqs the caller knows (``seqs``: run →
+        seq): the same rows, no per-row reads of the run and its function."""
+        for chunk in _statement_chunks(rows, _STEP_ROW_PARAMS + 1):
+            tx.execute(
+                "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
+                " duration_ms, execution_seq, created_at, seq) VALUES "
+                + ", ".join(["(?, ?, ?, 'run', ?, ?, ?, ?, ?, ironflow_now(), ?)"] * len(chunk))
+                + _STEP_RESULT_UPSERT,
+                tuple(value for row in chunk for value in (*row[:7], seqs[row[0]], row[7])),
+            )
+
     def _record_fenced(
         self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]
     ) -> set[str]:
