@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import h11
+import pytest
 import trio
 import trio.testing
 from hypercorn.config import Config
@@ -129,3 +130,76 @@ async def test_a_stopping_server_closes_its_connections_once_idle(
         assert idle.closed_at == [1.0] and busy.closed_at == []
         await timers[1].restart(group, busy._idle_timeout)  # its response is done
     assert busy.closed_at == [3.0]
+
+
+def _server_on(sock: Any) -> Any:
+    """What ``TCPServer.protocol_send`` uses of a server: its send lock, its
+    stream and its protocol (told when the peer is gone)."""
+    from types import SimpleNamespace
+
+    closed: list[Any] = []
+
+    async def handle(event: Any) -> None:
+        closed.append(event)
+
+    return SimpleNamespace(
+        send_lock=trio.Lock(), stream=trio.SocketStream(sock), protocol=SimpleNamespace(handle=handle), closed=closed
+    )
+
+
+async def _read_all(sock: Any, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        chunk = await sock.recv(1 << 16)
+        assert chunk, "the peer closed early"
+        got += chunk
+    return got
+
+
+async def test_a_write_the_socket_takes_whole_costs_no_checkpoint() -> None:
+    a, b = trio.socket.socketpair()
+    server = _server_on(a)
+    with trio.testing.assert_no_checkpoints():
+        await hypercorn_patch._protocol_send(server, RawData(data=b"HTTP/1.1 200 OK\r\n\r\n"))
+    assert await _read_all(b, 19) == b"HTTP/1.1 200 OK\r\n\r\n"
+
+
+async def test_what_the_socket_does_not_take_at_once_follows_in_order() -> None:
+    a, b = trio.socket.socketpair()
+    server = _server_on(a)
+    data = bytes(range(256)) * (16 << 10)  # 4 MiB: far past a socket buffer
+    got: list[bytes] = []
+
+    async def read() -> None:
+        got.append(await _read_all(b, len(data) + 3))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        await hypercorn_patch._protocol_send(server, RawData(data=data))
+        await hypercorn_patch._protocol_send(server, RawData(data=b"end"))
+    assert got == [data + b"end"]
+
+
+async def test_a_write_waits_behind_one_under_way() -> None:
+    """The send lock is held (an earlier write still going hypercorn's way):
+    the next write must not overtake it on the socket."""
+    a, b = trio.socket.socketpair()
+    server = _server_on(a)
+    async with trio.open_nursery() as nursery:
+        await server.send_lock.acquire()
+        nursery.start_soon(hypercorn_patch._protocol_send, server, RawData(data=b"second"))
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(BlockingIOError):
+            b._sock.recv(100)  # nothing written yet
+        a._sock.send(b"first ")  # what the holder was writing
+        server.send_lock.release()
+    assert await _read_all(b, 12) == b"first second"
+
+
+async def test_a_write_to_a_closed_peer_is_told_as_hypercorn_tells_it() -> None:
+    a, b = trio.socket.socketpair()
+    server = _server_on(a)
+    b.close()
+    for _ in range(3):  # the first write may still be taken by the kernel
+        await hypercorn_patch._protocol_send(server, RawData(data=b"x" * 100_000))
+    assert server.closed, "the protocol was not told the connection closed"
