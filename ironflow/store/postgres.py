@@ -464,16 +464,25 @@ class _Actor:
 
 
 def _commit(tx: _PgTx, notify: bool, ended: list[str]) -> None:
-    if notify:
-        # Delivered at COMMIT to every node's kick listener: one per group.
-        tx.execute("SELECT pg_notify(?, '')", (KICK_CHANNEL,))
-    for payload in _id_payloads(ended):
-        tx.execute("SELECT pg_notify(?, ?)", (RUN_END_CHANNEL, payload))
+    """The group's NOTIFYs and its COMMIT, in one round trip (one simple
+    query of several statements: a NOTIFY that fails leaves the COMMIT unrun
+    and the group rolled back, as when each was its own round trip)."""
+    # The kick: delivered at COMMIT to every node's kick listener, one per group.
+    notices = [f"SELECT pg_notify({_literal(KICK_CHANNEL)}, '')"] if notify else []
+    notices += [
+        f"SELECT pg_notify({_literal(RUN_END_CHANNEL)}, {_literal(payload)})" for payload in _id_payloads(ended)
+    ]
     try:
-        tx.raw("COMMIT")
+        tx.raw("; ".join([*notices, "COMMIT"]))
     except psycopg.OperationalError as exc:
         # The connection broke during COMMIT: the server may have committed.
         raise CommitOutcomeUnknown(f"the database connection failed while committing: {exc}") from exc
+
+
+def _literal(text: str) -> str:
+    """``text`` as an SQL string literal (standard_conforming_strings, on since
+    PostgreSQL 9.1: only a quote is escaped)."""
+    return "'" + text.replace("'", "''") + "'"
 
 
 def _id_payloads(run_ids: list[str]) -> list[str]:

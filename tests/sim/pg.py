@@ -171,7 +171,7 @@ class PausingTx(_PgTx):
             self.begun_at = next(_numbers)
             self.on_commit = []
             return
-        if sql == "COMMIT":
+        if sql.rpartition("; ")[2] == "COMMIT":  # the group's NOTIFYs may come first
             self.pauses.pause()
             super().raw(sql)
             n = next(_numbers)

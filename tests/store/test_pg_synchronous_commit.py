@@ -78,7 +78,7 @@ def recording_store(url: str) -> tuple[PostgresStore, list[Commit]]:
         def raw(self, sql: str) -> None:
             if sql.startswith("BEGIN"):
                 self.statements = []
-            elif sql == "COMMIT":
+            elif sql.rpartition("; ")[2] == "COMMIT":  # the group's NOTIFYs may come first
                 row = self.fetchone(
                     "SELECT current_setting('synchronous_commit'),"
                     " pg_current_xact_id_if_assigned() IS NOT NULL"
