@@ -49,18 +49,58 @@ _ASSIGNMENT_COLS = (
 HELD_READS_MAX = 4
 
 
-def _read_candidates(tx: Tx, function_ids: list[str], n: int) -> list[tuple[Any, ...]]:
-    """Up to ``n`` unreserved, eligible queue rows of ``function_ids`` in
-    dispatch order (priority first), locked (``SKIP LOCKED``) on PostgreSQL."""
-    return tx.fetchall(
+def _credits_sql(tx: Tx, sessions: int) -> str:
+    """The free credits of ``sessions`` sessions (ids as parameters) that may
+    take work, locked (``SKIP LOCKED``), their session rows share-locked."""
+    return (
+        "SELECT c.session_id, c.slot FROM worker_credits c"
+        " JOIN worker_sessions s ON s.id = c.session_id"
+        f" WHERE c.session_id IN ({_marks(sessions)}) AND s.draining = 0"
+        " AND s.expires_at > ironflow_now() AND c.claimed_run_id IS NULL AND c.held = 0"
+        # The session rows are share-locked (waiting, not skipping): a
+        # DRAINING nack committing meanwhile would otherwise requeue its
+        # run into this very transaction's later read, for a session
+        # this read still saw as not draining.
+        f" ORDER BY c.session_id, c.slot {tx.lock('c')} {tx.share_lock('s')}"
+    )
+
+
+def _candidates_sql(tx: Tx, functions: int, limit: str = "?") -> str:
+    """Up to ``limit`` unreserved, eligible queue rows of ``functions``
+    functions (ids as parameters) in dispatch order (priority first), locked
+    (``SKIP LOCKED``) on PostgreSQL."""
+    return (
         f"SELECT {CANDIDATE_COLS} FROM dispatch_queue q JOIN functions f ON f.id = q.function_id"
         " WHERE q.reservation_owner IS NULL AND q.eligible_at <= ironflow_now()"
         # A bound for the order index: priority is at most 600 s.
         f" AND (q.eligible_at - q.priority_s) <= ironflow_now() + {PRIORITY_MAX_S}"
-        f" AND q.function_id IN ({_marks(len(function_ids))})"
-        f" ORDER BY {ORDER_SQL} LIMIT ? {tx.lock('q')}",
-        [*function_ids, n],
+        f" AND q.function_id IN ({_marks(functions)})"
+        f" ORDER BY {ORDER_SQL} LIMIT {limit} {tx.lock('q')}"
     )
+
+
+def _read_candidates(tx: Tx, function_ids: list[str], n: int) -> list[tuple[Any, ...]]:
+    """:func:`_candidates_sql`: up to ``n`` rows of ``function_ids``."""
+    return tx.fetchall(_candidates_sql(tx, len(function_ids)), [*function_ids, n])
+
+
+def _read_credits_and_candidates(
+    tx: Tx, session_ids: list[str], function_ids: list[str], limit: int
+) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
+    """PostgreSQL: :func:`_credits_sql` and the first :func:`_candidates_sql`
+    read (``RESERVE_OVERSCAN`` rows per credit the round may fill) in one
+    statement, one round trip. The candidates' LIMIT counts the credits, so
+    the credits are read and locked first, as by two statements; the
+    candidates are read in the same snapshot (a DRAINING nack's requeued row,
+    committed while the session row was waited for, is not among them)."""
+    rows = tx.fetchall(
+        f"WITH c AS ({_credits_sql(tx, len(session_ids))}),"
+        f" q AS ({_candidates_sql(tx, len(function_ids), f'least(?, (SELECT count(*) FROM c)) * {RESERVE_OVERSCAN}')})"
+        " SELECT 0, session_id, slot, NULL, NULL, NULL, NULL FROM c"
+        " UNION ALL SELECT 1, run_id, execution_seq, function_id, concurrency_key, definition, reason FROM q",
+        [*session_ids, *function_ids, limit],
+    )
+    return [row[1:3] for row in rows if row[0] == 0], [row[1:] for row in rows if row[0] == 1]
 
 
 class ReservationRound:
@@ -150,18 +190,11 @@ class DispatchOps(CapacityLoop):
                 )
             if not joined:
                 self._expire_reservations(tx)
-            credits = tx.fetchall(
-                "SELECT c.session_id, c.slot FROM worker_credits c"
-                " JOIN worker_sessions s ON s.id = c.session_id"
-                f" WHERE c.session_id IN ({_marks(len(session_ids))}) AND s.draining = 0"
-                " AND s.expires_at > ironflow_now() AND c.claimed_run_id IS NULL AND c.held = 0"
-                # The session rows are share-locked (waiting, not skipping): a
-                # DRAINING nack committing meanwhile would otherwise requeue its
-                # run into this very transaction's later read, for a session
-                # this read still saw as not draining.
-                f" ORDER BY c.session_id, c.slot {tx.lock('c')} {tx.share_lock('s')}",
-                session_ids,
-            )
+            if tx.combined:
+                credits, read = _read_credits_and_candidates(tx, session_ids, function_ids, limit)
+            else:
+                credits = tx.fetchall(_credits_sql(tx, len(session_ids)), session_ids)
+                read = []
             if not credits:
                 return []
             free: dict[str, list[int]] = {}
@@ -175,7 +208,8 @@ class DispatchOps(CapacityLoop):
             # — when a full concurrency key refused some — the heads of the
             # other keys, round robin.
             window = min(limit, len(credits)) * RESERVE_OVERSCAN
-            read = _read_candidates(tx, function_ids, window)
+            if not tx.combined:
+                read = _read_candidates(tx, function_ids, window)
             candidates = list(read)
             if not candidates:
                 return []

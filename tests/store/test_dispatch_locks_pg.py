@@ -75,3 +75,50 @@ async def test_a_limited_function_is_counted_under_its_lock_even_unseen(
     await emit(store)
     assert len(await reserve(store, session)) == 1
     assert await round_beside(store, session, pg_url, conc_lock("limited"))
+
+
+async def _reserve_beside_a_session_holder(store: PostgresStore, pg_url: str, session, then: str):
+    """A reservation round while a second connection's transaction holds the
+    session row as a DRAINING nack does (draining set, the nacked run queued
+    again); once the round waits for that row, the holder ends with ``then``.
+    The round's reservations and whether it waited."""
+    out: dict[str, object] = {}
+
+    async def run() -> None:
+        out["made"] = await reserve(store, session)
+
+    with psycopg.connect(pg_url) as holder:
+        holder.execute("UPDATE worker_sessions SET draining = 1 WHERE id = %s", (session.session_id,))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            waited = await trio.to_thread.run_sync(
+                lambda: wait_until(lambda: "made" in out or lock_waiters(pg_url) > 0)
+            ) and "made" not in out
+            getattr(holder, then)()
+    return out["made"], waited
+
+
+async def test_a_round_waits_for_a_draining_session_row_and_then_offers_it_nothing(
+    postgres_store: PostgresStore, pg_url: str
+) -> None:
+    """The credits are read with their session rows share-locked (the
+    candidates in the same statement): a drain committed while the round
+    waited is seen, and the session gets nothing more."""
+    store = postgres_store
+    session = await worker(store, slots=2)
+    await emit(store)
+    made, waited = await _reserve_beside_a_session_holder(store, pg_url, session, "commit")
+    assert waited, "the round did not wait for the session row another transaction held"
+    assert made == []
+    assert [q.reservation_owner for q in await store.list_queue()] == [None]
+
+
+async def test_a_round_beside_a_drain_rolled_back_reserves(
+    postgres_store: PostgresStore, pg_url: str
+) -> None:
+    store = postgres_store
+    session = await worker(store, slots=2)
+    queued = await emit(store)
+    made, waited = await _reserve_beside_a_session_holder(store, pg_url, session, "rollback")
+    assert waited
+    assert [r.assignment.run_id for r in made] == queued.run_ids
