@@ -64,13 +64,14 @@ _AUDIT_FLAG = "(SELECT f.audit FROM functions f WHERE f.id = function_id)"
 # Leases renewed per statement by a heartbeat (4 parameters each): far under
 # both backends' parameter limits and above any worker's slots.
 HEARTBEAT_JOBS_PER_STATEMENT = 500
+# What a run's completion sets (its output is set beside this).
+_ENDED = "status = 'completed', ended_at = ironflow_now(), updated_at = ironflow_now()"
 # A run whose segment begins and ends in one transaction: what its activation
-# would have set (the start, the function's timeout from the first start) and
-# what its completion sets (its output is set beside this).
+# would have set (the start, the function's timeout from the first start),
+# then what its completion sets.
 _BEGUN_AND_ENDED = (
-    "status = 'completed', started_at = coalesce(started_at, ironflow_now()),"
-    " deadline_at = coalesce(deadline_at, ironflow_now() + timeout_s),"
-    " ended_at = ironflow_now(), updated_at = ironflow_now()"
+    "started_at = coalesce(started_at, ironflow_now()),"
+    f" deadline_at = coalesce(deadline_at, ironflow_now() + timeout_s), {_ENDED}"
 )
 
 
@@ -469,22 +470,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             " RETURNING run_id, execution_seq, reservation_owner",
             (*(row[0] for row in rows), *(value for row in rows for value in row[:4])),
         )
-        if not taken:
-            return []
-        live = ", ".join("?" * len(taken))
-        tx.execute(
-            "UPDATE worker_credits SET claimed_run_id = NULL, claimed_execution_seq = NULL,"
-            f" held = 0 WHERE claimed_run_id IN ({live}) AND (session_id, claimed_run_id,"
-            " claimed_execution_seq) IN (VALUES " + ", ".join(["(?, ?, ?)"] * len(taken)) + ")",
-            (*(row[0] for row in taken), *(v for run_id, seq, session in taken for v in (session, run_id, seq))),
-        )
-        outputs = {row[0]: row[4] for row in rows}
-        return tx.fetchall(
-            "WITH v (run_id, output) AS (VALUES " + ", ".join(["(?, ?)"] * len(taken)) + ")"
-            f" UPDATE runs SET {_BEGUN_AND_ENDED}, output = v.output FROM v WHERE runs.id = v.run_id"
-            f" RETURNING id, parent_run_id, parent_step_id, {RUN_END_FIGURES}, {_AUDIT_FLAG}",
-            tuple(v for row in taken for v in (row[0], outputs[row[0]])),
-        )
+        return FenceOps._end_taken_per_table(tx, rows, taken, _BEGUN_AND_ENDED)
 
     @staticmethod
     def _complete_fenced(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
@@ -499,8 +485,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             " k AS (UPDATE worker_credits w SET claimed_run_id = NULL,"
             " claimed_execution_seq = NULL, held = 0 FROM l WHERE w.session_id = l.session_id"
             " AND w.claimed_run_id = l.run_id AND w.claimed_execution_seq = l.execution_seq)"
-            " UPDATE runs SET status = 'completed', output = l.output,"
-            " ended_at = ironflow_now(), updated_at = ironflow_now() FROM l"
+            f" UPDATE runs SET {_ENDED}, output = l.output FROM l"
             f" WHERE runs.id = l.run_id RETURNING runs.id, parent_run_id, parent_step_id,"
             f" {RUN_END_FIGURES}, {_AUDIT_FLAG}",
             tuple(value for row in rows for value in row),
@@ -524,6 +509,17 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             " RETURNING run_id, execution_seq, session_id",
             (*run_ids, *(value for row in rows for value in row[:4])),
         )
+        return FenceOps._end_taken_per_table(tx, rows, taken, _ENDED)
+
+    @staticmethod
+    def _end_taken_per_table(
+        tx: Tx, rows: list[tuple[Any, ...]], taken: list[tuple[Any, ...]], ends: str
+    ) -> list[tuple[Any, ...]]:
+        """SQLite: the segments ``taken`` (run, seq, session: their fence
+        proven by the caller's DELETE) have their credits freed and their runs
+        set by ``ends``, each with its output from ``rows`` (run, …, output
+        fifth). Per run: its id, parent run, parent step, function, duration,
+        audit flag."""
         if not taken:
             return []
         live = ", ".join("?" * len(taken))
@@ -536,10 +532,8 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         outputs = {row[0]: row[4] for row in rows}
         return tx.fetchall(
             "WITH v (run_id, output) AS (VALUES " + ", ".join(["(?, ?)"] * len(taken)) + ")"
-            " UPDATE runs SET status = 'completed', output = v.output,"
-            " ended_at = ironflow_now(), updated_at = ironflow_now() FROM v"
-            " WHERE runs.id = v.run_id RETURNING id, parent_run_id, parent_step_id,"
-            f" {RUN_END_FIGURES}, {_AUDIT_FLAG}",
+            f" UPDATE runs SET {ends}, output = v.output FROM v WHERE runs.id = v.run_id"
+            f" RETURNING id, parent_run_id, parent_step_id, {RUN_END_FIGURES}, {_AUDIT_FLAG}",
             tuple(v for row in taken for v in (row[0], outputs[row[0]])),
         )
 

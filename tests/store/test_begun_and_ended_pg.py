@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import psycopg
 import pytest
-import trio
 
 from ironflow.store import StaleExecution, StepResult
-from tests.store.test_pg_races import lock_waiters, wait_until
+from tests.store.test_pg_races import beside_a_holder
 from tests.store.test_store_behaviour import LEASE, emit, fence_of, reserve, worker
 
 STEPS = [StepResult("s1", "one", "completed", 1)]
@@ -21,22 +20,12 @@ async def beside_the_queue_row_holder(store, pg_url, fence, holder_sql: str, the
     connection's transaction has run ``holder_sql`` on its queue row; once the
     completion waits for that row, the holder ends with ``then`` (commit or
     rollback). The completion's outcome and whether it waited."""
-    out = {}
-
-    async def complete() -> None:
-        out["result"] = await store.complete_jobs(
-            [(fence, "done", STEPS)], activate=frozenset({fence.run_id}), lease_expiry_s=LEASE
-        )
-
     with psycopg.connect(pg_url) as holder:
         holder.execute(holder_sql, (fence.run_id,))
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(complete)
-            waited = await trio.to_thread.run_sync(
-                lambda: wait_until(lambda: "result" in out or lock_waiters(pg_url) > 0)
-            ) and "result" not in out
-            getattr(holder, then)()
-    return out["result"][0], waited
+        (result,), waited = await beside_a_holder(pg_url, holder, lambda: store.complete_jobs(
+            [(fence, "done", STEPS)], activate=frozenset({fence.run_id}), lease_expiry_s=LEASE
+        ), then)
+    return result, waited
 
 
 async def test_a_reservation_freed_while_the_segment_ends_is_not_taken(postgres_store, pg_url):

@@ -12,7 +12,7 @@ from ironflow.protocol import Concurrency
 from ironflow.store.core import lock_id
 from ironflow.store.dispatch_flow import conc_lock
 from ironflow.store.postgres import PostgresStore
-from tests.store.test_pg_races import lock_waiters, wait_until
+from tests.store.test_pg_races import beside_a_holder, lock_waiters, wait_until
 from tests.store.test_store_behaviour import emit, fn, reserve, worker
 
 
@@ -79,23 +79,12 @@ async def test_a_limited_function_is_counted_under_its_lock_even_unseen(
 
 async def _reserve_beside_a_session_holder(store: PostgresStore, pg_url: str, session, then: str):
     """A reservation round while a second connection's transaction holds the
-    session row as a DRAINING nack does (draining set, the nacked run queued
-    again); once the round waits for that row, the holder ends with ``then``.
-    The round's reservations and whether it waited."""
-    out: dict[str, object] = {}
-
-    async def run() -> None:
-        out["made"] = await reserve(store, session)
-
+    session row as a DRAINING nack does (draining set); once the round waits
+    for that row, the holder ends with ``then``. The round's reservations and
+    whether it waited."""
     with psycopg.connect(pg_url) as holder:
         holder.execute("UPDATE worker_sessions SET draining = 1 WHERE id = %s", (session.session_id,))
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(run)
-            waited = await trio.to_thread.run_sync(
-                lambda: wait_until(lambda: "made" in out or lock_waiters(pg_url) > 0)
-            ) and "made" not in out
-            getattr(holder, then)()
-    return out["made"], waited
+        return await beside_a_holder(pg_url, holder, lambda: reserve(store, session), then)
 
 
 async def test_a_round_waits_for_a_draining_session_row_and_then_offers_it_nothing(

@@ -544,11 +544,11 @@ def _lease_expiry(url: str, run_id: str) -> float:
 
 
 async def beside_a_holder(
-    url: str, holder: psycopg.Connection[Any], call: Callable[[], Any]
+    url: str, holder: psycopg.Connection[Any], call: Callable[[], Any], end: str = "rollback"
 ) -> tuple[Any, bool]:
     """Run ``call`` (a store call) while ``holder``'s transaction holds its
     locks; its result, and whether it waited for one of them (then the holder
-    rolls back so that it can finish)."""
+    ends with ``end``, "rollback" or "commit", so that it can finish)."""
     out: dict[str, Any] = {}
 
     async def run() -> None:
@@ -560,7 +560,7 @@ async def beside_a_holder(
             lambda: wait_until(lambda: "result" in out or lock_waiters(url) > 0)
         ) and "result" not in out
         if waited:
-            holder.rollback()
+            getattr(holder, end)()
     return out["result"], waited
 
 
