@@ -47,6 +47,7 @@ from ironflow.store.core import (
     _RUN_COLS,
     _TERMINAL_SQL,
     INVOKED_EVENT,
+    MAX_STATEMENT_PARAMS,
     RUN_END_FIGURES,
     Tx,
     _enc,
@@ -54,7 +55,7 @@ from ironflow.store.core import (
     fence_join,
     token_hash,
 )
-from ironflow.store.steps import StepResultOps
+from ironflow.store.steps import _STEP_RESULT_UPSERT, _STEP_ROW_PARAMS, StepResultOps
 from ironflow.store.waits import WaitOps, park_locks
 
 # Whether the run's function records ordinary audit events, read in the same
@@ -407,9 +408,16 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), _enc(output))
             for (f, _), (_, output, _) in items
         ]
+        steps = self._step_rows([prepared for prepared, _ in items])
+        # PostgreSQL writes the unaudited runs' steps in the same statement
+        # when they fit one (no step twice: an upsert changes a row once).
+        folded = tx.combined and _one_statement(steps, len(rows) * 5 + len(steps) * _STEP_ROW_PARAMS)
         begun = {
             row[0]: row[1:]
-            for row in (self._begin_ended(tx, rows) if tx.combined else self._begin_ended_per_table(tx, rows))
+            for row in (
+                self._begin_ended(tx, rows, steps if folded else []) if tx.combined
+                else self._begin_ended_per_table(tx, rows)
+            )
         }
         fences = [(fence, fields) for (fence, fields), _ in items if fence.run_id in begun]
         for fence, _ in fences:
@@ -418,11 +426,13 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                     tx, "run.started", fence.run_id, begun[fence.run_id][2],
                     {"execution_seq": fence.execution_seq},
                 )
-        rows = self._step_rows(fences)
-        if any(begun[fence.run_id][4] for fence, _ in fences):
-            self._write_steps(tx, rows)
-        else:  # the common case: nothing to audit, every seq known
-            self._write_steps_unaudited(tx, rows, {fence.run_id: fence.execution_seq for fence, _ in fences})
+        audited = [row for row in steps if row[0] in begun and begun[row[0]][4]]
+        if folded or audited:
+            self._write_steps(tx, audited if folded else [row for row in steps if row[0] in begun])
+        else:  # nothing to audit, every seq known
+            self._write_steps_unaudited(
+                tx, [row for row in steps if row[0] in begun], {fence.run_id: fence.execution_seq for fence, _ in fences}
+            )
         return {
             fence.run_id: self._completed(tx, fence, output, begun[fence.run_id])
             for _, (fence, output, _) in items
@@ -430,13 +440,27 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         }
 
     @staticmethod
-    def _begin_ended(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    def _begin_ended(
+        tx: Tx, rows: list[tuple[Any, ...]], steps: list[tuple[Any, ...]]
+    ) -> list[tuple[Any, ...]]:
         """PostgreSQL: :meth:`_begin_and_complete`'s statement over ``rows``
         (run, seq, session, digest, output): the activation's DELETE
         (:meth:`_activate`, same conditions and lock order: the queue row,
         then the run row), the credit freed, the run completed with its start
-        figures. Per run: its id, parent run, parent step, function, duration,
-        audit flag."""
+        figures; and ``steps`` (:meth:`_step_rows`) of the runs it began whose
+        functions record no audit events, written under the seq the DELETE
+        proved (after the run rows, as a step written alone would be). Per
+        run: its id, parent run, parent step, function, duration, audit flag."""
+        written = (
+            ", sv (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
+            + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(steps))
+            + "), i AS (INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
+            " duration_ms, execution_seq, created_at, seq) SELECT sv.run_id, sv.step_id, sv.name,"
+            " 'run', sv.status, sv.output, sv.error, sv.duration_ms, q.execution_seq,"
+            " ironflow_now(), sv.seq FROM sv JOIN q ON q.run_id = sv.run_id"
+            " JOIN r ON r.id = sv.run_id WHERE coalesce(r.audited, 0) = 0"
+            f"{_STEP_RESULT_UPSERT})"
+        ) if steps else ""
         return tx.fetchall(
             "WITH v (run_id, execution_seq, session_id, digest, output) AS (VALUES "
             + ", ".join(["(?, ?, ?, ?, ?)"] * len(rows))
@@ -449,10 +473,11 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             " v.session_id, v.output),"
             " k AS (UPDATE worker_credits w SET claimed_run_id = NULL,"
             " claimed_execution_seq = NULL, held = 0 FROM q WHERE w.session_id = q.session_id"
-            " AND w.claimed_run_id = q.run_id AND w.claimed_execution_seq = q.execution_seq)"
-            f" UPDATE runs SET {_BEGUN_AND_ENDED}, output = q.output FROM q WHERE runs.id = q.run_id"
-            f" RETURNING runs.id, parent_run_id, parent_step_id, {RUN_END_FIGURES}, {_AUDIT_FLAG}",
-            tuple(value for row in rows for value in row),
+            " AND w.claimed_run_id = q.run_id AND w.claimed_execution_seq = q.execution_seq),"
+            f" r AS (UPDATE runs SET {_BEGUN_AND_ENDED}, output = q.output FROM q WHERE runs.id = q.run_id"
+            f" RETURNING runs.id, parent_run_id, parent_step_id, {RUN_END_FIGURES}, {_AUDIT_FLAG} AS audited)"
+            f"{written} SELECT * FROM r",
+            (*(value for row in rows for value in row), *(value for row in steps for value in row)),
         )
 
     @staticmethod
@@ -900,6 +925,12 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 ),
             ))
         return renewed
+
+
+def _one_statement(steps: list[tuple[Any, ...]], params: int) -> bool:
+    """Whether step rows (run and step id first) can go in one upsert of
+    ``params`` parameters: within the limit, and no (run, step) twice."""
+    return params <= MAX_STATEMENT_PARAMS and len({(row[0], row[1]) for row in steps}) == len(steps)
 
 
 def distinct_runs(items: Sequence[tuple[Fence, Any, list[StepResult]]]) -> bool:

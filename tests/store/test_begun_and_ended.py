@@ -119,3 +119,41 @@ async def test_a_completed_step_replayed_in_a_begun_segment_keeps_its_first_outp
     assert result.unwrap().status == "completed"
     steps = {x.step_id: (x.output, x.execution_seq) for x in (await store.get_run(first.run_id)).steps}
     assert steps == {"s1": (1, first.execution_seq), "s2": ({"x": 2}, again.execution_seq)}
+
+
+async def test_audited_and_quiet_functions_begun_together_each_leave_their_own_state(store):
+    """One group, a function that audits and one that does not: each run's
+    steps and audit trail are what its ack then its results would leave
+    (PostgreSQL writes the quiet one's steps in the completion's statement)."""
+    s = await worker(store, fn("loud", "order.created", audit=True), fn("quiet", "order.created"), slots=4)
+    await emit(store)
+    await emit(store)
+    fences = sorted((fence_of(r) for r in await reserve(store, s, limit=4)), key=lambda f: f.run_id)
+    kinds = {f.run_id: (await store.get_run_record(f.run_id)).function_id for f in fences}
+    by_fn: dict[str, list[Fence]] = {}
+    for f in fences:
+        by_fn.setdefault(kinds[f.run_id], []).append(f)
+    together = [by_fn["loud"][0], by_fn["quiet"][0]]
+    apart = [by_fn["loud"][1], by_fn["quiet"][1]]
+    for f in apart:
+        await store.activate_lease(f, lease_expiry_s=LEASE)
+    results = await begun_and_ended(store, [(f, "out", STEPS) for f in together])
+    assert [r.unwrap().status for r in results] == ["completed", "completed"]
+    for f in apart:
+        (r,) = await store.complete_jobs([(f, "out", STEPS)], lease_expiry_s=LEASE)
+        r.unwrap()
+    for t, a in zip(together, apart, strict=True):
+        assert await state_of(store, t.run_id) == await state_of(store, a.run_id)
+    assert "step.completed" in (await state_of(store, together[0].run_id))[2]
+
+
+async def test_a_step_sent_twice_in_one_segment_keeps_its_first_result(store):
+    """The same step id twice in one segment's results (an upsert may change
+    a row once per statement): written one after the other, the first
+    completed result stands."""
+    s = await worker(store, slots=1)
+    (fence,) = await reserved(store, s)
+    twice = [StepResult("s1", "one", "completed", 1), StepResult("s1", "one", "completed", 2)]
+    (result,) = await begun_and_ended(store, [(fence, "done", twice)])
+    assert result.unwrap().status == "completed"
+    assert [(x.step_id, x.output) for x in (await store.get_run(fence.run_id)).steps] == [("s1", 1)]
