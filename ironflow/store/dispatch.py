@@ -190,11 +190,11 @@ class DispatchOps(CapacityLoop):
                 )
             if not joined:
                 self._expire_reservations(tx)
-            if tx.combined:
-                credits, read = _read_credits_and_candidates(tx, session_ids, function_ids, limit)
-            else:
-                credits = tx.fetchall(_credits_sql(tx, len(session_ids)), session_ids)
-                read = []
+            # PostgreSQL reads the first candidates with the credits (one round trip).
+            credits, first = (
+                _read_credits_and_candidates(tx, session_ids, function_ids, limit) if tx.combined
+                else (tx.fetchall(_credits_sql(tx, len(session_ids)), session_ids), None)
+            )
             if not credits:
                 return []
             free: dict[str, list[int]] = {}
@@ -208,8 +208,7 @@ class DispatchOps(CapacityLoop):
             # — when a full concurrency key refused some — the heads of the
             # other keys, round robin.
             window = min(limit, len(credits)) * RESERVE_OVERSCAN
-            if not tx.combined:
-                read = _read_candidates(tx, function_ids, window)
+            read = _read_candidates(tx, function_ids, window) if first is None else first
             candidates = list(read)
             if not candidates:
                 return []

@@ -55,7 +55,7 @@ from ironflow.store.core import (
     fence_join,
     token_hash,
 )
-from ironflow.store.steps import _STEP_RESULT_UPSERT, _STEP_ROW_PARAMS, StepResultOps
+from ironflow.store.steps import _STEP_INSERT, _STEP_RESULT_UPSERT, _STEP_ROW_PARAMS, StepResultOps
 from ironflow.store.waits import WaitOps, park_locks
 
 # Whether the run's function records ordinary audit events, read in the same
@@ -183,14 +183,11 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             with it: never a run with neither."""
             return tx.fetchall(
                 f"WITH v (run_id, execution_seq, session_id, digest) AS (VALUES {values}),"
-                " q AS (DELETE FROM dispatch_queue d USING v JOIN worker_sessions s"
-                " ON s.id = v.session_id WHERE d.run_id = v.run_id"
-                " AND d.execution_seq = v.execution_seq AND d.reservation_owner = v.session_id"
-                " AND d.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
-                " WHERE id = v.run_id AND current_execution_seq = v.execution_seq"
-                f" AND status NOT IN {_TERMINAL_SQL}) RETURNING d.run_id, d.execution_seq,"
-                " d.function_id, d.concurrency_key, v.session_id, s.node_id, v.digest,"
-                " d.reserved_at, d.reservation_snapshot),"
+                + _taken_reservations(
+                    "d.run_id, d.execution_seq, d.function_id, d.concurrency_key, v.session_id,"
+                    " s.node_id, v.digest, d.reserved_at, d.reservation_snapshot"
+                )
+                + ","
                 " l AS (INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
                 " concurrency_key, session_id, node_id, lease_token_hash, expires_at,"
                 " activated_at, began_at, began_snapshot) SELECT q.run_id, q.execution_seq,"
@@ -210,17 +207,12 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             writer makes the three one step). ``run_id IN`` beside the row-value list keeps SQLite on the primary
             key (a row-value list of several rows alone makes it scan)."""
             taken = tx.fetchall(
-                "DELETE FROM dispatch_queue WHERE run_id IN (" + ", ".join("?" * len(rows)) + ")"
-                " AND (run_id, execution_seq, reservation_owner, lease_token_hash) IN (VALUES "
-                + ", ".join(["(?, ?, ?, ?)"] * len(rows)) + ")"
-                " AND EXISTS (SELECT 1 FROM runs WHERE id = dispatch_queue.run_id"
-                " AND current_execution_seq = dispatch_queue.execution_seq"
-                f" AND status NOT IN {_TERMINAL_SQL})"
-                # A gone session's acks are refused: its queue rows stay.
-                " AND EXISTS (SELECT 1 FROM worker_sessions WHERE id = dispatch_queue.reservation_owner)"
-                " RETURNING run_id, execution_seq, function_id, concurrency_key,"
-                " reservation_owner, lease_token_hash, reserved_at,"
-                " (SELECT node_id FROM worker_sessions WHERE id = dispatch_queue.reservation_owner)",
+                _take_reservations_per_table(
+                    len(rows),
+                    "run_id, execution_seq, function_id, concurrency_key, reservation_owner,"
+                    " lease_token_hash, reserved_at,"
+                    " (SELECT node_id FROM worker_sessions WHERE id = dispatch_queue.reservation_owner)",
+                ),
                 (*(row[0] for row in rows), *flat),
             )
             if not taken:
@@ -454,8 +446,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         written = (
             ", sv (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
             + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(steps))
-            + "), i AS (INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
-            " duration_ms, execution_seq, created_at, seq) SELECT sv.run_id, sv.step_id, sv.name,"
+            + f"), i AS ({_STEP_INSERT} SELECT sv.run_id, sv.step_id, sv.name,"
             " 'run', sv.status, sv.output, sv.error, sv.duration_ms, q.execution_seq,"
             " ironflow_now(), sv.seq FROM sv JOIN q ON q.run_id = sv.run_id"
             " JOIN r ON r.id = sv.run_id WHERE coalesce(r.audited, 0) = 0"
@@ -464,13 +455,9 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         return tx.fetchall(
             "WITH v (run_id, execution_seq, session_id, digest, output) AS (VALUES "
             + ", ".join(["(?, ?, ?, ?, ?)"] * len(rows))
-            + "), q AS (DELETE FROM dispatch_queue d USING v JOIN worker_sessions s"
-            " ON s.id = v.session_id WHERE d.run_id = v.run_id"
-            " AND d.execution_seq = v.execution_seq AND d.reservation_owner = v.session_id"
-            " AND d.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
-            " WHERE id = v.run_id AND current_execution_seq = v.execution_seq"
-            f" AND status NOT IN {_TERMINAL_SQL}) RETURNING d.run_id, d.execution_seq,"
-            " v.session_id, v.output),"
+            + "), "
+            + _taken_reservations("d.run_id, d.execution_seq, v.session_id, v.output")
+            + ","
             " k AS (UPDATE worker_credits w SET claimed_run_id = NULL,"
             " claimed_execution_seq = NULL, held = 0 FROM q WHERE w.session_id = q.session_id"
             " AND w.claimed_run_id = q.run_id AND w.claimed_execution_seq = q.execution_seq),"
@@ -485,14 +472,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         """SQLite (no data-modifying WITH): :meth:`_begin_ended` in one
         statement per table (its single writer makes them one step)."""
         taken = tx.fetchall(
-            "DELETE FROM dispatch_queue WHERE run_id IN (" + ", ".join("?" * len(rows)) + ")"
-            " AND (run_id, execution_seq, reservation_owner, lease_token_hash) IN (VALUES "
-            + ", ".join(["(?, ?, ?, ?)"] * len(rows)) + ")"
-            " AND EXISTS (SELECT 1 FROM runs WHERE id = dispatch_queue.run_id"
-            " AND current_execution_seq = dispatch_queue.execution_seq"
-            f" AND status NOT IN {_TERMINAL_SQL})"
-            " AND EXISTS (SELECT 1 FROM worker_sessions WHERE id = dispatch_queue.reservation_owner)"
-            " RETURNING run_id, execution_seq, reservation_owner",
+            _take_reservations_per_table(len(rows), "run_id, execution_seq, reservation_owner"),
             (*(row[0] for row in rows), *(value for row in rows for value in row[:4])),
         )
         return FenceOps._end_taken_per_table(tx, rows, taken, _BEGUN_AND_ENDED)
@@ -925,6 +905,41 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 ),
             ))
         return renewed
+
+
+def _taken_reservations(returning: str) -> str:
+    """PostgreSQL: the CTE ``q`` deleting the queue row of each live
+    reservation in ``v`` (run_id, execution_seq, session_id, digest, …):
+    reserved for that session, with that token, the session's row still
+    there (the join: an ack from a session removed since its reservation
+    takes nothing, issue #21 race 1), the run at that seq and not ended.
+    The fence of an activation and of a segment begun and ended at once."""
+    return (
+        "q AS (DELETE FROM dispatch_queue d USING v JOIN worker_sessions s"
+        " ON s.id = v.session_id WHERE d.run_id = v.run_id"
+        " AND d.execution_seq = v.execution_seq AND d.reservation_owner = v.session_id"
+        " AND d.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
+        " WHERE id = v.run_id AND current_execution_seq = v.execution_seq"
+        f" AND status NOT IN {_TERMINAL_SQL}) RETURNING {returning})"
+    )
+
+
+def _take_reservations_per_table(n: int, returning: str) -> str:
+    """SQLite: :func:`_taken_reservations` as a statement over ``n``
+    reservations (parameters: the n run ids, then run, seq, session, digest
+    of each). ``run_id IN`` beside the row-value list keeps SQLite on the
+    primary key (a row-value list of several rows alone makes it scan)."""
+    return (
+        "DELETE FROM dispatch_queue WHERE run_id IN (" + ", ".join("?" * n) + ")"
+        " AND (run_id, execution_seq, reservation_owner, lease_token_hash) IN (VALUES "
+        + ", ".join(["(?, ?, ?, ?)"] * n) + ")"
+        " AND EXISTS (SELECT 1 FROM runs WHERE id = dispatch_queue.run_id"
+        " AND current_execution_seq = dispatch_queue.execution_seq"
+        f" AND status NOT IN {_TERMINAL_SQL})"
+        # A gone session's acks are refused: its queue rows stay.
+        " AND EXISTS (SELECT 1 FROM worker_sessions WHERE id = dispatch_queue.reservation_owner)"
+        f" RETURNING {returning}"
+    )
 
 
 def _one_statement(steps: list[tuple[Any, ...]], params: int) -> bool:

@@ -25,6 +25,11 @@ _STEP_AUDITED_FUNCTION = (
     "(SELECT f.id FROM runs r JOIN functions f ON f.id = r.function_id"
     " WHERE r.id = steps.run_id AND f.audit = 1)"
 )
+# The columns a step result's row is written with (step.run's kind).
+_STEP_INSERT = (
+    "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
+    " duration_ms, execution_seq, created_at, seq)"
+)
 # Bind parameters of one step row in the step-result INSERT.
 _STEP_ROW_PARAMS = 8
 
@@ -155,8 +160,7 @@ class StepResultOps(SqlStoreBase):
             written = tx.fetchall(
                 "WITH v (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
                 + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
-                + ") INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
-                " duration_ms, execution_seq, created_at, seq)"
+                + f") {_STEP_INSERT}"
                 " SELECT v.run_id, v.step_id, v.name, 'run', v.status, v.output, v.error,"
                 " v.duration_ms, (SELECT current_execution_seq FROM runs WHERE id = v.run_id),"
                 " ironflow_now(), v.seq FROM v WHERE true"
@@ -173,8 +177,7 @@ class StepResultOps(SqlStoreBase):
         seq): the same rows, no per-row reads of the run and its function."""
         for chunk in _statement_chunks(rows, _STEP_ROW_PARAMS + 1):
             tx.execute(
-                "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
-                " duration_ms, execution_seq, created_at, seq) VALUES "
+                f"{_STEP_INSERT} VALUES "
                 + ", ".join(["(?, ?, ?, 'run', ?, ?, ?, ?, ?, ironflow_now(), ?)"] * len(chunk))
                 + _STEP_RESULT_UPSERT,
                 tuple(value for row in chunk for value in (*row[:7], seqs[row[0]], row[7])),
@@ -206,8 +209,7 @@ class StepResultOps(SqlStoreBase):
                 f" WHERE {fence_join('c', 'f')} ORDER BY c.run_id {tx.key_share_lock('c')}),"
                 " v (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
                 + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
-                + "), i AS (INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
-                " duration_ms, execution_seq, created_at, seq)"
+                + f"), i AS ({_STEP_INSERT}"
                 " SELECT v.run_id, v.step_id, v.name, 'run', v.status, v.output, v.error,"
                 " v.duration_ms, live.execution_seq, ironflow_now(), v.seq FROM v, live"
                 " WHERE live.run_id = v.run_id"
