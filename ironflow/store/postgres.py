@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import math
 import queue
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -106,6 +107,13 @@ ACTOR_CONNECTIONS = 2
 # Server-side prepared statements per connection: above the number of distinct
 # statements the store issues; beyond it a statement runs unprepared.
 PREPARED_MAX = 512
+# A statement whose best plan may depend on a parameter's value — a range
+# (``<``, ``>``, ``<=``, ``>=`` against one) or a ``LIMIT`` — is planned
+# with its values at every execution (libpq's unnamed statement); every
+# other statement is prepared and planned once, generically (the actors'
+# connections run with ``plan_cache_mode = force_generic_plan``, see
+# ``_Actor._connect``).
+_VALUE_PLANNED = re.compile(r"(?:(?<!<)[<>]=?\s*\?)|(?:\?\s*[<>])|(?:LIMIT\s+\?)|(?:OFFSET\s+\?)", re.IGNORECASE)
 # LISTEN/NOTIFY channel that carries dispatcher kicks between nodes.
 KICK_CHANNEL = "ironflow_kick"
 # LISTEN/NOTIFY channel that carries the ids of ended runs (comma-separated),
@@ -185,7 +193,7 @@ class _PgTx:
         """Run one statement; keep its rows for fetch*; return its row count."""
         adapted = _text_params(params)
         if adapted is None:
-            self._cur.execute(pg_sql(sql), params, prepare=True)
+            self._cur.execute(pg_sql(sql), params, prepare=not _VALUE_PLANNED.search(sql))
             self._rows = self._cur.fetchall() if self._cur.description is not None else []
             return self._cur.rowcount
         values, oids = adapted
@@ -194,9 +202,13 @@ class _PgTx:
         if name is None:
             if len(self._prepared) >= PREPARED_MAX:
                 return self._check(self._pgconn.exec_params(numbered(sql), values, oids))
-            name = f"ironflow_{len(self._prepared)}".encode()
-            self._check(self._pgconn.prepare(name, numbered(sql), oids))
+            # b"": planned with its values each time (never prepared).
+            name = b"" if _VALUE_PLANNED.search(sql) else f"ironflow_{len(self._prepared)}".encode()
+            if name:
+                self._check(self._pgconn.prepare(name, numbered(sql), oids))
             self._prepared[key] = name
+        if not name:
+            return self._check(self._pgconn.exec_params(numbered(sql), values, oids))
         # libpq takes None as NULL (psycopg's own calls pass it); its stub says bytes only.
         return self._check(self._pgconn.exec_prepared(name, values))  # type: ignore[arg-type]
 
@@ -264,6 +276,12 @@ class _PgTx:
         """A statement of the actor's own (BEGIN, SAVEPOINT, COMMIT…), no parameters."""
         self._check(self._pgconn.exec_(sql.encode()))
 
+    @property
+    def begun(self) -> bool:
+        """Whether a transaction is open on the connection (the last group's
+        ``COMMIT; BEGIN``, see ``_commit``)."""
+        return self._pgconn.transaction_status == pq.TransactionStatus.INTRANS
+
     def begin(self, batch: Sequence[_Request]) -> None:
         """BEGIN, then every named lock the group's calls asked for: sorted by
         lock number, each in the strongest mode any call wants (exclusive over
@@ -272,24 +290,21 @@ class _PgTx:
         no two groups wait for each other on them (the deadlocks of issue #21's
         race 6, where each call took its idempotency lock when it ran).
 
-        A group all of whose calls were queued with ``synchronous_commit=False``
-        turns it off for this transaction only (``SET LOCAL``, same round
-        trip); one call that did not say so keeps the whole group waiting for
-        its flush."""
+        A transaction the last group's COMMIT already began (``begun``) is
+        used as it is: a group without named locks then costs no round trip
+        here."""
         wanted: dict[int, bool] = {}
         for req in batch:
             for name, exclusive in req.locks:
                 number = lock_id(name)
                 wanted[number] = wanted.get(number, False) or exclusive
-        flush = any(req.synchronous_commit for req in batch)
-        self.raw("; ".join([
-            "BEGIN",
-            *([] if flush else ["SET LOCAL synchronous_commit TO off"]),
-            *(
-                f"SELECT pg_advisory_xact_lock{'' if exclusive else '_shared'}({number})"
-                for number, exclusive in sorted(wanted.items())
-            ),
-        ]))
+        statements = [] if self.begun else ["BEGIN"]
+        statements += [
+            f"SELECT pg_advisory_xact_lock{'' if exclusive else '_shared'}({number})"
+            for number, exclusive in sorted(wanted.items())
+        ]
+        if statements:
+            self.raw("; ".join(statements))
 
 
 class _Request:
@@ -344,6 +359,13 @@ class _Actor:
         self._losses = self._store.connection_losses
         conn = connect(self._store.url)
         conn.prepared_max = PREPARED_MAX
+        # A prepared statement's plan made once, for any values: PostgreSQL's
+        # default plans the first five executions of each with their values
+        # (``auto``), and a group's statements have one text per row count
+        # (its VALUES rows, its IN list), so most executions were planned
+        # anew. Statements whose plan may depend on a value are never
+        # prepared (``_VALUE_PLANNED``).
+        conn.execute("SET plan_cache_mode = force_generic_plan")
         self._prepared = {}  # statements are prepared per connection
         self._pid = conn.info.backend_pid
         self._store.own_backends.add(self._pid)
@@ -358,7 +380,10 @@ class _Actor:
         try:
             stop = False
             while not stop:
-                batch, stop = self._store._take(block=not retry, room=MAX_GROUP - len(retry))
+                batch, stop = self._store._take(block=False, room=MAX_GROUP - len(retry))
+                if not batch and not stop and not retry:
+                    self._end_begun()  # nothing to do: no transaction left open while waiting
+                    batch, stop = self._store._take(block=True, room=MAX_GROUP)
                 batch = retry + batch
                 retry = self._run_group(batch) if batch else []
             for req in retry:
@@ -379,9 +404,9 @@ class _Actor:
             if self._conn is None or self._conn.closed:
                 self._conn = self._connect()
             tx = self._store.tx_class(self._conn, self._prepared)
-            results = self._optimistic(tx, batch)
+            results = self._optimistic(tx, batch, self._more_queued)
             if results is None:
-                results, retry = self._careful(tx, batch)
+                results, retry = self._careful(tx, batch, self._more_queued)
         except BaseException as exc:  # the connection or the COMMIT failed: every caller hears it
             self._discard_connection()
             results = [outcome.Error(exc) for _ in batch]  # one each: an outcome unwraps once
@@ -389,6 +414,19 @@ class _Actor:
         hand_back((req.token, req.deliver, result) for req, result in zip(batch, results, strict=True)
                   if result is not None)
         return retry
+
+    def _end_begun(self) -> None:
+        """Roll back the transaction the last group's COMMIT began (see
+        ``_commit``) when no group came to use it."""
+        conn = self._conn
+        if conn is None or conn.pgconn.transaction_status != pq.TransactionStatus.INTRANS:
+            return
+        try:
+            conn.pgconn.exec_(b"ROLLBACK")
+        except Exception:
+            pass
+        if conn.pgconn.transaction_status != pq.TransactionStatus.IDLE:
+            self._discard_connection()  # broken: the next group opens a fresh one
 
     def _discard_connection(self, *, lost: bool = True) -> None:
         if lost and self._conn is not None:
@@ -400,8 +438,14 @@ class _Actor:
             except Exception:
                 pass  # already broken; a fresh one is opened for the next group
 
+    def _more_queued(self) -> bool:
+        """Whether a call is waiting for a group (this actor's next, likely)."""
+        return not self._store._requests.empty()
+
     @staticmethod
-    def _optimistic(tx: _PgTx, batch: list[_Request]) -> list[outcome.Outcome[Any] | None] | None:
+    def _optimistic(
+        tx: _PgTx, batch: list[_Request], more_queued: Callable[[], bool]
+    ) -> list[outcome.Outcome[Any] | None] | None:
         """Every call in one transaction, no savepoints; ``None`` (rolled back) if one failed."""
         values: list[outcome.Outcome[Any] | None] = []
         notify = False
@@ -417,12 +461,12 @@ class _Actor:
                 return None
             notify = notify or tx.notify_wanted
             ended += tx.ended
-        _commit(tx, notify, ended)
+        _commit(tx, batch, notify, ended, then_begin=more_queued())
         return values
 
     @staticmethod
     def _careful(
-        tx: _PgTx, batch: list[_Request]
+        tx: _PgTx, batch: list[_Request], more_queued: Callable[[], bool]
     ) -> tuple[list[outcome.Outcome[Any] | None], list[_Request]]:
         """Every call under its own SAVEPOINT: a failure undoes only its own call."""
         results: list[outcome.Outcome[Any] | None] = []
@@ -459,21 +503,40 @@ class _Actor:
                 notify = notify or tx.notify_wanted
                 ended += tx.ended
             tx.raw("RELEASE SAVEPOINT call")
-        _commit(tx, notify, ended)
+        _commit(tx, batch, notify, ended, then_begin=more_queued())
         return results, retry
 
 
-def _commit(tx: _PgTx, notify: bool, ended: list[str]) -> None:
+def _commit(tx: _PgTx, batch: Sequence[_Request], notify: bool, ended: list[str], *, then_begin: bool) -> None:
     """The group's NOTIFYs and its COMMIT, in one round trip (one simple
     query of several statements: a NOTIFY that fails leaves the COMMIT unrun
-    and the group rolled back, as when each was its own round trip)."""
+    and the group rolled back, as when each was its own round trip).
+
+    A group all of whose calls were queued with ``synchronous_commit=False``
+    turns it off for this transaction only (``SET LOCAL`` in the same round
+    trip: the setting is read at COMMIT); one call that did not say so keeps
+    the whole group waiting for its flush.
+
+    ``then_begin`` (calls are queued for a next group): the next transaction
+    begins in the same round trip, so the next group's ``begin`` costs none
+    unless it takes named locks. An open transaction that has run no
+    statement holds no snapshot and no lock (READ COMMITTED takes a snapshot
+    per statement); its ``now()``, the database clock ``ironflow_now()``
+    reads, is this COMMIT's moment, earlier than the next group's start by
+    the time the actor takes to pick that group up. An actor that finds
+    nothing to take rolls it back before it waits (``_Actor._loop``)."""
+    statements = [] if any(req.synchronous_commit for req in batch) else ["SET LOCAL synchronous_commit TO off"]
     # The kick: delivered at COMMIT to every node's kick listener, one per group.
-    notices = [f"SELECT pg_notify({_literal(KICK_CHANNEL)}, '')"] if notify else []
-    notices += [
+    if notify:
+        statements.append(f"SELECT pg_notify({_literal(KICK_CHANNEL)}, '')")
+    statements += [
         f"SELECT pg_notify({_literal(RUN_END_CHANNEL)}, {_literal(payload)})" for payload in _id_payloads(ended)
     ]
+    statements.append("COMMIT")
+    if then_begin:
+        statements.append("BEGIN")
     try:
-        tx.raw("; ".join([*notices, "COMMIT"]))
+        tx.raw("; ".join(statements))
     except psycopg.OperationalError as exc:
         # The connection broke during COMMIT: the server may have committed.
         raise CommitOutcomeUnknown(f"the database connection failed while committing: {exc}") from exc

@@ -163,15 +163,17 @@ class PausingTx(_PgTx):
         self.pauses.pause()
         super().advisory_lock(key)
 
+    def begin(self, batch: Any) -> None:
+        # BEGIN and the group's named locks, if any (the BEGIN itself may have
+        # come with the last group's COMMIT: _commit's ``then_begin``).
+        super().begin(batch)
+        now = self.hold.epoch_now(self.base)
+        super().fetchone(f"SELECT set_config('{SIM_NOW_SETTING}', ?, true)", (repr(now),))
+        self.begun_at = next(_numbers)
+        self.on_commit = []
+
     def raw(self, sql: str) -> None:
-        if sql.startswith("BEGIN"):  # and the group's named locks, if any
-            super().raw(sql)
-            now = self.hold.epoch_now(self.base)
-            super().fetchone(f"SELECT set_config('{SIM_NOW_SETTING}', ?, true)", (repr(now),))
-            self.begun_at = next(_numbers)
-            self.on_commit = []
-            return
-        if sql.rpartition("; ")[2] == "COMMIT":  # the group's NOTIFYs may come first
+        if "COMMIT" in sql.split("; "):  # NOTIFYs may come first, the next BEGIN after
             self.pauses.pause()
             super().raw(sql)
             n = next(_numbers)

@@ -75,17 +75,27 @@ def recording_store(url: str) -> tuple[PostgresStore, list[Commit]]:
             self.statements.append(sql)
             super().executemany(sql, rows)
 
+        def begin(self, batch: Any) -> None:
+            self.statements = []
+            super().begin(batch)
+
         def raw(self, sql: str) -> None:
-            if sql.startswith("BEGIN"):
-                self.statements = []
-            elif sql.rpartition("; ")[2] == "COMMIT":  # the group's NOTIFYs may come first
-                row = self.fetchone(
-                    "SELECT current_setting('synchronous_commit'),"
-                    " pg_current_xact_id_if_assigned() IS NOT NULL"
-                )
-                assert row is not None
-                commits.append((str(row[0]), bool(row[1]), self.statements[:-1]))
-            super().raw(sql)
+            parts = sql.split("; ")
+            if "COMMIT" not in parts:
+                super().raw(sql)
+                return
+            # The group's setting comes with its COMMIT (then NOTIFYs, COMMIT,
+            # perhaps the next BEGIN): applied first, then read.
+            setting = [part for part in parts if part.startswith("SET LOCAL")]
+            for part in setting:
+                super().raw(part)
+            row = self.fetchone(
+                "SELECT current_setting('synchronous_commit'),"
+                " pg_current_xact_id_if_assigned() IS NOT NULL"
+            )
+            assert row is not None
+            commits.append((str(row[0]), bool(row[1]), self.statements[:-1]))
+            super().raw("; ".join(part for part in parts if part not in setting))
 
     class RecordingStore(PostgresStore):
         tx_class = RecordingTx

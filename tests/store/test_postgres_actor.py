@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 from typing import Any
 
 import psycopg
 import pytest
 import trio
 
-from ironflow.store.core import Tx
-from ironflow.store.postgres import PostgresStore
+from ironflow.store.core import Tx, lock_id
+from ironflow.store.postgres import PostgresStore, _PgTx
 
 # Long enough for a blocked actor thread to be noticed as blocked, short for a test.
 SETTLE_S = 0.2
@@ -290,3 +291,123 @@ async def test_a_retried_call_of_a_chain_takes_the_rest_of_its_chain_with_it(sto
     assert isinstance(other, int) and first is None
     assert second is True  # ran after the retried call, not before it
     assert attempts["n"] == 3 and set(rows(pg_url)) == {"other", "first", "second"}
+
+
+def recording_store(url: str) -> tuple[PostgresStore, list[str]]:
+    """A one-connection store recording the actor's own statements (BEGIN,
+    named locks, COMMIT…) in the order they were sent."""
+    sent: list[str] = []
+
+    class RecordingTx(_PgTx):
+        def raw(self, sql: str) -> None:
+            sent.append(sql)
+            super().raw(sql)
+
+    class RecordingStore(PostgresStore):
+        tx_class = RecordingTx
+
+    return RecordingStore(url, connections=1), sent
+
+
+async def actor_backend_state(store: PostgresStore, url: str, state: str) -> None:
+    """Until the actor's backend is in ``state`` (pg_stat_activity)."""
+    [pid] = store.own_backends
+    with psycopg.connect(url, autocommit=True) as conn, trio.fail_after(10):
+        while conn.execute("SELECT state FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone() != (state,):
+            await trio.sleep(0.01)
+
+
+@pytest.fixture
+async def recorded(pg_url: str) -> AsyncIterator[tuple[PostgresStore, list[str]]]:
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE scratch (k TEXT PRIMARY KEY, n INT NOT NULL DEFAULT 0)")
+    store, sent = recording_store(pg_url)
+    await store.open()
+    try:
+        yield store, sent
+    finally:
+        await store.close()
+
+
+async def test_a_group_queued_behind_a_commit_runs_in_the_transaction_that_commit_began(recorded, pg_url):
+    """A commit with calls queued behind it begins the next transaction in
+    the same round trip, and the next group sends no BEGIN of its own; the
+    last group, with nothing queued, leaves no transaction open."""
+    store, sent = recorded
+    gate = Gate()
+    txids: list[int] = []
+
+    async def call(key: str) -> None:
+        txids.append(await store._transact(insert(key)))
+
+    async with trio.open_nursery() as nursery:
+        await gate.hold(store, nursery)
+        nursery.start_soon(call, "a")
+        await trio.sleep(SETTLE_S)  # queued behind the gate
+        gate.opened.set()
+    assert sent == ["BEGIN", "COMMIT; BEGIN", "COMMIT"]
+    assert rows(pg_url) == {"a": 0} and len(txids) == 1
+    await actor_backend_state(store, pg_url, "idle")
+    # The next call, alone, begins its own transaction again.
+    await call("b")
+    assert sent[3:] == ["BEGIN", "COMMIT"] and rows(pg_url) == {"a": 0, "b": 0}
+
+
+async def test_a_begun_transaction_no_group_came_for_is_rolled_back_before_the_actor_waits(recorded, pg_url):
+    """The call queued behind the commit was withdrawn by its cancelled
+    caller: the transaction begun for it is rolled back, not left open."""
+    store, sent = recorded
+    gate = Gate()
+    async with trio.open_nursery() as nursery:
+        await gate.hold(store, nursery)
+        with trio.move_on_after(SETTLE_S):
+            await store._transact(insert("withdrawn"))
+        gate.opened.set()
+    assert sent == ["BEGIN", "COMMIT; BEGIN"]  # the gate's commit began one for the queued call
+    await actor_backend_state(store, pg_url, "idle")  # not "idle in transaction"
+    assert rows(pg_url) == {}
+
+
+async def test_a_group_in_a_begun_transaction_still_takes_its_named_locks_first(recorded, pg_url):
+    """Named locks (``locks=``) are taken before the group's first statement
+    whether the group sent BEGIN or its transaction was begun by the last
+    commit: then they are the only statement of its ``begin``."""
+    store, sent = recorded
+    gate = Gate()
+    held: list[int] = []
+
+    def advisory_locks_held(tx: Tx) -> None:
+        row = tx.fetchone(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND pid = pg_backend_pid()"
+        )
+        assert row is not None
+        held.append(int(row[0]))
+
+    async with trio.open_nursery() as nursery:
+        await gate.hold(store, nursery)
+        nursery.start_soon(partial(store._transact, advisory_locks_held, [("scratch:k", True)]))
+        await trio.sleep(SETTLE_S)
+        gate.opened.set()
+    assert sent == ["BEGIN", "COMMIT; BEGIN", f"SELECT pg_advisory_xact_lock({lock_id('scratch:k')})", "COMMIT"]
+    assert held == [1]
+
+
+async def test_a_statement_is_planned_once_for_any_values_unless_its_plan_may_depend_on_one(store, pg_url):
+    """A statement is prepared and run on its generic plan from its first
+    execution (a group's statements have one text per row count, so
+    PostgreSQL's default — the first five executions planned with their
+    values — planned most of them anew); one with a range or a LIMIT on a
+    parameter is never prepared: planned with its values every time."""
+
+    def work(tx: Tx) -> list[tuple[Any, ...]]:
+        for i in range(3):
+            tx.execute("INSERT INTO scratch (k) VALUES (?), (?)", (f"a{i}", f"b{i}"))
+        for limit in range(3):
+            tx.fetchall("SELECT k FROM scratch WHERE n = ? ORDER BY k LIMIT ?", (0, limit))
+            tx.fetchall("SELECT k FROM scratch WHERE n >= ?", (limit,))
+        return tx.fetchall("SELECT statement, generic_plans, custom_plans FROM pg_prepared_statements")
+
+    [(statement, generic, custom)] = [
+        row for row in await store._transact(work) if "pg_prepared_statements" not in row[0]
+    ]
+    assert statement.startswith("INSERT INTO scratch") and (generic, custom) == (3, 0)
