@@ -24,11 +24,16 @@ from ironflow.store.postgres import PostgresStore, _PgTx
 SETTLE_S = 0.2
 
 
+def create_scratch(url: str) -> None:
+    """The table the calls of these tests write."""
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE scratch (k TEXT PRIMARY KEY, n INT NOT NULL DEFAULT 0)")
+
+
 @pytest.fixture
 async def store(pg_url: str) -> AsyncIterator[PostgresStore]:
     """One store with ONE actor connection, so queued calls form one group."""
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute("CREATE TABLE scratch (k TEXT PRIMARY KEY, n INT NOT NULL DEFAULT 0)")
+    create_scratch(pg_url)
     s = PostgresStore(pg_url, connections=1)
     await s.open()
     try:
@@ -184,8 +189,8 @@ async def test_a_deadlock_victim_is_rolled_back_alone_and_retried(pg_url):
     another call, which must commit exactly once, and the victim is run again
     until it commits: every increment lands exactly once.
     """
+    create_scratch(pg_url)
     with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute("CREATE TABLE scratch (k TEXT PRIMARY KEY, n INT NOT NULL DEFAULT 0)")
         conn.execute("INSERT INTO scratch (k) VALUES ('x'), ('y'), ('by-0'), ('by-1')")
     nodes = [PostgresStore(pg_url, connections=1), PostgresStore(pg_url, connections=1)]
     first_locks = [threading.Event(), threading.Event()]
@@ -241,8 +246,7 @@ def test_run_end_notifications_split_ids_under_the_notify_payload_limit() -> Non
 
 
 async def test_a_chain_runs_in_one_transaction_in_order_on_one_of_several_connections(pg_url):
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute("CREATE TABLE scratch (k TEXT PRIMARY KEY, n INT NOT NULL DEFAULT 0)")
+    create_scratch(pg_url)
     store = PostgresStore(pg_url, connections=2)
     await store.open()
     chains: dict[int, list[Any]] = {}
@@ -319,8 +323,7 @@ async def actor_backend_state(store: PostgresStore, url: str, state: str) -> Non
 
 @pytest.fixture
 async def recorded(pg_url: str) -> AsyncIterator[tuple[PostgresStore, list[str]]]:
-    with psycopg.connect(pg_url, autocommit=True) as conn:
-        conn.execute("CREATE TABLE scratch (k TEXT PRIMARY KEY, n INT NOT NULL DEFAULT 0)")
+    create_scratch(pg_url)
     store, sent = recording_store(pg_url)
     await store.open()
     try:
