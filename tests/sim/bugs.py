@@ -25,6 +25,9 @@ store subclasses, so the engine carries no switch for them.
   new quiet period's run, the pending one left to fire too, and a new batch.
 - ``batch_overfills``: a batch's fill check one event short: a batch takes
   ``max_size + 1`` events.
+- ``begun_segment_unfenced``: a segment begun and ended in one
+  transaction (its ack came with its result) takes its queue row by run and
+  seq alone, without the reservation's session and token.
 - ``late_tick_missed``: the scheduler takes every due tick for a missed one
   (``cron_missed_after_s`` read as 0): a tick fired a few milliseconds late
   is left to the catch-up policy, which under ``none`` drops it.
@@ -66,6 +69,7 @@ from ironflow.store.core import (
 )
 from ironflow.store.cron import _SCHEDULE_COLS, _due
 from ironflow.store.dispatch_flow import FlowPlan
+from ironflow.store.fence import _BEGUN_AND_ENDED
 from ironflow.store.sqlite import SqliteStore
 from ironflow.store.steps import _STEP_AUDITED_FUNCTION, _STEP_RESULT_UPSERT
 from ironflow.store.waits import park_locks
@@ -258,6 +262,26 @@ class LateTickMissed(SqliteStore):
         return await super().fire_due_ticks(node_id, limit=limit, missed_after_s=0.0)
 
 
+class UnfencedBegunSegment(SqliteStore):
+    """A segment begun and ended in one transaction (its ack came with its
+    result: ``FenceOps._begin_and_complete``) takes its queue row by run and
+    seq alone — without the reservation's session and token — so an ack and
+    result from a worker whose reservation expired and went to another
+    session still complete the run."""
+
+    @staticmethod
+    def _begin_ended_per_table(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        taken = [
+            row for run_id, seq, *_ in rows
+            for row in tx.fetchall(
+                "DELETE FROM dispatch_queue WHERE run_id = ? AND execution_seq = ?"
+                " RETURNING run_id, execution_seq, reservation_owner",
+                (run_id, seq),
+            )
+        ]
+        return SqliteStore._end_taken_per_table(tx, rows, taken, _BEGUN_AND_ENDED)
+
+
 BUGS: dict[str, type[SqliteStore]] = {
     "record_step_unfenced": UnfencedRecordStep,
     "nack_spends_attempt": NackSpendsAttempt,
@@ -270,6 +294,7 @@ BUGS: dict[str, type[SqliteStore]] = {
     "debounce_keeps_first_event": DebounceKeepsFirstEvent,
     "debounce_never_joins": DebounceNeverJoins,
     "batch_overfills": BatchOverfills,
+    "begun_segment_unfenced": UnfencedBegunSegment,
 }
 
 

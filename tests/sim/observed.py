@@ -290,7 +290,7 @@ class Oracle:
         """The rule, stated once more independently of the store's SQL: a write
         is accepted only from the live fence (a JobAck or JobNack may also
         prove it by the live reservation it answers)."""
-        if method == "activate_lease":
+        if method in ("activate_lease", "begin_and_complete"):
             return bool(state["live_lease"] or state["live_reservation"])
         if method == "nack_job":
             return bool(state["live_lease"] or state["reserved"])
@@ -390,7 +390,7 @@ class ObservedStore:
             return [StepResult(kwargs["step_id"], kwargs["name"], kwargs["status"], kwargs.get("output"))]
         if method == "record_steps":
             return list(args[0])
-        if method == "complete_job":  # a grouped completion's last step results
+        if method in ("complete_job", "begin_and_complete"):  # a grouped completion's last step results
             return list(kwargs.get("steps") or [])
         return []
 
@@ -405,7 +405,7 @@ class ObservedStore:
                 (fence.run_id, fence.execution_seq),
             )
         steps = self._steps_of(method, args, kwargs)
-        if method == "complete_job" and steps:
+        if method in ("complete_job", "begin_and_complete") and steps:
             return self._before("record_steps", fence, (steps,), {}, db)
         if method == "record_step":
             return o.one(
@@ -491,19 +491,24 @@ class ObservedStore:
         return result
 
     async def _fenced_many(
-        self, method: str, calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]], apply: Any
-    ) -> list[outcome.Outcome[Any]]:
+        self,
+        method: str,
+        calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]],
+        apply: Any,
+        outcomes: Callable[[Any], list[outcome.Outcome[Any]]] = lambda value: value,
+    ) -> Any:
         """A session's group of fenced calls (``apply()``: the store's grouped
-        form, one transaction), each judged as :meth:`_fenced` judges one."""
+        form, one transaction), each judged as :meth:`_fenced` judges one;
+        ``outcomes``: the calls' outcomes in what the transaction returned."""
         self._check()
         store: Any = self._store
         pending, judge = self._call_judged(method, calls, apply)
         try:
-            results: list[outcome.Outcome[Any]] = await pending
+            value = await pending
         except trio.Cancelled:
             judged, done = judge(), store.take_outcome()
             if judged is not None and isinstance(done, outcome.Value):
-                self._judge_many(method, calls, judged, done.value)
+                self._judge_many(method, calls, judged, outcomes(done.value))
             raise
         except BaseException:
             judge()
@@ -512,8 +517,8 @@ class ObservedStore:
         judged = judge()
         store.take_outcome()
         if judged is not None:
-            self._judge_many(method, calls, judged, results)
-        return results
+            self._judge_many(method, calls, judged, outcomes(value))
+        return value
 
     def _judge_many(
         self,
@@ -523,8 +528,15 @@ class ObservedStore:
         results: list[outcome.Outcome[Any]],
     ) -> None:
         for (fence, args, kwargs), (state, live, before), result in zip(calls, judged, results, strict=True):
-            steps = kwargs.get("steps") if method == "complete_job" else None
-            if isinstance(result, outcome.Value):
+            steps = kwargs.get("steps") if method in ("complete_job", "begin_and_complete") else None
+            if isinstance(result, outcome.Value) and method == "begin_and_complete":
+                # One transaction: the segment began (its ack), its steps, its end.
+                self._sim.counts["begun_and_ended"] += 1
+                self._accepted("activate_lease", fence, state, live, None, True, (), {})
+                if steps:
+                    self._accepted("record_steps", fence, state, live, before, None, (steps,), {})
+                self._accepted("complete_job", fence, state, live, None if steps else before, result.value, args, {})
+            elif isinstance(result, outcome.Value):
                 if steps:
                     self._accepted("record_steps", fence, state, live, before, None, (steps,), {})
                 self._accepted(method, fence, state, live, None if steps else before, result.value, args, {})
@@ -561,7 +573,7 @@ class ObservedStore:
                 if row is not None and row[1] is not None and json.loads(row[1]) == s.output and (
                     was is None or was[1] is None or json.loads(was[1]) != s.output
                 ):
-                    if method == "complete_job":
+                    if method in ("complete_job", "begin_and_complete"):
                         # Its steps were written under the fence, then its result
                         # refused: the interface's order (steps, then the result).
                         o.run(fence.run_id).steps.setdefault(s.step_id, s.output)
@@ -672,6 +684,15 @@ class ObservedStore:
         activate: frozenset[str] = frozenset(),
         lease_expiry_s: float = 0.0,
     ) -> Any:
+        if activate and all(fence.run_id in activate for fence, _, _ in items):
+            # Every ack came with its result: the store's own one-transaction
+            # path (a segment begun and ended without a lease), judged per
+            # segment as its ack, its steps and its end together.
+            return await self._fenced_many(
+                "begin_and_complete",
+                [(f, (output,), {"steps": steps}) for f, output, steps in items],
+                lambda: self._store.complete_jobs(items, activate=activate, lease_expiry_s=lease_expiry_s),
+            )
         if activate:
             return await self._activated_then_completed(items, activate, lease_expiry_s)
         if not self._oracle.concurrent:
@@ -693,18 +714,60 @@ class ObservedStore:
         lease_expiry_s: float = 0.0,
     ) -> Any:
         """A session's completion group that also activates the acks that came
-        with it and reserves for the credits it freed: judged as its parts,
-        one transaction each — the acks (``activate_leases``), the job results
-        (``complete_jobs``), then a ``reserve_segments`` round — so every
-        fenced write and every reservation is seen by the oracle. (The parts
-        in one transaction are the store's, tested in
+        with it and reserves for the credits it freed: judged in two
+        transactions — the job results with their acks (``complete_jobs``
+        with ``activate``: the store's own path when every ack came with its
+        result, else the acks and the results apart), then a
+        ``reserve_segments`` round — so every fenced write and every
+        reservation is seen by the oracle. (The round in the completion's
+        transaction is the store's, tested in
         ``tests/store/test_complete_and_reserve.py`` on both backends.)"""
+        if activate and all(fence.run_id in activate for fence, _, _ in items):
+            return await self._completed_and_reserved(
+                items, activate, lease_expiry_s, offers, limit, reservation_expiry_s
+            )
         results = await self.complete_jobs(items, activate=activate, lease_expiry_s=lease_expiry_s)
         made = Reservations()
         if any(isinstance(r, outcome.Value) for r in results):
             made = await self.reserve_segments(
                 f"node-{self._node_no}", offers, limit, reservation_expiry_s=reservation_expiry_s
             )
+        return results, made
+
+    async def _completed_and_reserved(
+        self,
+        items: Sequence[tuple[Fence, Any, list[StepResult]]],
+        activate: frozenset[str],
+        lease_expiry_s: float,
+        offers: dict[str, frozenset[str]],
+        limit: int,
+        reservation_expiry_s: float,
+    ) -> tuple[list[outcome.Outcome[Any]], Reservations]:
+        """The store's own completion group when every ack came with its
+        result: each segment begun and ended, then the reservation round for
+        the credits they freed, in one transaction — judged as the segments'
+        ``begin_and_complete``, then as a ``reserve_segments`` with the
+        transaction's numbers and database time (as an emit's round is)."""
+        store: Any = self._store
+        task = trio.lowlevel.current_task()
+        clock: list[float] = []
+        store.probes[task] = lambda tx: clock.append(float(TxReader(tx).one("SELECT ironflow_now()")[0]))
+        try:
+            results, made = await self._fenced_many(
+                "begin_and_complete",
+                [(f, (output,), {"steps": steps}) for f, output, steps in items],
+                lambda: store.complete_jobs_and_reserve(
+                    items, offers=offers, limit=limit, reservation_expiry_s=reservation_expiry_s,
+                    activate=activate, lease_expiry_s=lease_expiry_s,
+                ),
+                lambda both: both[0],
+            )
+        finally:
+            store.probes.pop(task, None)
+        self._sim.counts["completion_reserve_calls"] += 1
+        self._sim.counts["completion_reservations"] += len(made)
+        self._reserved(made, clock)
+        self._after("complete_jobs_and_reserve", made)
         return results, made
 
     async def _activated_then_completed(

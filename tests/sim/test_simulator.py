@@ -98,6 +98,16 @@ def test_the_simulator_finds_a_write_accepted_from_a_fenced_execution() -> None:
     assert again.violations == violations
 
 
+def test_the_simulator_finds_a_segment_begun_and_ended_without_its_reservation() -> None:
+    """Injected: a segment whose ack came with its result, begun and ended in
+    one transaction, takes its queue row by run and seq alone — without the
+    reservation's session and token (tests/sim/bugs.py). The session's
+    completion group runs the store's own path here (``complete_jobs`` with
+    ``activate``), judged per segment as its ack, steps and end together."""
+    _, violations = _first_violation("begun_segment_unfenced")
+    assert any("accepted from a fenced execution" in v for v in violations), violations
+
+
 def test_the_simulator_finds_a_nack_that_spends_an_attempt() -> None:
     """Injected: a JobNack also bumps the run's attempt (tests/sim/bugs.py)."""
     _, violations = _first_violation("nack_spends_attempt")
