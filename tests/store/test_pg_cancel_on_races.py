@@ -5,30 +5,19 @@ tests/store/test_pg_races.py) while the other side runs: never a sleep."""
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator
 from typing import Any
 
-import pytest
 import trio
 
 from ironflow.protocol import CancelOn, FunctionDef, Trigger
 from ironflow.store import Fence, StaleExecution
 from tests.store.test_pg_races import HOOK_WAIT_S, HookedStore, lock_waiters, wait_until
+from tests.store.test_pg_races import store as store  # the HookedStore fixture
 
 DRIP = FunctionDef(
     id="drip", triggers=[Trigger("user.created")],
     cancel_on=[CancelOn("user.unsubscribed", match="data.user_id")],
 )
-
-
-@pytest.fixture
-async def store(pg_url: str) -> AsyncIterator[HookedStore]:
-    s = HookedStore(pg_url)
-    await s.open()
-    try:
-        yield s
-    finally:
-        await s.close()
 
 
 async def running(store: HookedStore, user_id: int) -> Fence:
