@@ -346,6 +346,22 @@ class Oracle:
             self.sim.trace(f"recovered {run_id} by {method} count={c.consecutive} exhausted={exhausted}")
 
 
+# A fenced call's kind, or each call's of a group (:meth:`ObservedStore._fenced_many`).
+Methods = str | Sequence[str]
+
+
+def _per_call(methods: Methods, calls: Sequence[Any]) -> Sequence[str]:
+    return [methods] * len(calls) if isinstance(methods, str) else methods
+
+
+def _completion_methods(
+    items: Sequence[tuple[Fence, Any, list[StepResult]]], activate: frozenset[str]
+) -> list[str]:
+    """How each job result of a completion group is judged: begun and ended
+    with its ack (the ack came with it), or completed under its lease."""
+    return ["begin_and_complete" if fence.run_id in activate else "complete_job" for fence, _, _ in items]
+
+
 _FENCED = ("activate_lease", "record_step", "record_steps", "complete_job", "fail_job", "yield_job", "nack_job")
 
 
@@ -423,17 +439,17 @@ class ObservedStore:
         return None
 
     def _judge_before(
-        self, method: str, calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]], db: Reader | None = None
+        self, method: Methods, calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]], db: Reader | None = None
     ) -> list[tuple[dict[str, Any], bool, Any]]:
         o = self._oracle
         judged = []
-        for fence, args, kwargs in calls:
+        for each, (fence, args, kwargs) in zip(_per_call(method, calls), calls, strict=True):
             state = o.fence_state(fence, db)
-            judged.append((state, o.live_for(method, state), self._before(method, fence, args, kwargs, db)))
+            judged.append((state, o.live_for(each, state), self._before(each, fence, args, kwargs, db)))
         return judged
 
     def _call_judged(
-        self, method: str, calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]], call: Any
+        self, method: Methods, calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]], call: Any
     ) -> tuple[Any, Callable[[], list[tuple[dict[str, Any], bool, Any]] | None]]:
         """``call()`` (to await), and how to get the oracle's reads of
         ``calls`` before it (None: it ran no transaction). On PostgreSQL they
@@ -492,7 +508,7 @@ class ObservedStore:
 
     async def _fenced_many(
         self,
-        method: str,
+        method: Methods,
         calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]],
         apply: Any,
         outcomes: Callable[[Any], list[outcome.Outcome[Any]]] = lambda value: value,
@@ -522,12 +538,14 @@ class ObservedStore:
 
     def _judge_many(
         self,
-        method: str,
+        methods: Methods,
         calls: list[tuple[Fence, tuple[Any, ...], dict[str, Any]]],
         judged: list[tuple[dict[str, Any], bool, Any]],
         results: list[outcome.Outcome[Any]],
     ) -> None:
-        for (fence, args, kwargs), (state, live, before), result in zip(calls, judged, results, strict=True):
+        for method, (fence, args, kwargs), (state, live, before), result in zip(
+            _per_call(methods, calls), calls, judged, results, strict=True
+        ):
             steps = kwargs.get("steps") if method in ("complete_job", "begin_and_complete") else None
             if isinstance(result, outcome.Value) and method == "begin_and_complete":
                 # One transaction: the segment began (its ack), its steps, its end.
@@ -684,17 +702,16 @@ class ObservedStore:
         activate: frozenset[str] = frozenset(),
         lease_expiry_s: float = 0.0,
     ) -> Any:
-        if activate and all(fence.run_id in activate for fence, _, _ in items):
-            # Every ack came with its result: the store's own one-transaction
-            # path (a segment begun and ended without a lease), judged per
-            # segment as its ack, its steps and its end together.
+        if activate:
+            # Acks that came with their results: the store's own transaction
+            # (such a segment begins and ends there without a lease), judged
+            # per segment as its ack, its steps and its end together; the
+            # others as job results under their leases.
             return await self._fenced_many(
-                "begin_and_complete",
+                _completion_methods(items, activate),
                 [(f, (output,), {"steps": steps}) for f, output, steps in items],
                 lambda: self._store.complete_jobs(items, activate=activate, lease_expiry_s=lease_expiry_s),
             )
-        if activate:
-            return await self._activated_then_completed(items, activate, lease_expiry_s)
         if not self._oracle.concurrent:
             return await Store.complete_jobs(self, items)  # type: ignore[arg-type]
         return await self._fenced_many(
@@ -714,15 +731,12 @@ class ObservedStore:
         lease_expiry_s: float = 0.0,
     ) -> Any:
         """A session's completion group that also activates the acks that came
-        with it and reserves for the credits it freed: judged in two
-        transactions — the job results with their acks (``complete_jobs``
-        with ``activate``: the store's own path when every ack came with its
-        result, else the acks and the results apart), then a
-        ``reserve_segments`` round — so every fenced write and every
-        reservation is seen by the oracle. (The round in the completion's
-        transaction is the store's, tested in
+        with it and reserves for the credits it freed. With acks: the store's
+        own transaction (:meth:`_completed_and_reserved`). Without: judged as
+        ``complete_jobs``, then a ``reserve_segments`` round. (The round in
+        the completion's transaction is also tested in
         ``tests/store/test_complete_and_reserve.py`` on both backends.)"""
-        if activate and all(fence.run_id in activate for fence, _, _ in items):
+        if activate:
             return await self._completed_and_reserved(
                 items, activate, lease_expiry_s, offers, limit, reservation_expiry_s
             )
@@ -743,10 +757,11 @@ class ObservedStore:
         limit: int,
         reservation_expiry_s: float,
     ) -> tuple[list[outcome.Outcome[Any]], Reservations]:
-        """The store's own completion group when every ack came with its
-        result: each segment begun and ended, then the reservation round for
-        the credits they freed, in one transaction — judged as the segments'
-        ``begin_and_complete``, then as a ``reserve_segments`` with the
+        """The store's own completion group with acks that came with their
+        results: those segments begun and ended, the others completed under
+        their leases, then the reservation round for the credits they freed,
+        in one transaction — judged per segment (``begin_and_complete`` or
+        ``complete_job``), then as a ``reserve_segments`` with the
         transaction's numbers and database time (as an emit's round is)."""
         store: Any = self._store
         task = trio.lowlevel.current_task()
@@ -754,7 +769,7 @@ class ObservedStore:
         store.probes[task] = lambda tx: clock.append(float(TxReader(tx).one("SELECT ironflow_now()")[0]))
         try:
             results, made = await self._fenced_many(
-                "begin_and_complete",
+                _completion_methods(items, activate),
                 [(f, (output,), {"steps": steps}) for f, output, steps in items],
                 lambda: store.complete_jobs_and_reserve(
                     items, offers=offers, limit=limit, reservation_expiry_s=reservation_expiry_s,
@@ -769,22 +784,6 @@ class ObservedStore:
         self._reserved(made, clock)
         self._after("complete_jobs_and_reserve", made)
         return results, made
-
-    async def _activated_then_completed(
-        self,
-        items: Sequence[tuple[Fence, Any, list[StepResult]]],
-        activate: frozenset[str],
-        lease_expiry_s: float,
-    ) -> list[outcome.Outcome[Any]]:
-        """``complete_jobs(activate=…)`` judged as its parts: the acks that came
-        with their results (``activate_leases``), then the job results of
-        those not refused (``complete_jobs``)."""
-        acks = [fence for fence, _, _ in items if fence.run_id in activate]
-        started = await self.activate_leases(acks, lease_expiry_s=lease_expiry_s)
-        refused = {f.run_id: r for f, r in zip(acks, started, strict=True) if isinstance(r, outcome.Error)}
-        rest = [item for item in items if item[0].run_id not in refused]
-        done = dict(zip((f.run_id for f, _, _ in rest), await self.complete_jobs(rest) if rest else [], strict=True))
-        return [refused.get(f.run_id) or done[f.run_id] for f, _, _ in items]
 
     async def record_step(self, fence: Fence, **kwargs: Any) -> Any:
         return await self._fenced("record_step", fence, **kwargs)
