@@ -669,11 +669,11 @@ class ObservedStore:
     async def activate_lease(self, fence: Fence, **kwargs: Any) -> Any:
         return await self._fenced("activate_lease", fence, **kwargs)
 
-    # A session's groups (acks, step results, job results of several runs) are
-    # watched one fence at a time (the interface's one-by-one forms).
     # On SQLite a session's groups (acks, step results, job results of several
-    # runs) are watched one fence at a time (the interface's one-by-one forms);
-    # on PostgreSQL the store's grouped forms run, each fence judged.
+    # runs) are watched one fence at a time (the interface's one-by-one forms),
+    # except a completion group with acks that came with their results (its
+    # one transaction is the only form that begins a segment without a
+    # lease); on PostgreSQL the store's grouped forms run, each fence judged.
 
     async def activate_leases(
         self, fences: Sequence[Fence], *, lease_expiry_s: float, synchronous_commit: bool = True
