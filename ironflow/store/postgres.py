@@ -276,11 +276,10 @@ class _PgTx:
         """A statement of the actor's own (BEGIN, SAVEPOINT, COMMIT…), no parameters."""
         self._check(self._pgconn.exec_(sql.encode()))
 
-    @property
-    def begun(self) -> bool:
-        """Whether a transaction is open on the connection (the last group's
-        ``COMMIT; BEGIN``, see ``_commit``)."""
-        return self._pgconn.transaction_status == pq.TransactionStatus.INTRANS
+    def commit(self, statements: list[str]) -> None:
+        """The group's closing statements — its NOTIFYs, COMMIT, perhaps the
+        next BEGIN (see ``_commit``) — as one simple query."""
+        self.raw("; ".join(statements))
 
     def begin(self, batch: Sequence[_Request]) -> None:
         """BEGIN, then every named lock the group's calls asked for: sorted by
@@ -290,7 +289,7 @@ class _PgTx:
         no two groups wait for each other on them (the deadlocks of issue #21's
         race 6, where each call took its idempotency lock when it ran).
 
-        A transaction the last group's COMMIT already began (``begun``) is
+        A transaction the last group's COMMIT already began is
         used as it is: a group without named locks then costs no round trip
         here."""
         wanted: dict[int, bool] = {}
@@ -298,7 +297,7 @@ class _PgTx:
             for name, exclusive in req.locks:
                 number = lock_id(name)
                 wanted[number] = wanted.get(number, False) or exclusive
-        statements = [] if self.begun else ["BEGIN"]
+        statements = [] if _in_transaction(self._pgconn) else ["BEGIN"]
         statements += [
             f"SELECT pg_advisory_xact_lock{'' if exclusive else '_shared'}({number})"
             for number, exclusive in sorted(wanted.items())
@@ -419,7 +418,7 @@ class _Actor:
         """Roll back the transaction the last group's COMMIT began (see
         ``_commit``) when no group came to use it."""
         conn = self._conn
-        if conn is None or conn.pgconn.transaction_status != pq.TransactionStatus.INTRANS:
+        if conn is None or not _in_transaction(conn.pgconn):
             return
         try:
             conn.pgconn.exec_(b"ROLLBACK")
@@ -536,10 +535,16 @@ def _commit(tx: _PgTx, batch: Sequence[_Request], notify: bool, ended: list[str]
     if then_begin:
         statements.append("BEGIN")
     try:
-        tx.raw("; ".join(statements))
+        tx.commit(statements)
     except psycopg.OperationalError as exc:
         # The connection broke during COMMIT: the server may have committed.
         raise CommitOutcomeUnknown(f"the database connection failed while committing: {exc}") from exc
+
+
+def _in_transaction(pgconn: pq.abc.PGconn) -> bool:
+    """Whether a transaction is open on ``pgconn`` and usable (a group's
+    COMMIT may have begun the next one: ``_commit``)."""
+    return pgconn.transaction_status == pq.TransactionStatus.INTRANS
 
 
 def _literal(text: str) -> str:

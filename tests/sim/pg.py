@@ -17,9 +17,10 @@ Time stays virtual (``MockClock``), and the database clock follows it:
   stands still while the database works, as it does for the inline SQLite
   store;
 - ``ironflow_now()`` reads the setting ``ironflow.sim_now``, which
-  :class:`PausingTx` sets to ``BASE + virtual time`` right after each BEGIN
+  :class:`PausingTx` sets to ``BASE + virtual time`` as each group begins
   (the engine's own definition reads ``now()``, the transaction's start:
-  the same moment), and ``ironflow_clock()`` is the same (the engine's adds
+  the same moment, or a little earlier when the last group's COMMIT began
+  the transaction), and ``ironflow_clock()`` is the same (the engine's adds
   the real time since the transaction began, which is no virtual time here).
 
 What is not exact here, unlike the SQLite mode: a seed does not replay (real
@@ -71,8 +72,9 @@ SIM_CLOCK_FUNCTION = (
 # is a copy of it (CREATE DATABASE … TEMPLATE: a file copy, ~10 ms).
 TEMPLATE_PREFIX = "ironflow_sim_template"
 
-# Orders transactions across both nodes: taken after BEGIN and after COMMIT
-# returned (a commit numbered before a BEGIN is visible to that transaction).
+# Orders transactions across both nodes: taken as a group begins and after
+# its COMMIT returned (a commit numbered before a group's begin is visible to
+# every statement of that group).
 _numbers = itertools.count(1)
 
 
@@ -128,8 +130,8 @@ class Pauses:
 
 class PausingTx(_PgTx):
     """The store's PostgreSQL transaction, pausing before each statement and
-    COMMIT, setting the simulator's clock after BEGIN, and numbering BEGIN
-    and COMMIT for the oracle (``on_commit``). Bound to a node slot by
+    COMMIT, setting the simulator's clock as its group begins, and numbering
+    that begin and the COMMIT for the oracle (``on_commit``). Bound to a node slot by
     :func:`pausing_tx`."""
 
     pauses: Pauses
@@ -172,15 +174,15 @@ class PausingTx(_PgTx):
         self.begun_at = next(_numbers)
         self.on_commit = []
 
+    def commit(self, statements: list[str]) -> None:
+        self.pauses.pause()
+        super().commit(statements)
+        n = next(_numbers)
+        for note in self.on_commit:
+            note(n)
+        self.on_commit = []
+
     def raw(self, sql: str) -> None:
-        if "COMMIT" in sql.split("; "):  # NOTIFYs may come first, the next BEGIN after
-            self.pauses.pause()
-            super().raw(sql)
-            n = next(_numbers)
-            for note in self.on_commit:
-                note(n)
-            self.on_commit = []
-            return
         if sql == "ROLLBACK":
             self.on_commit = []
         super().raw(sql)

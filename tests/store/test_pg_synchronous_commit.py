@@ -79,23 +79,19 @@ def recording_store(url: str) -> tuple[PostgresStore, list[Commit]]:
             self.statements = []
             super().begin(batch)
 
-        def raw(self, sql: str) -> None:
-            parts = sql.split("; ")
-            if "COMMIT" not in parts:
-                super().raw(sql)
-                return
+        def commit(self, statements: list[str]) -> None:
             # The group's setting comes with its COMMIT (then NOTIFYs, COMMIT,
             # perhaps the next BEGIN): applied first, then read.
-            setting = [part for part in parts if part.startswith("SET LOCAL")]
-            for part in setting:
-                super().raw(part)
+            setting = [s for s in statements if s.startswith("SET LOCAL")]
+            for statement in setting:
+                self.raw(statement)
             row = self.fetchone(
                 "SELECT current_setting('synchronous_commit'),"
                 " pg_current_xact_id_if_assigned() IS NOT NULL"
             )
             assert row is not None
             commits.append((str(row[0]), bool(row[1]), self.statements[:-1]))
-            super().raw("; ".join(part for part in parts if part not in setting))
+            super().commit([s for s in statements if s not in setting])
 
     class RecordingStore(PostgresStore):
         tx_class = RecordingTx

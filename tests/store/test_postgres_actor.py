@@ -356,6 +356,30 @@ async def test_a_group_queued_behind_a_commit_runs_in_the_transaction_that_commi
     assert sent[3:] == ["BEGIN", "COMMIT"] and rows(pg_url) == {"a": 0, "b": 0}
 
 
+async def test_a_begun_transaction_sees_what_another_connection_committed_after_its_begin(recorded, pg_url):
+    """READ COMMITTED: the transaction the gate's COMMIT began has run no
+    statement, so it holds no snapshot; a row a second connection commits
+    after that BEGIN and before the queued group's first statement is read
+    by it."""
+    store, sent = recorded
+    gate = Gate()
+    seen: list[Any] = []
+
+    def after_another_commit(tx: Tx) -> None:
+        # Runs after the gate's COMMIT; BEGIN, before this group's first statement.
+        with psycopg.connect(pg_url, autocommit=True) as other:
+            other.execute("INSERT INTO scratch (k) VALUES ('other')")
+        seen.append(tx.fetchall("SELECT k FROM scratch ORDER BY k"))
+
+    async with trio.open_nursery() as nursery:
+        await gate.hold(store, nursery)
+        nursery.start_soon(store._transact, after_another_commit)
+        await trio.sleep(SETTLE_S)  # queued behind the gate
+        gate.opened.set()
+    assert sent == ["BEGIN", "COMMIT; BEGIN", "COMMIT"]  # the group ran in the begun transaction
+    assert seen == [[("other",)]]
+
+
 async def test_a_begun_transaction_no_group_came_for_is_rolled_back_before_the_actor_waits(recorded, pg_url):
     """The call queued behind the commit was withdrawn by its cancelled
     caller: the transaction begun for it is rolled back, not left open."""
