@@ -103,6 +103,13 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True):
     # (the SDK starts the handler once the ack is on the wire; the reservation
     # holds the segment meanwhile). 0: every ack is applied as it comes.
     ack_hold_s: float = 0.005
+    # How long the node keeps an idle HTTP connection open. Longer than the
+    # idle expiry of common clients' pools (httpx 5 s, the SDK's; nginx and
+    # load balancers 60 s), so a client never sends a request on a connection
+    # the node is closing at that moment: that request would get no answer
+    # ("server disconnected"), and the client could not know whether it ran.
+    # hypercorn's own default (5 s) equals httpx's and lost such requests.
+    http_keep_alive_s: float = 75.0
 
 
 # Timings where 0 means "off" rather than "unsafe".

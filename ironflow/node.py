@@ -188,6 +188,7 @@ class Node:
                 ]
                 hcfg.websocket_max_message_size = config.max_frame_bytes
                 hcfg.graceful_timeout = 1.0
+                hcfg.keep_alive_timeout = config.timings.http_keep_alive_s
                 hcfg.accesslog = None
                 hcfg.errorlog = logging.getLogger("hypercorn.error")
                 server_stop = trio.Event()

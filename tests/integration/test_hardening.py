@@ -14,6 +14,7 @@ import trio
 import trio_websocket
 
 import ironflow
+from ironflow.config import Timings
 from ironflow.node import Node
 from ironflow.protocol import (
     MAX_JSON_DEPTH,
@@ -376,6 +377,38 @@ async def test_a_websocket_upgrade_on_another_path_is_refused_with_a_4xx(node: N
                 pass
         assert 400 <= rejected.value.status_code < 500
     assert (await http.get("/healthz")).status_code == 200
+
+
+def test_the_node_keeps_an_idle_connection_longer_than_client_pools_do() -> None:
+    # A request sent on a connection the node closes at that moment gets no
+    # answer (httpx: "Server disconnected without sending a response"). The
+    # SDK's pool (httpx) drops its idle connections itself first.
+    assert Timings().http_keep_alive_s > httpx.Limits().keepalive_expiry + 1
+
+
+async def test_an_idle_connection_is_kept_for_the_keep_alive_then_closed(
+    database_url: str, tmp_path: Any, nursery: trio.Nursery
+) -> None:
+    from ironflow.config import load_config
+
+    config = load_config(
+        env={}, dev=True, overrides={"db": database_url, "port": 0, "state_dir": str(tmp_path / "ka")},
+        timing_overrides={"http_keep_alive_s": 0.5},
+    )
+    node: Node = await nursery.start(Node(config).run)
+
+    def local_port(resp: httpx.Response) -> int:
+        return int(resp.extensions["network_stream"].get_extra_info("client_addr")[1])
+
+    # The client's own pool never drops a connection: what closes one is the node.
+    limits = httpx.Limits(keepalive_expiry=None)
+    async with httpx.AsyncClient(base_url=node.url, limits=limits) as http:
+        first = local_port(await http.get("/healthz"))
+        await trio.sleep(0.2)
+        assert local_port(await http.get("/healthz")) == first  # idle 0.2 s: kept
+        await trio.sleep(1.0)
+        assert local_port(await http.get("/healthz")) != first  # idle 1 s: the node closed it
+    node.stop()
 
 
 async def test_an_internal_fault_is_a_500_with_a_request_id_also_in_the_log(
