@@ -17,6 +17,7 @@ import psycopg
 import pytest
 import trio
 
+from ironflow.store import postgres
 from ironflow.store.core import Tx, lock_id
 from ironflow.store.postgres import PostgresStore, _PgTx
 
@@ -90,6 +91,58 @@ async def test_calls_queued_together_share_one_transaction_and_one_commit(store,
         gate.opened.set()
     assert len(set(txids.values())) == 1
     assert rows(pg_url) == {"a": 0, "b": 0, "c": 0, "d": 0}
+
+
+@pytest.fixture
+async def two_actors(pg_url: str) -> AsyncIterator[PostgresStore]:
+    """A store with the default two actor connections."""
+    create_scratch(pg_url)
+    s = PostgresStore(pg_url)
+    await s.open()
+    try:
+        yield s
+    finally:
+        await s.close()
+
+
+async def test_calls_queued_behind_the_group_on_duty_wait_for_it_not_for_another_connection(
+    two_actors, pg_url, monkeypatch
+):
+    # The second actor stays out while the group on duty is not stuck: the
+    # calls form the next group, on the same connection, after it.
+    monkeypatch.setattr(postgres, "RELIEF_AFTER_S", 30.0)
+    gate = Gate()
+    txids: dict[str, int] = {}
+
+    async def call(key: str) -> None:
+        txids[key] = await two_actors._transact(insert(key))
+
+    async with trio.open_nursery() as nursery:
+        await gate.hold(two_actors, nursery)
+        for key in ("a", "b", "c"):
+            nursery.start_soon(call, key)
+        await trio.sleep(SETTLE_S)
+        assert txids == {} and rows(pg_url) == {}  # none ran beside the held group
+        gate.opened.set()
+    assert len(set(txids.values())) == 1
+    assert rows(pg_url) == {"a": 0, "b": 0, "c": 0}
+
+
+async def test_a_group_on_duty_stuck_past_the_relief_time_is_relieved_by_another_connection(
+    two_actors, pg_url, monkeypatch
+):
+    relief_s = 0.3
+    monkeypatch.setattr(postgres, "RELIEF_AFTER_S", relief_s)
+    gate = Gate()
+    async with trio.open_nursery() as nursery:
+        await gate.hold(two_actors, nursery)
+        held_at = trio.current_time()
+        with trio.fail_after(5):
+            await two_actors._transact(insert("a"))  # answered while the gate is still shut
+        waited = trio.current_time() - held_at
+        assert rows(pg_url) == {"a": 0} and not gate.opened.is_set()
+        gate.opened.set()
+    assert relief_s * 0.9 <= waited < relief_s + 2.0
 
 
 async def test_a_failing_call_is_rolled_back_alone_and_the_others_in_its_group_commit(

@@ -181,6 +181,7 @@ async def test_two_nodes_wakers_racing_claim_and_resume_each_sleep_exactly_once(
     nodes = [open_store(pg_url), open_store(pg_url)]
     for s in nodes:
         await s.open()
+        await s.db_now()  # connected: neither waker's first claim waits for its connection
     try:
         now = await nodes[0].db_now()
         # All due at once: already, or (look-ahead) within the next 30 s.
