@@ -110,7 +110,7 @@ ACTOR_CONNECTIONS = 2
 # on, docs/benchmarks.md), short of what a caller would notice. Below it,
 # calls wait for the group on duty and join the next one: two actors taking
 # calls in turn made twice as many, half-size groups (bench.py, 6 alternating
-# pairs: one taker 1.09x steps/s, 0.81x PostgreSQL CPU per run).
+# pairs against that: 1.07x steps/s, 0.80x PostgreSQL CPU per run).
 RELIEF_AFTER_S = 0.05
 # Server-side prepared statements per connection: above the number of distinct
 # statements the store issues; beyond it a statement runs unprepared.

@@ -94,15 +94,10 @@ async def test_calls_queued_together_share_one_transaction_and_one_commit(store,
 
 
 @pytest.fixture
-async def two_actors(pg_url: str) -> AsyncIterator[PostgresStore]:
-    """A store with the default two actor connections."""
+def two_actors(pg_url: str, postgres_store: PostgresStore) -> PostgresStore:
+    """A store with the default two actor connections, and the scratch table."""
     create_scratch(pg_url)
-    s = PostgresStore(pg_url)
-    await s.open()
-    try:
-        yield s
-    finally:
-        await s.close()
+    return postgres_store
 
 
 async def test_calls_queued_behind_the_group_on_duty_wait_for_it_not_for_another_connection(
