@@ -128,6 +128,8 @@ WARMUP_S, COOLDOWN_S = 2.0, 2.0
 MEAN_FAULT_GAP_S = 1.5
 # How long the runs may take to end once the faults and the load stop.
 QUIESCE_TIMEOUT_S = 120.0
+# The statuses a run ends in.
+ENDED = frozenset({"completed", "failed", "cancelled"})
 # A drained worker must be gone within its drain timeout plus this.
 DRAIN_EXIT_GRACE_S = 10.0
 # PostgreSQL's database clock is the transaction's start: a write racing a
@@ -716,18 +718,27 @@ class Chaos:
                 self._note_unexpected_exit(node)
                 await self._restart_node(node)
         await self.top_up_workers()
+        from ironflow.store import open_store
+
         deadline = trio.current_time() + QUIESCE_TIMEOUT_S
         unended: list[str] = []
-        async with httpx.AsyncClient(timeout=10.0, headers={"Authorization": f"Bearer {self.platform_key}"}) as client:
+        # Every run's status from one read (one snapshot): a listing per
+        # status in turn misses a run that moves from a status not yet
+        # listed to one already listed between two requests (a wait that
+        # timed out, resumed: waiting → running), and it was then reported
+        # unended though nothing was wrong.
+        store = open_store(self.db_url)
+        await store.open()
+        try:
             while trio.current_time() < deadline:
-                unended = []
-                for status in ("waiting_for_capacity", "running", "waiting"):
-                    resp = await client.get(self.nodes[0].url + "/v1/runs",
-                                            params={"status": status, "limit": 1000})
-                    unended += [r["id"] for r in resp.json()["runs"]]
+                runs = await store.list_runs(limit=10**9)
+                unended = [r.id for r in runs if r.status not in ENDED]
                 if not unended:
                     break
                 await trio.sleep(0.5)
+        finally:
+            await store.close()
+        async with httpx.AsyncClient(timeout=10.0, headers={"Authorization": f"Bearer {self.platform_key}"}) as client:
             for node in self.nodes:
                 await self.scrape(client, node)
         return unended
