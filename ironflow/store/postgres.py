@@ -377,12 +377,17 @@ class _Duty:
                     return False
                 self._changed.wait(left)
 
-    def group(self, begun: bool) -> None:
-        """The actor on duty begins a group (``begun``) or waits for calls."""
+    def began(self) -> None:
+        """The actor on duty begins a group."""
         with self._changed:
-            idle, self._since = self._since is None, time.monotonic() if begun else None
-            if begun and idle:
+            idle, self._since = self._since is None, time.monotonic()
+            if idle:
                 self._changed.notify()  # a waiter with no deadline gets one
+
+    def waiting(self) -> None:
+        """The actor on duty waits for calls (nothing of its is stuck)."""
+        with self._changed:
+            self._since = None
 
     def leave(self) -> None:
         with self._changed:
@@ -438,10 +443,10 @@ class _Actor:
                 if not batch and not stop and not retry:
                     self._end_begun()  # nothing to do: no transaction left open while waiting
                     if on_duty:
-                        duty.group(begun=False)
+                        duty.waiting()
                     batch, stop = self._store._take(block=True, room=MAX_GROUP)
                 if on_duty:
-                    duty.group(begun=True)
+                    duty.began()
                 batch = retry + batch
                 retry = self._run_group(batch) if batch else []
             for req in retry:
