@@ -1,4 +1,4 @@
-"""Four changes to hypercorn's Trio worker (0.18), installed by :func:`apply`.
+"""Five changes to hypercorn's Trio worker (0.18), installed by :func:`apply`.
 
 **Close a connection the protocol closed.** hypercorn (``trio/tcp_server.py``)
 closes an HTTP/1.1 connection after a response to ``Connection: close`` or
@@ -32,30 +32,48 @@ not take (full, or broken) goes hypercorn's way, lock and all, which also
 raises or closes as before. The bytes and their order are unchanged. Plain
 TCP only: a TLS stream's writes go hypercorn's way.
 
-**The keep-alive timer moved, not restarted.** A connection's idle timer is
+**The keep-alive timer noted, not restarted.** A connection's idle timer is
 stopped when a request arrives and started again when its response is done
 (``TrioSingleTask``): per request, two lock acquisitions, a cancelled task
 and a ``Nursery.start`` of a new one, whose started-handshake costs a task
 switch of its own (this module's earlier ``_SingleTask`` still started a
-task per request). :class:`_KeepAliveTimer` keeps ONE task per connection
-waiting in a cancel scope and moves that scope's deadline instead: to
-``keep_alive_timeout`` from now when the connection goes idle, to never when
-a request arrives (no task switch either way). What it does when it fires is
-hypercorn's: an idle connection past its keep-alive, or one idle while the
-server stops, is closed (``TCPServer._initiate_server_close``); a
-connection busy with a request when the server stops is closed once idle.
+task per request). :class:`_KeepAliveTimer` keeps ONE task per connection,
+and a request's arrival and its response's end only note the time and the
+state: the task wakes at its deadline and either closes the connection (idle
+``keep_alive_timeout`` since its last response) or waits again. What it
+does when it fires is hypercorn's: an idle connection past its keep-alive,
+or one idle while the server stops, is closed
+(``TCPServer._initiate_server_close``); a connection busy with a request
+when the server stops is closed once idle.
+
+**A message to or from the application costs no task switch when it can
+pass at once.** hypercorn hands the application its request (the body, then
+its end, then a disconnect once the response is done) and a websocket's
+frames through a memory channel per request or connection, and Trio's
+channel ``send`` and ``receive`` each end with a checkpoint that yields to
+the scheduler even when the message passed without waiting: five task
+switches per ``POST /v1/events`` (two in the connection's reader, three in
+the request's task) of the ~10 such a request cost. :func:`_spawn_app` gives
+both sides the same channel with ``send_nowait``/``receive_nowait`` tried
+first: a message that fits the buffer (hypercorn's ``max_app_queue_size``)
+or one already waiting passes at once, and only a full or empty channel
+waits, as before (so the buffer still bounds what a slow application is
+sent). The messages and their order are the same. Each side still yields
+at its next wait: the reader at its next socket read, the application at its
+first store call.
 """
 
 from __future__ import annotations
 
-import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import h11
 import trio
 from hypercorn.events import Closed, RawData
 from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.trio import tcp_server
+from hypercorn.trio import task_group, tcp_server
+from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask
 
@@ -121,14 +139,16 @@ async def _send_h11_event(self: H11Protocol, event: Any) -> None:
 class _KeepAliveTimer:
     """Stands in for hypercorn's ``TrioSingleTask`` as a connection's idle timer:
     ``restart(task_group, server._idle_timeout)`` arms it (``keep_alive_timeout``
-    from now), ``stop()`` disarms it; both only move one cancel scope's deadline."""
+    from now), ``stop()`` disarms it. Both only note the connection's state and
+    the time; the timer task, waking at the deadline it last set, compares
+    them and either closes the connection or waits again (per request, no
+    cancel scope's deadline is moved: that was a recalculation of the task
+    tree's cancel status twice per request)."""
 
     def __init__(self) -> None:
         self._armed = False
-        self._deadline = math.inf
+        self._idle_since = 0.0
         self._started = False
-        # The cancel scope the timer task waits in (None between two waits).
-        self._scope: trio.CancelScope | None = None
         # Set when the timer is armed again (the task waits for it after the
         # server stopped while a request was in flight).
         self._rearmed: trio.Event | None = None
@@ -137,45 +157,78 @@ class _KeepAliveTimer:
         """Arm the timer: ``action``'s server (a ``TCPServer``, whose
         ``_idle_timeout`` this replaces) is closed if still idle after its
         ``keep_alive_timeout``."""
-        server = action.__self__
         self._armed = True
-        self._deadline = trio.current_time() + server.config.keep_alive_timeout
+        self._idle_since = trio.current_time()
         if not self._started:
             self._started = True
-            task_group._nursery.start_soon(self._run, server)
-        elif self._scope is not None:
-            self._scope.deadline = self._deadline
+            task_group._nursery.start_soon(self._run, action.__self__)
         if self._rearmed is not None:
             self._rearmed.set()
 
     async def stop(self) -> None:
         """Disarm the timer (a request is in flight)."""
         self._armed = False
-        if self._scope is not None:
-            self._scope.deadline = math.inf
 
     async def _run(self, server: Any) -> None:
         terminated = server.context.terminated  # hypercorn's EventWrapper
+        timeout = server.config.keep_alive_timeout
         while True:
-            with trio.CancelScope(deadline=self._deadline if self._armed else math.inf) as scope:
-                self._scope = scope
+            # Idle: until the keep-alive runs out. Busy: check again in as long.
+            deadline = (self._idle_since if self._armed else trio.current_time()) + timeout
+            with trio.move_on_at(deadline):
                 await terminated.wait()
-            self._scope = None
-            if self._armed:
-                break  # idle past the keep-alive, or idle while the server stops
-            # The server stops while a request is in flight: close once it is done.
-            self._rearmed = trio.Event()
-            await self._rearmed.wait()
-            self._rearmed = None
+                if self._armed:
+                    break  # idle while the server stops
+                # The server stops while a request is in flight: close once it is done.
+                self._rearmed = trio.Event()
+                await self._rearmed.wait()
+                self._rearmed = None
+                break
+            if self._armed and trio.current_time() >= self._idle_since + timeout:
+                break  # idle past the keep-alive
         with trio.CancelScope(shield=True):
             await server._initiate_server_close()
 
 
+def _putter(channel: trio.MemorySendChannel[Any]) -> Callable[[Any], Awaitable[None]]:
+    async def put(message: Any) -> None:
+        try:
+            channel.send_nowait(message)
+        except trio.WouldBlock:  # the buffer is full: wait for room, as hypercorn did
+            await channel.send(message)
+
+    return put
+
+
+def _getter(channel: trio.MemoryReceiveChannel[Any]) -> Callable[[], Awaitable[Any]]:
+    async def get() -> Any:
+        try:
+            return channel.receive_nowait()
+        except trio.WouldBlock:  # nothing yet: wait for it, as hypercorn did
+            return await channel.receive()
+
+    return get
+
+
+async def _spawn_app(self: TaskGroup, app: Any, config: Any, scope: Any, send: Any) -> Any:
+    """hypercorn's ``TaskGroup.spawn_app``, its channel's two ends passing a
+    message without a checkpoint when it can pass at once."""
+    app_send_channel, app_receive_channel = trio.open_memory_channel[Any](config.max_app_queue_size)
+    assert self._nursery is not None
+    self._nursery.start_soon(
+        task_group._handle, app, config, scope, _getter(app_receive_channel), send,
+        trio.to_thread.run_sync, trio.from_thread.run,
+    )
+    return _putter(app_send_channel)
+
+
 def apply() -> None:
-    """Install the four changes (idempotent)."""
+    """Install the five changes (idempotent)."""
     if TCPServer.protocol_send is not _protocol_send:
         TCPServer.protocol_send = _protocol_send  # type: ignore[method-assign]
     if H11Protocol._send_h11_event is not _send_h11_event:
         H11Protocol._send_h11_event = _send_h11_event  # type: ignore[method-assign]
     if tcp_server.TrioSingleTask is TrioSingleTask:  # what TCPServer() makes its idle_task of
         tcp_server.TrioSingleTask = _KeepAliveTimer  # type: ignore[misc,assignment]
+    if TaskGroup.spawn_app is not _spawn_app:
+        TaskGroup.spawn_app = _spawn_app  # type: ignore[method-assign]

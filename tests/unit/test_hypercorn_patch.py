@@ -203,3 +203,49 @@ async def test_a_write_to_a_closed_peer_is_told_as_hypercorn_tells_it() -> None:
     for _ in range(3):  # the first write may still be taken by the kernel
         await hypercorn_patch._protocol_send(server, RawData(data=b"x" * 100_000))
     assert server.closed, "the protocol was not told the connection closed"
+
+
+class _Group:
+    """What ``_spawn_app`` uses of hypercorn's ``TaskGroup``: its nursery."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+
+
+async def test_a_message_to_or_from_the_application_passes_without_a_checkpoint_when_it_can() -> None:
+    """The request's body and end go to the application's channel, and the
+    application reads them, with no task switch while the channel has room
+    (or a message waiting); a full channel still makes the sender wait."""
+    config = Config()
+    config.max_app_queue_size = 2
+    got: list[Any] = []
+    receive_box: list[Any] = []
+    app_may_read = trio.Event()
+
+    async def app(scope: Any, receive: Any, send: Any, sync_spawn: Any, call_soon: Any) -> None:
+        receive_box.append(receive)
+        await app_may_read.wait()
+        with trio.CancelScope() as scope_:
+            scope_.cancel()  # a checkpoint here would raise Cancelled
+            got.append(await receive())
+            got.append(await receive())
+        got.append(await receive())  # nothing waiting: waits, as before
+
+    async def send(message: Any) -> None:
+        pass
+
+    async with trio.open_nursery() as nursery:
+        put = await hypercorn_patch._spawn_app(_Group(nursery), app, config, {}, send)  # type: ignore[arg-type]
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await put({"type": "http.request", "body": b"{}", "more_body": True})
+            await put({"type": "http.request", "body": b"", "more_body": False})
+        assert not scope.cancelled_caught  # no checkpoint: both fit the buffer
+        with trio.move_on_after(0.05) as full:
+            await put({"type": "http.disconnect"})  # the buffer is full: waits
+        assert full.cancelled_caught
+        app_may_read.set()
+        await trio.sleep(0.01)
+        assert [m["more_body"] for m in got] == [True, False]
+        await put({"type": "http.disconnect"})
+    assert got[-1] == {"type": "http.disconnect"}
