@@ -15,6 +15,8 @@ few statements.
 No task of its own: the first waiting caller whose item is not yet applied
 applies the next group (its own item included) — so a caller never serves
 groups after its own item is done, and there is no task to start or stop.
+A caller cancelled while queued leaves the queue (if it was first, the next
+is woken to apply in its place).
 """
 
 from __future__ import annotations
@@ -32,56 +34,86 @@ Item = TypeVar("Item")
 Result = TypeVar("Result")
 
 
+class _Entry(Generic[Item, Result]):
+    """A caller's item, its outcome once applied, and what wakes it."""
+
+    __slots__ = ("item", "result", "wake")
+
+    def __init__(self, item: Item) -> None:
+        self.item = item
+        self.result: outcome.Outcome[Result] | None = None
+        self.wake: trio.Event | None = None
+
+
 class Grouped(Generic[Item, Result]):
     """``await grouped(item)`` → its result (or its error), applied with others'
-    by ``apply(items) → [outcome per item, in order]``."""
+    by ``apply(items) → [outcome per item, in order]``.
+
+    One task switch per waiting caller: a caller queued behind the group being
+    applied sleeps until ITS group is applied, except the first in the queue,
+    which is woken when the group before it is done, to apply the next. (All
+    queued callers woken at each group's end, to see whose turn it is, was two
+    switches per caller under load: most of them only to sleep again.)
+    """
 
     def __init__(self, apply: Callable[[list[Item]], Awaitable[list[outcome.Outcome[Result]]]]) -> None:
         self._apply_group = apply
-        self._queued: list[tuple[Item, list[outcome.Outcome[Result]]]] = []
-        # Set when the group being applied is done (None: nothing is applied).
-        self._applied: trio.Event | None = None
+        self._queued: list[_Entry[Item, Result]] = []
+        # A group is being applied (its callers and the queue wait).
+        self._busy = False
 
     async def __call__(self, item: Item) -> Result:
-        result: list[outcome.Outcome[Result]] = []
-        entry = (item, result)
+        entry: _Entry[Item, Result] = _Entry(item)
         self._queued.append(entry)
         try:
-            while not result:
-                if self._applied is None:
+            while entry.result is None:
+                if not self._busy:
                     await self._apply_next()
                 else:
-                    await self._applied.wait()  # then: done, or the next to apply
+                    # Woken when its group is done, or (first in the queue)
+                    # when the group before it is.
+                    entry.wake = trio.Event()
+                    await entry.wake.wait()
         except BaseException:
             # Cancelled while still queued: not applied later for nobody.
             for i, queued in enumerate(self._queued):
                 if queued is entry:
                     del self._queued[i]
+                    if i == 0 and not self._busy:
+                        self._wake_first()  # (defensive: the first is cancelled only while a group is applied)
                     raise
             # Cancelled while its group is applied (by another caller): that
             # write will commit, so its caller hears the result (an ack or job
             # result that committed is never reported as lost); the
             # cancellation is delivered at the caller's next checkpoint.
             with trio.CancelScope(shield=True):
-                while not result and self._applied is not None:
-                    await self._applied.wait()
-            if not result:
+                while entry.result is None and self._busy:
+                    entry.wake = trio.Event()
+                    await entry.wake.wait()
+            if entry.result is None:
                 raise
-        return result[0].unwrap()
+        return entry.result.unwrap()
+
+    def _wake_first(self) -> None:
+        if self._queued and self._queued[0].wake is not None:
+            self._queued[0].wake.set()
 
     async def _apply_next(self) -> None:
-        applied = self._applied = trio.Event()
+        self._busy = True
         group = self._queued[:GROUP_MAX]
         del self._queued[:GROUP_MAX]
         try:
             # Shielded: the group is out of the queue, its callers wait on it.
             with trio.CancelScope(shield=True):
                 try:
-                    results = await self._apply_group([item for item, _ in group])
+                    results = await self._apply_group([entry.item for entry in group])
                 except Exception as exc:  # e.g. a store error: every item of the group hears it
                     results = [outcome.Error(exc) for _ in group]
-            for (_, result), one in zip(group, results, strict=True):
-                result.append(one)
+            for entry, one in zip(group, results, strict=True):
+                entry.result = one
         finally:
-            self._applied = None
-            applied.set()
+            self._busy = False
+            for entry in group:
+                if entry.wake is not None:
+                    entry.wake.set()
+            self._wake_first()  # the next group's turn

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import outcome
 import pytest
 import trio
@@ -93,8 +95,7 @@ async def test_a_caller_cancelled_while_its_group_is_applied_gets_its_committed_
     apply = Apply()
     grouped: Grouped[int, int] = Grouped(apply)
     got: dict[str, object] = {}
-    in_flight = trio.Event()
-    grouped._applied = in_flight  # another caller's group is being applied: 3 queues
+    grouped._busy = True  # another caller's group is being applied: 3 queues
 
     async def call_3() -> None:
         with trio.CancelScope(deadline=trio.current_time() + 0.5):  # cancelled mid-apply
@@ -106,10 +107,80 @@ async def test_a_caller_cancelled_while_its_group_is_applied_gets_its_committed_
     async def other_caller() -> None:
         await trio.sleep(0.1)
         await grouped._apply_next()  # takes 3's item into its group, applied 0.1 → 1.1
-        in_flight.set()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(call_3)
         nursery.start_soon(other_caller)
     assert apply.groups == [[3]]
     assert got == {"3": 30, "after": "returned"}  # its result, then its cancellation
+
+
+class _Steps(trio.abc.Instrument):
+    """How many times each task ran (was woken) from now on."""
+
+    def __init__(self) -> None:
+        self.by_task: dict[str, int] = {}
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.by_task[task.name] = self.by_task.get(task.name, 0) + 1
+
+
+async def test_a_queued_caller_is_woken_once_and_the_first_in_the_queue_to_apply_the_next_group(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Ten callers queued behind a group: when it is done only the first is
+    woken (to apply theirs, and again when the store returns); each other
+    sleeps until its group is done. (Waking all of them at each group's end
+    cost every caller a second task switch.)"""
+    apply = Apply()
+    grouped: Grouped[int, int] = Grouped(apply)
+    got: dict[int, int] = {}
+    steps = _Steps()
+
+    async def call(i: int) -> None:
+        got[i] = await grouped(i)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call, 0, name="first")
+        await trio.sleep(0.5)  # 0 is being applied
+        for i in range(1, 11):
+            nursery.start_soon(call, i, name=f"queued {i}")
+        await trio.sleep(0.1)  # all ten queued
+        trio.lowlevel.add_instrument(steps)
+    trio.lowlevel.remove_instrument(steps)
+    assert [sorted(group) for group in apply.groups] == [[0], list(range(1, 11))]
+    assert got == {i: i * 10 for i in range(11)}
+    queued = sorted(n for name, n in steps.by_task.items() if name.startswith("queued"))
+    # The first in the queue: woken to apply the group, then by its sleep's
+    # end; every other: woken once, its result in.
+    assert queued == [1] * 9 + [2], steps.by_task
+
+
+async def test_when_the_first_queued_caller_is_cancelled_the_next_applies_the_group(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    apply = Apply()
+    grouped: Grouped[int, int] = Grouped(apply)
+    got: dict[int, int] = {}
+
+    async def call(i: int) -> None:
+        got[i] = await grouped(i)
+
+    with trio.fail_after(10):  # (a queue nobody applies would wait for ever)
+        await _first_cancelled(grouped, call)
+    assert apply.groups == [[1], [3]] and got == {1: 10, 3: 30}
+    assert trio.current_time() == pytest.approx(2.0)
+
+
+async def _first_cancelled(grouped: Grouped[int, int], call: Callable[[int], Awaitable[None]]) -> None:
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(call, 1)
+        await trio.sleep(0.5)  # 1 is being applied
+
+        async def cancelled_first() -> None:
+            with trio.move_on_after(0.2):
+                await grouped(2)  # first in the queue, gone before its turn
+
+        nursery.start_soon(cancelled_first)
+        await trio.sleep(0.1)
+        nursery.start_soon(call, 3)  # second in the queue
