@@ -413,7 +413,7 @@ class _Lanes:
         queue = self._queues[key]
         try:
             while queue:
-                if self._ack_hold_s and len(queue) == 1 and isinstance(queue[0], JobAck) and not self._flushing:
+                if self._ack_hold_s and isinstance(queue[0], JobAck) and not self._flushing:
                     await self._hold_ack(key, queue)
                 msgs = [queue.popleft() for _ in range(min(len(queue), CHAIN_MAX))]
                 try:
@@ -438,8 +438,11 @@ class _Lanes:
 
     async def _hold_ack(self, key: str, queue: deque[WorkerMessage]) -> None:
         """Wait (at most ``Timings.ack_hold_s``) until the held ack's run sent
-        what ends its segment, or the socket closed."""
-        if len(queue) < CHAIN_MAX and not isinstance(queue[-1], _SEGMENT_ENDS):
+        what ends its segment, or the socket closed. Also when some of the
+        segment's step results came with the ack (read from the socket
+        together): applied before the segment's end, the ack and they were
+        two commits more, and the result a third behind them in the lane."""
+        if len(queue) < CHAIN_MAX and not any(isinstance(m, _SEGMENT_ENDS) for m in queue):
             with trio.move_on_after(self._ack_hold_s):
                 woken = self._woken[key] = trio.Event()
                 await woken.wait()  # set by put() or flush()

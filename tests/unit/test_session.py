@@ -362,6 +362,15 @@ class _CountedCalls(_CountedAcks):
     def __init__(self, store: Store) -> None:
         super().__init__(store)
         self.activated_with_result: list[str] = []
+        self.step_writes = 0
+
+    async def record_steps(self, *args: Any, **kwargs: Any) -> Any:
+        self.step_writes += 1
+        return await self._store.record_steps(*args, **kwargs)
+
+    async def record_steps_many(self, *args: Any, **kwargs: Any) -> Any:
+        self.step_writes += 1
+        return await self._store.record_steps_many(*args, **kwargs)
 
     async def complete_jobs_and_reserve(self, items: Any, **kwargs: Any) -> Any:
         self.activated_with_result += sorted(kwargs.get("activate", ()))
@@ -396,6 +405,29 @@ async def test_an_ack_followed_at_once_by_its_segment_is_applied_with_it_in_one_
     assert counted.groups == [] and counted.activated_with_result == [a.run_id]
     detail = await store.get_run(a.run_id)
     assert [s.output for s in detail.steps] == [1] and detail.run.output == "done"
+
+
+async def test_an_ack_that_came_with_some_of_its_step_results_waits_for_its_segment_too(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The ack and the segment's first step result read together (one socket
+    read), its last step and job result in a later one: still one grouped
+    completion, not an activation and a step write of their own first."""
+    counted = _CountedCalls(store)
+    sock = Socket(counted)  # type: ignore[arg-type]
+    session_id = await sock.open(nursery)
+    a = await _reserved(store, session_id)
+    fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
+    await sock.send.send(JobAck(*fence))
+    await sock.send.send(StepCompleted(*fence, "s1", "s1", 1))
+    await trio.sleep(HOLD_S / 2)
+    await sock.send.send(StepCompleted(*fence, "s2", "s2", 2))
+    await sock.send.send(JobCompleted(*fence, "done"))
+    await sock.until_status(a.run_id, "completed")
+    assert counted.groups == [] and counted.activated_with_result == [a.run_id]
+    assert counted.step_writes == 0
+    detail = await store.get_run(a.run_id)
+    assert [s.output for s in detail.steps] == [1, 2] and detail.run.output == "done"
 
 
 async def test_an_ack_whose_segment_goes_on_is_applied_alone_after_the_hold(
