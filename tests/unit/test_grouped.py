@@ -24,6 +24,17 @@ class Apply:
         return [outcome.Error(ValueError(f"bad {i}")) if i < 0 else outcome.Value(i * 10) for i in items]
 
 
+def _calls(apply: Apply) -> tuple[Grouped[int, int], dict[int, int], Callable[[int], Awaitable[None]]]:
+    """A Grouped over ``apply``, the results its callers got, and a caller."""
+    grouped: Grouped[int, int] = Grouped(apply)
+    got: dict[int, int] = {}
+
+    async def call(i: int) -> None:
+        got[i] = await grouped(i)
+
+    return grouped, got, call
+
+
 async def test_one_item_alone_is_applied_at_once_and_the_ones_that_queue_meanwhile_form_the_next_group(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -51,12 +62,7 @@ async def test_a_caller_cancelled_while_queued_is_not_applied_and_the_rest_go_on
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     apply = Apply()
-    grouped: Grouped[int, int] = Grouped(apply)
-    got: dict[int, int] = {}
-
-    async def call(i: int) -> None:
-        got[i] = await grouped(i)
-
+    grouped, got, call = _calls(apply)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(call, 1)
         await trio.sleep(0.5)
@@ -133,13 +139,8 @@ async def test_a_queued_caller_is_woken_once_and_the_first_in_the_queue_to_apply
     sleeps until its group is done. (Waking all of them at each group's end
     cost every caller a second task switch.)"""
     apply = Apply()
-    grouped: Grouped[int, int] = Grouped(apply)
-    got: dict[int, int] = {}
+    grouped, got, call = _calls(apply)
     steps = _Steps()
-
-    async def call(i: int) -> None:
-        got[i] = await grouped(i)
-
     async with trio.open_nursery() as nursery:
         nursery.start_soon(call, 0, name="first")
         await trio.sleep(0.5)  # 0 is being applied
@@ -160,12 +161,7 @@ async def test_when_the_first_queued_caller_is_cancelled_the_next_applies_the_gr
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     apply = Apply()
-    grouped: Grouped[int, int] = Grouped(apply)
-    got: dict[int, int] = {}
-
-    async def call(i: int) -> None:
-        got[i] = await grouped(i)
-
+    grouped, got, call = _calls(apply)
     with trio.fail_after(10):  # (a queue nobody applies would wait for ever)
         await _first_cancelled(grouped, call)
     assert apply.groups == [[1], [3]] and got == {1: 10, 3: 30}

@@ -387,15 +387,20 @@ async def _reserved(store: Store, session_id: str) -> JobAssignment:
     return res.assignment
 
 
+async def _counted_session(store: Store, nursery: trio.Nursery) -> tuple[_CountedCalls, Socket, JobAssignment]:
+    """A session over the counting store, and a segment reserved for it."""
+    counted = _CountedCalls(store)
+    sock = Socket(counted)  # type: ignore[arg-type]
+    session_id = await sock.open(nursery)
+    return counted, sock, await _reserved(store, session_id)
+
+
 async def test_an_ack_followed_at_once_by_its_segment_is_applied_with_it_in_one_completion(
     store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
 ) -> None:
     """A short handler's JobAck, step results and job result: one grouped
     completion that activates the lease first — no activation of its own."""
-    counted = _CountedCalls(store)
-    sock = Socket(counted)  # type: ignore[arg-type]
-    session_id = await sock.open(nursery)
-    a = await _reserved(store, session_id)
+    counted, sock, a = await _counted_session(store, nursery)
     fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
     await sock.send.send(JobAck(*fence))
     await trio.sleep(HOLD_S / 2)  # a later read of the socket, inside the hold
@@ -413,10 +418,7 @@ async def test_an_ack_that_came_with_some_of_its_step_results_waits_for_its_segm
     """The ack and the segment's first step result read together (one socket
     read), its last step and job result in a later one: still one grouped
     completion, not an activation and a step write of their own first."""
-    counted = _CountedCalls(store)
-    sock = Socket(counted)  # type: ignore[arg-type]
-    session_id = await sock.open(nursery)
-    a = await _reserved(store, session_id)
+    counted, sock, a = await _counted_session(store, nursery)
     fence = (a.job_id, a.run_id, a.execution_seq, a.lease_token)
     await sock.send.send(JobAck(*fence))
     await sock.send.send(StepCompleted(*fence, "s1", "s1", 1))
