@@ -15,8 +15,8 @@ few statements.
 No task of its own: the first waiting caller whose item is not yet applied
 applies the next group (its own item included) — so a caller never serves
 groups after its own item is done, and there is no task to start or stop.
-A caller cancelled while queued leaves the queue (if it was first, the next
-is woken to apply in its place).
+A caller cancelled while queued leaves the queue; whoever is first in it when
+a group ends applies the next.
 """
 
 from __future__ import annotations
@@ -78,9 +78,10 @@ class Grouped(Generic[Item, Result]):
             # Cancelled while still queued: not applied later for nobody.
             for i, queued in enumerate(self._queued):
                 if queued is entry:
+                    # Only a parked caller is cancelled, and one parks only
+                    # while a group is applied: the first in the queue when
+                    # that group ends is woken to apply the next.
                     del self._queued[i]
-                    if i == 0 and not self._busy:
-                        self._wake_first()  # (defensive: the first is cancelled only while a group is applied)
                     raise
             # Cancelled while its group is applied (by another caller): that
             # write will commit, so its caller hears the result (an ack or job

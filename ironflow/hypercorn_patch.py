@@ -172,20 +172,15 @@ class _KeepAliveTimer:
     async def _run(self, server: Any) -> None:
         terminated = server.context.terminated  # hypercorn's EventWrapper
         timeout = server.config.keep_alive_timeout
-        while True:
-            # Idle: until the keep-alive runs out. Busy: check again in as long.
+        while not (self._armed and trio.current_time() >= self._idle_since + timeout):
+            # Idle: wait until the keep-alive runs out. Busy: check again in as long.
             deadline = (self._idle_since if self._armed else trio.current_time()) + timeout
             with trio.move_on_at(deadline):
                 await terminated.wait()
-                if self._armed:
-                    break  # idle while the server stops
-                # The server stops while a request is in flight: close once it is done.
-                self._rearmed = trio.Event()
-                await self._rearmed.wait()
-                self._rearmed = None
-                break
-            if self._armed and trio.current_time() >= self._idle_since + timeout:
-                break  # idle past the keep-alive
+                break  # the server stops
+        if not self._armed:  # it stops while a request is in flight: close once that is done
+            self._rearmed = trio.Event()
+            await self._rearmed.wait()
         with trio.CancelScope(shield=True):
             await server._initiate_server_close()
 

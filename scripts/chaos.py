@@ -128,8 +128,6 @@ WARMUP_S, COOLDOWN_S = 2.0, 2.0
 MEAN_FAULT_GAP_S = 1.5
 # How long the runs may take to end once the faults and the load stop.
 QUIESCE_TIMEOUT_S = 120.0
-# The statuses a run ends in.
-ENDED = frozenset({"completed", "failed", "cancelled"})
 # A drained worker must be gone within its drain timeout plus this.
 DRAIN_EXIT_GRACE_S = 10.0
 # PostgreSQL's database clock is the transaction's start: a write racing a
@@ -718,6 +716,7 @@ class Chaos:
                 self._note_unexpected_exit(node)
                 await self._restart_node(node)
         await self.top_up_workers()
+        from ironflow.protocol import TERMINAL_RUN_STATUSES
         from ironflow.store import open_store
 
         deadline = trio.current_time() + QUIESCE_TIMEOUT_S
@@ -732,7 +731,7 @@ class Chaos:
         try:
             while trio.current_time() < deadline:
                 runs = await store.list_runs(limit=10**9)
-                unended = [r.id for r in runs if r.status not in ENDED]
+                unended = [r.id for r in runs if r.status not in TERMINAL_RUN_STATUSES]
                 if not unended:
                     break
                 await trio.sleep(0.5)

@@ -76,18 +76,26 @@ class Gate:
         await trio.to_thread.run_sync(self.entered.wait, 10)
 
 
-async def test_calls_queued_together_share_one_transaction_and_one_commit(store, pg_url):
-    gate = Gate()
-    txids: dict[str, int] = {}
+async def queue_behind(
+    gate: Gate, store: PostgresStore, nursery: trio.Nursery, keys: tuple[str, ...], txids: dict[str, int]
+) -> None:
+    """Hold a group open at ``gate``, then queue one insert per key behind it;
+    each call records its transaction id in ``txids`` once it commits."""
 
     async def call(key: str) -> None:
         txids[key] = await store._transact(insert(key))
 
+    await gate.hold(store, nursery)
+    for key in keys:
+        nursery.start_soon(call, key)
+    await trio.sleep(SETTLE_S)  # all of them are queued behind the gate
+
+
+async def test_calls_queued_together_share_one_transaction_and_one_commit(store, pg_url):
+    gate = Gate()
+    txids: dict[str, int] = {}
     async with trio.open_nursery() as nursery:
-        await gate.hold(store, nursery)
-        for key in ("a", "b", "c", "d"):
-            nursery.start_soon(call, key)
-        await trio.sleep(SETTLE_S)  # all four are queued behind the gate
+        await queue_behind(gate, store, nursery, ("a", "b", "c", "d"), txids)
         gate.opened.set()
     assert len(set(txids.values())) == 1
     assert rows(pg_url) == {"a": 0, "b": 0, "c": 0, "d": 0}
@@ -108,15 +116,8 @@ async def test_calls_queued_behind_the_group_on_duty_wait_for_it_not_for_another
     monkeypatch.setattr(postgres, "RELIEF_AFTER_S", 30.0)
     gate = Gate()
     txids: dict[str, int] = {}
-
-    async def call(key: str) -> None:
-        txids[key] = await two_actors._transact(insert(key))
-
     async with trio.open_nursery() as nursery:
-        await gate.hold(two_actors, nursery)
-        for key in ("a", "b", "c"):
-            nursery.start_soon(call, key)
-        await trio.sleep(SETTLE_S)
+        await queue_behind(gate, two_actors, nursery, ("a", "b", "c"), txids)
         assert txids == {} and rows(pg_url) == {}  # none ran beside the held group
         gate.opened.set()
     assert len(set(txids.values())) == 1
