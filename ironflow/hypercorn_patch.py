@@ -1,4 +1,4 @@
-"""Five changes to hypercorn's Trio worker (0.18), installed by :func:`apply`.
+"""Six changes to hypercorn's Trio worker (0.18), installed by :func:`apply`.
 
 **Close a connection the protocol closed.** hypercorn (``trio/tcp_server.py``)
 closes an HTTP/1.1 connection after a response to ``Connection: close`` or
@@ -61,6 +61,19 @@ waits, as before (so the buffer still bounds what a slow application is
 sent). The messages and their order are the same. Each side still yields
 at its next wait: the reader at its next socket read, the application at its
 first store call.
+
+**A socket read is a wait and a read.** hypercorn's connection reader enters
+a ``fail_after(read_timeout)`` scope per read (a generator context manager
+and a cancel scope, even with no read timeout, the default) and reads through
+Trio's ``receive_some``: two more context managers, and on a keep-alive
+connection a first ``recv`` that finds nothing (the next request is not sent
+before this response) before it waits and reads again. Together ~12 % of the
+node's main thread under load (docs/benchmarks.md). :func:`_read_data` waits
+until the socket is readable, then reads once. The bytes, the events the
+protocol is handed (``RawData``, an empty one at the peer's end, then
+``Closed``) and when the reader stops (the peer's end, a reset, the socket
+closed by the node) are hypercorn's. A configured ``read_timeout``, or a TLS
+stream, reads hypercorn's way.
 """
 
 from __future__ import annotations
@@ -74,7 +87,7 @@ from hypercorn.events import Closed, RawData
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio import task_group, tcp_server
 from hypercorn.trio.task_group import TaskGroup
-from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask
 
 # Upper bound on the shielded close: send_eof and aclose do not block on a
@@ -185,6 +198,31 @@ class _KeepAliveTimer:
             await server._initiate_server_close()
 
 
+_original_read_data = TCPServer._read_data
+
+
+async def _read_data(self: TCPServer) -> None:
+    """hypercorn's ``TCPServer._read_data``: wait until readable, then read."""
+    if type(self.stream) is not trio.SocketStream or self.config.read_timeout:
+        await _original_read_data(self)
+        return
+    sock = self.stream.socket._sock  # only this task reads it
+    while True:
+        try:
+            if sock.fileno() == -1:
+                break  # closed by the node (hypercorn's close)
+            await trio.lowlevel.wait_readable(sock)
+            data = sock.recv(MAX_RECV)
+        except BlockingIOError:
+            continue  # readable, yet nothing to read after all: wait again
+        except (trio.ClosedResourceError, OSError):  # closed while waiting, or reset
+            break
+        await self.protocol.handle(RawData(data))
+        if not data:
+            break  # the peer's end
+    await self.protocol.handle(Closed())
+
+
 def _putter(channel: trio.MemorySendChannel[Any]) -> Callable[[Any], Awaitable[None]]:
     async def put(message: Any) -> None:
         try:
@@ -218,7 +256,7 @@ async def _spawn_app(self: TaskGroup, app: Any, config: Any, scope: Any, send: A
 
 
 def apply() -> None:
-    """Install the five changes (idempotent)."""
+    """Install the six changes (idempotent)."""
     if TCPServer.protocol_send is not _protocol_send:
         TCPServer.protocol_send = _protocol_send  # type: ignore[method-assign]
     if H11Protocol._send_h11_event is not _send_h11_event:
@@ -227,3 +265,5 @@ def apply() -> None:
         tcp_server.TrioSingleTask = _KeepAliveTimer  # type: ignore[misc,assignment]
     if TaskGroup.spawn_app is not _spawn_app:
         TaskGroup.spawn_app = _spawn_app  # type: ignore[method-assign]
+    if TCPServer._read_data is not _read_data:
+        TCPServer._read_data = _read_data  # type: ignore[method-assign]

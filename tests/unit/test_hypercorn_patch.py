@@ -249,3 +249,111 @@ async def test_a_message_to_or_from_the_application_passes_without_a_checkpoint_
         assert [m["more_body"] for m in got] == [True, False]
         await put({"type": "http.disconnect"})
     assert got[-1] == {"type": "http.disconnect"}
+
+
+def _reader_on(sock: Any, read_timeout: float | None = None) -> Any:
+    """What ``TCPServer._read_data`` uses of a server: its stream, its config
+    and its protocol (handed every event the reader produces)."""
+    from types import SimpleNamespace
+
+    config = Config()
+    config.read_timeout = read_timeout  # type: ignore[assignment]
+    events: list[Any] = []
+
+    async def handle(event: Any) -> None:
+        events.append(event)
+
+    return SimpleNamespace(
+        stream=trio.SocketStream(sock), config=config, protocol=SimpleNamespace(handle=handle), events=events
+    )
+
+
+def _count_fail_after(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """Every ``trio.fail_after`` entered (hypercorn's reader enters one per read)."""
+    entered: list[float] = []
+    original = trio.fail_after
+
+    def counting(seconds: float, *args: Any, **kwargs: Any) -> Any:
+        entered.append(seconds)
+        return original(seconds, *args, **kwargs)
+
+    monkeypatch.setattr(trio, "fail_after", counting)
+    return entered
+
+
+async def test_the_reader_hands_over_what_arrives_then_the_peers_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each read is handed over as it arrives, the peer's end as an empty read
+    and then ``Closed``: hypercorn's events, with no timeout scope per read."""
+    from hypercorn.events import Closed
+
+    entered = _count_fail_after(monkeypatch)
+    a, b = trio.socket.socketpair()
+    server = _reader_on(a)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hypercorn_patch._read_data, server)
+        for request in (REQUEST, REQUEST + REQUEST):
+            await b.send(request)
+            with trio.move_on_after(5) as timeout:  # not fail_after: counted
+                while not server.events or server.events[-1].data != request:
+                    await trio.sleep(0.001)
+            assert not timeout.cancelled_caught
+        b.close()
+    assert server.events == [RawData(REQUEST), RawData(REQUEST + REQUEST), RawData(b""), Closed()]
+    assert entered == []  # with no read timeout, none entered (hypercorn: one per read)
+
+
+async def test_the_reader_stops_when_the_node_closes_the_socket() -> None:
+    """hypercorn's own close (keep-alive timeout, server stopping) closes the
+    stream while the reader waits: the reader stops, no error."""
+    from hypercorn.events import Closed
+
+    a, _b = trio.socket.socketpair()
+    server = _reader_on(a)
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hypercorn_patch._read_data, server)
+            await trio.testing.wait_all_tasks_blocked()
+            await server.stream.aclose()
+    assert server.events == [Closed()]
+    # and a reader started on a socket already closed stops at once
+    await hypercorn_patch._read_data(server)
+    assert server.events == [Closed(), Closed()]
+
+
+async def test_the_reader_stops_on_a_reset() -> None:
+    import socket
+    import struct
+
+    from hypercorn.events import Closed
+
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    client = trio.socket.socket()
+    await client.connect(listener.getsockname())
+    a, _ = await listener.accept()
+    server = _reader_on(a)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(hypercorn_patch._read_data, server)
+            await trio.testing.wait_all_tasks_blocked()
+            client.close()  # linger 0: a reset, not an orderly end
+    assert server.events[-1] == Closed()
+    assert all(isinstance(e, RawData) for e in server.events[:-1])
+    listener.close()
+
+
+async def test_a_read_timeout_still_reads_hypercorns_way(
+    monkeypatch: pytest.MonkeyPatch, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A configured ``read_timeout`` keeps hypercorn's reader: a peer silent
+    for longer is disconnected."""
+    from hypercorn.events import Closed
+
+    entered = _count_fail_after(monkeypatch)
+    a, _b = trio.socket.socketpair()
+    server = _reader_on(a, read_timeout=30)
+    await hypercorn_patch._read_data(server)
+    assert server.events == [Closed()] and entered == [30]
+    assert trio.current_time() == 30
