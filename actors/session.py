@@ -261,12 +261,16 @@ def step_results(msgs: list[StepCompleted | StepFailed]) -> list[StepResult]:
     ]
 
 
+# ironflow_steps_total's label values
+_COMPLETED, _FAILED = ("completed",), ("failed",)
+
+
 def steps_recorded(msgs: list[StepCompleted | StepFailed], received: float) -> None:
     """Step results committed: count them, time report → commit from ``received``."""
     elapsed = time.perf_counter() - received
     for m in msgs:
         metrics.STEP_COMMIT.observe(elapsed)
-        metrics.STEPS_RECORDED.labels(status="completed" if isinstance(m, StepCompleted) else "failed").inc()
+        metrics.STEPS_RECORDED.inc(labels=_COMPLETED if isinstance(m, StepCompleted) else _FAILED)
 
 
 def _units(msgs: list[WorkerMessage]) -> list[list[WorkerMessage]]:

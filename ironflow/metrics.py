@@ -8,19 +8,99 @@ import inspect
 import itertools
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from ironflow.store import Store
 
 REGISTRY = CollectorRegistry()
 
-EVENTS_EMITTED = Counter(
-    "ironflow_events_emitted_total", "Events accepted by POST /v1/events", registry=REGISTRY
-)
+
+class _Histogram:
+    """A histogram kept as plain per-label-set bucket counts (a collector).
+
+    Observed on the hot path (every store call, step, run, assignment), so an
+    observation costs a dict lookup, a ``bisect`` and two additions: a
+    ``prometheus_client`` ``Histogram`` takes a lock per observation (and per
+    ``labels()``) and walks the buckets. Observations and scrapes both run on
+    the node's Trio thread, so no lock. The exposition, built at scrape time,
+    is the one ``prometheus_client`` gives.
+    """
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...],
+                 labelnames: tuple[str, ...] = ()) -> None:
+        self.name, self.documentation = name, documentation
+        self._buckets, self._labelnames = buckets, labelnames
+        # label values → counts per bucket (the last one: above every bound), sum, created
+        self._counts: dict[tuple[str, ...], list[int]] = {}
+        self._sums: dict[tuple[str, ...], float] = {}
+        self._created: dict[tuple[str, ...], float] = {}
+        if not labelnames:  # exposed from the start, as prometheus_client's
+            self._new(())
+
+    def _new(self, labels: tuple[str, ...]) -> list[int]:
+        counts = self._counts[labels] = [0] * (len(self._buckets) + 1)
+        self._sums[labels], self._created[labels] = 0.0, time.time()
+        return counts
+
+    def observe(self, value: float, labels: tuple[str, ...] = ()) -> None:
+        counts = self._counts.get(labels) or self._new(labels)
+        counts[bisect.bisect_left(self._buckets, value)] += 1  # le: bound >= value
+        self._sums[labels] += value
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=list(self._labelnames))
+        bounds = [floatToGoString(b) for b in self._buckets] + ["+Inf"]
+        for labels, counts in sorted(self._counts.items()):
+            cumulative = list(itertools.accumulate(counts))
+            family.add_metric(
+                list(labels), buckets=list(zip(bounds, cumulative, strict=True)), sum_value=self._sums[labels]
+            )
+            family.samples.append(Sample(  # what add_metric has no parameter for
+                f"{self.name}_created", dict(zip(self._labelnames, labels, strict=True)), self._created[labels]
+            ))
+        yield family
+
+
+class _Counter:
+    """A counter kept as plain numbers per label set (a collector), for the
+    hot path: no lock and no ``labels()`` child per call (see :class:`_Histogram`)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...] = ()) -> None:
+        self.name = name.removesuffix("_total")
+        self.documentation, self._labelnames = documentation, labelnames
+        self._values: dict[tuple[str, ...], float] = {}
+        self._created: dict[tuple[str, ...], float] = {}
+        if not labelnames:  # exposed from the start, as prometheus_client's
+            self.inc(0.0)
+
+    def inc(self, amount: float = 1.0, labels: tuple[str, ...] = ()) -> None:
+        value = self._values.get(labels)
+        if value is None:
+            value = 0.0
+            self._created[labels] = time.time()
+        self._values[labels] = value + amount
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=list(self._labelnames))
+        for labels, value in sorted(self._values.items()):
+            family.add_metric(list(labels), value, created=self._created[labels])
+        yield family
+
+
+_C = TypeVar("_C", _Counter, _Histogram)
+
+
+def _registered(collector: _C) -> _C:
+    REGISTRY.register(collector)  # type: ignore[arg-type]
+    return collector
+
+
+EVENTS_EMITTED = _registered(_Counter("ironflow_events_emitted_total", "Events accepted by POST /v1/events"))
 # Ingest-side flow control (ironflow/store/flow.py): events a function skipped,
 # debounced or batched, and runs cancelled for a new one (singleton, on_limit).
 FLOW_EVENTS = Counter(
@@ -29,12 +109,8 @@ FLOW_EVENTS = Counter(
     ["mechanism", "outcome"],  # rate_limit|singleton|debounce|batch|concurrency; skipped|debounced|batched|cancelled
     registry=REGISTRY,
 )
-RUNS_FINISHED = Counter(
-    "ironflow_runs_total", "Runs that reached a terminal status", ["status"], registry=REGISTRY
-)
-STEPS_RECORDED = Counter(
-    "ironflow_steps_total", "Step results recorded", ["status"], registry=REGISTRY
-)
+RUNS_FINISHED = _registered(_Counter("ironflow_runs_total", "Runs that reached a terminal status", ("status",)))
+STEPS_RECORDED = _registered(_Counter("ironflow_steps_total", "Step results recorded", ("status",)))
 STORE_AVAILABLE = Gauge(
     "ironflow_store_available",
     "1 while this node reaches its database, 0 during an outage (actors/store_monitor.py)",
@@ -65,9 +141,7 @@ STALE_REFUSED = Counter(
 ACTOR_RESTARTS = Counter(
     "ironflow_actor_restarts_total", "Actors restarted after a crash", ["actor"], registry=REGISTRY
 )
-ASSIGNMENTS = Counter(
-    "ironflow_assignments_total", "JobAssignments handed to workers", registry=REGISTRY
-)
+ASSIGNMENTS = _registered(_Counter("ironflow_assignments_total", "JobAssignments handed to workers"))
 
 HISTORY_DELETED = Counter(
     "ironflow_history_rows_deleted_total",
@@ -86,27 +160,24 @@ LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2
 # Run durations (seconds): sub-second handlers up to day-long sleeps and waits.
 DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 300, 900, 3600, 6 * 3600, 86400)
 
-EMIT_TO_DISPATCH = Histogram(
+EMIT_TO_DISPATCH = _registered(_Histogram(
     "ironflow_emit_to_dispatch_seconds",
     "Event received → its run's first segment handed to a worker on this node"
     " (the handler starts one JobAck later)",
-    buckets=LATENCY_BUCKETS,
-    registry=REGISTRY,
-)
-STEP_COMMIT = Histogram(
+    LATENCY_BUCKETS,
+))
+STEP_COMMIT = _registered(_Histogram(
     "ironflow_step_commit_seconds",
     "A step result received by this node → committed to the database",
-    buckets=LATENCY_BUCKETS,
-    registry=REGISTRY,
-)
-RUN_DURATION = Histogram(
+    LATENCY_BUCKETS,
+))
+RUN_DURATION = _registered(_Histogram(
     "ironflow_run_duration_seconds",
     "Runs ended on this node (completed, failed — by the worker, the recovery ceiling or"
     " the function timeout — or cancelled): first start (or creation) → end",
-    ["function", "status"],
-    buckets=DURATION_BUCKETS,
-    registry=REGISTRY,
-)
+    DURATION_BUCKETS,
+    ("function", "status"),
+))
 # Flow control at dispatch (issue 24; docs/flow-control.md).
 FLOW_HELD = Counter(
     "ironflow_flow_held_total",
@@ -137,55 +208,21 @@ SESSIONS = Gauge(
 )
 
 
-WAKE_LATENESS = Histogram(
+WAKE_LATENESS = _registered(_Histogram(
     "ironflow_wake_lateness_seconds",
     "A sleep's wake time (or a wait's / invoke's timeout) → the run's resumed segment handed"
     " to a worker by this node (database clock); one handed over ahead of its wake time is"
     " held until then and counts 0",
-    buckets=LATENCY_BUCKETS,
-    registry=REGISTRY,
-)
+    LATENCY_BUCKETS,
+))
 
 
-class _StoreCallHistogram:
-    """``ironflow_store_call_seconds{method}``, kept as plain per-method bucket counts.
-
-    Every store call passes through here, so an observation must cost next to
-    nothing: a ``bisect`` and two additions (a ``prometheus_client``
-    ``Histogram.observe`` takes a lock and walks the buckets, several µs).
-    Store calls and scrapes both run on the node's Trio thread, so no lock.
-    The exposition is built at scrape time.
-    """
-
-    name = "ironflow_store_call_seconds"
-    documentation = "A store method called on this node → its committed result back in the caller"
-
-    def __init__(self) -> None:
-        # method → counts per bucket (the last one: above every bound), seconds observed
-        self._counts: dict[str, list[int]] = {}
-        self._sums: dict[str, float] = {}
-
-    def observe(self, method: str, seconds: float) -> None:
-        counts = self._counts.get(method)
-        if counts is None:
-            counts = self._counts[method] = [0] * (len(LATENCY_BUCKETS) + 1)
-            self._sums[method] = 0.0
-        counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1  # le: bound >= seconds
-        self._sums[method] += seconds
-
-    def collect(self) -> Iterator[HistogramMetricFamily]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=["method"])
-        for method, counts in sorted(self._counts.items()):
-            cumulative = list(itertools.accumulate(counts))
-            bounds = [floatToGoString(b) for b in LATENCY_BUCKETS] + ["+Inf"]
-            family.add_metric(
-                [method], buckets=list(zip(bounds, cumulative, strict=True)), sum_value=self._sums[method]
-            )
-        yield family
-
-
-STORE_CALL = _StoreCallHistogram()
-REGISTRY.register(STORE_CALL)  # type: ignore[arg-type]
+STORE_CALL = _registered(_Histogram(
+    "ironflow_store_call_seconds",
+    "A store method called on this node → its committed result back in the caller",
+    LATENCY_BUCKETS,
+    ("method",),
+))
 
 # Store methods not timed: ``watch_kicks`` lives as long as the node (it is a
 # listener, not a call), and opening/closing are not calls an operator tunes.
@@ -200,9 +237,9 @@ def run_ended(status: str, function_id: str | None, duration_s: float | None) ->
     returned; the store's guarded UPDATE ends a run only once, so the run is
     observed once.
     """
-    RUNS_FINISHED.labels(status=status).inc()
+    RUNS_FINISHED.inc(labels=(status,))
     if function_id is not None and duration_s is not None:
-        RUN_DURATION.labels(function=function_id, status=status).observe(max(duration_s, 0.0))
+        RUN_DURATION.observe(max(duration_s, 0.0), (function_id, status))
 
 
 def store_methods() -> frozenset[str]:
@@ -215,7 +252,7 @@ def store_methods() -> frozenset[str]:
 
 
 def _timed(method: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    observe = STORE_CALL.observe
+    observe, labels = STORE_CALL.observe, (method,)
 
     @functools.wraps(call)
     async def timed(*args: Any, **kwargs: Any) -> Any:
@@ -225,9 +262,9 @@ def _timed(method: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Aw
         except Exception:
             # A refused call (stale fence, conflict) still took its transaction;
             # a cancelled one (BaseException) did not finish and is not observed.
-            observe(method, time.perf_counter() - started)
+            observe(time.perf_counter() - started, labels)
             raise
-        observe(method, time.perf_counter() - started)
+        observe(time.perf_counter() - started, labels)
         return result
 
     return timed
