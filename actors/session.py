@@ -446,10 +446,14 @@ class _Lanes:
         segment's step results came with the ack (read from the socket
         together): applied before the segment's end, the ack and they were
         two commits more, and the result a third behind them in the lane."""
-        if len(queue) < CHAIN_MAX and not any(isinstance(m, _SEGMENT_ENDS) for m in queue):
-            with trio.move_on_after(self._ack_hold_s):
-                woken = self._woken[key] = trio.Event()
-                await woken.wait()  # set by put() or flush()
+        if len(queue) < CHAIN_MAX:
+            for m in queue:  # (a loop, not any(): this runs per run)
+                if isinstance(m, _SEGMENT_ENDS):
+                    break
+            else:
+                with trio.move_on_after(self._ack_hold_s):
+                    woken = self._woken[key] = trio.Event()
+                    await woken.wait()  # set by put() or flush()
         self._woken.pop(key, None)
 
     def flush(self) -> None:

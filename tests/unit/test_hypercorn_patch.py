@@ -357,3 +357,30 @@ async def test_a_read_timeout_still_reads_hypercorns_way(
     await hypercorn_patch._read_data(server)
     assert server.events == [Closed()] and entered == [30]
     assert trio.current_time() == 30
+
+
+async def test_the_application_queue_keeps_order_and_bounds_what_it_holds() -> None:
+    """Senders beyond the bound wait and go in the order they came; a receiver
+    waits for a message; a cancelled wait takes nothing; a bound of 0 holds one."""
+    queue = hypercorn_patch._AppQueue(1)
+    got: list[Any] = []
+    async with trio.open_nursery() as nursery:
+        await queue.put("a")  # room: at once
+        for name in "bcd":
+            nursery.start_soon(queue.put, name)
+            await trio.testing.wait_all_tasks_blocked()  # each waits, in turn
+        for _ in range(4):
+            got.append(await queue.get())
+    assert got == ["a", "b", "c", "d"]
+
+    with trio.move_on_after(0.01) as waited:
+        await queue.get()  # empty: waits
+    assert waited.cancelled_caught
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.put, "e")
+        assert await queue.get() == "e"  # the cancelled wait took nothing
+
+    rendezvous = hypercorn_patch._AppQueue(0)
+    with trio.testing.assert_no_checkpoints():
+        await rendezvous.put("f")
+    assert await rendezvous.get() == "f"
