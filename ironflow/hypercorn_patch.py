@@ -58,9 +58,9 @@ both sides an :class:`_AppQueue` instead: a message that fits the buffer
 (hypercorn's ``max_app_queue_size``) or one already waiting passes at once,
 and only a full or empty queue waits, as before (so the buffer still bounds
 what a slow application is sent). It is also cheaper to make than the memory
-channel it replaces. The messages and their order are the same. Each side still yields
-at its next wait: the reader at its next socket read, the application at its
-first store call.
+channel it replaces. The messages and their order are the same. Each side
+still yields at its next wait: the reader at its next socket read, the
+application at its first store call.
 
 **A socket read is a wait and a read.** hypercorn's connection reader enters
 a ``fail_after(read_timeout)`` scope per read (a generator context manager
