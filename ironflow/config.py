@@ -144,6 +144,22 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     max_functions_per_trigger: int = 100
     # A function no worker registered for this long is listed as not live.
     function_live_s: float = 24 * 3600.0
+    # Expressions (trigger filters, keys, priorities, cancel-on conditions) run
+    # on the node's one thread for every event they judge: their size and
+    # nesting are bounded at registration, and each evaluation's estimated
+    # cost on the event at hand (ironflow/expressions.py) must be within the
+    # budget, or the expression is not run (EXPRESSION_BUDGET_EXCEEDED).
+    # Tokens one expression may have (a 4,096-character filter has ~1,000).
+    expression_max_tokens: int = 1024
+    # Brackets one inside another: the parser's own limit is ~100.
+    expression_max_nesting: int = 32
+    # Comprehensions (all, exists, exists_one, map, filter) one inside
+    # another: each level multiplies the work by its list's length.
+    expression_max_comprehension_depth: int = 2
+    # Estimated microseconds one evaluation may take: the node's thread is
+    # everyone's, and an emit judges each triggered function's expressions.
+    # At the default an expression may read ~400 values of an event.
+    expression_budget_us: float = 1000.0
 
 
 class NodeConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -417,3 +433,9 @@ def _validate_limits(limits: Limits) -> None:
             raise ConfigError(f"limits.{field} must be in 1..{ceiling}, got {value}")
     if limits.function_live_s <= 0:
         raise ConfigError(f"limits.function_live_s must be positive, got {limits.function_live_s}")
+    for field in ("expression_max_tokens", "expression_max_nesting", "expression_max_comprehension_depth"):
+        if getattr(limits, field) < 1:
+            raise ConfigError(f"limits.{field} must be at least 1, got {getattr(limits, field)}")
+    if limits.expression_budget_us < 50:
+        # Below it even `event.data.x == 1` would be refused: the call alone costs ~5 µs.
+        raise ConfigError(f"limits.expression_budget_us must be at least 50, got {limits.expression_budget_us}")
