@@ -40,6 +40,11 @@ class LocalSession:
         # run id → the traceparent of a traced run assigned here, for the
         # session's commit spans (ironflow/tracing.py); dropped as it ends here.
         self.traceparents: dict[str, str] = {}
+        # job id → the bytes of its run's step outputs so far, for the run
+        # state budget (actors/session.py ``within_state_budget``); only jobs
+        # with state. And the jobs failed for going past it.
+        self.run_state: dict[str, int] = {}
+        self.over_budget: set[str] = set()
 
 
 class SessionDirectory:

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Literal
 
+import msgspec
 import outcome
 import trio
 
@@ -36,6 +37,7 @@ from ironflow.dispatch_flow_checks import dispatch_flow_problem
 from ironflow.flow_checks import flow_problem
 from ironflow.protocol import (
     EngineMessage,
+    ErrorInfo,
     FencedMessage,
     Heartbeat,
     JobAck,
@@ -330,6 +332,52 @@ CHAIN_MAX = 64
 _SEGMENT_ENDS = (JobCompleted, JobFailed, JobYielded, JobNack)
 
 
+RUN_STATE_TOO_LARGE = "RUN_STATE_TOO_LARGE"
+# What the run state budget counts (a step's output) or forgets (a segment's end).
+_STATE_COUNTED = (StepCompleted, *_SEGMENT_ENDS)
+_measure = msgspec.json.Encoder().encode
+
+
+def within_state_budget(local: LocalSession, msg: WorkerMessage, limit: int) -> list[WorkerMessage]:
+    """``msg`` as it is to be applied, its run's state counted against ``limit``
+    (``limits.max_run_state_bytes``): the step outputs stored before this
+    segment (:attr:`Reservation.state_bytes`, read when it was reserved) and
+    those its session received since. The step result that crosses it is
+    applied as that step's failure and the job's, not retried
+    (RUN_STATE_TOO_LARGE), and the worker is told to stop the job; what the
+    job still sends is refused by the fence, for that job only."""
+    state = local.run_state
+    if isinstance(msg, StepCompleted):
+        if msg.job_id in local.over_budget:
+            return [msg]  # after its failure: the fence refuses it
+        total = state.get(msg.job_id, 0) + (len(_measure(msg.output)) if msg.output is not None else 0)
+        if total <= limit:
+            if total:
+                state[msg.job_id] = total
+            return [msg]
+        state.pop(msg.job_id, None)
+        local.over_budget.add(msg.job_id)
+        error = ErrorInfo(
+            f"step {msg.name!r} brings the run's state (its step outputs) to {total:,} bytes,"
+            f" over the limit of {limit:,} (limits.max_run_state_bytes)",
+            code=RUN_STATE_TOO_LARGE,
+            retryable=False,
+        )
+        fence = (msg.job_id, msg.run_id, msg.execution_seq, msg.lease_token)
+        logs.event(
+            log, logging.WARNING, "run: state over its budget, failed", run_id=msg.run_id,
+            execution_seq=msg.execution_seq, session_id=local.session_id, step=msg.name, bytes=total,
+        )
+        return [
+            StepFailed(*fence, step_id=msg.step_id, name=msg.name, error=error, duration_ms=msg.duration_ms),
+            JobFailed(*fence, error=error),
+        ]
+    if isinstance(msg, _SEGMENT_ENDS):
+        state.pop(msg.job_id, None)
+        local.over_budget.discard(msg.job_id)
+    return [msg]
+
+
 class _Lanes:
     """One lane per run: a run's messages are handled in the order they arrived,
     different runs' at once, and without waiting for each other. The reader
@@ -396,6 +444,17 @@ class _Lanes:
         self.fatal: Exception | None = None
 
     async def put(self, msg: WorkerMessage) -> None:
+        local = self._directory.get(self._session_id)
+        if local is not None and isinstance(msg, _STATE_COUNTED):
+            applied = within_state_budget(local, msg, self._config.limits.max_run_state_bytes)
+            if applied[0] is not msg:
+                self._directory.send_cancel(self._session_id, msg.job_id, msg.run_id, RUN_STATE_TOO_LARGE)
+                for one in applied:
+                    await self._put(one)
+                return
+        await self._put(msg)
+
+    async def _put(self, msg: WorkerMessage) -> None:
         try:
             self._room.acquire_nowait()  # no checkpoint per message while there is room
         except trio.WouldBlock:
@@ -641,6 +700,7 @@ async def run(
                 int(t.heartbeat_interval_s * 1000),
                 int(t.lease_expiry_s * 1000),
                 batch_frames=True,  # the socket's reader takes batched frames
+                max_frame_bytes=config.max_frame_bytes,
             )
         )
     except (trio.BrokenResourceError, trio.ClosedResourceError):

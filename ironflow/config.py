@@ -144,6 +144,14 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     max_functions_per_trigger: int = 100
     # A function no worker registered for this long is listed as not live.
     function_live_s: float = 24 * 3600.0
+    # A run's state: the JSON of its step outputs, all kept for its replays.
+    # Past it the step that crosses it fails the run (RUN_STATE_TOO_LARGE, not
+    # retried): one run may not grow the database or its replays without end.
+    max_run_state_bytes: int = 64 * 1024 * 1024
+    # Step outputs a later segment's assignment carries inline, in step order;
+    # the rest the worker reads by step id when its handler reaches them, so
+    # an assignment stays far below the frame limit however large the state.
+    memo_inline_bytes: int = 1024 * 1024
     # Expressions (trigger filters, keys, priorities, cancel-on conditions) run
     # on the node's one thread for every event they judge: their size and
     # nesting are bounded at registration, and each evaluation's estimated
@@ -416,6 +424,11 @@ def validate(config: NodeConfig) -> None:
     if config.max_frame_bytes < 1024:
         raise ConfigError("max_frame_bytes must be at least 1024")
     _validate_limits(config.limits)
+    if config.limits.memo_inline_bytes > config.max_frame_bytes // 2:
+        raise ConfigError(
+            f"limits.memo_inline_bytes ({config.limits.memo_inline_bytes}) must be at most half of "
+            f"max_frame_bytes ({config.max_frame_bytes}): an assignment carries the event as well"
+        )
 
 
 # Ceilings of the configurable limits: the wire types' own hard bounds.
@@ -436,6 +449,13 @@ def _validate_limits(limits: Limits) -> None:
     for field in ("expression_max_tokens", "expression_max_nesting", "expression_max_comprehension_depth"):
         if getattr(limits, field) < 1:
             raise ConfigError(f"limits.{field} must be at least 1, got {getattr(limits, field)}")
+    if limits.max_run_state_bytes < 1024:
+        raise ConfigError(f"limits.max_run_state_bytes must be at least 1024, got {limits.max_run_state_bytes}")
+    if not 0 <= limits.memo_inline_bytes <= MAX_FRAME_BYTES // 2:
+        raise ConfigError(
+            f"limits.memo_inline_bytes must be in 0..{MAX_FRAME_BYTES // 2} (half a frame), "
+            f"got {limits.memo_inline_bytes}"
+        )
     if limits.expression_budget_us < 50:
         # Below it even `event.data.x == 1` would be refused: the call alone costs ~5 µs.
         raise ConfigError(f"limits.expression_budget_us must be at least 50, got {limits.expression_budget_us}")

@@ -104,6 +104,7 @@ class Node:
             store if store is not None
             else open_store(config.database_url, sqlite_auto_vacuum=config.sqlite_auto_vacuum)
         )
+        self.store.memo_inline_bytes = config.limits.memo_inline_bytes
         self.directory = SessionDirectory()
         # Cancel-on: the worker holding a run an event cancelled (on any node)
         # is told by the node its session is attached to (store/cancel_on.py).

@@ -74,6 +74,7 @@ async def register() -> Response:
         int(t.heartbeat_interval_s * 1000),
         int(t.lease_expiry_s * 1000),
         session_secret=info.secret,
+        max_frame_bytes=st.config.max_frame_bytes,
     )
     return json_response(answer, 201)
 
@@ -163,7 +164,14 @@ async def _apply(session_id: str, kinds: tuple[type, ...]) -> Response:
         fail(400, "VALIDATION_ERROR", f"{type(msg).__name__} is not accepted here; expected {expected}")
     await owned_session(session_id)
     st = state()
+    local = st.deps.directory.get(session_id)
     try:
+        if local is not None and isinstance(msg, StepCompleted | JobCompleted | JobFailed | JobYielded | JobNack):
+            applied = session_actor.within_state_budget(local, msg, st.config.limits.max_run_state_bytes)
+            if applied[0] is not msg:
+                for one in applied:  # the step's failure, then the job's
+                    await session_actor.handle(st.store, st.config, session_id, one, st.deps.kicks)
+                fail(409, session_actor.RUN_STATE_TOO_LARGE, applied[0].error.message)  # type: ignore[union-attr]
         answer = await session_actor.handle(st.store, st.config, session_id, msg, st.deps.kicks)
     except StaleExecution as exc:
         metrics.STALE_REFUSED.inc()
