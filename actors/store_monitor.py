@@ -2,7 +2,9 @@
 
 While the store is up it reads the database every ``store_probe_s`` (a read:
 an idle node writes nothing), so an outage nobody's call has met yet still
-turns ``/readyz`` to 503 within about that. Any store call that meets an
+turns ``/readyz`` to 503 within about that; a probe that has not answered
+within ``store_probe_timeout_s`` (a database gone silent: a partition holds
+packets and closes nothing) marks the store down too. Any store call that meets an
 outage marks the store down itself (``ironflow/store/availability.py``).
 
 While the store is down it tries a *write* every ``store_probe_s`` (a full
@@ -23,17 +25,18 @@ import trio
 from ironflow import logs, metrics
 from ironflow.config import NodeConfig
 from ironflow.store import Store, StoreUnavailable
+from ironflow.store.availability import answered_when_down
 
 log = logging.getLogger("ironflow.store")
 
-# A probe that has not answered after this long counts as failed: about the
-# 5 s within which every API call must be answered during an outage.
-PROBE_TIMEOUT_S = 5.0
 
 
-async def _probe(store: Store, *, write: bool) -> bool:
-    """Whether one probe went through (a hung one is abandoned at the timeout)."""
-    with trio.move_on_after(PROBE_TIMEOUT_S):
+async def _probe(store: Store, timeout_s: float, *, write: bool) -> bool:
+    """Whether one probe went through within ``timeout_s``. A hung one is
+    given up on at the timeout (even one the database took: the probe is
+    ANSWER_WHEN_DOWN) and marks the store down, which answers every API call
+    still waiting on the database at once."""
+    with trio.move_on_after(timeout_s), answered_when_down():
         try:
             await store.probe(write=write)
         except StoreUnavailable:
@@ -41,7 +44,8 @@ async def _probe(store: Store, *, write: bool) -> bool:
         return True
     if store.availability.up:
         store.availability.went_down(
-            "STORE_UNAVAILABLE", f"the database did not answer a probe within {PROBE_TIMEOUT_S:g} s"
+            "STORE_UNAVAILABLE",
+            f"the database did not answer a probe within {timeout_s:g} s (timings.store_probe_timeout_s)",
         )
     return False
 
@@ -58,13 +62,13 @@ async def run(
     period = config.timings.store_probe_s
     availability.monitored = True
     try:
-        await _watch(store, node_id, period, task_status)
+        await _watch(store, node_id, period, config.timings.store_probe_timeout_s, task_status)
     finally:
         availability.monitored = False
 
 
 async def _watch(
-    store: Store, node_id: str, period: float, task_status: trio.TaskStatus[None]
+    store: Store, node_id: str, period: float, timeout_s: float, task_status: trio.TaskStatus[None]
 ) -> None:
     availability = store.availability
     task_status.started()
@@ -72,9 +76,9 @@ async def _watch(
         metrics.STORE_AVAILABLE.set(1 if availability.up else 0)
         await trio.sleep(period)
         if availability.up:
-            await _probe(store, write=False)
+            await _probe(store, timeout_s, write=False)
             continue
-        if not await _probe(store, write=True):
+        if not await _probe(store, timeout_s, write=True):
             continue
         blind_s = availability.blind_s()
         try:

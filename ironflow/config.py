@@ -110,6 +110,38 @@ class Timings(msgspec.Struct, forbid_unknown_fields=True):
     # ("server disconnected"), and the client could not know whether it ran.
     # hypercorn's own default (5 s) equals httpx's and lost such requests.
     http_keep_alive_s: float = 75.0
+    # A request's head (request line and headers) must arrive whole within
+    # this of its first byte, or the connection is closed: a client sending
+    # its head a byte at a time would otherwise hold a connection (and a slot
+    # of limits.max_connections) for the whole keep-alive. A real client
+    # sends its head in one write; 10 s covers the slowest link.
+    http_header_timeout_s: float = 10.0
+    # A probe of the database that has not answered after this long marks
+    # the store down (503 STORE_UNAVAILABLE, /readyz 503), and the API calls
+    # still waiting on the database are answered 503 at once: with the probe
+    # every store_probe_s, a node cut off from its database answers every
+    # request within about store_probe_s + this (under a second). Far above
+    # a loaded group commit (6-10 ms, docs/benchmarks.md).
+    store_probe_timeout_s: float = 0.5
+    # ── PostgreSQL sessions (ironflow/store/pg_connect.py): every wait bounded ──
+    # A statement running longer than this is cancelled by the server: the
+    # store's statements take milliseconds, its purges are batched, so only a
+    # runaway one (or one stuck sending to a vanished node) gets here.
+    pg_statement_timeout_s: float = 30.0
+    # A statement waiting this long for a lock gives up: a lock held by a
+    # session that is not a node's (an operator's open psql transaction) is
+    # bounded by nothing else. Above pg_idle_in_transaction_timeout_s, so a
+    # lock held by a partitioned node is released (its session ended) first.
+    pg_lock_timeout_s: float = 10.0
+    # The server ends a node's session left idle inside a transaction this
+    # long, releasing its locks: a node partitioned from the database mid
+    # group never holds rows its peers need for longer. A group's statements
+    # follow each other within milliseconds.
+    pg_idle_in_transaction_timeout_s: float = 5.0
+    # A node notices a dead connection to PostgreSQL within about this, with
+    # data in flight (tcp_user_timeout) or not (TCP keepalives), instead of
+    # the operating system's ~15 minutes of retransmissions.
+    pg_tcp_timeout_s: float = 10.0
 
 
 # Timings where 0 means "off" rather than "unsafe".
@@ -144,6 +176,14 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     max_functions_per_trigger: int = 100
     # A function no worker registered for this long is listed as not live.
     function_live_s: float = 24 * 3600.0
+    # Open connections (HTTP, websockets) one node keeps; past it a new one is
+    # answered 503 and closed. Under the usual 1,024 open files per process
+    # with room for the node's own (database, logs, listeners), so a flood of
+    # connections is refused rather than leaving the node unable to open any.
+    max_connections: int = 900
+    # Result requests (``wait_s`` > 0) held open at once; past it one is
+    # answered 429. Each holds a connection and a task for up to 300 s.
+    max_held_waits: int = 500
     # A run's state: the JSON of its step outputs, all kept for its replays.
     # Past it the step that crosses it fails the run (RUN_STATE_TOO_LARGE, not
     # retried): one run may not grow the database or its replays without end.
@@ -417,6 +457,13 @@ def validate(config: NodeConfig) -> None:
             f"timings.waker_lookahead_s={t.waker_lookahead_s:g}s must be at most half the "
             f"reservation expiry ({t.reservation_expiry_s:g}s)"
         )
+    if t.pg_lock_timeout_s <= t.pg_idle_in_transaction_timeout_s:
+        # A lock a partitioned node holds is released when the server ends its
+        # idle session; a peer giving up on it sooner would fail for nothing.
+        raise ConfigError(
+            f"timings.pg_lock_timeout_s={t.pg_lock_timeout_s:g}s must be longer than "
+            f"timings.pg_idle_in_transaction_timeout_s={t.pg_idle_in_transaction_timeout_s:g}s"
+        )
     if t.restart_backoff_max_s < t.restart_backoff_s:
         raise ConfigError("timings.restart_backoff_max_s must be ≥ restart_backoff_s")
     if not 0 < config.port < 65536 and config.port != 0:
@@ -444,6 +491,9 @@ def _validate_limits(limits: Limits) -> None:
         value = getattr(limits, field)
         if not 1 <= value <= ceiling:
             raise ConfigError(f"limits.{field} must be in 1..{ceiling}, got {value}")
+    for field in ("max_connections", "max_held_waits"):
+        if getattr(limits, field) < 1:
+            raise ConfigError(f"limits.{field} must be at least 1, got {getattr(limits, field)}")
     if limits.function_live_s <= 0:
         raise ConfigError(f"limits.function_live_s must be positive, got {limits.function_live_s}")
     for field in ("expression_max_tokens", "expression_max_nesting", "expression_max_comprehension_depth"):

@@ -102,7 +102,9 @@ class Node:
         self.listen_fd = listen_fd
         self.store: Store = metrics.time_store_calls(
             store if store is not None
-            else open_store(config.database_url, sqlite_auto_vacuum=config.sqlite_auto_vacuum)
+            else open_store(
+                config.database_url, sqlite_auto_vacuum=config.sqlite_auto_vacuum, timings=config.timings
+            )
         )
         self.store.memo_inline_bytes = config.limits.memo_inline_bytes
         self.directory = SessionDirectory()

@@ -42,6 +42,7 @@ from ironflow.api.state import EXTENSION, ApiState
 from ironflow.ids import new_id
 from ironflow.protocol import ApiError, encoder
 from ironflow.store import StoreError
+from ironflow.store.availability import ANSWER_WHEN_DOWN
 
 log = logging.getLogger("ironflow.api")
 
@@ -100,6 +101,11 @@ class HotRoutes:
         self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable
     ) -> None:
         if scope["type"] == "http":
+            # This request's task only (hypercorn gives each its own): its
+            # store calls are answered 503 the moment the database is known
+            # gone, not when a silent connection gives up (a worker's
+            # websocket session, not an HTTP request, awaits every outcome).
+            ANSWER_WHEN_DOWN.set(True)
             if scope["method"] == "POST" and scope["path"] == "/v1/events":
                 headers = list(scope["headers"])
                 await _respond(send, await _answer("POST", scope["path"], lambda: self._emit(headers, receive)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from ironflow.config import Timings
 from ironflow.protocol import AuditRecord as AuditRecord
 from ironflow.protocol import FunctionRecord as FunctionRecord
 from ironflow.protocol import LeaseRecord as LeaseRecord
@@ -18,7 +19,11 @@ from ironflow.store.base import Store
 
 
 def open_store(
-    url: str, *, now: Callable[[], float] | None = None, sqlite_auto_vacuum: bool = False
+    url: str,
+    *,
+    now: Callable[[], float] | None = None,
+    sqlite_auto_vacuum: bool = False,
+    timings: Timings | None = None,
 ) -> Store:
     """Build (not yet open) the backend ``url`` names.
 
@@ -26,13 +31,14 @@ def open_store(
     anything else is a SQLite path or ``sqlite:///path`` (parent directories are
     created). ``now`` drives the SQLite clock in tests; PostgreSQL uses its own.
     ``sqlite_auto_vacuum`` makes a NEW SQLite file shrink when history is purged
-    (see :class:`~ironflow.store.sqlite.SqliteStore`).
+    (see :class:`~ironflow.store.sqlite.SqliteStore`). ``timings``: the
+    node's, whose ``pg_*`` bound every PostgreSQL wait (defaults if None).
     Call ``await store.open()`` before use and ``await store.close()`` after.
     """
     if url.startswith(("postgres://", "postgresql://")):
         from ironflow.store.postgres import PostgresStore
 
-        return PostgresStore(url)
+        return PostgresStore(url, timings=timings)
     from ironflow.store.sqlite import SqliteStore, _sqlite_path
 
     path = _sqlite_path(url)

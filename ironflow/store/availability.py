@@ -24,8 +24,10 @@ on the Trio thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import outcome
@@ -37,6 +39,27 @@ from ironflow.store.errors import StorageFull, StoreUnavailable
 T = TypeVar("T")
 
 log = logging.getLogger("ironflow.store")
+
+# True in a task whose store calls are answered rather than awaited to the
+# end when the database stops answering: an HTTP request (its client would
+# time out anyway, and must be answered within a second), the monitor's probe.
+# Such a call is given up, with StoreUnavailable, as soon as the store is
+# marked down, and on cancel, even after the database took it (its outcome
+# then unknown: the message says so). Elsewhere (actors, worker sessions) a
+# call the database took is awaited to its commit or rollback, never dropped.
+# Only PostgreSQL's calls can be stuck on a connection that went silent;
+# SQLite's are in-process and ignore it.
+ANSWER_WHEN_DOWN: ContextVar[bool] = ContextVar("ironflow_answer_when_down", default=False)
+
+
+@contextlib.contextmanager
+def answered_when_down() -> Iterator[None]:
+    """Within it, this task's store calls are :data:`ANSWER_WHEN_DOWN`."""
+    token = ANSWER_WHEN_DOWN.set(True)
+    try:
+        yield
+    finally:
+        ANSWER_WHEN_DOWN.reset(token)
 
 
 class Availability:
@@ -62,6 +85,9 @@ class Availability:
         self.monitored = False
         self._back = trio.Event()
         self._back.set()
+        # Called once the store is marked down: a backend answers the calls
+        # still waiting on the database that are ANSWER_WHEN_DOWN.
+        self.on_down: Callable[[], None] | None = None
 
     def check(self) -> None:
         """Raise the outage at once, without trying the database, while one
@@ -88,6 +114,8 @@ class Availability:
         self._blind_since = self.last_ok
         self._back = trio.Event()
         logs.event(log, logging.WARNING, "store: unavailable", code=code, cause=cause)
+        if self.on_down is not None:
+            self.on_down()
 
     def came_back(self) -> float:
         """The store answers again (the monitor proved a write); returns how long

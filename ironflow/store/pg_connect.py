@@ -8,7 +8,7 @@ from typing import Any
 
 import psycopg
 
-from ironflow.config import redact_url
+from ironflow.config import Timings, redact_url
 from ironflow.store.errors import StorageFull, StoreReadOnly, StoreUnavailable
 
 # SQLSTATE classes that mean the server is unreachable or cannot serve now,
@@ -33,6 +33,10 @@ def unavailable(exc: BaseException) -> StoreUnavailable | None:
         return StoreUnavailable(
             f"PostgreSQL is read-only (a standby, or a primary being demoted): {first}"
         )
+    if isinstance(exc, psycopg.errors.IdleInTransactionSessionTimeout):
+        # Past idle_in_transaction_session_timeout: the node could not reach the
+        # server (a group's statements follow each other within milliseconds).
+        return StoreUnavailable(f"PostgreSQL ended this node's session, idle in a transaction: {first}")
     if isinstance(exc, psycopg.InterfaceError):
         return StoreUnavailable(f"PostgreSQL connection lost: {first}")
     if isinstance(exc, psycopg.OperationalError):
@@ -46,12 +50,49 @@ def unavailable(exc: BaseException) -> StoreUnavailable | None:
     return None
 
 
-def connect(url: str) -> psycopg.Connection[Any]:
-    """An autocommit connection to ``url`` (any libpq URL, multi-host included)."""
+# Keepalive probes sent before a silent connection counts as dead: with the
+# idle time and the interval between probes, about pg_tcp_timeout_s in all.
+KEEPALIVE_PROBES = 3
+
+
+def _tcp_params(timings: Timings) -> dict[str, Any]:
+    """libpq's TCP settings bounding how long a dead connection goes unnoticed:
+    ``tcp_user_timeout`` while data waits for an acknowledgement, keepalives
+    while the connection is silent (idle + probes × interval ≈ the timeout)."""
+    total = timings.pg_tcp_timeout_s
+    step = max(1, round(total / (KEEPALIVE_PROBES + 1)))  # libpq takes whole seconds
+    return {
+        "keepalives": 1,
+        "keepalives_idle": step,
+        "keepalives_interval": step,
+        "keepalives_count": KEEPALIVE_PROBES,
+        "tcp_user_timeout": max(1, round(total * 1000)),
+    }
+
+
+def connect(url: str, timings: Timings | None = None) -> psycopg.Connection[Any]:
+    """An autocommit connection to ``url`` (any libpq URL, multi-host included),
+    with ``timings``' TCP bounds (a setting the URL names itself is the URL's)."""
     extra: dict[str, Any] = {}
     if "connect_timeout" not in url:
         extra["connect_timeout"] = CONNECT_TIMEOUT_S
+    if timings is not None:
+        extra.update({k: v for k, v in _tcp_params(timings).items() if k not in url})
     return psycopg.connect(url, autocommit=True, **extra)
+
+
+def session_bounds(timings: Timings) -> str:
+    """The ``SET`` statements bounding every wait of a node's session on the
+    server: a statement, a lock wait, and a transaction left idle (a node cut
+    off mid-transaction), each ended by the server past its timing. One simple
+    query, sent with the connection's other settings (no round trip of its own);
+    ``SET`` rather than startup ``options`` so a pooler in front still accepts it."""
+    bounds = {
+        "statement_timeout": timings.pg_statement_timeout_s,
+        "lock_timeout": timings.pg_lock_timeout_s,
+        "idle_in_transaction_session_timeout": timings.pg_idle_in_transaction_timeout_s,
+    }
+    return "; ".join(f"SET {name} = {max(1, round(s * 1000))}" for name, s in bounds.items())
 
 
 

@@ -65,8 +65,9 @@ import trio
 from psycopg import pq
 from psycopg.adapt import Transformer
 
+from ironflow.config import Timings
 from ironflow.store import chain
-from ironflow.store.availability import Availability, settle, translated
+from ironflow.store.availability import ANSWER_WHEN_DOWN, Availability, settle, translated
 from ironflow.store.base import (
     CommitOutcomeUnknown,
     StoreUnavailable,
@@ -75,7 +76,7 @@ from ironflow.store.cancel_on import CANCEL_CHANNEL
 from ironflow.store.chain import chained
 from ironflow.store.core import NamedLock, Tx, lock_id
 from ironflow.store.handback import hand_back
-from ironflow.store.pg_connect import connect, refuse_read_only, unavailable
+from ironflow.store.pg_connect import connect, refuse_read_only, session_bounds, unavailable
 from ironflow.store.pg_sql import numbered, pg_sql
 from ironflow.store.schema import (
     SCHEMA_LOCK_KEY,
@@ -411,15 +412,16 @@ class _Actor:
 
     def _connect(self) -> psycopg.Connection[Any]:
         self._losses = self._store.connection_losses
-        conn = connect(self._store.url)
+        conn = connect(self._store.url, self._store.timings)
         conn.prepared_max = PREPARED_MAX
         # A prepared statement's plan made once, for any values: PostgreSQL's
         # default plans the first five executions of each with their values
         # (``auto``), and a group's statements have one text per row count
         # (its VALUES rows, its IN list), so most executions were planned
         # anew. Statements whose plan may depend on a value are never
-        # prepared (``_VALUE_PLANNED``).
-        conn.execute("SET plan_cache_mode = force_generic_plan")
+        # prepared (``_VALUE_PLANNED``). With it, in the same round trip, the
+        # server-side bounds of every wait (pg_connect.session_bounds).
+        conn.execute(f"SET plan_cache_mode = force_generic_plan; {self._store.session_bounds}")
         self._prepared = {}  # statements are prepared per connection
         self._pid = conn.info.backend_pid
         self._store.own_backends.add(self._pid)
@@ -650,16 +652,24 @@ class PostgresStore(SqlStore):
     # may pause between statements: tests/sim/pg.py).
     tx_class: type[_PgTx] = _PgTx
 
-    def __init__(self, url: str, *, connections: int = ACTOR_CONNECTIONS) -> None:
+    def __init__(
+        self, url: str, *, connections: int = ACTOR_CONNECTIONS, timings: Timings | None = None
+    ) -> None:
         super().__init__()
         self.url = url.replace("postgres://", "postgresql://", 1)
         self._connections = connections
+        # The bounds of every connection's waits (config: timings.pg_*).
+        self.timings = timings or Timings()
+        self.session_bounds = session_bounds(self.timings)
         self._requests: queue.SimpleQueue[_Request | list[_Request] | None] = queue.SimpleQueue()
         # Taking a request (actor) and withdrawing it (cancelled caller) are decided under it.
         self._state_lock = threading.Lock()
         self._actors: list[_Actor] = []
         self._duty = _Duty()
         self.availability = Availability()
+        self.availability.on_down = self._answer_held
+        # Calls of ANSWER_WHEN_DOWN tasks not yet answered (Trio thread only).
+        self._held: set[_Request] = set()
         # Connections the actors lost (see _Actor._run_group).
         self.connection_losses = 0
         # Backend pids of the actors' open connections: a run-end NOTIFY one of
@@ -730,7 +740,8 @@ class PostgresStore(SqlStore):
         as a standby."""
 
         def run() -> T:
-            with connect(self.url) as conn:
+            with connect(self.url, self.timings) as conn:
+                conn.execute(self.session_bounds)
                 row = conn.execute(
                     "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')"
                 ).fetchone()
@@ -795,7 +806,7 @@ class PostgresStore(SqlStore):
         token = trio.lowlevel.current_trio_token()
 
         def listen() -> None:
-            with connect(self.url) as conn:
+            with connect(self.url, self.timings) as conn:  # TCP bounds: it idles, silent
                 conn.execute(f"LISTEN {KICK_CHANNEL}")
                 conn.execute(f"LISTEN {RUN_END_CHANNEL}")
                 conn.execute(f"LISTEN {CANCEL_CHANNEL}")
@@ -849,9 +860,12 @@ class PostgresStore(SqlStore):
                 break
             if req is None:
                 return batch, True
-            if isinstance(req, list):  # a chain: all of it, in order (never withdrawn)
-                for member in req:
-                    member.state = _TAKEN
+            if isinstance(req, list):  # a chain: all of it, in order
+                with self._state_lock:
+                    if any(member.state != _PENDING for member in req):
+                        continue  # withdrawn (all of it) by _answer_held
+                    for member in req:
+                        member.state = _TAKEN
                 batch += req
                 continue
             with self._state_lock:
@@ -894,12 +908,18 @@ class PostgresStore(SqlStore):
 
         token = trio.lowlevel.current_trio_token()
         chain = object()
+        members = [_Request(work, token, deliver_at(i), chain, locks) for i, (work, locks) in enumerate(works)]
+        held = ANSWER_WHEN_DOWN.get()
+        if held:
+            self._held.update(members)
         # One queue item: one actor takes the whole chain into one group, in order.
-        self._requests.put([
-            _Request(work, token, deliver_at(i), chain, locks) for i, (work, locks) in enumerate(works)
-        ])
-        with trio.CancelScope(shield=True):
-            await done.wait()
+        self._requests.put(members)
+        try:
+            with trio.CancelScope(shield=not held):
+                await done.wait()
+        finally:
+            if held:
+                self._held.difference_update(members)
         return translated(self.availability, [box[i] for i in range(len(works))], unavailable)
 
     async def _transact(
@@ -929,6 +949,9 @@ class PostgresStore(SqlStore):
             work, trio.lowlevel.current_trio_token(), deliver, locks=locks,
             synchronous_commit=synchronous_commit,
         )
+        held = ANSWER_WHEN_DOWN.get()
+        if held:
+            self._held.add(req)
         self._requests.put(req)
         try:
             await done.wait()
@@ -937,10 +960,37 @@ class PostgresStore(SqlStore):
                 withdrawn = req.state == _PENDING
                 if withdrawn:
                     req.state = _WITHDRAWN
-            if withdrawn:
-                raise  # never ran: nothing to hand back
+            if withdrawn or held:
+                raise  # never ran (nothing to hand back), or given up on (ANSWER_WHEN_DOWN)
             # An actor is running it: it will commit or roll back; its result
             # must reach the caller (the cancellation comes at the next checkpoint).
             with trio.CancelScope(shield=True):
                 await done.wait()
+        finally:
+            if held:
+                self._held.discard(req)
         return settle(self.availability, box[0], unavailable)
+
+    def _answer_held(self) -> None:
+        """The store was marked down: every ANSWER_WHEN_DOWN call still waiting
+        gets StoreUnavailable now, instead of when its connection answers (a
+        silent one may not for the TCP timeout). A call no actor took yet is
+        withdrawn (it never runs); one an actor took may still commit, and its
+        message says so. Every connection opened before the outage is suspect
+        (a partition the kernel has not noticed yet): each actor opens a fresh
+        one for its next group, so the first calls after the outage do not
+        meet a dead one."""
+        self.connection_losses += 1
+        held, self._held = self._held, set()
+        cause = self.availability.cause
+        for req in held:
+            with self._state_lock:
+                never_ran = req.state == _PENDING
+                if never_ran:
+                    req.state = _WITHDRAWN
+            message = (
+                f"{cause}; this request was not applied: retry" if never_ran else
+                f"{cause}; the database stopped answering while applying this request,"
+                " which may or may not have taken effect: retry with an idempotency key"
+            )
+            req.deliver(outcome.Error(StoreUnavailable(message)))
