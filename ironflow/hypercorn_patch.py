@@ -44,7 +44,11 @@ state: the task wakes at its deadline and either closes the connection (idle
 does when it fires is hypercorn's: an idle connection past its keep-alive,
 or one idle while the server stops, is closed
 (``TCPServer._initiate_server_close``); a connection busy with a request
-when the server stops is closed once idle.
+when the server stops is closed once idle. Beyond hypercorn: a request head
+that arrives in pieces must be whole within the server config's
+``header_timeout`` of its first piece (``ironflow/api/connections.py``), or
+the connection is closed: a head sent a byte a second no longer holds a
+connection for the whole keep-alive.
 
 **A message to or from the application costs no task switch when it can
 pass at once.** hypercorn hands the application its request (the body, then
@@ -162,7 +166,15 @@ class _KeepAliveTimer:
     def __init__(self) -> None:
         self._armed = False
         self._idle_since = 0.0
+        # When the first bytes of a request head not yet whole arrived (the
+        # connection idle meanwhile), while it is still incomplete.
+        self._head_since: float | None = None
+        self._wait: trio.CancelScope | None = None
+        # The peer's end was read (or the socket closed): nothing more will
+        # come, so the connection closes as soon as it is idle.
+        self._gone = False
         self._started = False
+        self._head_deadline = 0.0
         # Set when the timer is armed again (the task waits for it after the
         # server stopped while a request was in flight).
         self._rearmed: trio.Event | None = None
@@ -173,25 +185,56 @@ class _KeepAliveTimer:
         ``keep_alive_timeout``."""
         self._armed = True
         self._idle_since = trio.current_time()
+        self._head_since = None
         if not self._started:
             self._started = True
             task_group._nursery.start_soon(self._run, action.__self__)
         if self._rearmed is not None:
             self._rearmed.set()
+        if self._gone and self._wait is not None:
+            self._wait.cancel()  # its response is done: close now
 
     async def stop(self) -> None:
         """Disarm the timer (a request is in flight)."""
         self._armed = False
+        self._head_since = None
+
+    def head_begun(self, header_timeout: float) -> None:
+        """Bytes of a request head arrived on the idle connection, not all of it:
+        the rest must follow within ``header_timeout`` or the connection is closed
+        (only a head split across reads gets here: a whole one disarms the timer)."""
+        if self._head_since is None:
+            self._head_since = trio.current_time()
+            self._head_deadline = self._head_since + header_timeout
+            if self._wait is not None:
+                self._wait.deadline = min(self._wait.deadline, self._head_deadline)
+
+    def gone(self) -> None:
+        """The connection's reader stopped (the peer's end, a reset): close it
+        once idle, not a keep-alive later (hypercorn's timer kept the
+        connection, its descriptor and its slot of the connection cap that long)."""
+        self._gone = True
+        if self._wait is not None:
+            self._wait.cancel()
+
+    def _due(self, timeout: float) -> float:
+        """When the connection, idle, is closed: its keep-alive, or its head's
+        deadline; at once once gone."""
+        if self._gone:
+            return self._idle_since
+        due = self._idle_since + timeout
+        return due if self._head_since is None else min(due, self._head_deadline)
 
     async def _run(self, server: Any) -> None:
         terminated = server.context.terminated  # hypercorn's EventWrapper
         timeout = server.config.keep_alive_timeout
-        while not (self._armed and trio.current_time() >= self._idle_since + timeout):
-            # Idle: wait until the keep-alive runs out. Busy: check again in as long.
-            deadline = (self._idle_since if self._armed else trio.current_time()) + timeout
-            with trio.move_on_at(deadline):
+        while not (self._armed and trio.current_time() >= self._due(timeout)):
+            # Idle: wait until the keep-alive (or a head's time) runs out. Busy: check again in as long.
+            deadline = self._due(timeout) if self._armed else trio.current_time() + timeout
+            with trio.move_on_at(deadline) as self._wait:
                 await terminated.wait()
                 break  # the server stops
+        self._wait = None
         if not self._armed:  # it stops while a request is in flight: close once that is done
             self._rearmed = trio.Event()
             await self._rearmed.wait()
@@ -206,8 +249,14 @@ async def _read_data(self: TCPServer) -> None:
     """hypercorn's ``TCPServer._read_data``: wait until readable, then read."""
     if type(self.stream) is not trio.SocketStream or self.config.read_timeout:
         await _original_read_data(self)
+        timer = getattr(self, "idle_task", None)
+        if type(timer) is _KeepAliveTimer:
+            timer.gone()
         return
     sock = self.stream.socket._sock  # only this task reads it
+    timer = getattr(self, "idle_task", None)
+    # The node's server config says how long a head may take (api/connections.py).
+    header_timeout = getattr(self.config, "header_timeout", None) if type(timer) is _KeepAliveTimer else None
     while True:
         try:
             if sock.fileno() == -1:
@@ -221,7 +270,11 @@ async def _read_data(self: TCPServer) -> None:
         await self.protocol.handle(RawData(data))
         if not data:
             break  # the peer's end
+        if header_timeout and timer._armed:  # still idle: this request's head is not whole yet
+            timer.head_begun(header_timeout)
     await self.protocol.handle(Closed())
+    if type(timer) is _KeepAliveTimer:
+        timer.gone()
 
 
 class _AppQueue:

@@ -38,7 +38,6 @@ from typing import Any
 
 import hypercorn.trio
 import trio
-from hypercorn.config import Config as HypercornConfig
 
 from actors import (
     capacity_scanner,
@@ -57,7 +56,7 @@ from actors.directory import SessionDirectory
 from actors.messages import Kick
 from actors.supervisor import Supervisor
 from ironflow import expressions, hypercorn_patch, logs, metrics
-from ironflow.api import ApiDeps, HotRoutes, create_app
+from ironflow.api import ApiDeps, HotRoutes, connections, create_app
 from ironflow.config import Limits, NodeConfig, redact_url
 from ironflow.ids import default_node_id
 from ironflow.store import CancelNotice, Store, StoreReadOnly, StoreUnavailable, open_store
@@ -195,7 +194,15 @@ class Node:
                     )
                 ))
                 hypercorn_patch.apply()
-                hcfg = HypercornConfig()
+                if not connections.apply():
+                    logs.event(
+                        log, logging.WARNING,
+                        "node: hypercorn is not the release the connection cap was written for:"
+                        " limits.max_connections is not enforced",
+                    )
+                hcfg = connections.ServerConfig(
+                    config.limits.max_connections, config.timings.http_header_timeout_s
+                )
                 hcfg.bind = [
                     f"fd://{self.listen_fd}" if self.listen_fd is not None
                     else f"{config.host}:{config.port}"

@@ -14,7 +14,9 @@ One module per surface, each handler a named function of a few lines
 - ``worker_socket``: the streaming-worker websocket ``/v1/worker``;
 - ``auth`` (who is calling), ``errors`` (bodies in, error answers out),
   ``state`` (the node's dependencies), ``app`` (assembly);
-- ``hot``: ``POST /v1/events`` served on ASGI ahead of the framework (why: there).
+- ``hot``: ``POST /v1/events`` served on ASGI ahead of the framework (why: there);
+- ``connections``: the caps on open connections and held result waits, the
+  request-head timeout's carrier.
 
 The bodies and records are the typed contract in ``ironflow.protocol.http``;
 see ``docs/http-api.md``.

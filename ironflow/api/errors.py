@@ -58,11 +58,15 @@ def store_error_headers(exc: StoreError) -> list[tuple[str, str]]:
 class ApiFailure(Exception):
     """An error answer: HTTP ``status`` with a stable ``code`` and a human message."""
 
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, *, headers: list[tuple[str, str]] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        # Extra headers of the answer (a Retry-After past a limit).
+        self.headers = headers or []
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -160,7 +164,10 @@ def _where() -> tuple[str, str]:
 
 
 async def _on_api_failure(exc: ApiFailure) -> Response:
-    return error_response(exc.status, exc.code, exc.message)
+    response = error_response(exc.status, exc.code, exc.message)
+    for name, value in exc.headers:
+        response.headers[name] = value
+    return response
 
 
 async def _on_store_error(exc: StoreError) -> Response:

@@ -203,7 +203,8 @@ async def _answer(method: str, path: str, handle: Callable[[], Awaitable[_Answer
     try:
         return await handle()
     except ApiFailure as exc:
-        return exc.status, encoder.encode(ApiError(exc.code, exc.message)), []
+        extra = [(k.lower().encode(), v.encode()) for k, v in exc.headers]
+        return exc.status, encoder.encode(ApiError(exc.code, exc.message)), extra
     except StoreError as exc:
         status = STATUS_FOR_CODE.get(exc.code, 400)
         extra = [(k.lower().encode(), v.encode()) for k, v in store_error_headers(exc)]

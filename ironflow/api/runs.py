@@ -79,8 +79,15 @@ async def run_result(run_id: str) -> Response:
 async def await_result(st: ApiState, run_id: str, wait_s: float) -> tuple[RunResult, int]:
     """The run's result and 200 as soon as it ends, or its status and 202 if it
     has not ended within ``wait_s``. Shared by the route above and the
-    framework-free hot path (``hot``). RunNotFound for an unknown run."""
-    deadline = trio.current_time() + wait_s
+    framework-free hot path (``hot``). RunNotFound for an unknown run; a 429
+    past ``limits.max_held_waits`` when it would be held (``wait_s`` > 0)."""
+    if wait_s <= 0:
+        return await _result(st, run_id, trio.current_time())
+    with st.held_waits.hold():
+        return await _result(st, run_id, trio.current_time() + wait_s)
+
+
+async def _result(st: ApiState, run_id: str, deadline: float) -> tuple[RunResult, int]:
     while True:
         with st.run_waiters.watch(run_id) as waiter:
             run = await st.store.get_run_record(run_id)

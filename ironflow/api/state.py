@@ -16,6 +16,7 @@ from actors.directory import SessionDirectory
 from actors.grouped import Grouped
 from actors.handout import BATCH, hand_out_or_expire
 from actors.messages import Kick, kick
+from ironflow.api.connections import HeldWaits
 from ironflow.config import NodeConfig
 from ironflow.protocol import RunResult
 from ironflow.store import (
@@ -121,6 +122,8 @@ class ApiState:
         # Pull sessions this node has verified: id → (hash of its secret, session).
         self.pull_sessions: dict[str, tuple[str, SessionInfo]] = {}
         self.run_waiters = RunWaiters()
+        # Result requests held open (limits.max_held_waits).
+        self.held_waits = HeldWaits(deps.config.limits.max_held_waits)
         deps.store.on_run_results(self.run_waiters.answer)
         deps.store.on_runs_ended(self.run_waiters.notify)
         # Concurrent emits without an idempotency key, ingested together

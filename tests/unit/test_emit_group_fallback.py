@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from ironflow.api.state import ApiState
+from ironflow.config import Limits
 from ironflow.store import CommitOutcomeUnknown, IngestResult
 
 
@@ -40,7 +41,7 @@ class FailingStore:
 
 def api_state(store: FailingStore) -> ApiState:
     deps: Any = SimpleNamespace(
-        store=store, config=SimpleNamespace(idempotency_window_s=60.0),
+        store=store, config=SimpleNamespace(idempotency_window_s=60.0, limits=Limits()),
         directory=SimpleNamespace(holding_offers=dict),
     )
     return ApiState(deps)

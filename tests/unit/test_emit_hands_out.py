@@ -12,6 +12,7 @@ import trio
 from actors.directory import LocalSession, SessionDirectory
 from actors.messages import Kick
 from ironflow.api.state import ApiState
+from ironflow.config import Limits
 from ironflow.protocol import Concurrency, JobAssignment
 from ironflow.store import Store
 from tests.store.test_store_behaviour import fn, worker
@@ -27,7 +28,9 @@ async def api_over(store: Store, *functions: Any, delayed_start: bool = True):
     kicks, kicked = trio.open_memory_channel[Kick](10)
     deps: Any = SimpleNamespace(
         store=store, directory=directory, kicks=kicks,
-        config=SimpleNamespace(idempotency_window_s=60.0, timings=SimpleNamespace(reservation_expiry_s=30.0)),
+        config=SimpleNamespace(
+            idempotency_window_s=60.0, timings=SimpleNamespace(reservation_expiry_s=30.0), limits=Limits()
+        ),
     )
     return ApiState(deps), assigned, kicked
 
