@@ -51,7 +51,7 @@ from ironflow.protocol import (
     StepFailed,
     WorkerMessage,
 )
-from ironflow.protocol.cron import trigger_problem
+from ironflow.protocol.cron import shortest_interval_s, trigger_problem
 from ironflow.store import (
     Fence,
     JobOutcome,
@@ -110,6 +110,14 @@ def check_register(msg: Register, limits: Limits) -> None:
             problem = trigger_problem(trigger)
             if problem is not None:
                 raise RegistrationRefused(f"function {fd.id!r}: {problem} - at `$.triggers[{i}]`")
+            if trigger.cron is not None:
+                every = shortest_interval_s(trigger.cron)
+                if every < limits.cron_min_interval_s:
+                    raise RegistrationRefused(
+                        f"function {fd.id!r}: cron {trigger.cron!r} fires as often as every {every:g} s,"
+                        f" more often than this node's limit of one tick per {limits.cron_min_interval_s:g} s"
+                        f" (limits.cron_min_interval_s) - at `$.triggers[{i}]`"
+                    )
         # Trigger filters, key and cancel-on expressions compile (docs/triggers.md).
         try:
             compile_definition(fd)

@@ -59,11 +59,11 @@ class EventReadOps(SqlStoreBase):
             run = tx.fetchone(
                 "SELECT r.event_id, e.data, f.definition, e.name FROM runs r"
                 " JOIN events e ON e.id = r.event_id"
-                " JOIN functions f ON f.id = r.function_id WHERE r.id = ?",
+                " JOIN functions f ON f.id = r.function_id WHERE r.id = ? AND f.deleted_at IS NULL",
                 (run_id,),
             )
             if run is None:
-                raise RunNotFound(f"run {run_id} not found, or its event or function is gone")
+                raise RunNotFound(f"run {run_id} not found, or its event or function is gone (or deleted)")
             event_id, data_text, definition, event_name = run
             fd = self._fdef_or_none(definition)
             if fd is None:

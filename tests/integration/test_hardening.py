@@ -428,7 +428,10 @@ async def test_an_internal_fault_is_a_500_with_a_request_id_also_in_the_log(
 
 async def test_functions_no_worker_registered_lately_are_not_listed_as_live(node: Node, http: httpx.AsyncClient) -> None:
     assert (await register_pull(http, fns("old"))).status_code == 201
-    await skewed(node.store).advance_clock(node.config.limits.function_live_s + 1)
+    # Its session expires, then the window after it passes.
+    await skewed(node.store).advance_clock(
+        node.config.timings.session_expiry_s + node.config.limits.function_live_s + 1
+    )
     assert (await register_pull(http, fns("fresh", event="f.go"))).status_code == 201
     listed = (await http.get("/v1/functions")).json()["functions"]
     assert [f["id"] for f in listed] == ["fresh"]

@@ -36,7 +36,7 @@ async def register(store: Store, *functions: FunctionDef) -> None:
 
 
 async def schedules(store: Store) -> dict[str, list[FunctionSchedule]]:
-    return {f.id: f.schedules for f in await store.list_functions() if f.schedules}
+    return {f.id: f.schedules for f in await store.list_functions(live_within_s=ALWAYS_LIVE) if f.schedules}
 
 
 async def next_at(store: Store, fid: str) -> float:
@@ -50,8 +50,14 @@ async def advance_to(store: SkewedStore, at: float) -> None:
     await store.advance_clock(at - now)
 
 
-async def fire(store: Store, missed_after_s: float = MISSED_AFTER):
-    return await store.fire_due_ticks("n1", limit=100, missed_after_s=missed_after_s)
+# Liveness is not what most tests here are about: a window no test outlasts.
+ALWAYS_LIVE = 10.0**9
+
+
+async def fire(store: Store, missed_after_s: float = MISSED_AFTER, live_within_s: float = ALWAYS_LIVE):
+    return await store.fire_due_ticks(
+        "n1", limit=100, missed_after_s=missed_after_s, live_within_s=live_within_s
+    )
 
 
 async def runs_of(store: Store, fid: str):
@@ -159,7 +165,7 @@ async def test_the_trigger_index_ignores_cron_triggers(store: SkewedStore) -> No
         return tx.fetchall("SELECT pattern, function_id FROM function_triggers ORDER BY 1, 2")
 
     assert await store._transact(backfill) == [("order.created", "mixed")]  # type: ignore[attr-defined]
-    listed = {f.id: f for f in await store.list_functions()}
+    listed = {f.id: f for f in await store.list_functions(live_within_s=ALWAYS_LIVE)}
     assert [s.cron for s in listed["only-cron"].schedules] == [MINUTELY]
 
 
@@ -174,7 +180,7 @@ async def test_a_paused_function_starts_nothing_and_resume_replays_only_when_ask
     assert [(await store.get_run_record(r)).function_id for r in result.run_ids] == ["g"]
     [batch] = await store.ingest_events([("order.created", {}, None)], idempotency_window_s=60)
     assert batch.paused_function_ids == ["f"]
-    listed = {f.id: f for f in await store.list_functions()}
+    listed = {f.id: f for f in await store.list_functions(live_within_s=ALWAYS_LIVE)}
     assert listed["f"].paused_at is not None and listed["g"].paused_at is None
 
     first = await next_at(store, "f")
