@@ -488,3 +488,25 @@ async def test_pg_a_delete_waits_for_a_pass_firing_the_schedule_and_then_removes
         assert await fire(pg_store) == [] and await runs_of(pg_store, "f") == []
     finally:
         other.close()
+
+
+async def test_pg_two_nodes_agree_a_function_whose_worker_left_through_the_other_is_not_live(
+    pg_store: SkewedStore, pg_url: str
+) -> None:
+    """The worker registered and left through node A; node B's passes skip the
+    ticks once the window has passed, and catch up when it registers through A
+    again: the decision reads only rows, never a node's memory."""
+    node_b = open_test_store(pg_url)
+    await node_b.open()
+    try:
+        session = await connect(pg_store, cron_fn("f"))
+        start = await next_at(pg_store, "f")
+        await leave(pg_store, session)
+        await advance_to(pg_store, start + LIVE + 60.2)
+        assert await fire(node_b, live_within_s=LIVE) == []
+        assert (await schedules(node_b))["f"][0].skip_reason == "NO_LIVE_WORKER"
+        await connect(pg_store, cron_fn("f"))
+        [caught_up] = await fire(node_b, live_within_s=LIVE)
+        assert caught_up.scheduled_at == start + LIVE + 60  # catchup="latest"
+    finally:
+        await node_b.close()
