@@ -9,12 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from ironflow.expressions import ExpressionError, compile_expression
 from ironflow.node import Node
 from tests.integration.helpers import emit
 
+# Each asserts a wall-clock bound (other runs within 2 s, /healthz within 50 ms).
+pytestmark = pytest.mark.serial
 # What /healthz may take while the worst is being evaluated.
 HEALTHZ_BOUND_S = 0.050
 
