@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Literal
 
+import msgspec
 import outcome
 import trio
 
@@ -36,6 +37,7 @@ from ironflow.dispatch_flow_checks import dispatch_flow_problem
 from ironflow.flow_checks import flow_problem
 from ironflow.protocol import (
     EngineMessage,
+    ErrorInfo,
     FencedMessage,
     Heartbeat,
     JobAck,
@@ -338,6 +340,67 @@ CHAIN_MAX = 64
 _SEGMENT_ENDS = (JobCompleted, JobFailed, JobYielded, JobNack)
 
 
+RUN_STATE_TOO_LARGE = "RUN_STATE_TOO_LARGE"
+# What the run state budget counts (a step's output) or forgets (a segment's end).
+_STATE_COUNTED = (StepCompleted, *_SEGMENT_ENDS)
+_measure = msgspec.json.Encoder().encode
+
+
+class RunStateBudget:
+    """One session's jobs' run state, counted against ``limit``
+    (``limits.max_run_state_bytes``): the step outputs stored before a job's
+    segment (:attr:`SessionDirectory.state_before`, read when it was
+    reserved) and those the session received since. The step result that
+    crosses it is applied as that step's failure and the job's, not retried
+    (RUN_STATE_TOO_LARGE), and the worker is told to stop the job; what the
+    job still sends is refused by the fence, for that job only."""
+
+    def __init__(self, directory: SessionDirectory, limit: int) -> None:
+        self._before = directory.state_before
+        self._limit = limit
+        self._counted: dict[str, int] = {}  # job id → its run's state so far
+        self._over: set[str] = set()  # jobs failed for going past the limit
+
+    def check(self, msg: WorkerMessage, session_id: str) -> list[WorkerMessage]:
+        """``msg`` as it is to be applied (itself, or the failures it makes)."""
+        if isinstance(msg, StepCompleted):
+            job_id = msg.job_id
+            if job_id in self._over:
+                return [msg]  # after its failure: the fence refuses it
+            counted = self._counted.get(job_id)
+            if counted is None:
+                counted = self._before.pop(job_id, 0)
+            total = counted + (len(_measure(msg.output)) if msg.output is not None else 0)
+            if total <= self._limit:
+                self._counted[job_id] = total
+                return [msg]
+            self._counted.pop(job_id, None)
+            self._over.add(job_id)
+            return self._failed(msg, total, session_id)
+        if isinstance(msg, _SEGMENT_ENDS):
+            self._counted.pop(msg.job_id, None)
+            self._over.discard(msg.job_id)
+            self._before.pop(msg.job_id, None)
+        return [msg]
+
+    def _failed(self, msg: StepCompleted, total: int, session_id: str) -> list[WorkerMessage]:
+        error = ErrorInfo(
+            f"step {msg.name!r} brings the run's state (its step outputs) to {total:,} bytes,"
+            f" over the limit of {self._limit:,} (limits.max_run_state_bytes)",
+            code=RUN_STATE_TOO_LARGE,
+            retryable=False,
+        )
+        fence = (msg.job_id, msg.run_id, msg.execution_seq, msg.lease_token)
+        logs.event(
+            log, logging.WARNING, "run: state over its budget, failed", run_id=msg.run_id,
+            execution_seq=msg.execution_seq, session_id=session_id, step=msg.name, bytes=total,
+        )
+        return [
+            StepFailed(*fence, step_id=msg.step_id, name=msg.name, error=error, duration_ms=msg.duration_ms),
+            JobFailed(*fence, error=error),
+        ]
+
+
 class _Lanes:
     """One lane per run: a run's messages are handled in the order they arrived,
     different runs' at once, and without waiting for each other. The reader
@@ -401,9 +464,20 @@ class _Lanes:
             self._complete
         )
         self._room = trio.Semaphore(IN_FLIGHT_MAX)
+        self._budget = RunStateBudget(directory, config.limits.max_run_state_bytes)
         self.fatal: Exception | None = None
 
     async def put(self, msg: WorkerMessage) -> None:
+        if isinstance(msg, _STATE_COUNTED):
+            applied = self._budget.check(msg, self._session_id)
+            if applied[0] is not msg:
+                self._directory.send_cancel(self._session_id, msg.job_id, msg.run_id, RUN_STATE_TOO_LARGE)
+                for one in applied:
+                    await self._put(one)
+                return
+        await self._put(msg)
+
+    async def _put(self, msg: WorkerMessage) -> None:
         try:
             self._room.acquire_nowait()  # no checkpoint per message while there is room
         except trio.WouldBlock:
@@ -649,6 +723,7 @@ async def run(
                 int(t.heartbeat_interval_s * 1000),
                 int(t.lease_expiry_s * 1000),
                 batch_frames=True,  # the socket's reader takes batched frames
+                max_frame_bytes=config.max_frame_bytes,
             )
         )
     except (trio.BrokenResourceError, trio.ClosedResourceError):

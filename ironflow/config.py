@@ -155,6 +155,30 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     # the run count would differ from the schedule the code declares).
     # 1 s, the finest a 6-field cron can ask for, refuses nothing by default.
     cron_min_interval_s: float = 1.0
+    # A run's state: the JSON of its step outputs, all kept for its replays.
+    # Past it the step that crosses it fails the run (RUN_STATE_TOO_LARGE, not
+    # retried): one run may not grow the database or its replays without end.
+    max_run_state_bytes: int = 64 * 1024 * 1024
+    # Step outputs a later segment's assignment carries inline, in step order;
+    # the rest the worker reads by step id when its handler reaches them, so
+    # an assignment stays far below the frame limit however large the state.
+    memo_inline_bytes: int = 1024 * 1024
+    # Expressions (trigger filters, keys, priorities, cancel-on conditions) run
+    # on the node's one thread for every event they judge: their size and
+    # nesting are bounded at registration, and each evaluation's estimated
+    # cost on the event at hand (ironflow/expressions.py) must be within the
+    # budget, or the expression is not run (EXPRESSION_BUDGET_EXCEEDED).
+    # Tokens one expression may have (a 4,096-character filter has ~1,000).
+    expression_max_tokens: int = 1024
+    # Brackets one inside another: the parser's own limit is ~100.
+    expression_max_nesting: int = 32
+    # Comprehensions (all, exists, exists_one, map, filter) one inside
+    # another: each level multiplies the work by its list's length.
+    expression_max_comprehension_depth: int = 2
+    # Estimated microseconds one evaluation may take: the node's thread is
+    # everyone's, and an emit judges each triggered function's expressions.
+    # At the default an expression may read ~400 values of an event.
+    expression_budget_us: float = 1000.0
 
 
 class NodeConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -411,6 +435,11 @@ def validate(config: NodeConfig) -> None:
     if config.max_frame_bytes < 1024:
         raise ConfigError("max_frame_bytes must be at least 1024")
     _validate_limits(config.limits)
+    if config.limits.memo_inline_bytes > config.max_frame_bytes // 2:
+        raise ConfigError(
+            f"limits.memo_inline_bytes ({config.limits.memo_inline_bytes}) must be at most half of "
+            f"max_frame_bytes ({config.max_frame_bytes}): an assignment carries the event as well"
+        )
 
 
 # Ceilings of the configurable limits: the wire types' own hard bounds.
@@ -429,3 +458,16 @@ def _validate_limits(limits: Limits) -> None:
     for field in ("function_live_s", "cron_min_interval_s"):
         if getattr(limits, field) <= 0:
             raise ConfigError(f"limits.{field} must be positive, got {getattr(limits, field)}")
+    for field in ("expression_max_tokens", "expression_max_nesting", "expression_max_comprehension_depth"):
+        if getattr(limits, field) < 1:
+            raise ConfigError(f"limits.{field} must be at least 1, got {getattr(limits, field)}")
+    if limits.max_run_state_bytes < 1024:
+        raise ConfigError(f"limits.max_run_state_bytes must be at least 1024, got {limits.max_run_state_bytes}")
+    if not 0 <= limits.memo_inline_bytes <= MAX_FRAME_BYTES // 2:
+        raise ConfigError(
+            f"limits.memo_inline_bytes must be in 0..{MAX_FRAME_BYTES // 2} (half a frame), "
+            f"got {limits.memo_inline_bytes}"
+        )
+    if limits.expression_budget_us < 50:
+        # Below it even `event.data.x == 1` would be refused: the call alone costs ~5 µs.
+        raise ConfigError(f"limits.expression_budget_us must be at least 50, got {limits.expression_budget_us}")

@@ -16,6 +16,7 @@ import re
 from typing import Any
 
 from ironflow.expressions import (
+    BudgetExceeded,
     EvaluationError,
     Expression,
     ExpressionError,
@@ -33,12 +34,15 @@ __all__ = [
     "DefinitionRefused",
     "EventBinding",
     "compile_definition",
+    "failure_code",
     "start_verdict",
     "triggers_name",
 ]
 
 # A cancel-on ``match``: identifiers and list indexes, as ``wait_for_event``'s.
 _MATCH_PATH = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.([A-Za-z_][A-Za-z0-9_]*|[0-9]+))*")
+# An event record's code for an expression that failed on the event.
+EXPRESSION_FAILED = "EXPRESSION_FAILED"
 # The variables of a cancel-on condition: the run's triggering event, the incoming one.
 CANCEL_VARIABLES = ("event", "async")
 
@@ -173,29 +177,38 @@ class EventBinding:
 def start_verdict(
     compiled: CompiledDefinition, name: str, data: Any, event_id: str,
     binding: EventBinding | None = None,
-) -> tuple[bool, str | None, bool]:
+) -> tuple[bool, str | None, str | None]:
     """Whether event ``name`` starts a run of the function: ``(starts, reason,
-    error)``. It starts when any trigger covering the name has no filter or a
+    code)``. It starts when any trigger covering the name has no filter or a
     filter that is true. Otherwise ``reason`` says why not: the first filter
-    that failed to evaluate (``error`` True) or, all being false, the filters.
+    that failed to evaluate (``code`` names how: :func:`failure_code`) or, all
+    being false, the filters (``code`` None).
     ``binding``: the event's variables, shared by every function it triggers."""
     failure: str | None = None
+    code: str | None = None
     false: list[str] = []
     binding = binding or EventBinding(name, data, event_id)
     for trigger, condition in zip(compiled.fd.triggers, compiled.filters, strict=True):
         if not triggers_name(trigger.event, name):
             continue
         if condition is None:
-            return True, None, False
+            return True, None, None
         variables = binding.variables()
         try:
             if condition.test(variables):
-                return True, None, False
+                return True, None, None
             false.append(condition.source)
         except EvaluationError as exc:
-            failure = failure or f"filter {exc}"
+            if failure is None:
+                failure, code = f"filter {exc}", failure_code(exc)
     if failure is not None:
-        return False, failure, True
+        return False, failure, code
     if not false:
-        return False, "no trigger covers this event", False
-    return False, "filter " + " / ".join(repr(s) for s in false) + " was false", False
+        return False, "no trigger covers this event", None
+    return False, "filter " + " / ".join(repr(s) for s in false) + " was false", None
+
+
+def failure_code(exc: EvaluationError) -> str:
+    """The code an event record gives an expression that did not evaluate:
+    over its budget (not run) or failed."""
+    return BudgetExceeded.code if isinstance(exc, BudgetExceeded) else EXPRESSION_FAILED

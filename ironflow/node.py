@@ -56,9 +56,9 @@ from actors import (
 from actors.directory import SessionDirectory
 from actors.messages import Kick
 from actors.supervisor import Supervisor
-from ironflow import hypercorn_patch, logs, metrics
+from ironflow import expressions, hypercorn_patch, logs, metrics
 from ironflow.api import ApiDeps, HotRoutes, create_app
-from ironflow.config import NodeConfig, redact_url
+from ironflow.config import Limits, NodeConfig, redact_url
 from ironflow.ids import default_node_id
 from ironflow.store import CancelNotice, Store, StoreReadOnly, StoreUnavailable, open_store
 
@@ -68,6 +68,16 @@ log = logging.getLogger("ironflow.node")
 KICK_BUFFER = 1024
 # What a member of ``ironflow serve --processes`` writes to its parent once it serves.
 READY_LINE = b"ready\n"
+
+
+def expression_limits(limits: Limits) -> expressions.ExpressionLimits:
+    """The expression bounds of a node's ``limits`` (ironflow/expressions.py)."""
+    return expressions.ExpressionLimits(
+        max_tokens=limits.expression_max_tokens,
+        max_nesting=limits.expression_max_nesting,
+        max_comprehension_depth=limits.expression_max_comprehension_depth,
+        budget_us=limits.expression_budget_us,
+    )
 
 
 class StartRefused(Exception):
@@ -87,12 +97,14 @@ class Node:
         """``listen_fd``: an already bound socket to serve on instead of binding
         ``config.host:config.port`` (a member of ``ironflow serve --processes``)."""
         self.config = config
+        expressions.configure(expression_limits(config.limits))
         self.node_id = config.node_id or default_node_id()
         self.listen_fd = listen_fd
         self.store: Store = metrics.time_store_calls(
             store if store is not None
             else open_store(config.database_url, sqlite_auto_vacuum=config.sqlite_auto_vacuum)
         )
+        self.store.memo_inline_bytes = config.limits.memo_inline_bytes
         self.directory = SessionDirectory()
         # Cancel-on: the worker holding a run an event cancelled (on any node)
         # is told by the node its session is attached to (store/cancel_on.py).

@@ -32,6 +32,7 @@ STATUS_FOR_CODE = {
     "NOT_FOUND": 404,
     "FUNCTION_NOT_FOUND": 404,
     "RUN_NOT_FOUND": 404,
+    "STEP_NOT_FOUND": 404,
     "SESSION_NOT_FOUND": 404,
     "LIMIT_EXCEEDED": 422,
     # A key expression that fails on an invocation's input (docs/triggers.md).

@@ -103,6 +103,11 @@ ROUTES: tuple[Route, ...] = (
           query=(Query("wait_s", {"type": "number", "minimum": 0, "maximum": 300},
                        "how long the node may hold the request (default 0)"),),
           tags=("runs",)),
+    Route("get", "/v1/runs/{run_id}/step-output",
+          "A completed step's output: what a worker reads when its assignment left it out",
+          "org", {200: None}, media="application/json",
+          query=(Query("step_id", {"type": "string"}, "the step's id (MemoStep.step_id)"),),
+          tags=("runs",)),
     Route("post", "/v1/runs/{run_id}/cancel", "Cancel a run that has not ended", "org",
           {200: p.CancelResponse}, body=p.CancelRequest, body_required=False, tags=("runs",)),
     # run control (issue #23 §4, docs/run-control.md)

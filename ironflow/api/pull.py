@@ -74,6 +74,7 @@ async def register() -> Response:
         int(t.heartbeat_interval_s * 1000),
         int(t.lease_expiry_s * 1000),
         session_secret=info.secret,
+        max_frame_bytes=st.config.max_frame_bytes,
     )
     return json_response(answer, 201)
 
@@ -164,6 +165,19 @@ async def _apply(session_id: str, kinds: tuple[type, ...]) -> Response:
     await owned_session(session_id)
     st = state()
     try:
+        if isinstance(msg, StepCompleted | JobCompleted | JobFailed | JobYielded | JobNack):
+            budget = st.pull_budgets.get(session_id)
+            if budget is None:
+                if len(st.pull_budgets) >= PULL_SESSION_CACHE:
+                    st.pull_budgets.clear()  # sessions gone without a goodbye: counted afresh
+                budget = st.pull_budgets[session_id] = session_actor.RunStateBudget(
+                    st.deps.directory, st.config.limits.max_run_state_bytes
+                )
+            applied = budget.check(msg, session_id)
+            if applied[0] is not msg:
+                for one in applied:  # the step's failure, then the job's
+                    await session_actor.handle(st.store, st.config, session_id, one, st.deps.kicks)
+                fail(409, session_actor.RUN_STATE_TOO_LARGE, applied[0].error.message)  # type: ignore[union-attr]
         answer = await session_actor.handle(st.store, st.config, session_id, msg, st.deps.kicks)
     except StaleExecution as exc:
         metrics.STALE_REFUSED.inc()
@@ -207,6 +221,7 @@ async def goodbye(session_id: str) -> Response:
     await owned_session(session_id)
     st = state()
     st.pull_sessions.pop(session_id, None)
+    st.pull_budgets.pop(session_id, None)
     t = st.config.timings
     # A pull worker says goodbye after its jobs ended; anything it still
     # held is recovered now rather than at lease expiry.

@@ -11,7 +11,7 @@ from quart import Blueprint, Response, request
 from actors.messages import kick
 from ironflow import logs, metrics, retention
 from ironflow.api.auth import require_org, require_platform
-from ironflow.api.errors import decode, json_response, optional_body, query_float, query_int
+from ironflow.api.errors import decode, fail, json_response, optional_body, query_float, query_int
 from ironflow.api.state import ApiState, state
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
@@ -53,6 +53,18 @@ async def list_runs() -> Response:
 async def get_run(run_id: str) -> Response:
     await require_org()
     return json_response(await state().store.get_run(run_id))
+
+
+@bp.get("/v1/runs/<run_id>/step-output")
+async def step_output(run_id: str) -> Response:
+    """A completed step's output (``?step_id=``): what a worker reads when its
+    assignment left the output out (``MemoStep.output_omitted``)."""
+    await require_org()
+    step_id = request.args.get("step_id")
+    if not step_id:
+        fail(400, "BAD_REQUEST", "step_id is required: /v1/runs/{run_id}/step-output?step_id=...")
+    text = await state().store.step_output(run_id, step_id)
+    return Response(text, status=200, content_type="application/json")
 
 
 @bp.get("/v1/runs/<run_id>/result")

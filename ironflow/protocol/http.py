@@ -393,11 +393,13 @@ class RunResult(msgspec.Struct, frozen=True):
 class FilterNote(msgspec.Struct, frozen=True):
     """A function an event triggers but did not start (docs/triggers.md): its
     filter was false (``error`` False), or a filter or key could not be
-    evaluated on the event (``error`` True); ``reason`` says which and why."""
+    evaluated on the event (``error`` True); ``reason`` says which and why,
+    ``code`` names a refusal by a limit (``EXPRESSION_BUDGET_EXCEEDED``)."""
 
     function_id: str
     reason: str
     error: bool = False
+    code: str | None = None
 
 
 class EventRecord(msgspec.Struct, frozen=True):

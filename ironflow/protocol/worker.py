@@ -213,8 +213,12 @@ class EventInfo(msgspec.Struct, frozen=True):
     traceparent: str | None = None
 
 
-class MemoStep(msgspec.Struct, frozen=True):
-    """A step whose result already reached the engine (replayed, not re-run)."""
+class MemoStep(msgspec.Struct, frozen=True, omit_defaults=True):
+    """A step whose result already reached the engine (replayed, not re-run).
+
+    ``output_omitted``: the output is not in the assignment (the run's state
+    is past the inline budget, ``limits.memo_inline_bytes``); the SDK fetches
+    it when the handler reaches the step: ``GET /v1/runs/{run_id}/steps/{step_id}/output``."""
 
     step_id: str
     name: str
@@ -222,6 +226,7 @@ class MemoStep(msgspec.Struct, frozen=True):
     status: str
     output: Any = None
     error: ErrorInfo | None = None
+    output_omitted: bool = False
 
 
 
@@ -400,6 +405,9 @@ class Registered(msgspec.Struct, frozen=True, tag="registered"):
     session_secret: str | None = None
     # The engine reads a frame that holds a JSON array of worker messages.
     batch_frames: bool = False
+    # The largest frame the engine reads: a step whose output would not fit
+    # fails as that step's error (STEP_OUTPUT_TOO_LARGE) instead of being sent.
+    max_frame_bytes: int | None = None
 
 
 class JobAssignment(msgspec.Struct, frozen=True, tag="job"):

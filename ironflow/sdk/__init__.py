@@ -18,6 +18,7 @@ from ironflow.sdk.errors import (
     RunFailedError,
     SerializationError,
     StepError,
+    StepOutputTooLargeError,
     StepTimeoutError,
     WorkerAuthError,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "SerializationError",
     "Step",
     "StepError",
+    "StepOutputTooLargeError",
     "StepInfo",
     "StepTimeoutError",
     "StreamingWorker",

@@ -62,6 +62,7 @@ from ironflow.sdk.errors import (
     IronflowError,
     SerializationError,
     StepError,
+    StepOutputTooLargeError,
     StepTimeoutError,
     WrongEventLoopError,
 )
@@ -171,6 +172,13 @@ class Reporter(Protocol):
 
     async def nack(self, job: JobState, msg: JobNack) -> None:
         """Hand back a job whose handler never started (a drain during its hold)."""
+
+    @property
+    def max_output_bytes(self) -> int:
+        """The largest step output the engine can be sent (its frame limit)."""
+
+    async def step_output(self, job: JobState, step_id: str) -> Any:
+        """A memoised step's output the assignment left out (``MemoStep.output_omitted``)."""
 
 
 class _Yield(BaseException):
@@ -417,6 +425,13 @@ class Step:
         self._counters[name] = n + 1
         return f"{self._run_id}:{escape_step_name(name)}:{n}"
 
+    async def _memo_output(self, memo: MemoStep) -> Any:
+        """A memoised step's output, read from the engine when the assignment
+        left it out (the run's state is past the inline budget)."""
+        if not memo.output_omitted:
+            return memo.output
+        return await self._reporter.step_output(self._job, memo.step_id)
+
     def _fence(self) -> tuple[str, str, int, str]:
         a = self._job.assignment
         return a.job_id, a.run_id, a.execution_seq, a.lease_token
@@ -482,7 +497,7 @@ class Step:
     ) -> Any:
         memo = self._memo.get(step_id)
         if memo is not None and memo.status == "completed":
-            return memo.output
+            return await self._memo_output(memo)
         if self.saga.begin is not None:  # a compensating replay runs none of the handler's steps
             if memo is not None and memo.status == "failed":
                 raise replayed_error(memo, name)
@@ -513,6 +528,12 @@ class Step:
                 timed_out = True
                 raise StepTimeoutError(f"step {name!r} timed out after {limit:g} s")
             raw, value = encode_strict(out, f"output of step {name!r}")
+            if len(raw) > self._reporter.max_output_bytes:
+                raise StepOutputTooLargeError(
+                    f"output of step {name!r} is {len(raw):,} bytes of JSON, over the"
+                    f" {self._reporter.max_output_bytes:,} the engine reads in one frame"
+                    " (max_frame_bytes): return less, or store it elsewhere and return a reference"
+                )
         except Exception as exc:
             exc = _wrong_loop(exc, name) or exc
             info = error_info(exc)
@@ -526,7 +547,9 @@ class Step:
                     duration_ms=(time.perf_counter() - t0) * 1000.0,
                 ),
             )
-            if timed_out or isinstance(exc, StepError | SerializationError | WrongEventLoopError):
+            if timed_out or isinstance(
+                exc, StepError | SerializationError | StepOutputTooLargeError | WrongEventLoopError
+            ):
                 raise exc from None
             raise StepError(
                 f"step {name!r} failed: {info.message}",
@@ -638,7 +661,7 @@ class Step:
         memo = self._memo.get(step_id)
         if memo is not None:
             if memo.status == "completed":
-                return msgspec.convert(memo.output, EventInfo)
+                return msgspec.convert(await self._memo_output(memo), EventInfo)
             if memo.status == "timed_out":
                 return None
         if match is not None and match_value is None:
@@ -682,7 +705,7 @@ class Step:
         memo = self._memo.get(step_id)
         if memo is not None:
             if memo.status == "completed":
-                return memo.output
+                return await self._memo_output(memo)
             if memo.status in ("failed", "timed_out"):
                 message = memo.error.message if memo.error else f"invoke {memo.status}"
                 code = memo.error.code if memo.error else "INVOKE_FAILED"

@@ -36,6 +36,13 @@ class SerializationError(NonRetryableError):
     code = "SERIALIZATION_ERROR"
 
 
+class StepOutputTooLargeError(NonRetryableError):
+    """A step output larger than the engine reads in one frame
+    (``Registered.max_frame_bytes``): it would fail the same way on every retry."""
+
+    code = "STEP_OUTPUT_TOO_LARGE"
+
+
 class WrongEventLoopError(NonRetryableError):
     """A step body awaited an API of another event loop than the worker's
     (asyncio code on a Trio worker): it would fail the same way on every retry."""

@@ -29,15 +29,26 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from contextlib import ExitStack, asynccontextmanager, contextmanager
 from typing import Any, Self
+from urllib.parse import quote
 
 import anyio
 import anyio.lowlevel
+import httpx
+import msgspec
 from anyio.abc import TaskStatus
 
 from ironflow.dbclock import DatabaseClock
 from ironflow.logs import formatter as log_formatter
-from ironflow.protocol import JobAssignment, JobLeaseStatus, JobNack, JobNackReason, Register
+from ironflow.protocol import (
+    MAX_FRAME_BYTES,
+    JobAssignment,
+    JobLeaseStatus,
+    JobNack,
+    JobNackReason,
+    Register,
+)
 from ironflow.sdk.context import Context, JobState, Reporter, execute_job
+from ironflow.sdk.errors import IronflowError
 from ironflow.sdk.function import Function
 from ironflow.sdk.loops import current_loop
 from ironflow.sdk.traces import segment_span
@@ -50,6 +61,11 @@ _log = logging.getLogger("ironflow.worker")
 # that by itself). So a pull drain stops waiting for jobs this much (at most a
 # tenth of the drain) before its deadline.
 GOODBYE_RESERVE_S = 0.25
+# What a step result's frame holds besides the output (ids, fence, name):
+# an output may be the frame limit less this.
+FRAME_ENVELOPE_BYTES = 4096
+# How long reading one left-out step output may take (it is up to a frame).
+MEMO_FETCH_TIMEOUT_S = 30.0
 
 
 class _StderrUnlessConfigured(logging.StreamHandler):  # type: ignore[type-arg]
@@ -281,6 +297,9 @@ class WorkerLifecycle:
         if max_concurrent_jobs < 1:
             raise ValueError("max_concurrent_jobs must be at least 1")
         self.server_url = server_url
+        # The largest frame the engine reads (its Registered says; the
+        # protocol's default until then).
+        self.max_frame_bytes = MAX_FRAME_BYTES
         functions = list(functions)
         for f in functions:
             if not isinstance(f, Function):
@@ -404,6 +423,32 @@ class WorkerLifecycle:
         for job in list(self._jobs.values()):
             job.abandon()
         return False
+
+    def _fetch_transport(self) -> httpx.AsyncBaseTransport | None:
+        """The HTTP transport to read step outputs over (None: httpx's own)."""
+        return None
+
+    async def fetch_step_output(self, run_id: str, step_id: str) -> Any:
+        """A memoised step's output the assignment left out (the run's state
+        is past the engine's inline budget): read from the engine by step id.
+
+        Raises:
+          IronflowError: the engine could not be asked or did not answer it
+            (retryable: the attempt fails and is retried).
+        """
+        url = f"{self.server_url.rstrip('/')}/v1/runs/{quote(run_id, safe='')}/step-output"
+        headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        try:
+            async with httpx.AsyncClient(timeout=MEMO_FETCH_TIMEOUT_S, transport=self._fetch_transport()) as client:
+                resp = await client.get(url, params={"step_id": step_id}, headers=headers)
+        except httpx.HTTPError as exc:
+            raise IronflowError(f"could not read step {step_id!r}'s output: {exc!r}", code="MEMO_FETCH_FAILED") from exc
+        if resp.status_code != 200:
+            raise IronflowError(
+                f"could not read step {step_id!r}'s output: HTTP {resp.status_code} {resp.text[:200]}",
+                code="MEMO_FETCH_FAILED",
+            )
+        return msgspec.json.decode(resp.content)
 
     def _register_message(self, *, batch_frames: bool = False) -> Register:
         """This worker's ``Register``: every function's full definition, its slots."""

@@ -37,7 +37,7 @@ from ironflow.sdk.client import api_error_of, auth_headers
 from ironflow.sdk.context import JobState
 from ironflow.sdk.errors import IronflowError, RegistrationRefusedError, WorkerAuthError
 from ironflow.sdk.function import Function
-from ironflow.sdk.lifecycle import WorkerLifecycle
+from ironflow.sdk.lifecycle import FRAME_ENVELOPE_BYTES, WorkerLifecycle
 from ironflow.sdk.traces import configure as configure_tracing
 
 # Backoff for a terminal result that did not get through (reference SDK: 1, 2, 4, 8 s).
@@ -76,6 +76,13 @@ class _HttpReporter:
 
     def __init__(self, worker: PullWorker):
         self._worker = worker
+
+    @property
+    def max_output_bytes(self) -> int:
+        return self._worker.max_frame_bytes - FRAME_ENVELOPE_BYTES
+
+    async def step_output(self, job: JobState, step_id: str) -> Any:
+        return await self._worker.fetch_step_output(job.assignment.run_id, step_id)
 
     async def step(self, job: JobState, msg: Any) -> None:
         if job.abandoned:
@@ -173,6 +180,9 @@ class PullWorker(WorkerLifecycle):
 
     # ── public control ───────────────────────────────────────────────────
 
+
+    def _fetch_transport(self) -> httpx.AsyncBaseTransport | None:
+        return self._transport
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Register, poll and execute jobs until drained or stopped.
 
@@ -277,6 +287,8 @@ class PullWorker(WorkerLifecycle):
         self._new_connection()
         self._session_headers = {SESSION_SECRET_HEADER: reg.session_secret or ""}
         self._interval = self.heartbeat_interval or reg.heartbeat_interval_ms / 1000.0
+        if reg.max_frame_bytes:
+            self.max_frame_bytes = reg.max_frame_bytes
         _log.info(
             "Worker registered",
             extra=_fields(worker_id=self.worker_id, session_id=self.session_id, mode="pull"),

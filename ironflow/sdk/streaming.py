@@ -39,7 +39,7 @@ from ironflow.protocol import (
 from ironflow.sdk.context import JobState
 from ironflow.sdk.errors import IronflowError, RegistrationRefusedError, WorkerAuthError
 from ironflow.sdk.function import Function
-from ironflow.sdk.lifecycle import WorkerLifecycle
+from ironflow.sdk.lifecycle import FRAME_ENVELOPE_BYTES, WorkerLifecycle
 from ironflow.sdk.traces import configure as configure_tracing
 from ironflow.sdk.ws import ConnectionClosed, ConnectionRejected, HandshakeError, WebSocket, connect
 
@@ -77,10 +77,18 @@ def websocket_url(server_url: str) -> str:
 class _OutboxReporter:
     """Queues a job's messages on its session's outbox, unless the job was abandoned."""
 
-    __slots__ = ("_send",)
+    __slots__ = ("_send", "_worker")
 
-    def __init__(self, send: MemoryObjectSendStream[Any]):
+    def __init__(self, send: MemoryObjectSendStream[Any], worker: WorkerLifecycle):
         self._send = send
+        self._worker = worker
+
+    @property
+    def max_output_bytes(self) -> int:
+        return self._worker.max_frame_bytes - FRAME_ENVELOPE_BYTES
+
+    async def step_output(self, job: JobState, step_id: str) -> Any:
+        return await self._worker.fetch_step_output(job.assignment.run_id, step_id)
 
     async def step(self, job: JobState, msg: Any) -> None:
         if not job.abandoned:
@@ -251,9 +259,11 @@ class StreamingWorker(WorkerLifecycle):
         self.session_id = first.session_id
         self._new_connection()
         self._engine_batches = first.batch_frames
+        if first.max_frame_bytes:
+            self.max_frame_bytes = first.max_frame_bytes
         interval = self.heartbeat_interval or first.heartbeat_interval_ms / 1000.0
         send, recv = anyio.create_memory_object_stream[Any](OUTBOX_SIZE + self.max_concurrent_jobs)
-        reporter = _OutboxReporter(send)
+        reporter = _OutboxReporter(send, self)
         _log.info(
             "Worker registered",
             extra=_fields(
@@ -312,8 +322,14 @@ class StreamingWorker(WorkerLifecycle):
                     batch.pop()
                 if batch:
                     messages = [m.message if isinstance(m, _Flushed) else m for m in batch]
-                    frame = messages[0] if len(messages) == 1 else messages
-                    await ws.send_message(encoder.encode(frame).decode())
+                    frame = encoder.encode(messages[0] if len(messages) == 1 else messages)
+                    if len(frame) > self.max_frame_bytes and len(messages) > 1:
+                        # Together past the engine's frame limit (large step
+                        # outputs, each within it): one frame each instead.
+                        for message in messages:
+                            await ws.send_message(encoder.encode(message).decode())
+                    else:
+                        await ws.send_message(frame.decode())
                     for m in batch:
                         if isinstance(m, _Flushed):
                             m.written.set()

@@ -53,6 +53,7 @@ from ironflow.store.errors import (  # noqa: F401  (re-exported: the store's err
     RunNotFound,
     SessionNotFound,
     StaleExecution,
+    StepNotFound,
     StorageFull,
     StoreError,
     StoreReadOnly,
@@ -94,6 +95,9 @@ class Reservation(msgspec.Struct, frozen=True):
     # clock now minus the step's wake time (negative when it is reserved ahead
     # of it, to be held until then), for the wake-lateness metric.
     wake_lateness_s: float | None = None
+    # The run's step outputs so far (characters of their JSON), counted by
+    # the session against ``limits.max_run_state_bytes``.
+    state_bytes: int = 0
 
 
 class Reservations(list[Reservation]):
@@ -300,6 +304,10 @@ class Store(abc.ABC):
     # owns it (SQLite): a node-wide record nobody else reads is then not kept
     # fresh, so an idle node writes nothing.
     shared_by_nodes: bool = False
+    # Most characters of step outputs a later segment's assignment carries
+    # inline (the rest are fetched by step id: :meth:`step_output`); the node
+    # sets it from ``limits.memo_inline_bytes``.
+    memo_inline_bytes: int = 1024 * 1024
     # Whether a session's job acks of different runs are better applied as
     # one call (:meth:`activate_leases`: PostgreSQL, where each call is
     # round trips through a database thread) than as concurrent calls of their
@@ -795,6 +803,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def get_run(self, run_id: str) -> RunDetail:
         """Run, its steps (oldest first), queue row, lease and waiting reason. RunNotFound."""
+
+    @abc.abstractmethod
+    async def step_output(self, run_id: str, step_id: str) -> str:
+        """A completed step's output, its stored JSON text (what a worker reads
+        when an assignment left it out). StepNotFound if there is none."""
 
     @abc.abstractmethod
     async def list_runs(

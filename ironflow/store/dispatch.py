@@ -43,6 +43,17 @@ _ASSIGNMENT_COLS = (
     " e.received_at, e.idempotency_key, r.start_at - ironflow_clock(), q.reason,"
     " ironflow_clock(), e.traceparent, r.batch_size"
 )
+# A later segment's memo: each step's output while the run's outputs so far
+# (in step order) fit the inline budget, else NULL and its length (the worker
+# fetches it by step id: GET /v1/runs/{id}/steps/{step_id}/output), so an
+# assignment stays under the frame limit however large the run's state. A
+# compensation marker is always inline: the SDK reads it before any step.
+# Lengths are characters (as both dialects' length() counts text).
+_MEMO_SELECT = (
+    "SELECT run_id, step_id, name, kind, status, CASE WHEN name LIKE 'compensate:%'"
+    " OR SUM(length(output)) OVER (PARTITION BY run_id ORDER BY seq ROWS UNBOUNDED PRECEDING) <= ?"
+    " THEN output END, error, length(output) FROM steps"
+)
 # Candidate reads past held functions per reservation round, at most (each
 # excludes the functions the one before found held): bounds a round's cost
 # when many functions are held at once; the next round reads on.
@@ -309,15 +320,18 @@ class DispatchOps(CapacityLoop):
         # retry, nack, recovery, compensation) has a higher seq. Most
         # reservations are first segments: their round reads no steps.
         again = [c[0] for c in chosen if c[1] > 1]
-        for run_id, step_id, name, kind, status, output, error in tx.fetchall(
-            "SELECT run_id, step_id, name, kind, status, output, error FROM steps"
-            f" WHERE run_id IN ({_marks(len(again))}) AND status IN ('completed', 'failed', 'timed_out')"
-            " ORDER BY run_id, seq",
-            again,
+        state: dict[str, int] = {}
+        for run_id, step_id, name, kind, status, output, error, size in tx.fetchall(
+            f"{_MEMO_SELECT} WHERE run_id IN ({_marks(len(again))})"
+            " AND status IN ('completed', 'failed', 'timed_out') ORDER BY run_id, seq",
+            (self.memo_inline_bytes, *again),
         ) if again else ():
-            memo[run_id].append(
-                MemoStep(step_id, name, kind, status, _dec(output), _dec_error(error))
-            )
+            if size:
+                state[run_id] = state.get(run_id, 0) + size
+            if output is None and size:  # past the inline budget: the worker fetches it
+                memo[run_id].append(MemoStep(step_id, name, kind, status, None, _dec_error(error), True))
+            else:
+                memo[run_id].append(MemoStep(step_id, name, kind, status, _dec(output), _dec_error(error)))
         # A batch run's events (store/flow.py), only read when one is among them.
         batches = batch_events(tx, [rid for rid in run_ids if runs[rid][13]])
         out = []
@@ -353,6 +367,7 @@ class DispatchOps(CapacityLoop):
                         events=batches.get(run_id),
                     ),
                     wake_lateness_s=-ahead if ahead is not None and r[10] == "resume" else None,
+                    state_bytes=state.get(run_id, 0),
                 )
             )
         return out

@@ -29,6 +29,10 @@ class RunNotFound(NotFound):
     code = "RUN_NOT_FOUND"
 
 
+class StepNotFound(NotFound):
+    code = "STEP_NOT_FOUND"
+
+
 class SessionNotFound(NotFound):
     """The worker session expired or was closed; the worker must re-register."""
 

@@ -23,6 +23,7 @@ from ironflow.definitions import (
     CompiledDefinition,
     EventBinding,
     compile_definition,
+    failure_code,
     start_verdict,
     triggers_name,
 )
@@ -98,10 +99,10 @@ class FilterOps(SqlStoreBase):
                 notes.append(FilterNote(fd.id, "its stored definition no longer compiles", True))
                 continue
             if compiled.has_filters:
-                starts, reason, error = start_verdict(compiled, name, data, event_id, binding)
+                starts, reason, code = start_verdict(compiled, name, data, event_id, binding)
                 if not starts:
                     if reason != "no trigger covers this event":
-                        notes.append(FilterNote(fd.id, reason or "filtered", error))
+                        notes.append(FilterNote(fd.id, reason or "filtered", code is not None, code))
                     continue
             elif not any(triggers_name(t.event, name) for t in fd.triggers):
                 continue
@@ -109,7 +110,7 @@ class FilterOps(SqlStoreBase):
                 try:
                     compiled.concurrency_key(name, data, event_id)
                 except EvaluationError as exc:
-                    notes.append(FilterNote(fd.id, str(exc), True))
+                    notes.append(FilterNote(fd.id, str(exc), True, failure_code(exc)))
                     continue
             starting.append(fd)
         return starting, notes

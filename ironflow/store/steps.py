@@ -16,7 +16,7 @@ from typing import Any, Literal
 import outcome
 
 from ironflow.protocol import ErrorInfo
-from ironflow.store.base import Fence, StaleExecution, StepResult
+from ironflow.store.base import Fence, StaleExecution, StepNotFound, StepResult
 from ironflow.store.core import MAX_STATEMENT_PARAMS, SqlStoreBase, Tx, _enc, fence_join, token_hash
 
 # A step's run's function id when that function records ordinary audit
@@ -79,6 +79,18 @@ class StepResultOps(SqlStoreBase):
         await self.record_steps(
             fence, [StepResult(step_id, name, status, output, error, duration_ms)]
         )
+
+    async def step_output(self, run_id: str, step_id: str) -> str:
+        def work(tx: Tx) -> str:
+            row = tx.fetchone(
+                "SELECT output FROM steps WHERE run_id = ? AND step_id = ? AND status = 'completed'",
+                (run_id, step_id),
+            )
+            if row is None:
+                raise StepNotFound(f"run {run_id} has no completed step {step_id!r}")
+            return row[0] if row[0] is not None else "null"
+
+        return await self._transact(work)
 
     @staticmethod
     def _step_fields(steps: list[StepResult]) -> list[tuple[Any, ...]]:

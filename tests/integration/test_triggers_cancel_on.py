@@ -51,10 +51,12 @@ async def test_a_filter_through_the_api_and_the_event_record_says_why(
     assert (await wait_for_run(http, yes["run_ids"][0]))["run"]["output"] == 500
     record = (await http.get(f"/v1/events/{no['event_id']}")).json()
     assert record["filtered"] == [
-        {"function_id": "big", "reason": "filter 'event.data.amount > 100' was false", "error": False}
+        {"function_id": "big", "reason": "filter 'event.data.amount > 100' was false", "error": False,
+         "code": None}
     ]
     (note,) = (await http.get(f"/v1/events/{bad['event_id']}")).json()["filtered"]
     assert note["error"] is True and "No such overload" in note["reason"]
+    assert note["code"] == "EXPRESSION_FAILED"
     worker.stop()
 
 

@@ -54,10 +54,18 @@ def make_assignment(
 
 
 class ListReporter:
-    """Records what a job reports, in order."""
+    """Records what a job reports, in order; ``outputs`` answers what an
+    assignment left out (step id → output)."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_output_bytes: int = 4 * 1024 * 1024, outputs: dict[str, Any] | None = None) -> None:
         self.messages: list[Any] = []
+        self.max_output_bytes = max_output_bytes
+        self.outputs = outputs or {}
+        self.fetched: list[str] = []
+
+    async def step_output(self, job: Any, step_id: str) -> Any:
+        self.fetched.append(step_id)
+        return self.outputs[step_id]
 
     async def step(self, job: Any, msg: Any) -> None:
         self.messages.append(msg)

@@ -55,7 +55,7 @@ def test_a_good_definition_compiles_and_judges_events() -> None:
         concurrency=Concurrency(2, "event.data.region"),
         cancel_on=[CancelOn("order.cancelled", "data.id", "async.data.id == event.data.id")],
     ))
-    assert start_verdict(compiled, "order.created", {"amount": 101}, "e") == (True, None, False)
+    assert start_verdict(compiled, "order.created", {"amount": 101}, "e") == (True, None, None)
     assert start_verdict(compiled, "order.created", {"amount": 1}, "e")[:1] == (False,)
     with pytest.raises(DefinitionRefused):
         compile_definition(FunctionDef(id="f", triggers=[Trigger("a", "1 +")]))

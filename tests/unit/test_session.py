@@ -161,6 +161,7 @@ async def test_a_stale_fence_is_refused_for_that_job_only_and_the_connection_car
         int(t.heartbeat_interval_s * 1000),
         int(t.lease_expiry_s * 1000),
         batch_frames=True,  # the socket's reader takes batched frames
+        max_frame_bytes=CFG.max_frame_bytes,
     )
     assert sock.directory.get(session_id) is not None
     a = await sock.assign(session_id)
