@@ -19,7 +19,7 @@ from werkzeug.routing import WebsocketMismatch
 from ironflow import logs
 from ironflow.ids import new_id
 from ironflow.protocol import MAX_JSON_DEPTH, ApiError, JsonTooDeep, check_json_depth, encoder
-from ironflow.store import StoreError, StoreUnavailable
+from ironflow.store import StoreError, StoreTimeout, StoreUnavailable
 
 log = logging.getLogger("ironflow.api")
 
@@ -42,6 +42,8 @@ STATUS_FOR_CODE = {
     "STORAGE_FULL": 507,
     # The database connection broke while committing: retry with an idempotency key.
     "COMMIT_OUTCOME_UNKNOWN": 503,
+    # A statement or lock wait ended at the node's PostgreSQL bounds: nothing committed.
+    "STORE_TIMEOUT": 503,
 }
 # Seconds an outage answer tells the caller to wait (Retry-After): about the
 # store monitor's probe interval, so a retry lands soon after the store is back.
@@ -50,7 +52,7 @@ RETRY_AFTER_S = 1
 
 def store_error_headers(exc: StoreError) -> list[tuple[str, str]]:
     """Headers of the answer to ``exc``: a Retry-After for an outage."""
-    if isinstance(exc, StoreUnavailable):
+    if isinstance(exc, StoreUnavailable | StoreTimeout):
         return [("Retry-After", str(RETRY_AFTER_S))]
     return []
 

@@ -34,7 +34,7 @@ import outcome
 import trio
 
 from ironflow import logs
-from ironflow.store.errors import StorageFull, StoreUnavailable
+from ironflow.store.errors import StorageFull, StoreError, StoreUnavailable
 
 T = TypeVar("T")
 
@@ -145,15 +145,19 @@ class Availability:
 def settle(
     availability: Availability,
     result: outcome.Outcome[T],
-    classify: Callable[[BaseException], StoreUnavailable | None],
+    classify: Callable[[BaseException], StoreError | None],
 ) -> T:
     """``result``'s value, or its error — as :class:`StoreUnavailable` (and the
-    store marked down) when ``classify`` says the error is an outage."""
+    store marked down) when ``classify`` says the error is an outage, as the
+    other store error it names if any (a timeout: the database is up)."""
     if isinstance(result, outcome.Error):
         error = result.error
         gone = _outage(error, classify)
         if gone is not None:
-            availability.went_down(gone.code, str(gone))
+            if isinstance(gone, StoreUnavailable):
+                availability.went_down(gone.code, str(gone))
+            else:
+                availability.reached()  # the database answered: with a timeout
             if gone is error:
                 return result.unwrap()  # raised as it is, traceback kept
             raise gone from error
@@ -162,8 +166,8 @@ def settle(
 
 
 def _outage(
-    error: BaseException, classify: Callable[[BaseException], StoreUnavailable | None]
-) -> StoreUnavailable | None:
+    error: BaseException, classify: Callable[[BaseException], StoreError | None]
+) -> StoreError | None:
     """``error`` as an outage: itself if the store already raised one (e.g.
     CommitOutcomeUnknown), else what ``classify`` makes of a driver error."""
     if isinstance(error, StoreUnavailable):
@@ -174,7 +178,7 @@ def _outage(
 def translated(
     availability: Availability,
     results: list[outcome.Outcome[Any]],
-    classify: Callable[[BaseException], StoreUnavailable | None],
+    classify: Callable[[BaseException], StoreError | None],
 ) -> list[outcome.Outcome[Any]]:
     """:func:`settle` for a list of outcomes, without unwrapping them."""
     out: list[outcome.Outcome[Any]] = []
@@ -184,7 +188,8 @@ def translated(
         if gone is not None:
             if gone is not error:
                 gone.__cause__ = error
-            availability.went_down(gone.code, str(gone))
+            if isinstance(gone, StoreUnavailable):
+                availability.went_down(gone.code, str(gone))
             out.append(outcome.Error(gone))
         else:
             availability.reached()

@@ -57,6 +57,7 @@ from ironflow.store.errors import (  # noqa: F401  (re-exported: the store's err
     StorageFull,
     StoreError,
     StoreReadOnly,
+    StoreTimeout,
     StoreUnavailable,
 )
 

@@ -65,6 +65,15 @@ class StoreUnavailable(StoreError):
     code = "STORE_UNAVAILABLE"
 
 
+class StoreTimeout(StoreError):
+    """The database ended a statement at one of the node's bounds
+    (``timings.pg_statement_timeout_s``, ``pg_lock_timeout_s``): it ran, or
+    waited for a lock, too long. Nothing of the call was committed; the
+    database itself is up (not an outage). The message names the bound."""
+
+    code = "STORE_TIMEOUT"
+
+
 class CommitOutcomeUnknown(StoreUnavailable):
     """The connection failed while the transaction committed: it may have
     committed or not. Never retried as if it had not (a write without an

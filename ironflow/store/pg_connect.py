@@ -9,7 +9,13 @@ from typing import Any
 import psycopg
 
 from ironflow.config import Timings, redact_url
-from ironflow.store.errors import StorageFull, StoreReadOnly, StoreUnavailable
+from ironflow.store.errors import (
+    StorageFull,
+    StoreError,
+    StoreReadOnly,
+    StoreTimeout,
+    StoreUnavailable,
+)
 
 # SQLSTATE classes that mean the server is unreachable or cannot serve now,
 # not that the statement was wrong: connection exception (08), insufficient
@@ -24,9 +30,17 @@ _NOT_OUTAGES = ("57014",)
 CONNECT_TIMEOUT_S = 3
 
 
-def unavailable(exc: BaseException) -> StoreUnavailable | None:
-    """The outage ``exc`` (a psycopg error) means, or None for any other error."""
+def unavailable(exc: BaseException) -> StoreError | None:
+    """The outage ``exc`` (a psycopg error) means, the timeout it is (a
+    statement or lock wait ended at one of the node's bounds: StoreTimeout,
+    not an outage), or None for any other error."""
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, psycopg.errors.LockNotAvailable):
+        return StoreTimeout(f"PostgreSQL gave up waiting for a lock (timings.pg_lock_timeout_s): {first}")
+    if isinstance(exc, psycopg.errors.QueryCanceled):
+        return StoreTimeout(
+            f"PostgreSQL cancelled a statement (timings.pg_statement_timeout_s): {first}"
+        )
     if isinstance(exc, psycopg.errors.DiskFull):
         return StorageFull(f"PostgreSQL storage full: {first}")
     if isinstance(exc, psycopg.errors.ReadOnlySqlTransaction):

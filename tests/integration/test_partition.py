@@ -13,7 +13,9 @@ What must hold:
 - a transaction left open on a blackholed connection, holding a row lock,
   is ended by the server at ``pg_idle_in_transaction_timeout_s``: a peer
   waiting for that row proceeds then, not before, and nothing of the held
-  transaction is committed.
+  transaction is committed;
+- a lock held by a session that is not a node's is given up at
+  ``pg_lock_timeout_s``: ``STORE_TIMEOUT``, and the store stays up.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import trio
 
 import ironflow
 from ironflow.node import Node
-from ironflow.store import StoreUnavailable
+from ironflow.store import StoreTimeout, StoreUnavailable
 from ironflow.store.core import Tx
 from ironflow.store.postgres import PostgresStore
 from tests.blackhole import BlackholeProxy
@@ -251,3 +253,27 @@ async def test_the_nodes_postgres_sessions_carry_every_bound(pg_url: str) -> Non
         assert params["keepalives"] == "1"
     finally:
         await store.close()
+
+
+async def test_a_lock_a_foreign_session_holds_is_given_up_at_the_lock_timeout_as_a_timeout(pg_url: str) -> None:
+    config = node_config(pg_url, Path("/nonexistent"), **PG_BOUNDS)
+    bound = config.timings.pg_lock_timeout_s
+    with psycopg.connect(pg_url, autocommit=True) as setup:
+        setup.execute("CREATE TABLE held (id int PRIMARY KEY, v text)")
+        setup.execute("INSERT INTO held VALUES (1, 'before')")
+    store = PostgresStore(pg_url, timings=config.timings)
+    await store.open()
+    # An operator's session, not a node's: no idle-in-transaction bound ends it.
+    with psycopg.connect(pg_url) as operator:
+        operator.execute("SELECT v FROM held WHERE id = 1 FOR UPDATE")
+        try:
+            started = time.monotonic()
+            with pytest.raises(StoreTimeout, match="pg_lock_timeout_s"):
+                await store._transact(lambda tx: tx.execute("UPDATE held SET v = 'node' WHERE id = 1"))
+            waited = time.monotonic() - started
+            # The optimistic pass and the careful one each wait the bound once.
+            assert bound - LOCK_SLACK_S <= waited <= 2 * bound + LOCK_SLACK_S, waited
+            assert store.availability.up  # a timeout, not an outage
+        finally:
+            operator.rollback()
+            await store.close()
