@@ -24,8 +24,9 @@ import logging
 import trio
 
 from actors.messages import Kick, kick
-from ironflow import logs, metrics
+from ironflow import logs
 from ironflow.config import NodeConfig
+from ironflow.engine import metrics
 from ironflow.store import Store
 
 log = logging.getLogger("ironflow.capacity")

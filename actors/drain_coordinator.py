@@ -19,8 +19,9 @@ import logging
 import trio
 
 from actors.directory import SessionDirectory
-from ironflow import logs, metrics
+from ironflow import logs
 from ironflow.config import NodeConfig
+from ironflow.engine import metrics
 from ironflow.protocol import SessionRecord, Shutdown
 from ironflow.store import Store
 

@@ -19,9 +19,10 @@ import logging
 
 import trio
 
-from ironflow import logs, metrics, retention
+from ironflow import logs
 from ironflow.config import NodeConfig
-from ironflow.store import PurgeCounts, Store
+from ironflow.engine import metrics
+from ironflow.store import PurgeCounts, Store, retention
 
 log = logging.getLogger("ironflow.janitor")
 

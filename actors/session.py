@@ -30,11 +30,11 @@ from actors.directory import LocalSession, SessionDirectory
 from actors.grouped import Grouped
 from actors.handout import BATCH, hand_out_or_expire
 from actors.messages import Kick, kick
-from ironflow import logs, metrics, tracing
+from ironflow import logs, tracing
 from ironflow.config import Limits, NodeConfig
 from ironflow.definitions import DefinitionRefused, compile_definition
-from ironflow.dispatch_flow_checks import dispatch_flow_problem
-from ironflow.flow_checks import flow_problem
+from ironflow.engine import metrics
+from ironflow.flow_rules import dispatch_flow_problem, flow_problem
 from ironflow.protocol import (
     EngineMessage,
     ErrorInfo,
@@ -121,7 +121,7 @@ def check_register(msg: Register, limits: Limits) -> None:
         problem = dispatch_flow_problem(fd)
         if problem is not None:
             raise RegistrationRefused(f"function {fd.id!r}: {problem}")
-        problem = flow_problem(fd)  # ingest-side flow control (ironflow/flow_checks.py)
+        problem = flow_problem(fd)  # ingest-side flow control (ironflow/flow_rules.py)
         if problem is not None:
             raise RegistrationRefused(f"function {fd.id!r}: {problem}")
 

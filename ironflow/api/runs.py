@@ -9,10 +9,11 @@ import trio
 from quart import Blueprint, Response, request
 
 from actors.messages import kick
-from ironflow import logs, metrics, retention
+from ironflow import logs
 from ironflow.api.auth import require_org, require_platform
 from ironflow.api.errors import decode, fail, json_response, optional_body, query_float, query_int
 from ironflow.api.state import ApiState, state
+from ironflow.engine import metrics
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
     CancelRequest,
@@ -29,6 +30,7 @@ from ironflow.protocol.run_control import (
     ResumeResponse,
     RunPauseResponse,
 )
+from ironflow.store import retention
 from ironflow.store.base import ResumeOutcome
 
 log = logging.getLogger("ironflow.api")

@@ -1,5 +1,5 @@
 """The hypercorn patch writes a fixed-length response in one socket write,
-byte for byte what hypercorn wrote in several (ironflow/hypercorn_patch.py)."""
+byte for byte what hypercorn wrote in several (ironflow/api/hypercorn_patch.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from hypercorn.protocol.events import Body, EndBody, Response
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.worker_context import WorkerContext
 
-from ironflow import hypercorn_patch
+from ironflow.api import hypercorn_patch
 
 REQUEST = b"POST /v1/events HTTP/1.1\r\nHost: node\r\nContent-Length: 0\r\n\r\n"
 
