@@ -17,7 +17,7 @@ state) and one worker serving:
 
 The state is built through the HTTP API (batches of 1,000 events), then each
 round measures the node's idle CPU over ``--idle-seconds`` (no emits: the
-waker, scanners and heartbeats alone) and the probe. Issue #26's target: every
+waker, scanners and heartbeats alone) and the probe. The target: every
 state within 1.1x of the empty database on both figures. Prints medians per
 state and the ratio to ``empty``.
 """

@@ -120,7 +120,7 @@ async def cancel_run(run_id: str) -> Response:
     return json_response(CancelResponse(run_id))
 
 
-# ── run control (issue #23 §4; ironflow/store/run_control.py, docs/run-control.md) ──
+# ── run control (ironflow/store/run_control.py, docs/run-control.md) ──
 
 
 def _resumed(out: ResumeOutcome) -> ResumeResponse:

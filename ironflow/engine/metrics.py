@@ -178,7 +178,7 @@ RUN_DURATION = _registered(_Histogram(
     DURATION_BUCKETS,
     ("function", "status"),
 ))
-# Flow control at dispatch (issue 24; docs/flow-control.md).
+# Flow control at dispatch (docs/flow-control.md).
 FLOW_HELD = Counter(
     "ironflow_flow_held_total",
     "Queued segments flow control held back in this node's dispatch rounds",

@@ -157,7 +157,7 @@ def token_hash(token: str) -> str:
 
 
 def _concurrency_key(fd: FunctionDef, data: Any) -> str | None:
-    keyed = concurrency_keyed(fd)  # the one keyed constraint (issue 24: layered limits)
+    keyed = concurrency_keyed(fd)  # the one keyed constraint (layered limits)
     if keyed is None or keyed.key is None:
         return None
     value = lookup_path(data, keyed.key)
@@ -545,7 +545,7 @@ class SqlStoreBase(Store):
         )
         self._enqueue(tx, run_id, 1, fd.id, ckey, new.delay_s, new.reason)
         self._subscribe_cancels(tx, [(run_id, fd, data)])
-        if fd.priority is not None:  # flow control (issue 24): store/flow.py
+        if fd.priority is not None:  # flow control : store/flow.py
             set_priorities(tx, [(run_id, priority_of(fd, event_name, data))])
         return run_id
 

@@ -1,4 +1,4 @@
-"""Flow control at dispatch (issue 24; docs/flow-control.md): layered
+"""Flow control at dispatch (docs/flow-control.md): layered
 concurrency limits, the round robin across concurrency keys, throttle (GCRA
 kept in ``flow_throttle``, by ``ironflow_now()``) and priority.
 
