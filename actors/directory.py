@@ -16,6 +16,10 @@ import trio
 from ironflow.dbclock import DatabaseClock
 from ironflow.protocol import Cancel, EngineMessage, JobAssignment
 
+# Most handed-out jobs' stored states remembered at once (each is taken at
+# its job's first step; a job recovered before reporting leaves its note).
+STATE_NOTES_MAX = 100_000
+
 
 class LocalSession:
     """A worker session attached to this node: a streaming socket or a pull poll."""
@@ -40,11 +44,6 @@ class LocalSession:
         # run id → the traceparent of a traced run assigned here, for the
         # session's commit spans (ironflow/tracing.py); dropped as it ends here.
         self.traceparents: dict[str, str] = {}
-        # job id → the bytes of its run's step outputs so far, for the run
-        # state budget (actors/session.py ``within_state_budget``); only jobs
-        # with state. And the jobs failed for going past it.
-        self.run_state: dict[str, int] = {}
-        self.over_budget: set[str] = set()
 
 
 class SessionDirectory:
@@ -59,6 +58,16 @@ class SessionDirectory:
         # The database clock as the dispatcher learns it from its reservations
         # (see :func:`fresh_start`).
         self.db_clock = DatabaseClock()
+        # job id → its run's step outputs stored before the segment (handed
+        # out here, only when there are any), taken by the session's run state
+        # budget at the job's first step (actors/session.py ``RunStateBudget``).
+        self.state_before: dict[str, int] = {}
+
+    def note_state(self, job_id: str, state_bytes: int) -> None:
+        """Remember a handed-out job's stored state (see :attr:`state_before`)."""
+        if len(self.state_before) >= STATE_NOTES_MAX:
+            self.state_before.clear()  # jobs that never reported: counted from 0 after
+        self.state_before[job_id] = state_bytes
 
     def add(self, session: LocalSession) -> None:
         self._sessions[session.session_id] = session

@@ -48,8 +48,8 @@ async def hand_out(
         if assignment.db_now is not None:  # read before this moment
             directory.db_clock.observe(assignment.db_now, reserved)
         session = directory.get(reservation.session_id)
-        if reservation.state_bytes and session is not None:
-            session.run_state[assignment.job_id] = reservation.state_bytes
+        if reservation.state_bytes:
+            directory.note_state(assignment.job_id, reservation.state_bytes)
         if assignment.start_delay_ms and session is not None and not session.delayed_start:
             if holds is None:
                 await _release(store, reservation)

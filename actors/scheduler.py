@@ -11,6 +11,10 @@ registered through another node is seen within it); a registration through
 this node wakes it at once. A pass reads the earliest ``next_at`` (one index
 lookup, off the write path) and opens the firing transaction only when a
 tick is due: with nothing scheduled, or nothing due, it writes nothing.
+A function no worker served within ``limits.function_live_s`` starts no runs:
+the pass records its ticks as skipped (``NO_LIVE_WORKER``), decided in the
+same transaction from the database's sessions, so every node decides alike;
+a worker registering it makes the schedule due and its catch-up policy runs.
 """
 
 from __future__ import annotations
@@ -50,9 +54,10 @@ async def run(
 
     Args:
       store: each pass is one transaction (claims, runs, next ticks).
-      config: ``scheduler_recheck_s`` (the longest sleep) and
+      config: ``scheduler_recheck_s`` (the longest sleep),
         ``cron_missed_after_s`` (older due ticks were missed: the schedule's
-        catch-up policy decides).
+        catch-up policy decides) and ``limits.function_live_s`` (a function
+        no worker served for longer starts no runs).
       node_id: recorded with each claim.
       kicks: one kick per pass that started runs.
 
@@ -61,6 +66,7 @@ async def run(
     """
     recheck = config.timings.scheduler_recheck_s
     missed_after = config.timings.cron_missed_after_s
+    live_within = config.limits.function_live_s
     # Set when a registration through this node may have changed schedules.
     changed = trio.Event()
 
@@ -74,7 +80,9 @@ async def run(
         while True:
             until = await store.seconds_until_next_tick()
             if until is not None and until <= 0:
-                fired = await store.fire_due_ticks(node_id, limit=BATCH, missed_after_s=missed_after)
+                fired = await store.fire_due_ticks(
+                    node_id, limit=BATCH, missed_after_s=missed_after, live_within_s=live_within
+                )
                 if fired:
                     kick(kicks, "cron ticks fired")
                     for tick in fired:

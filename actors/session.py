@@ -54,7 +54,7 @@ from ironflow.protocol import (
     StepFailed,
     WorkerMessage,
 )
-from ironflow.protocol.cron import trigger_problem
+from ironflow.protocol.cron import shortest_interval_s, trigger_problem
 from ironflow.store import (
     Fence,
     JobOutcome,
@@ -113,6 +113,14 @@ def check_register(msg: Register, limits: Limits) -> None:
             problem = trigger_problem(trigger)
             if problem is not None:
                 raise RegistrationRefused(f"function {fd.id!r}: {problem} - at `$.triggers[{i}]`")
+            if trigger.cron is not None:
+                every = shortest_interval_s(trigger.cron)
+                if every < limits.cron_min_interval_s:
+                    raise RegistrationRefused(
+                        f"function {fd.id!r}: cron {trigger.cron!r} fires as often as every {every:g} s,"
+                        f" more often than this node's limit of one tick per {limits.cron_min_interval_s:g} s"
+                        f" (limits.cron_min_interval_s) - at `$.triggers[{i}]`"
+                    )
         # Trigger filters, key and cancel-on expressions compile (docs/triggers.md).
         try:
             compile_definition(fd)
@@ -339,44 +347,59 @@ _STATE_COUNTED = (StepCompleted, *_SEGMENT_ENDS)
 _measure = msgspec.json.Encoder().encode
 
 
-def within_state_budget(local: LocalSession, msg: WorkerMessage, limit: int) -> list[WorkerMessage]:
-    """``msg`` as it is to be applied, its run's state counted against ``limit``
-    (``limits.max_run_state_bytes``): the step outputs stored before this
-    segment (:attr:`Reservation.state_bytes`, read when it was reserved) and
-    those its session received since. The step result that crosses it is
-    applied as that step's failure and the job's, not retried
+class RunStateBudget:
+    """One session's jobs' run state, counted against ``limit``
+    (``limits.max_run_state_bytes``): the step outputs stored before a job's
+    segment (:attr:`SessionDirectory.state_before`, read when it was
+    reserved) and those the session received since. The step result that
+    crosses it is applied as that step's failure and the job's, not retried
     (RUN_STATE_TOO_LARGE), and the worker is told to stop the job; what the
     job still sends is refused by the fence, for that job only."""
-    state = local.run_state
-    if isinstance(msg, StepCompleted):
-        if msg.job_id in local.over_budget:
-            return [msg]  # after its failure: the fence refuses it
-        total = state.get(msg.job_id, 0) + (len(_measure(msg.output)) if msg.output is not None else 0)
-        if total <= limit:
-            if total:
-                state[msg.job_id] = total
-            return [msg]
-        state.pop(msg.job_id, None)
-        local.over_budget.add(msg.job_id)
+
+    def __init__(self, directory: SessionDirectory, limit: int) -> None:
+        self._before = directory.state_before
+        self._limit = limit
+        self._counted: dict[str, int] = {}  # job id → its run's state so far
+        self._over: set[str] = set()  # jobs failed for going past the limit
+
+    def check(self, msg: WorkerMessage, session_id: str) -> list[WorkerMessage]:
+        """``msg`` as it is to be applied (itself, or the failures it makes)."""
+        if isinstance(msg, StepCompleted):
+            job_id = msg.job_id
+            if job_id in self._over:
+                return [msg]  # after its failure: the fence refuses it
+            counted = self._counted.get(job_id)
+            if counted is None:
+                counted = self._before.pop(job_id, 0)
+            total = counted + (len(_measure(msg.output)) if msg.output is not None else 0)
+            if total <= self._limit:
+                self._counted[job_id] = total
+                return [msg]
+            self._counted.pop(job_id, None)
+            self._over.add(job_id)
+            return self._failed(msg, total, session_id)
+        if isinstance(msg, _SEGMENT_ENDS):
+            self._counted.pop(msg.job_id, None)
+            self._over.discard(msg.job_id)
+            self._before.pop(msg.job_id, None)
+        return [msg]
+
+    def _failed(self, msg: StepCompleted, total: int, session_id: str) -> list[WorkerMessage]:
         error = ErrorInfo(
             f"step {msg.name!r} brings the run's state (its step outputs) to {total:,} bytes,"
-            f" over the limit of {limit:,} (limits.max_run_state_bytes)",
+            f" over the limit of {self._limit:,} (limits.max_run_state_bytes)",
             code=RUN_STATE_TOO_LARGE,
             retryable=False,
         )
         fence = (msg.job_id, msg.run_id, msg.execution_seq, msg.lease_token)
         logs.event(
             log, logging.WARNING, "run: state over its budget, failed", run_id=msg.run_id,
-            execution_seq=msg.execution_seq, session_id=local.session_id, step=msg.name, bytes=total,
+            execution_seq=msg.execution_seq, session_id=session_id, step=msg.name, bytes=total,
         )
         return [
             StepFailed(*fence, step_id=msg.step_id, name=msg.name, error=error, duration_ms=msg.duration_ms),
             JobFailed(*fence, error=error),
         ]
-    if isinstance(msg, _SEGMENT_ENDS):
-        state.pop(msg.job_id, None)
-        local.over_budget.discard(msg.job_id)
-    return [msg]
 
 
 class _Lanes:
@@ -442,12 +465,12 @@ class _Lanes:
             self._complete
         )
         self._room = trio.Semaphore(IN_FLIGHT_MAX)
+        self._budget = RunStateBudget(directory, config.limits.max_run_state_bytes)
         self.fatal: Exception | None = None
 
     async def put(self, msg: WorkerMessage) -> None:
-        local = self._directory.get(self._session_id)
-        if local is not None and isinstance(msg, _STATE_COUNTED):
-            applied = within_state_budget(local, msg, self._config.limits.max_run_state_bytes)
+        if isinstance(msg, _STATE_COUNTED):
+            applied = self._budget.check(msg, self._session_id)
             if applied[0] is not msg:
                 self._directory.send_cancel(self._session_id, msg.job_id, msg.run_id, RUN_STATE_TOO_LARGE)
                 for one in applied:

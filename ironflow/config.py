@@ -142,8 +142,19 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     max_functions_per_worker: int = 1000
     # Functions one trigger pattern may start: the fan-out of a single emit.
     max_functions_per_trigger: int = 100
-    # A function no worker registered for this long is listed as not live.
-    function_live_s: float = 24 * 3600.0
+    # A function is live while a worker serves it and this long after its
+    # last worker left (ironflow/store/function_life.py): a cron function
+    # not live starts no runs, its ticks recorded as skipped (NO_LIVE_WORKER).
+    # Five minutes: above a worker's restart or a rolling deploy (and the 90 s
+    # session expiry that notices a silent one), so those cost no tick; and a
+    # per-second schedule whose workers never return queues at most ~300 runs.
+    function_live_s: float = 300.0
+    # The shortest interval between two ticks a cron trigger may ask for:
+    # each tick is a transaction and a run. A schedule firing more often is
+    # refused at registration, naming this setting (not silently stretched:
+    # the run count would differ from the schedule the code declares).
+    # 1 s, the finest a 6-field cron can ask for, refuses nothing by default.
+    cron_min_interval_s: float = 1.0
     # A run's state: the JSON of its step outputs, all kept for its replays.
     # Past it the step that crosses it fails the run (RUN_STATE_TOO_LARGE, not
     # retried): one run may not grow the database or its replays without end.
@@ -444,8 +455,9 @@ def _validate_limits(limits: Limits) -> None:
         value = getattr(limits, field)
         if not 1 <= value <= ceiling:
             raise ConfigError(f"limits.{field} must be in 1..{ceiling}, got {value}")
-    if limits.function_live_s <= 0:
-        raise ConfigError(f"limits.function_live_s must be positive, got {limits.function_live_s}")
+    for field in ("function_live_s", "cron_min_interval_s"):
+        if getattr(limits, field) <= 0:
+            raise ConfigError(f"limits.{field} must be positive, got {getattr(limits, field)}")
     for field in ("expression_max_tokens", "expression_max_nesting", "expression_max_comprehension_depth"):
         if getattr(limits, field) < 1:
             raise ConfigError(f"limits.{field} must be at least 1, got {getattr(limits, field)}")

@@ -253,7 +253,10 @@ class _Shape:
     """What an expression reads of its variables and how its cost grows with
     them (see the bounds section above)."""
 
-    __slots__ = ("top", "reads", "bound", "concat", "literal_elements", "literal_bytes", "static_us")
+    __slots__ = (
+        "top", "reads", "bound", "concat", "literal_elements", "literal_bytes", "static_us",
+        "zero_us", "flat", "reads_key",
+    )
 
     def __init__(
         self, top: _Level, reads: dict[str, Any], bound: frozenset[str],
@@ -266,6 +269,11 @@ class _Shape:
         self.literal_elements = literal_elements
         self.literal_bytes = literal_bytes
         self.static_us = self.cost_us(_NOMINAL_VALUES, _NOMINAL_VALUES * _NOMINAL_STRING, _NOMINAL_ELEMENTS, _NOMINAL_STRING)
+        self.zero_us = self.cost_us(0, 0, 0)
+        self.flat = not top.inner and not (top.concat or top.scans or top.members)
+        # Expressions that read the same paths share one pruned copy of an
+        # event's variables (and its conversion): see :class:`Variables`.
+        self.reads_key = _paths(reads)
 
     def cost_us(self, values: int, string_bytes: int, elements: int, longest_string: int = 0) -> float:
         """The estimated time of one evaluation reading ``values`` values of
@@ -281,32 +289,39 @@ class _Shape:
             + self.top.cost_us(elements_bound, bytes_bound, max(longest_string, self.literal_bytes))
         )
 
-    def prepare(self, variables: Mapping[str, Any], budget_us: float) -> dict[str, Any]:
-        """The variables pruned to what the expression reads.
-
-        Raises:
-          BudgetExceeded: its estimated cost on them is over ``budget_us``
-            (counting stops as soon as it is: the count is bounded too).
-        """
-        counter = _Counter(int((budget_us - self.cost_us(0, 0, 0)) / _COST_PER_VALUE_US) + 1)
+    def read(self, variables: Mapping[str, Any], budget_us: float) -> tuple[dict[str, Any], _Counter]:
+        """The variables pruned to what the expression reads, and their
+        count, which stops past what any expression could read within
+        ``budget_us`` (so the count is bounded too)."""
+        counter = _Counter(int(budget_us / _COST_PER_VALUE_US) + 1)
         pruned = {
             name: _prune(variables[name], sub, counter)
             for name, sub in self.reads.items()
             if name in variables
         }
+        return pruned, counter
+
+    def check(self, counter: _Counter, budget_us: float) -> None:
+        """Whether one evaluation on what ``counter`` counted fits ``budget_us``.
+
+        Raises:
+          BudgetExceeded: its estimated cost is over it.
+        """
         if counter.over:
             raise BudgetExceeded(
                 f"{BudgetExceeded.code}: it reads more than {counter.cap} values of this event, "
                 f"over the evaluation budget of {budget_us:g} µs (limits.expression_budget_us)"
             )
-        cost = self.cost_us(counter.values, counter.string_bytes, counter.elements, counter.longest_string)
+        if self.flat:  # no comprehension, concatenation, scan or `in`: a sum
+            cost = self.zero_us + counter.values * _COST_PER_VALUE_US + counter.string_bytes * _COST_PER_STRING_BYTE_US
+        else:
+            cost = self.cost_us(counter.values, counter.string_bytes, counter.elements, counter.longest_string)
         if cost > budget_us:
             raise BudgetExceeded(
                 f"{BudgetExceeded.code}: estimated {cost:,.0f} µs on this event "
                 f"({counter.values} values, the largest list or map of {counter.elements}), "
                 f"over the evaluation budget of {budget_us:g} µs (limits.expression_budget_us)"
             )
-        return pruned
 
 
 class _Counter:
@@ -351,6 +366,13 @@ def _prune(value: Any, reads: dict[str, Any], counter: _Counter) -> Any:
         return value
     counter.values += 1
     return {name: _prune(value[name], sub, counter) for name, sub in reads.items() if name in value}
+
+
+def _paths(reads: dict[str, Any], prefix: tuple[str, ...] = ()) -> tuple[tuple[str, ...], ...]:
+    """A path trie as its sorted paths (hashable: the key of a pruned copy)."""
+    if reads is _WHOLE:
+        return (prefix,)
+    return tuple(path for name in sorted(reads) for path in _paths(reads[name], (*prefix, name)))
 
 
 def _read(reads: dict[str, Any], path: list[str]) -> None:
@@ -460,13 +482,25 @@ def _path(tokens: list[_Token], start: int) -> list[str]:
 
 
 class Variables:
-    """One event's variables, shared by the several expressions that judge it
-    (each hands the library only the part it reads: :meth:`_Shape.prepare`)."""
+    """One event's variables, shared by the several expressions that judge it:
+    each hands the library only the part it reads (:meth:`_Shape.read`),
+    pruned, counted and converted once for all the expressions that read the
+    same paths (many filters of one event name read the same fields)."""
 
-    __slots__ = ("values",)
+    __slots__ = ("values", "_prepared")
 
     def __init__(self, values: Mapping[str, Any]):
         self.values = values
+        # reads key → (the pruned variables converted to CEL, their count)
+        self._prepared: dict[tuple[tuple[str, ...], ...], tuple[Any, _Counter]] = {}
+
+    def prepared(self, shape: _Shape, budget_us: float) -> tuple[Any, _Counter]:
+        entry = self._prepared.get(shape.reads_key)
+        if entry is None:
+            pruned, counter = shape.read(self.values, budget_us)
+            entry = (None if counter.over else _cel().Context(pruned), counter)
+            self._prepared[shape.reads_key] = entry
+        return entry
 
 
 def bind(variables: Mapping[str, Any]) -> Variables:
@@ -498,10 +532,14 @@ class Expression:
             budget (``limits.expression_budget_us``): it was not run.
           EvaluationError: a missing field, a wrong type, any failure.
         """
-        values = variables.values if isinstance(variables, Variables) else variables
-        pruned = self._shape.prepare(values, _limits.budget_us)
+        shape, budget_us = self._shape, _limits.budget_us
+        if isinstance(variables, Variables):
+            bound, counter = variables.prepared(shape, budget_us)
+        else:
+            bound, counter = shape.read(variables, budget_us)
+        shape.check(counter, budget_us)
         try:
-            return self._program.execute(pruned)
+            return self._program.execute(bound)
         except KeyError as exc:
             raise EvaluationError(f"{self.source!r}: no such key: {exc.args[0] if exc.args else '?'}") from None
         except Exception as exc:  # the library raises TypeError, ValueError, ZeroDivisionError, ...

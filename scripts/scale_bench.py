@@ -1,8 +1,9 @@
 """Node cost against stored work: a fixed probe on an empty database and on
-databases holding 20k parked waits, 20k sleeping runs, 100k finished runs.
+databases holding 100k parked waits, 100k sleeping runs, 300k finished runs
+(``--finished 1000000`` with ``--pg`` for the larger PostgreSQL figure).
 
 Usage: python scripts/scale_bench.py [--pg] [--db URL] [--states empty,waits,sleeping,finished]
-       [--waits 20000] [--sleeping 20000] [--finished 100000] [--repeat 3] [--idle-seconds 10]
+       [--waits 100000] [--sleeping 100000] [--finished 300000] [--repeat 3] [--idle-seconds 10]
 
 For each state a fresh node on a fresh database (SQLite in a temp dir; with
 ``--pg`` a throwaway PostgreSQL with its default durability, one database per
@@ -17,9 +18,9 @@ state) and one worker serving:
 
 The state is built through the HTTP API (batches of 1,000 events), then each
 round measures the node's idle CPU over ``--idle-seconds`` (no emits: the
-waker, scanners and heartbeats alone) and the probe. The target: every
-state within 1.1x of the empty database on both figures. Prints medians per
-state and the ratio to ``empty``.
+waker, scanners and heartbeats alone), the probe's node CPU per run and its
+emit p99. The target: every state within 1.1x of the empty database on each
+figure. Prints medians per state and the ratio to ``empty``.
 """
 
 from __future__ import annotations
@@ -152,20 +153,25 @@ def _fill(http: httpx.Client, counter: Counter, name: str, n: int, function_id: 
     print(f"    built {n:,} {function_id} runs {status} in {time.monotonic() - t0:.0f} s", flush=True)
 
 
-async def _offer(url: str, first_key: int) -> None:
+async def _offer(url: str, first_key: int) -> list[float]:
+    """The probe's emits at its rate; each emit's answer time (seconds)."""
     limiter = trio.CapacityLimiter(IN_FLIGHT)
+    took: list[float] = []
     async with httpx.AsyncClient(base_url=url, timeout=60) as http:
         t0 = trio.current_time()
 
         async def one(i: int) -> None:
             async with limiter:
                 body = {"name": "probe.go", "data": {"k": -(first_key + i) - 1}}
+                sent = trio.current_time()
                 (await http.post("/v1/events", json=body)).raise_for_status()
+                took.append(trio.current_time() - sent)
 
         async with trio.open_nursery() as nursery:
             for i in range(PROBE_RUNS):
                 await trio.sleep_until(t0 + i / PROBE_RATE)
                 nursery.start_soon(one, i)
+    return took
 
 
 def _measure_state(state: str, args: argparse.Namespace, db: str | None) -> list[dict[str, float]]:
@@ -193,13 +199,14 @@ def _measure_state(state: str, args: argparse.Namespace, db: str | None) -> list
                 time.sleep(args.idle_seconds)
                 idle = _cpu_since(node.pid, c0) * 1000 / args.idle_seconds
                 c0 = _threads_ns(node.pid)
-                trio.run(_offer, url, round_no * PROBE_RUNS)
+                took = sorted(trio.run(_offer, url, round_no * PROBE_RUNS))
                 done += PROBE_RUNS
                 counter.wait_for("probe", "completed", done, 300)
                 per_run = _cpu_since(node.pid, c0) * 1000 / PROBE_RUNS
-                rows.append({"idle_ms_per_s": idle, "cpu_ms_per_run": per_run})
+                p99 = took[min(len(took) - 1, int(len(took) * 0.99))] * 1000
+                rows.append({"idle_ms_per_s": idle, "cpu_ms_per_run": per_run, "emit_p99_ms": p99})
                 print(f"  {state:>9} round {round_no + 1}: idle {idle:6.2f} CPU-ms/s,"
-                      f" probe {per_run:5.2f} CPU-ms per run", flush=True)
+                      f" probe {per_run:5.2f} CPU-ms per run, emit p99 {p99:5.1f} ms", flush=True)
             if state == "waits" and (parked := counter.count("parker", "waiting")) != args.waits:
                 raise SystemExit(f"a probe emit resolved a wait: {parked} of {args.waits} still waiting")
     finally:
@@ -212,9 +219,9 @@ def _measure_state(state: str, args: argparse.Namespace, db: str | None) -> list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--states", default="empty,waits,sleeping,finished")
-    parser.add_argument("--waits", type=int, default=20_000)
-    parser.add_argument("--sleeping", type=int, default=20_000)
-    parser.add_argument("--finished", type=int, default=100_000)
+    parser.add_argument("--waits", type=int, default=100_000)
+    parser.add_argument("--sleeping", type=int, default=100_000)
+    parser.add_argument("--finished", type=int, default=300_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--db", default=None, help="a PostgreSQL server URL without a database part")
@@ -247,10 +254,11 @@ def main() -> None:
     for state, med in results.items():
         ratios = "" if base is None else (
             f"  ({med['idle_ms_per_s'] / base['idle_ms_per_s']:.2f}x idle,"
-            f" {med['cpu_ms_per_run'] / base['cpu_ms_per_run']:.2f}x per run)"
+            f" {med['cpu_ms_per_run'] / base['cpu_ms_per_run']:.2f}x per run,"
+            f" {med['emit_p99_ms'] / base['emit_p99_ms']:.2f}x emit p99)"
         )
         print(f"  {state:>9}: idle {med['idle_ms_per_s']:6.2f} CPU-ms/s, probe {med['cpu_ms_per_run']:5.2f}"
-              f" CPU-ms per run{ratios}")
+              f" CPU-ms per run, emit p99 {med['emit_p99_ms']:5.1f} ms{ratios}")
 
 
 if __name__ == "__main__":

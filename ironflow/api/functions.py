@@ -1,4 +1,4 @@
-"""Functions: the live ones workers registered, direct invocation, pause/resume."""
+"""Functions: those workers registered, direct invocation, pause/resume, delete."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from ironflow.api.auth import require_org
 from ironflow.api.errors import json_response, optional_body
 from ironflow.api.state import state
 from ironflow.protocol import (
+    DeleteFunctionResponse,
     FunctionList,
     InvokeRequest,
     InvokeResponse,
@@ -26,7 +27,9 @@ async def list_functions() -> Response:
     st = state()
     records = await st.store.list_functions(live_within_s=st.config.limits.function_live_s)
     if request.args.get("all", "").lower() not in ("1", "true", "yes"):
-        records = [r for r in records if r.live]
+        # Not live ones stay listed (a schedule skipping ticks is what an
+        # operator must see); deleted ones only when asked.
+        records = [r for r in records if r.deleted_at is None]
     return json_response(FunctionList(records))
 
 
@@ -45,6 +48,15 @@ async def invoke(function_id: str) -> Response:
 def _by(principal: Principal | None) -> str:
     """Who did it, for the audit record: the key's id (``dev`` without a key)."""
     return "dev" if principal is None else principal.key_id
+
+
+@bp.delete("/v1/functions/<function_id>")
+async def delete(function_id: str) -> Response:
+    """No new runs from its events or ticks; runs in flight finish; a worker
+    registering it restores it (ironflow/store/function_life.py)."""
+    principal = await require_org()
+    changed = await state().store.delete_function(function_id, by=_by(principal))
+    return json_response(DeleteFunctionResponse(function_id, deleted=True, changed=changed))
 
 
 @bp.post("/v1/functions/<function_id>/pause")

@@ -165,10 +165,16 @@ async def _apply(session_id: str, kinds: tuple[type, ...]) -> Response:
         fail(400, "VALIDATION_ERROR", f"{type(msg).__name__} is not accepted here; expected {expected}")
     await owned_session(session_id)
     st = state()
-    local = st.deps.directory.get(session_id)
     try:
-        if local is not None and isinstance(msg, StepCompleted | JobCompleted | JobFailed | JobYielded | JobNack):
-            applied = session_actor.within_state_budget(local, msg, st.config.limits.max_run_state_bytes)
+        if isinstance(msg, StepCompleted | JobCompleted | JobFailed | JobYielded | JobNack):
+            budget = st.pull_budgets.get(session_id)
+            if budget is None:
+                if len(st.pull_budgets) >= PULL_SESSION_CACHE:
+                    st.pull_budgets.clear()  # sessions gone without a goodbye: counted afresh
+                budget = st.pull_budgets[session_id] = session_actor.RunStateBudget(
+                    st.deps.directory, st.config.limits.max_run_state_bytes
+                )
+            applied = budget.check(msg, session_id)
             if applied[0] is not msg:
                 for one in applied:  # the step's failure, then the job's
                     await session_actor.handle(st.store, st.config, session_id, one, st.deps.kicks)
@@ -216,6 +222,7 @@ async def goodbye(session_id: str) -> Response:
     await owned_session(session_id)
     st = state()
     st.pull_sessions.pop(session_id, None)
+    st.pull_budgets.pop(session_id, None)
     t = st.config.timings
     # A pull worker says goodbye after its jobs ended; anything it still
     # held is recovered now rather than at lease expiry.

@@ -16,6 +16,7 @@ from actors.directory import SessionDirectory
 from actors.grouped import Grouped
 from actors.handout import BATCH, hand_out_or_expire
 from actors.messages import Kick, kick
+from actors.session import RunStateBudget
 from ironflow.config import NodeConfig
 from ironflow.protocol import RunResult
 from ironflow.store import (
@@ -120,6 +121,8 @@ class ApiState:
         self.auth_cache: dict[str, tuple[float, Principal]] = {}
         # Pull sessions this node has verified: id → (hash of its secret, session).
         self.pull_sessions: dict[str, tuple[str, SessionInfo]] = {}
+        # Pull session id → its jobs' run state budget (actors/session.py).
+        self.pull_budgets: dict[str, RunStateBudget] = {}
         self.run_waiters = RunWaiters()
         deps.store.on_run_results(self.run_waiters.answer)
         deps.store.on_runs_ended(self.run_waiters.notify)

@@ -530,7 +530,8 @@
           const r = d.retries;
           return el("tr", { dataset: { functionId: f.id } },
             el("td", {}, el("a", { href: `#/runs?function=${encodeURIComponent(f.id)}`, class: "mono", text: f.id }),
-              f.live ? null : el("div", { class: "muted", text: "not live" })),
+              f.deleted_at != null ? el("div", { class: "badge failed", text: `deleted ${fmtTime(f.deleted_at)}` })
+                : f.live ? null : el("div", { class: "muted", text: "not live" })),
             el("td", { class: "mono" }, d.triggers.map((t) => t.event).filter(Boolean).join(", ") || null,
               scheduleLines(f)),
             el("td", { text: `${r.max_attempts} attempts, ${r.initial_delay_s}s ×${r.backoff_factor} ≤ ${r.max_delay_s}s` }),
@@ -547,7 +548,14 @@
   // Cron triggers and pause/resume (docs/schedules.md).
   function scheduleLines(f) {
     return (f.schedules || []).map((sc) =>
-      el("div", { class: "schedule", text: `cron ${sc.cron}${sc.timezone === "UTC" ? "" : ` (${sc.timezone})`} · next ${fmtTime(sc.next_at)}` }));
+      el("div", { class: "schedule", text: `cron ${sc.cron}${sc.timezone === "UTC" ? "" : ` (${sc.timezone})`} · next ${fmtTime(sc.next_at)}${lastTick(sc)}` }));
+  }
+
+  // What the schedule's last tick did: fired, or skipped (how many in a row, why).
+  function lastTick(sc) {
+    if (sc.last_tick_at == null) return "";
+    if (sc.skip_reason == null) return ` · last ${fmtTime(sc.last_tick_at)}`;
+    return ` · skipped ${sc.skipped_ticks}× ${sc.skip_reason}`;
   }
 
   function pauseButton(f) {

@@ -29,7 +29,7 @@ from ironflow.protocol.worker import Trigger
 
 __all__ = [
     "CRON_EVENT", "MAX_CATCHUP_TICKS", "trigger_problem", "next_tick", "latest_tick",
-    "ticks_between", "tick_data",
+    "ticks_between", "tick_data", "shortest_interval_s",
 ]
 
 # The name of the event behind every run a tick starts (its data: tick_data).
@@ -106,6 +106,27 @@ def ticks_between(cron: str, timezone: str, start: float, end: float, limit: int
         out.append(t)
     out.reverse()
     return out
+
+
+def shortest_interval_s(cron: str) -> float:
+    """The shortest wall-clock time between two consecutive ticks of ``cron``
+    (a valid expression, :func:`trigger_problem`), from its second, minute
+    and hour fields: exact within a day; across midnight as if the next day
+    matched too (the day fields may make that gap longer, never shorter).
+    DST transitions are not counted: the bound is on the schedule as written.
+    """
+    sim = CronSim(cron, datetime(2000, 1, 1))
+    seconds, minutes, hours = sorted(sim.seconds), sorted(sim.minutes), sorted(sim.hours)
+    # Each level: the gaps inside it, then from the last tick of one unit of
+    # the level above to the first of the next unit.
+    gaps = [b - a for a, b in zip(seconds, seconds[1:], strict=False)]
+    in_minute = seconds[-1] - seconds[0]
+    gaps += [60 * (b - a) - in_minute for a, b in zip(minutes, minutes[1:], strict=False)]
+    in_hour = 60 * minutes[-1] + seconds[-1] - (60 * minutes[0] + seconds[0])
+    gaps += [3600 * (b - a) - in_hour for a, b in zip(hours, hours[1:], strict=False)]
+    in_day = 3600 * hours[-1] + 60 * minutes[-1] + seconds[-1] - (3600 * hours[0] + 60 * minutes[0] + seconds[0])
+    gaps.append(86400 - in_day)
+    return float(min(gaps))
 
 
 def tick_data(cron: str, timezone: str, scheduled_at: float) -> dict[str, Any]:

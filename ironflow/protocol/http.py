@@ -261,12 +261,23 @@ class AuditRecord(msgspec.Struct, frozen=True):
 
 
 class FunctionSchedule(msgspec.Struct, frozen=True):
-    """One cron trigger of a function and its next fire time (epoch seconds)."""
+    """One cron trigger of a function, its next fire time (epoch seconds) and
+    what its last tick did (docs/schedules.md)."""
 
     cron: str
     timezone: str
     catchup: str
     next_at: float
+    # The latest tick considered (None: none yet) and, when it started no run,
+    # why: NO_LIVE_WORKER (no worker within limits.function_live_s), PAUSED, or
+    # MISSED (no node was up, and the catch-up policy fired none); None: it fired.
+    last_tick_at: float | None = None
+    skip_reason: str | None = None
+    # Ticks skipped in a row since the last one that started a run.
+    skipped_ticks: int = 0
+    # The first tick skipped for want of a live worker: a returning worker's
+    # catch-up looks back to it.
+    skipped_since: float | None = None
 
 
 class FunctionRecord(msgspec.Struct, frozen=True):
@@ -274,14 +285,19 @@ class FunctionRecord(msgspec.Struct, frozen=True):
     definition: FunctionDef
     version: int
     updated_at: float
-    # When a worker last registered it (None: before this was recorded).
+    # When a worker last served it: registered it, or its session ended (None:
+    # before this was recorded).
     last_seen_at: float | None = None
-    # Registered by some worker within the node's ``function_live_s``.
+    # A worker serves it, or did within the node's ``limits.function_live_s``:
+    # a cron function not live starts no runs (docs/schedules.md).
     live: bool = True
     # ── cron triggers and pause (docs/schedules.md) ──
     # When it was paused (None: not paused): no run starts from events or ticks.
     paused_at: float | None = None
     schedules: list[FunctionSchedule] = []
+    # When an operator deleted it (None: not deleted): no new runs; listed
+    # only with ``all=true``; a worker registering it restores it.
+    deleted_at: float | None = None
 
 
 # ── response envelopes (one struct per endpoint answer) ─────────────────────
@@ -318,6 +334,15 @@ class ResumeFunctionRequest(msgspec.Struct, frozen=True, forbid_unknown_fields=T
     the latest tick skipped while paused (none by default)."""
 
     catchup: bool = False
+
+
+class DeleteFunctionResponse(msgspec.Struct, frozen=True):
+    """Answer of ``DELETE /v1/functions/{id}``; ``changed`` is False when it
+    was deleted already."""
+
+    function_id: str
+    deleted: bool
+    changed: bool
 
 
 class PauseResponse(msgspec.Struct, frozen=True):

@@ -18,6 +18,7 @@ from ironflow.protocol import (
     CancelRequest,
     CancelResponse,
     DebounceList,
+    DeleteFunctionResponse,
     EmitRequest,
     EmitResponse,
     FinishedRunStatus,
@@ -157,9 +158,13 @@ def purge_runs(
     return Call("POST", "/v1/runs/purge", PurgeResponse, body)
 
 
-def list_functions(*, include_stale: bool = False) -> Call[FunctionList]:
-    params = {"all": "true" if include_stale else None}
+def list_functions(*, include_deleted: bool = False) -> Call[FunctionList]:
+    params = {"all": "true" if include_deleted else None}
     return Call("GET", "/v1/functions", FunctionList, params=params)
+
+
+def delete_function(function_id: str) -> Call[DeleteFunctionResponse]:
+    return Call("DELETE", f"/v1/functions/{function_id}", DeleteFunctionResponse)
 
 
 def invoke(function_id: str, data: Any = None) -> Call[InvokeResponse]:

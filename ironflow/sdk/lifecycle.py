@@ -424,6 +424,10 @@ class WorkerLifecycle:
             job.abandon()
         return False
 
+    def _fetch_transport(self) -> httpx.AsyncBaseTransport | None:
+        """The HTTP transport to read step outputs over (None: httpx's own)."""
+        return None
+
     async def fetch_step_output(self, run_id: str, step_id: str) -> Any:
         """A memoised step's output the assignment left out (the run's state
         is past the engine's inline budget): read from the engine by step id.
@@ -435,7 +439,7 @@ class WorkerLifecycle:
         url = f"{self.server_url.rstrip('/')}/v1/runs/{quote(run_id, safe='')}/step-output"
         headers = {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         try:
-            async with httpx.AsyncClient(timeout=MEMO_FETCH_TIMEOUT_S) as client:
+            async with httpx.AsyncClient(timeout=MEMO_FETCH_TIMEOUT_S, transport=self._fetch_transport()) as client:
                 resp = await client.get(url, params={"step_id": step_id}, headers=headers)
         except httpx.HTTPError as exc:
             raise IronflowError(f"could not read step {step_id!r}'s output: {exc!r}", code="MEMO_FETCH_FAILED") from exc

@@ -177,6 +177,9 @@ class PullWorker(WorkerLifecycle):
 
     # ── public control ───────────────────────────────────────────────────
 
+
+    def _fetch_transport(self) -> httpx.AsyncBaseTransport | None:
+        return self._transport
     async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Register, poll and execute jobs until drained or stopped.
 

@@ -422,8 +422,9 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def list_functions(self, *, live_within_s: float | None = None) -> list[FunctionRecord]:
-        """Every stored function; ``live`` says whether a worker registered it
-        within ``live_within_s`` seconds (always True when None)."""
+        """Every stored function, deleted ones too (``deleted_at``); ``live``
+        says whether a worker serves it or did within ``live_within_s``
+        seconds (ironflow/store/function_life.py; always True when None)."""
 
     @abc.abstractmethod
     async def heartbeat(
@@ -959,11 +960,15 @@ class Store(abc.ABC):
     # cron triggers and function pause/resume (ironflow/store/cron.py) -------
 
     @abc.abstractmethod
-    async def fire_due_ticks(self, node_id: str, *, limit: int, missed_after_s: float) -> list[CronFired]:
+    async def fire_due_ticks(
+        self, node_id: str, *, limit: int, missed_after_s: float, live_within_s: float
+    ) -> list[CronFired]:
         """Fire up to ``limit`` schedules due by the database clock, in one
         transaction: each tick that starts a run is claimed (once per function
         and scheduled time) with its run; ticks older than ``missed_after_s``
-        follow the catch-up policy; every next tick moves past now."""
+        follow the catch-up policy; a function no worker served within
+        ``live_within_s`` starts none (its ticks recorded as skipped,
+        NO_LIVE_WORKER); every next tick moves past now."""
 
     @abc.abstractmethod
     def on_schedules_changed(self, listener: Callable[[], None]) -> Callable[[], None]:
@@ -972,6 +977,13 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def seconds_until_next_tick(self) -> float | None:
         """Seconds from the database clock to the earliest tick (None: no schedule)."""
+
+    @abc.abstractmethod
+    async def delete_function(self, function_id: str, *, by: str) -> bool:
+        """No new run from its events or ticks (nor invoke, step.invoke,
+        rerun); runs in flight finish; its definition is kept. Audited; False
+        if deleted already; FunctionNotFound if never stored. A worker
+        registering it restores it (ironflow/store/function_life.py)."""
 
     @abc.abstractmethod
     async def pause_function(self, function_id: str, *, by: str) -> bool:

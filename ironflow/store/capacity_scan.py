@@ -28,6 +28,7 @@ from ironflow.store.core import (
     _exhausted,
     _marks,
 )
+from ironflow.store.function_life import forget_sessions
 
 
 class CapacityLoop(SqlStoreBase):
@@ -181,6 +182,7 @@ class CapacityLoop(SqlStoreBase):
                 tx.execute(
                     f"DELETE FROM worker_credits WHERE session_id IN ({_marks(len(ids))})", ids
                 )
+                forget_sessions(tx, ids, self._now(tx))  # their functions were last served now (function_life.py)
                 tx.execute(f"DELETE FROM worker_sessions WHERE id IN ({_marks(len(ids))})", ids)
             return len(ids)
 

@@ -24,6 +24,15 @@ that is up fires every tick). Older ones were missed while no node was up:
 A paused function (``functions.paused_at``) starts no run: its due ticks are
 skipped (``next_at`` moves on), and emits report it (ingest.py). Resume
 replays nothing unless asked, then the latest tick skipped while paused.
+
+A function no worker served within ``live_within_s`` (function_life.py, read
+after the schedule rows are locked) starts no run either: its ticks are skipped with ``NO_LIVE_WORKER`` and the
+first of them kept in ``skipped_since``; a worker registering it makes the
+schedule due (``rewind_skipped``), and that pass applies the catch-up policy
+from ``skipped_since``, as if those ticks were missed with no node up. Each
+schedule row says what its last tick did (``last_tick_at``, ``skip_reason``,
+``skipped_ticks``); one audit record per run of skipped ticks, at its start
+(``cron.ticks.skipped``), not one per tick.
 """
 
 from __future__ import annotations
@@ -42,12 +51,19 @@ from ironflow.protocol.cron import (
 )
 from ironflow.store.base import CronFired, FunctionNotFound
 from ironflow.store.core import SqlStoreBase, Tx
+from ironflow.store.function_life import NO_LIVE_WORKER, live_function_ids
 
 # Ticks older than their catch-up window plus this are never fired again
 # (next_at is past them), so their claims may go.
 _CLAIM_KEEP_S = 60.0
 
 _SCHEDULE_COLS = "s.function_id, s.cron, s.timezone, s.catchup, s.catchup_window_s, s.next_at"
+# What a schedule's last tick did (FunctionSchedule): the columns after _SCHEDULE_COLS.
+_TICK_COLS = "s.last_tick_at, s.skip_reason, s.skipped_ticks, s.skipped_since"
+# Why due ticks started no run, besides NO_LIVE_WORKER (function_life.py).
+PAUSED = "PAUSED"
+MISSED = "MISSED"  # no node was up to fire them, and the catch-up policy fired none
+DEFINITION_REFUSED = "DEFINITION_REFUSED"  # stored under looser rules; re-register it
 
 
 def sync_schedules(tx: Tx, fd: FunctionDef, now: float) -> bool:
@@ -82,10 +98,12 @@ def sync_schedules(tx: Tx, fd: FunctionDef, now: float) -> bool:
 def read_schedules(tx: Tx) -> dict[str, list[FunctionSchedule]]:
     """Every function's schedules with their next fire time, by function id."""
     out: dict[str, list[FunctionSchedule]] = {}
-    for fid, cron, tz, catchup, _, next_at in tx.fetchall(
-        f"SELECT {_SCHEDULE_COLS} FROM cron_schedules s ORDER BY 1, 2, 3"
+    for fid, cron, tz, catchup, _, next_at, last, reason, skipped, since in tx.fetchall(
+        f"SELECT {_SCHEDULE_COLS}, {_TICK_COLS} FROM cron_schedules s ORDER BY 1, 2, 3"
     ):
-        out.setdefault(fid, []).append(FunctionSchedule(cron, tz, catchup, next_at))
+        out.setdefault(fid, []).append(
+            FunctionSchedule(cron, tz, catchup, next_at, last, reason, skipped, since)
+        )
     return out
 
 
@@ -131,40 +149,67 @@ class CronOps(SqlStoreBase):
         self._insert_event(tx, event_id, CRON_EVENT, data, None, [run_id])
         return run_id
 
-    async def fire_due_ticks(self, node_id: str, *, limit: int, missed_after_s: float) -> list[CronFired]:
+    async def fire_due_ticks(
+        self, node_id: str, *, limit: int, missed_after_s: float, live_within_s: float
+    ) -> list[CronFired]:
         def work(tx: Tx) -> list[CronFired]:
             now = self._now(tx)
-            # SKIP LOCKED: a schedule another node is firing is its to fire;
-            # once it commits, next_at is past now and the row is not due. The
-            # claim's primary key, not this lock, is what makes a tick once.
+            # SKIP LOCKED: a schedule another node is firing (or a registration
+            # is rewinding: function_life.py) is its to finish; once it commits,
+            # next_at is past now and the row is not due. The claim's primary
+            # key, not this lock, is what makes a tick once.
             rows = tx.fetchall(
-                f"SELECT {_SCHEDULE_COLS}, f.definition, f.paused_at FROM cron_schedules s"
+                f"SELECT {_SCHEDULE_COLS}, s.skipped_ticks, s.skipped_since, f.definition,"
+                " f.paused_at FROM cron_schedules s"
                 " JOIN functions f ON f.id = s.function_id WHERE s.next_at <= ?"
                 f" ORDER BY s.next_at LIMIT ? {tx.lock('s')}",
                 (now, limit),
             )
+            # After the lock, in a statement of its own (function_life.py).
+            live_ids = live_function_ids(tx, [row[0] for row in rows], now, live_within_s)
             fired: list[CronFired] = []
-            for fid, cron, tz, catchup, window_s, next_at, text, paused_at in rows:
+            for fid, cron, tz, catchup, window_s, next_at, skipped, since, text, paused_at in rows:
+                live = fid in live_ids
                 fd = self._fdef_or_none(text)
-                due = [] if paused_at is not None or fd is None else _due(
-                    catchup, cron, tz, window_s, next_at, now, missed_after_s
+                reason = (
+                    PAUSED if paused_at is not None else DEFINITION_REFUSED if fd is None
+                    else None if live else NO_LIVE_WORKER
                 )
-                for scheduled_at in due:
+                due: list[float] = []
+                if reason is None:
                     assert fd is not None
-                    run_id = self._claim_tick(tx, fd, cron, tz, scheduled_at, node_id)
-                    if run_id is not None:
-                        fired.append(CronFired(fid, scheduled_at, run_id))
-                if paused_at is None and (not due or due[0] > next_at):
-                    # next_at is a tick, due and not fired: ticks passed with no
-                    # node up to fire them. Say which were skipped.
-                    self._audit(tx, "cron.ticks.missed", None, fid, {
-                        "cron": cron, "timezone": tz, "catchup": catchup, "from": next_at,
-                        "to": latest_tick(cron, tz, now), "fired": due,
+                    # A worker is back after skipped ticks: they count as missed.
+                    anchor = next_at if since is None else since
+                    due = _due(catchup, cron, tz, window_s, anchor, now, missed_after_s)
+                    for scheduled_at in due:
+                        run_id = self._claim_tick(tx, fd, cron, tz, scheduled_at, node_id)
+                        if run_id is not None:
+                            fired.append(CronFired(fid, scheduled_at, run_id))
+                    if not due or due[0] > anchor:
+                        # anchor is a tick, due and not fired: ticks passed with
+                        # no node up (or no worker) to fire them. Say which.
+                        self._audit(tx, "cron.ticks.missed", None, fid, {
+                            "cron": cron, "timezone": tz, "catchup": catchup, "from": anchor,
+                            "to": latest_tick(cron, tz, now), "fired": due,
+                        })
+                    if not due:
+                        reason = MISSED
+                if reason == NO_LIVE_WORKER and since is None:
+                    self._audit(tx, "cron.ticks.skipped", None, fid, {
+                        "cron": cron, "timezone": tz, "reason": reason, "from": next_at,
+                        "live_within_s": live_within_s,
                     })
+                if reason is None:
+                    skipped, since = 0, None
+                else:
+                    skipped += len(ticks_between(cron, tz, next_at, now, MAX_CATCHUP_TICKS))
+                    since = (next_at if since is None else since) if reason == NO_LIVE_WORKER else None
                 tx.execute(
-                    "UPDATE cron_schedules SET next_at = ? WHERE function_id = ? AND cron = ?"
+                    "UPDATE cron_schedules SET next_at = ?, last_tick_at = ?, skip_reason = ?,"
+                    " skipped_ticks = ?, skipped_since = ? WHERE function_id = ? AND cron = ?"
                     " AND timezone = ?",
-                    (next_tick(cron, tz, now), fid, cron, tz),
+                    (next_tick(cron, tz, now), latest_tick(cron, tz, now), reason, skipped, since,
+                     fid, cron, tz),
                 )
                 tx.execute(
                     "DELETE FROM cron_ticks WHERE function_id = ? AND scheduled_at < ?",

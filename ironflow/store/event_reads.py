@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 
 from ironflow.protocol import EventRecord, FlowNote
-from ironflow.store.base import NotFound, RunNotFound
+from ironflow.store.base import FunctionNotFound, NotFound, RunNotFound
 from ironflow.store.core import SqlStoreBase, Tx, _dec, _enc, _where
 from ironflow.store.filters import EventNotes, notes_decode
 
@@ -57,14 +57,18 @@ class EventReadOps(SqlStoreBase):
     async def rerun(self, run_id: str) -> tuple[str, str]:
         def work(tx: Tx) -> tuple[str, str]:
             run = tx.fetchone(
-                "SELECT r.event_id, e.data, f.definition, e.name FROM runs r"
+                "SELECT r.event_id, e.data, f.definition, e.name, f.deleted_at, f.id FROM runs r"
                 " JOIN events e ON e.id = r.event_id"
                 " JOIN functions f ON f.id = r.function_id WHERE r.id = ?",
                 (run_id,),
             )
             if run is None:
                 raise RunNotFound(f"run {run_id} not found, or its event or function is gone")
-            event_id, data_text, definition, event_name = run
+            event_id, data_text, definition, event_name, deleted_at, function_id = run
+            if deleted_at is not None:  # ironflow/store/function_life.py
+                raise FunctionNotFound(
+                    f"function {function_id} was deleted; a worker registering it restores it"
+                )
             fd = self._fdef_or_none(definition)
             if fd is None:
                 raise NotFound(

@@ -651,12 +651,14 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             else:
                 assert isinstance(info, InvokeYield)
                 kind, status, wake_at = "invoke", "waiting", info.timeout_at
+                # A deleted function starts no child (ironflow/store/function_life.py).
                 row = tx.fetchone(
-                    "SELECT definition FROM functions WHERE id = ?", (info.function_id,)
+                    "SELECT definition FROM functions WHERE id = ? AND deleted_at IS NULL",
+                    (info.function_id,),
                 )
                 if row is None:
                     error = ErrorInfo(
-                        message=f"function {info.function_id} is not registered",
+                        message=f"function {info.function_id} is not registered (or was deleted)",
                         code=FunctionNotFound.code,
                         retryable=False,
                     )

@@ -371,9 +371,15 @@ class IngestOps(WaitOps, FlowOps):
 
     async def invoke_function(self, function_id: str, data: Any) -> str:
         def work(tx: Tx) -> str:
-            row = tx.fetchone("SELECT definition FROM functions WHERE id = ?", (function_id,))
+            row = tx.fetchone(
+                "SELECT definition, deleted_at FROM functions WHERE id = ?", (function_id,)
+            )
             if row is None:
                 raise FunctionNotFound(f"function {function_id} is not registered")
+            if row[1] is not None:  # ironflow/store/function_life.py
+                raise FunctionNotFound(
+                    f"function {function_id} was deleted; a worker registering it restores it"
+                )
             event_id = new_id("evt")
             fd = self._fdef_or_none(row[0])
             if fd is None:

@@ -331,7 +331,7 @@ class PgTx:
         lock number, each in the strongest mode any call wants (exclusive over
         shared), all in the same round trip. One global order for every group of
         every node: a group waits for a lock only while holding smaller ones, so
-        no two groups wait for each other on them (the deadlocks of issue #21's
+        no two groups wait for each other on them (the deadlocks of docs/isolation.md's
         race 6, where each call took its idempotency lock when it ran).
 
         A transaction the last group's COMMIT already began is

@@ -171,6 +171,16 @@ CREATE TABLE IF NOT EXISTS worker_sessions (
 );
 CREATE INDEX IF NOT EXISTS sessions_expires ON worker_sessions (expires_at);
 
+-- The functions each worker session serves (ironflow/store/function_life.py):
+-- a function is live while a session of it has not expired. Written with the
+-- session, deleted with it.
+CREATE TABLE IF NOT EXISTS session_functions (
+    function_id  TEXT NOT NULL,
+    session_id   TEXT NOT NULL,
+    PRIMARY KEY (function_id, session_id)
+);
+CREATE INDEX IF NOT EXISTS session_functions_session ON session_functions (session_id);
+
 CREATE TABLE IF NOT EXISTS worker_credits (
     session_id             TEXT NOT NULL REFERENCES worker_sessions (id) ON DELETE CASCADE,
     slot                   INTEGER NOT NULL,
@@ -418,6 +428,16 @@ _ADDED_COLUMNS = [
     # Compensation (ironflow/store/compensation.py): what began the run's undos
     # ('failure' or 'cancel'); NULL until then.
     ("runs", "compensation", "TEXT"),
+    # A function deleted by an operator (ironflow/store/function_life.py): its
+    # definition kept for its runs' history; NULL = not deleted.
+    ("functions", "deleted_at", "{REAL}"),
+    # A schedule's last tick considered and, when it started no run, why
+    # (NO_LIVE_WORKER, PAUSED, MISSED), how many ticks in a row, and the first
+    # skipped for lack of a live worker (its catch-up anchor; store/cron.py).
+    ("cron_schedules", "last_tick_at", "{REAL}"),
+    ("cron_schedules", "skip_reason", "TEXT"),
+    ("cron_schedules", "skipped_ticks", "INTEGER NOT NULL DEFAULT 0"),
+    ("cron_schedules", "skipped_since", "{REAL}"),
 ]
 
 # Fills the trigger index from stored definitions, for a database whose
@@ -499,11 +519,21 @@ WAIT_PATHS_BACKFILL = {
 
 
 
+# The functions of sessions opened before session_functions existed. Idempotent.
+SESSION_FUNCTIONS_BACKFILL = {
+    "sqlite": "INSERT OR IGNORE INTO session_functions (function_id, session_id)"
+    " SELECT j.value, s.id FROM worker_sessions s, json_each(s.function_ids) j",
+    "postgres": "INSERT INTO session_functions (function_id, session_id)"
+    " SELECT j, s.id FROM worker_sessions s, jsonb_array_elements_text(s.function_ids::jsonb) j"
+    " ON CONFLICT DO NOTHING",
+}
+
+
 def backfill_statements(dialect: str) -> list[str]:
     """Statements run after the DDL and column additions, on every start."""
     return [
         *_LATE_INDEXES, *_FUNCTION_ORDER_INDEX[dialect], _LOOKBACK_INDEX[dialect], _BACKFILL_TRIGGERS[dialect],
-        WAIT_KEY_BACKFILL[dialect], WAIT_PATHS_BACKFILL[dialect],
+        WAIT_KEY_BACKFILL[dialect], WAIT_PATHS_BACKFILL[dialect], SESSION_FUNCTIONS_BACKFILL[dialect],
     ]
 
 

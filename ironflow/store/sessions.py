@@ -29,6 +29,18 @@ from ironflow.store.core import (
     token_hash,
 )
 from ironflow.store.cron import read_schedules, sync_schedules
+from ironflow.store.function_life import (
+    LIVE_SQL,
+    add_session,
+    forget_sessions,
+    live_params,
+    lock_registered,
+    rewind_skipped,
+)
+
+
+def _has_cron(fd: FunctionDef) -> bool:
+    return any(t.cron is not None for t in fd.triggers)
 
 
 class SessionOps(CapacityLoop):
@@ -50,6 +62,7 @@ class SessionOps(CapacityLoop):
         secret = secrets.token_urlsafe(32) if mode == "pull" else None
 
         def work(tx: Tx) -> SessionInfo:
+            deleted = lock_registered(tx, function_ids)  # function_life.py: a delete takes turns
             for fd in functions:
                 self._upsert_function(tx, fd, max_functions_per_trigger)
             if function_ids:
@@ -79,24 +92,36 @@ class SessionOps(CapacityLoop):
                 "INSERT INTO worker_credits (session_id, slot, held) VALUES (?, ?, 0)",
                 [(session_id, slot) for slot in range(max_concurrent_jobs)],
             )
+            # The functions are live again (function_life.py): their skipped
+            # schedules catch up, a deleted one is restored.
+            add_session(tx, session_id, function_ids)
+            rewind_skipped(tx, [fd.id for fd in functions if _has_cron(fd)], self._now(tx))
+            for fid in sorted(deleted):
+                self._audit(tx, "function.restored", None, fid, {
+                    "worker_id": worker_id, "session_id": session_id, "node_id": node_id,
+                })
             return SessionInfo(
                 session_id, worker_id, node_id, mode, max_concurrent_jobs, function_ids, secret
             )
 
         info = await self._transact(work)
-        if any(t.cron is not None for fd in functions for t in fd.triggers):
+        if any(_has_cron(fd) for fd in functions):
             for listener in self._schedule_listeners:  # ironflow/store/cron.py
                 listener()
         return info
 
     def _upsert_function(self, tx: Tx, fd: FunctionDef, max_per_trigger: int | None) -> None:
-        """Store ``fd``; when its definition changed, rewrite its trigger index rows."""
+        """Store ``fd``; when its definition changed, or it was deleted (and is
+        restored: function_life.py), rewrite its trigger index rows and schedules."""
         changed = tx.fetchone(
             "INSERT INTO functions (id, definition, audit, version, updated_at)"
             " VALUES (?, ?, ?, 1, ironflow_now()) ON CONFLICT (id) DO UPDATE SET"
             " definition = excluded.definition, audit = excluded.audit,"
-            " version = functions.version + 1, updated_at = excluded.updated_at"
-            " WHERE functions.definition <> excluded.definition RETURNING id",
+            " version = functions.version"
+            " + CASE WHEN functions.definition <> excluded.definition THEN 1 ELSE 0 END,"
+            " updated_at = excluded.updated_at, deleted_at = NULL"
+            " WHERE functions.definition <> excluded.definition OR functions.deleted_at IS NOT NULL"
+            " RETURNING id",
             (fd.id, _enc(fd), 1 if fd.audit else 0),
         )
         if changed is None:
@@ -138,20 +163,22 @@ class SessionOps(CapacityLoop):
 
     async def list_functions(self, *, live_within_s: float | None = None) -> list[FunctionRecord]:
         def work(tx: Tx) -> list[FunctionRecord]:
-            now = self._now(tx)
             records = []
             schedules = read_schedules(tx)  # ironflow/store/cron.py
-            for fid, text, version, updated_at, seen, paused_at in tx.fetchall(
-                "SELECT id, definition, version, updated_at, last_seen_at, paused_at FROM functions"
-                " ORDER BY id"
+            live_sql, params = ("1", ()) if live_within_s is None else (
+                LIVE_SQL, live_params(self._now(tx), live_within_s)
+            )
+            for fid, text, version, updated_at, seen, paused_at, deleted_at, live in tx.fetchall(
+                "SELECT f.id, f.definition, f.version, f.updated_at, f.last_seen_at, f.paused_at,"
+                f" f.deleted_at, {live_sql} FROM functions f ORDER BY f.id",
+                params,
             ):
                 fd = self._fdef_or_none(text)
                 if fd is None:
                     continue  # stored by an older version under looser rules
-                last = seen if seen is not None else updated_at
-                live = live_within_s is None or last > now - live_within_s
                 records.append(FunctionRecord(
-                    fid, fd, version, updated_at, seen, live, paused_at, schedules.get(fid, [])
+                    fid, fd, version, updated_at, seen, bool(live), paused_at, schedules.get(fid, []),
+                    deleted_at,
                 ))
             return records
 
@@ -198,6 +225,7 @@ class SessionOps(CapacityLoop):
                     no_grace_first=True,
                 )
             tx.execute("DELETE FROM worker_credits WHERE session_id = ?", (session_id,))
+            forget_sessions(tx, [session_id], self._now(tx))  # its functions were last served now (function_life.py)
             tx.execute("DELETE FROM worker_sessions WHERE id = ?", (session_id,))
             return recovered
 

@@ -19,6 +19,7 @@ from one module per concern so each seed mechanism reads on its own:
 - ``traces``: events ingested with a trace's ``traceparent``;
 - ``outage``: the probe and the blind time given back after an outage;
 - ``cron``: cron ticks claimed and fired, functions paused and resumed;
+- ``function_life``: functions live (a worker within ``function_live_s``), deleted, restored;
 - ``reads``, ``event_reads`` (events, re-runs), ``gauges`` (for /metrics),
   ``stats`` (the dashboard's counts), ``history`` (retention), ``keys``.
 
@@ -40,6 +41,7 @@ from ironflow.store.cron import CronOps
 from ironflow.store.dispatch import DispatchOps
 from ironflow.store.event_reads import EventReadOps
 from ironflow.store.fence import FenceOps, completed_ids, completed_results, distinct_runs
+from ironflow.store.function_life import FunctionLifeOps
 from ironflow.store.gauges import GaugeOps
 from ironflow.store.history import RetentionOps
 from ironflow.store.ingest import IngestOps
@@ -55,7 +57,7 @@ from ironflow.store.wake_claims import WakeLoop
 
 class SqlStore(
     TraceOps, SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
-    EventReadOps, GaugeOps, StatsOps, OutageOps, CronOps,
+    EventReadOps, GaugeOps, StatsOps, OutageOps, CronOps, FunctionLifeOps,
     RunControlOps,  # resume / pause a run
 ):
     """Every Store method, written once. Backends supply ``_transact`` and lifecycle."""

@@ -70,6 +70,73 @@ async def test_pause_stops_events_and_ticks_and_resume_with_catchup_starts_the_l
     worker.stop()
 
 
+async def test_delete_stops_events_and_ticks_lets_a_run_in_flight_finish_and_a_worker_restores_it(
+    node: Node, http: httpx.AsyncClient, nursery: trio.Nursery
+) -> None:
+    release = trio.Event()
+
+    @ironflow.function(id="doomed", triggers=[ironflow.event("d.go"), ironflow.cron("* * * * * *")])
+    async def doomed(ctx: Any) -> Any:
+        if ctx.event.data.get("hold"):
+            await release.wait()
+        return ctx.event.name
+
+    async def status(run_id: str) -> str:
+        return str((await http.get(f"/v1/runs/{run_id}")).json()["run"]["status"])
+
+    async def listed_ids(**params: str) -> list[str]:
+        return [f["id"] for f in (await http.get("/v1/functions", params=params)).json()["functions"]]
+
+    worker = ironflow.StreamingWorker(node.url, [doomed], handle_signals=False)
+    await nursery.start(worker.run)
+    [held] = (await emit(http, "d.go", {"hold": True}))["run_ids"]
+
+    async def held_is(expected: str) -> bool:
+        return await status(held) == expected
+
+    await eventually(lambda: held_is("running"), timeout=10, message="the held run started")
+    deleted = await cli(node, "functions", "delete", "doomed")
+    assert deleted.exit_code == 0 and "function doomed deleted" in deleted.output, deleted.output
+    assert "already deleted" in (await cli(node, "functions", "delete", "doomed")).output
+    # No new run from its events or its ticks, nor by invoking it.
+    assert (await emit(http, "d.go"))["run_ids"] == []
+    before = len(await cron_runs(http, "doomed"))
+    await trio.sleep(2.2)
+    assert len(await cron_runs(http, "doomed")) == before
+    invoked = await http.post("/v1/functions/doomed/invoke", json={"data": {}})
+    assert invoked.status_code == 404 and invoked.json()["code"] == "FUNCTION_NOT_FOUND"
+    # The run in flight finishes; the definition stays for its history.
+    release.set()
+    await eventually(lambda: held_is("completed"), timeout=10, message="the held run completed")
+    assert await listed_ids() == [] and await listed_ids(all="true") == ["doomed"]
+    shown = json.loads((await cli(node, "functions", "list", "--all", "--json")).output)["functions"]
+    assert shown[0]["deleted_at"] is not None and shown[0]["definition"]["id"] == "doomed"
+    assert "deleted" in (await cli(node, "functions", "list", "--all")).output
+    missing = await http.delete("/v1/functions/nope")
+    assert missing.status_code == 404 and missing.json()["code"] == "FUNCTION_NOT_FOUND"
+    unknown = await cli(node, "functions", "delete", "nope")
+    assert unknown.exit_code != 0 and "FUNCTION_NOT_FOUND" in unknown.output, unknown.output
+    worker.stop()
+
+    # A worker registering it again brings it back, audited.
+    again = ironflow.StreamingWorker(node.url, [doomed], handle_signals=False)
+    await nursery.start(again.run)
+
+    async def restored() -> bool:
+        return await listed_ids() == ["doomed"]
+
+    async def ticking() -> bool:
+        return len(await cron_runs(http, "doomed")) > before
+
+    await eventually(restored, timeout=10, message="the function restored")
+    assert len((await emit(http, "d.go"))["run_ids"]) == 1
+    await eventually(ticking, timeout=10, message="its ticks start runs again")
+    for kind in ("function.deleted", "function.restored"):
+        [entry] = (await http.get("/v1/audit", params={"type": kind})).json()["events"]
+        assert entry["function_id"] == "doomed"
+    again.stop()
+
+
 def _raw_function(trigger: dict[str, Any]) -> Function:
     """A function whose trigger skipped the SDK's checks (as another SDK might send it)."""
 

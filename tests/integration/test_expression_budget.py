@@ -9,12 +9,15 @@ from __future__ import annotations
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 from ironflow.expressions import ExpressionError, compile_expression
 from ironflow.node import Node
 from tests.integration.helpers import emit
 
+# Each asserts a wall-clock bound (other runs within 2 s, /healthz within 50 ms).
+pytestmark = pytest.mark.serial
 # What /healthz may take while the worst is being evaluated.
 HEALTHZ_BOUND_S = 0.050
 
@@ -90,6 +93,7 @@ async def test_the_costliest_accepted_expression_leaves_healthz_within_50_ms(
         done.set()
     event = (await http.get(f"/v1/events/{record['event_id']}")).json()
     assert event["filtered"][0]["code"] is None and "was false" in event["filtered"][0]["reason"]
+    print(f"worst accepted ({len(worst)} chars): {len(seen)} /healthz answers, max {max(seen) * 1000:.1f} ms")
     assert len(seen) >= 10 and max(seen) < HEALTHZ_BOUND_S, sorted(seen)[-3:]
 
 
@@ -112,4 +116,5 @@ async def test_an_event_that_makes_a_filter_too_costly_is_recorded_and_starts_no
     (note,) = (await http.get(f"/v1/events/{record['event_id']}")).json()["filtered"]
     assert note["code"] == "EXPRESSION_BUDGET_EXCEEDED" and note["error"] is True
     assert "limits.expression_budget_us" in note["reason"]
+    print(f"filter over budget: {len(seen)} /healthz answers, max {max(seen) * 1000:.1f} ms")
     assert max(seen) < HEALTHZ_BOUND_S, sorted(seen)[-3:]

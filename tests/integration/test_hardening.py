@@ -240,7 +240,8 @@ def test_a_huge_backoff_factor_caps_at_the_max_delay_instead_of_overflowing() ->
 
 @pytest.fixture
 def node_limits() -> dict[str, Any]:
-    return {"max_slots_per_session": 20, "max_functions_per_worker": 3, "max_functions_per_trigger": 2}
+    return {"max_slots_per_session": 20, "max_functions_per_worker": 3, "max_functions_per_trigger": 2,
+            "cron_min_interval_s": 10}
 
 
 @pytest.fixture
@@ -278,6 +279,28 @@ async def test_registrations_past_the_limits_are_refused_with_the_setting_named(
         assert (await register_pull(http, fns("a", "b"))).status_code == 201
         emitted = (await http.post("/v1/events", json={"name": "e.go"})).json()
         assert len(emitted["run_ids"]) == 2
+
+
+async def test_a_cron_firing_more_often_than_the_minimum_interval_is_refused_naming_the_limit(
+    limited_node: Node,
+) -> None:
+    def cron(expr: str) -> list[dict[str, Any]]:
+        return [{"id": "ticker", "triggers": [{"cron": expr}]}]
+
+    async with httpx.AsyncClient(base_url=limited_node.url) as http:
+        for too_often in ("* * * * * *", "*/5 * * * * *", "0,3 * * * * *"):
+            resp = await register_pull(http, cron(too_often))
+            assert resp.status_code == 422, resp.text
+            message = resp.json()["message"]
+            assert "limits.cron_min_interval_s" in message and "triggers[0]" in message
+        assert (await http.get("/v1/functions", params={"all": "true"})).json()["functions"] == []
+        assert (await register_pull(http, cron("*/10 * * * * *"))).status_code == 201
+    async with raw_worker(limited_node.url, None, register=False) as worker:
+        await worker.send_raw(
+            msgspec.json.encode({"type": "register", "worker_id": "w", "functions": cron("* * * * * *")}).decode()
+        )
+        refused = await worker.receive_type(Refused)
+        assert refused.code == "REGISTRATION_REFUSED" and "limits.cron_min_interval_s" in refused.message
 
 
 async def test_a_streaming_registration_past_a_limit_gets_refused_then_1008(limited_node: Node) -> None:
@@ -426,11 +449,19 @@ async def test_an_internal_fault_is_a_500_with_a_request_id_also_in_the_log(
     assert any(getattr(r, "fields", {}).get("request_id") == request_id for r in caplog.records)
 
 
-async def test_functions_no_worker_registered_lately_are_not_listed_as_live(node: Node, http: httpx.AsyncClient) -> None:
+async def test_functions_no_worker_served_lately_are_listed_as_not_live_and_deleted_ones_only_with_all(
+    node: Node, http: httpx.AsyncClient
+) -> None:
     assert (await register_pull(http, fns("old"))).status_code == 201
-    await skewed(node.store).advance_clock(node.config.limits.function_live_s + 1)
+    # Its pull session expires, then the liveness window after it passes.
+    await skewed(node.store).advance_clock(
+        node.config.timings.session_expiry_s + node.config.limits.function_live_s + 1
+    )
     assert (await register_pull(http, fns("fresh", event="f.go"))).status_code == 201
-    listed = (await http.get("/v1/functions")).json()["functions"]
-    assert [f["id"] for f in listed] == ["fresh"]
-    everything = {f["id"]: f["live"] for f in (await http.get("/v1/functions", params={"all": "true"})).json()["functions"]}
-    assert everything == {"old": False, "fresh": True}
+    listed = {f["id"]: f["live"] for f in (await http.get("/v1/functions")).json()["functions"]}
+    assert listed == {"old": False, "fresh": True}
+    assert (await http.delete("/v1/functions/old")).status_code == 200
+    assert [f["id"] for f in (await http.get("/v1/functions")).json()["functions"]] == ["fresh"]
+    everything = {f["id"]: f["deleted_at"] is not None
+                  for f in (await http.get("/v1/functions", params={"all": "true"})).json()["functions"]}
+    assert everything == {"old": True, "fresh": False}

@@ -11,6 +11,7 @@ import hashlib
 from typing import Any
 
 import httpx
+import pytest
 import trio
 
 import ironflow
@@ -18,6 +19,9 @@ from ironflow.node import Node
 from tests.integration.helpers import emit, wait_for_run
 
 STEP_BYTES = 300 * 1024
+# Each asserts a wall-clock bound (other runs within 2 s, /healthz within 50 ms).
+pytestmark = pytest.mark.serial
+WORKERS = {"stream": ironflow.StreamingWorker, "pull": ironflow.PullWorker}
 
 
 def blob(i: int, size: int) -> str:
@@ -47,8 +51,9 @@ async def others_complete_within(http: httpx.AsyncClient, n: int, bound_s: float
     return took
 
 
+@pytest.mark.parametrize("kind", WORKERS)
 async def test_fifteen_steps_of_300_kb_then_a_sleep_complete_and_other_runs_carry_on(
-    node: Node, http: httpx.AsyncClient, nursery: trio.Nursery
+    node: Node, http: httpx.AsyncClient, nursery: trio.Nursery, kind: str
 ) -> None:
     slept = trio.Event()
 
@@ -61,7 +66,7 @@ async def test_fifteen_steps_of_300_kb_then_a_sleep_complete_and_other_runs_carr
         # assignment were read by step id.
         return [digest(o) for o in outputs]
 
-    worker = ironflow.StreamingWorker(node.url, [big, quick], handle_signals=False)
+    worker = WORKERS[kind](node.url, [big, quick], handle_signals=False)
     fetched: list[str] = []
     fetch = worker.fetch_step_output
 
@@ -85,8 +90,9 @@ async def test_fifteen_steps_of_300_kb_then_a_sleep_complete_and_other_runs_carr
     worker.stop()
 
 
+@pytest.mark.parametrize("kind", WORKERS)
 async def test_a_run_past_its_state_budget_fails_not_retried_naming_the_step(
-    node: Node, http: httpx.AsyncClient, nursery: trio.Nursery
+    node: Node, http: httpx.AsyncClient, nursery: trio.Nursery, kind: str
 ) -> None:
     size = 3 * 1024 * 1024  # 24 of these: 72 MiB, past the default 64 MiB
 
@@ -97,7 +103,7 @@ async def test_a_run_past_its_state_budget_fails_not_retried_naming_the_step(
             await trio.sleep(0)
         return "never"
 
-    worker = ironflow.StreamingWorker(node.url, [huge, quick], handle_signals=False)
+    worker = WORKERS[kind](node.url, [huge, quick], handle_signals=False)
     await nursery.start(worker.run)
     run_id = (await emit(http, "huge.go"))["run_ids"][0]
     took = await others_complete_within(http, 5, 2.0)

@@ -258,8 +258,10 @@ class LateTickMissed(SqliteStore):
     """Every due tick is taken for a missed one: only the catch-up policy
     fires it."""
 
-    async def fire_due_ticks(self, node_id: str, *, limit: int, missed_after_s: float) -> list[CronFired]:
-        return await super().fire_due_ticks(node_id, limit=limit, missed_after_s=0.0)
+    async def fire_due_ticks(
+        self, node_id: str, *, limit: int, missed_after_s: float, live_within_s: float
+    ) -> list[CronFired]:
+        return await super().fire_due_ticks(node_id, limit=limit, missed_after_s=0.0, live_within_s=live_within_s)
 
 
 class UnfencedBegunSegment(SqliteStore):
@@ -459,7 +461,9 @@ class CronClaimUnguarded(SimPostgresStore):
         self._insert_event(tx, event_id, CRON_EVENT, data, None, [run_id])
         return run_id
 
-    async def fire_due_ticks(self, node_id: str, *, limit: int, missed_after_s: float) -> list[CronFired]:
+    async def fire_due_ticks(
+        self, node_id: str, *, limit: int, missed_after_s: float, live_within_s: float
+    ) -> list[CronFired]:
         def work(tx: Tx) -> list[CronFired]:
             now = self._now(tx)
             rows = tx.fetchall(

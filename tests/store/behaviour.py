@@ -16,6 +16,8 @@ from ironflow.store import (
 
 LEASE = 90.0
 SESSION = 90.0
+# A liveness window (limits.function_live_s) where liveness is not the point.
+ALWAYS_LIVE = 10.0**9
 RESERVATION = 30.0
 GRACE = 30.0
 

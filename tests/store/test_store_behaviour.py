@@ -31,6 +31,7 @@ from ironflow.store import (
     WakeOutcome,
 )
 from tests.store.behaviour import (
+    ALWAYS_LIVE,
     GRACE,
     LEASE,
     RESERVATION,
@@ -50,9 +51,9 @@ async def test_register_worker_upserts_functions_and_bumps_version_only_on_chang
     s = await worker(store, fn("a"), fn("b"), slots=3)
     assert s.max_concurrent_jobs == 3 and s.function_ids == ["a", "b"]
     await worker(store, fn("a"), fn("b"))
-    assert {f.id: f.version for f in await store.list_functions()} == {"a": 1, "b": 1}
+    assert {f.id: f.version for f in await store.list_functions(live_within_s=ALWAYS_LIVE)} == {"a": 1, "b": 1}
     await worker(store, fn("a", "other.event"))
-    funcs = {f.id: f for f in await store.list_functions()}
+    funcs = {f.id: f for f in await store.list_functions(live_within_s=ALWAYS_LIVE)}
     assert funcs["a"].version == 2 and funcs["a"].definition.triggers == [Trigger("other.event")]
     sessions = await store.list_sessions()
     assert len(sessions) == 3
@@ -60,14 +61,26 @@ async def test_register_worker_upserts_functions_and_bumps_version_only_on_chang
     assert first.max_concurrent_jobs == 3 and first.credits_claimed == 0
 
 
-async def test_a_function_no_worker_registered_recently_is_not_live(store):
+async def test_a_function_is_live_while_a_worker_serves_it_and_for_the_window_after(store):
+    async def live(within: float) -> dict[str, bool]:
+        return {f.id: f.live for f in await store.list_functions(live_within_s=within)}
+
     await worker(store, fn("old"), fn("kept"))
-    await store.advance_clock(100)
-    await worker(store, fn("kept"))
-    funcs = {f.id: f for f in await store.list_functions(live_within_s=50)}
-    assert not funcs["old"].live and funcs["kept"].live
-    assert funcs["kept"].last_seen_at > funcs["old"].last_seen_at
-    assert all(f.live for f in await store.list_functions())
+    await store.advance_clock(SESSION + 10)  # that session expired 10 s ago, not reaped yet
+    second = await worker(store, fn("kept"))
+    assert await live(5) == {"old": False, "kept": True}
+    assert (await live(SESSION))["old"]  # within the window after its session's expiry
+    assert await store.expire_sessions() == 1
+    funcs = {f.id: f for f in await store.list_functions(live_within_s=5)}
+    # Reaped late: last served when its session expired, not when it was reaped.
+    assert funcs["kept"].last_seen_at - funcs["old"].last_seen_at >= 10 - 0.5
+    assert not funcs["old"].live
+    # A closed session: its functions stay live for the window, then not.
+    await store.close_session(second.session_id, recover_leases=True, recovery_grace_s=30, recovery_ceiling=10)
+    assert (await live(5))["kept"]
+    await store.advance_clock(6)
+    assert await live(5) == {"old": False, "kept": False}
+    assert all((await live(ALWAYS_LIVE)).values())
 
 
 async def test_pull_session_answers_only_its_own_secret_and_never_a_streaming_session(store):
@@ -90,7 +103,7 @@ async def test_a_trigger_pattern_shared_past_the_limit_refuses_the_whole_registr
             node_id="n1", worker_id="w", mode="stream", max_concurrent_jobs=1,
             functions=[fn("c", "y.go"), fn("d", "x.*")], session_expiry_s=30, max_functions_per_trigger=2,
         )
-    assert {f.id for f in await store.list_functions()} == {"a", "b"}  # nothing was written
+    assert {f.id for f in await store.list_functions(live_within_s=ALWAYS_LIVE)} == {"a", "b"}  # nothing was written
     assert len((await emit(store, "y.go")).run_ids) == 0
 
 

@@ -22,6 +22,10 @@ from tests.store.pg_holds import lock_waiters, wait_until
 MINUTELY = "0 * * * * *"  # second 0 of every minute
 # Late, not missed, below this (the node's default is 1.5 s).
 MISSED_AFTER = 1.5
+# Liveness is not what most tests here are about: a window no test outlasts.
+ALWAYS_LIVE = 10.0**9
+# The liveness window of the tests that are about it (limits.function_live_s).
+LIVE = 300.0
 
 
 def cron_fn(fid: str, cron: str = MINUTELY, *, events: tuple[str, ...] = (), **kw) -> FunctionDef:
@@ -36,7 +40,7 @@ async def register(store: Store, *functions: FunctionDef) -> None:
 
 
 async def schedules(store: Store) -> dict[str, list[FunctionSchedule]]:
-    return {f.id: f.schedules for f in await store.list_functions() if f.schedules}
+    return {f.id: f.schedules for f in await store.list_functions(live_within_s=ALWAYS_LIVE) if f.schedules}
 
 
 async def next_at(store: Store, fid: str) -> float:
@@ -50,8 +54,10 @@ async def advance_to(store: SkewedStore, at: float) -> None:
     await store.advance_clock(at - now)
 
 
-async def fire(store: Store, missed_after_s: float = MISSED_AFTER):
-    return await store.fire_due_ticks("n1", limit=100, missed_after_s=missed_after_s)
+async def fire(store: Store, missed_after_s: float = MISSED_AFTER, live_within_s: float = ALWAYS_LIVE):
+    return await store.fire_due_ticks(
+        "n1", limit=100, missed_after_s=missed_after_s, live_within_s=live_within_s
+    )
 
 
 async def runs_of(store: Store, fid: str):
@@ -159,7 +165,7 @@ async def test_the_trigger_index_ignores_cron_triggers(store: SkewedStore) -> No
         return tx.fetchall("SELECT pattern, function_id FROM function_triggers ORDER BY 1, 2")
 
     assert await store._transact(backfill) == [("order.created", "mixed")]  # type: ignore[attr-defined]
-    listed = {f.id: f for f in await store.list_functions()}
+    listed = {f.id: f for f in await store.list_functions(live_within_s=ALWAYS_LIVE)}
     assert [s.cron for s in listed["only-cron"].schedules] == [MINUTELY]
 
 
@@ -174,7 +180,7 @@ async def test_a_paused_function_starts_nothing_and_resume_replays_only_when_ask
     assert [(await store.get_run_record(r)).function_id for r in result.run_ids] == ["g"]
     [batch] = await store.ingest_events([("order.created", {}, None)], idempotency_window_s=60)
     assert batch.paused_function_ids == ["f"]
-    listed = {f.id: f for f in await store.list_functions()}
+    listed = {f.id: f for f in await store.list_functions(live_within_s=ALWAYS_LIVE)}
     assert listed["f"].paused_at is not None and listed["g"].paused_at is None
 
     first = await next_at(store, "f")
@@ -203,6 +209,128 @@ async def test_a_paused_function_starts_nothing_and_resume_replays_only_when_ask
         await store.pause_function("nope", by="k1")
     with pytest.raises(FunctionNotFound):
         await store.resume_function("nope", catchup=False, by="k1", node_id="n1")
+
+
+# ── schedules bound to a living function (ironflow/store/function_life.py) ──
+
+
+async def leave(store: Store, session_id: str) -> None:
+    """The worker of ``session_id`` disconnects (its session closed)."""
+    await store.close_session(session_id, recover_leases=True, recovery_grace_s=30, recovery_ceiling=10)
+
+
+async def connect(store: Store, *functions: FunctionDef) -> str:
+    info = await store.register_worker(
+        node_id="n1", worker_id="w1", mode="stream", max_concurrent_jobs=2,
+        functions=list(functions), session_expiry_s=600,
+    )
+    return info.session_id
+
+
+async def test_ticks_of_a_function_no_worker_served_within_the_window_are_skipped_then_caught_up(
+    store: SkewedStore,
+) -> None:
+    fns = [cron_fn("latest"), cron_fn("none", catchup="none"), cron_fn("all", catchup="all")]
+    session = await connect(store, *fns)
+    start = await next_at(store, "latest")
+    await leave(store, session)
+    # Within the window after its worker left, a tick still starts a run (queued).
+    await advance_to(store, start + 0.2)
+    assert sorted(f.function_id for f in await fire(store, live_within_s=LIVE)) == ["all", "latest", "none"]
+    # Past it: every tick is skipped, one pass a minute for ten minutes.
+    gone_at = start + LIVE + 60
+    for minute in range(10):
+        await advance_to(store, gone_at + 60 * minute + 0.2)
+        assert await fire(store, live_within_s=LIVE) == []
+    [schedule] = (await schedules(store))["latest"]
+    assert schedule.skip_reason == "NO_LIVE_WORKER" and schedule.skipped_since is not None
+    assert schedule.last_tick_at == gone_at + 540
+    assert schedule.skipped_ticks == (gone_at + 540 - schedule.skipped_since) / 60 + 1
+    listed = {f.id: f for f in await store.list_functions(live_within_s=LIVE)}
+    assert not listed["latest"].live
+    # One audit record per run of skipped ticks, not one per tick.
+    skipped = await store.list_audit(type="cron.ticks.skipped", limit=100)
+    assert sorted(a.function_id for a in skipped) == ["all", "latest", "none"]
+    assert {a.data["reason"] for a in skipped} == {"NO_LIVE_WORKER"}
+    # A worker returns, 10 s after a tick: the schedule is due at once and its
+    # catch-up policy decides, as for ticks missed with no node up.
+    await advance_to(store, gone_at + 550)
+    await connect(store, *fns)
+    assert await next_at(store, "latest") <= await store.db_now()
+    fired = await fire(store, live_within_s=LIVE)
+    by_fn: dict[str, list[float]] = {}
+    for f in fired:
+        by_fn.setdefault(f.function_id, []).append(f.scheduled_at)
+    since = schedule.skipped_since
+    assert by_fn["latest"] == [gone_at + 540]
+    assert "none" not in by_fn
+    assert by_fn["all"] == [t for t in (since + 60 * i for i in range(20)) if t <= gone_at + 540]
+    after = (await schedules(store))
+    assert after["latest"][0].skip_reason is None and after["latest"][0].skipped_ticks == 0
+    assert after["latest"][0].skipped_since is None
+    assert after["none"][0].skip_reason == "MISSED" and after["none"][0].skipped_since is None
+    # And its ticks start runs again.
+    await advance_to(store, gone_at + 600.2)
+    assert sorted(f.function_id for f in await fire(store, live_within_s=LIVE)) == ["all", "latest", "none"]
+
+
+async def test_a_function_whose_worker_stays_connected_is_live_however_long_ago_it_registered(
+    store: SkewedStore,
+) -> None:
+    await connect(store, cron_fn("f"))
+    first = await next_at(store, "f")
+    await advance_to(store, first + LIVE * 2 + 0.2)  # the session is kept alive (expiry 600 s)
+    assert len(await fire(store, live_within_s=LIVE)) == 1
+
+
+async def test_a_session_that_expired_counts_from_its_expiry_not_from_when_it_was_reaped(
+    store: SkewedStore,
+) -> None:
+    info = await store.register_worker(
+        node_id="n1", worker_id="w1", mode="pull", max_concurrent_jobs=1,
+        functions=[cron_fn("f")], session_expiry_s=30,
+    )
+    assert info.secret is not None
+    await advance_to(store, await store.db_now() + 30 + LIVE + 60)  # no scanner ran meanwhile
+    assert await store.expire_sessions() == 1
+    assert not {f.id: f for f in await store.list_functions(live_within_s=LIVE)}["f"].live
+    await fire(store, live_within_s=LIVE)
+    assert await runs_of(store, "f") == []
+    assert (await schedules(store))["f"][0].skip_reason == "NO_LIVE_WORKER"
+
+
+async def test_a_deleted_function_starts_no_run_and_a_registration_restores_it(store: SkewedStore) -> None:
+    fd = cron_fn("f", events=("order.created",))
+    session = await connect(store, fd)
+    in_flight = await store.ingest_event("order.created", {}, None, idempotency_window_s=60)
+    assert await store.delete_function("f", by="k1") is True
+    assert await store.delete_function("f", by="k1") is False
+    # Emits, ticks, invoke and rerun start nothing.
+    assert (await store.ingest_event("order.created", {}, None, idempotency_window_s=60)).run_ids == []
+    await advance_to(store, await store.db_now() + 120)
+    assert await fire(store) == []
+    with pytest.raises(FunctionNotFound, match="deleted"):
+        await store.invoke_function("f", {})
+    with pytest.raises(FunctionNotFound):
+        await store.rerun(in_flight.run_ids[0])
+    # Its run in flight is still queued for its worker; its definition is kept.
+    [reserved] = await store.reserve_segments("n1", {session: frozenset({"f"})}, 5, reservation_expiry_s=30)
+    assert reserved.assignment.run_id == in_flight.run_ids[0]
+    everything = {f.id: f for f in await store.list_functions(live_within_s=ALWAYS_LIVE)}
+    assert everything["f"].deleted_at is not None and everything["f"].definition == fd
+    assert everything["f"].schedules == []
+    # A worker registering it again brings it back, audited; no tick replayed.
+    before = await store.db_now()
+    await connect(store, fd)
+    restored = {f.id: f for f in await store.list_functions(live_within_s=ALWAYS_LIVE)}["f"]
+    assert restored.deleted_at is None and restored.version == 1
+    assert await next_at(store, "f") > before
+    assert await fire(store) == []
+    assert len((await store.ingest_event("order.created", {}, None, idempotency_window_s=60)).run_ids) == 1
+    kinds = [a.type for a in await store.list_audit(limit=100) if a.function_id == "f"]
+    assert kinds.count("function.deleted") == 1 and kinds.count("function.restored") == 1
+    with pytest.raises(FunctionNotFound):
+        await store.delete_function("nope", by="k1")
 
 
 # ── PostgreSQL: a second connection at the interleaving ─────────────────────
@@ -299,3 +427,86 @@ async def test_a_dst_day_fires_a_skipped_time_once_and_a_repeated_time_once(stor
     assert await fire(store) == []
     event = await store.get_event((await store.get_run_record(fired.run_id)).event_id)
     assert event.data["scheduled_at"] == "2027-10-31T02:30:00+02:00"
+
+
+async def test_pg_a_registration_racing_a_pass_that_skipped_its_ticks_makes_the_schedule_due(
+    pg_store: SkewedStore, pg_url: str
+) -> None:
+    """A pass judged the function not live (another node's registration had
+    not committed) and holds its schedule row: the registration waits on that
+    row, then finds ``skipped_since`` set and makes the schedule due, so the
+    catch-up is not left for the next tick."""
+    session = await connect(pg_store, cron_fn("f"))
+    await leave(pg_store, session)
+    tick = await next_at(pg_store, "f")
+    await advance_to(pg_store, tick + 0.2)
+    other = psycopg.connect(pg_url)
+    try:
+        # What the pass writes: the tick skipped, next_at past it, uncommitted.
+        other.execute(
+            "UPDATE cron_schedules SET skipped_since = %s, next_at = %s, skip_reason = 'NO_LIVE_WORKER'"
+            " WHERE function_id = 'f'", (tick, tick + 60),
+        )
+        committed = threading.Event()
+
+        def commit_once_waited() -> None:
+            assert wait_until(lambda: lock_waiters(pg_url) >= 1), "the registration never waited"
+            other.commit()
+            committed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, commit_once_waited)
+            await connect(pg_store, cron_fn("f"))
+        assert committed.is_set()
+        assert await next_at(pg_store, "f") <= await pg_store.db_now()
+        [fired] = await fire(pg_store, live_within_s=LIVE)
+        assert fired.scheduled_at == tick
+    finally:
+        other.close()
+
+
+async def test_pg_a_delete_waits_for_a_pass_firing_the_schedule_and_then_removes_it(
+    pg_store: SkewedStore, pg_url: str
+) -> None:
+    await connect(pg_store, cron_fn("f"))
+    tick = await next_at(pg_store, "f")
+    await advance_to(pg_store, tick + 0.2)
+    other = psycopg.connect(pg_url)
+    try:
+        other.execute("SELECT 1 FROM cron_schedules WHERE function_id = 'f' FOR UPDATE")  # a pass
+        released = threading.Event()
+
+        def release_once_waited() -> None:
+            assert wait_until(lambda: lock_waiters(pg_url) >= 1), "the delete never waited"
+            other.rollback()
+            released.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.to_thread.run_sync, release_once_waited)
+            assert await pg_store.delete_function("f", by="k1") is True
+        assert released.is_set()
+        assert await fire(pg_store) == [] and await runs_of(pg_store, "f") == []
+    finally:
+        other.close()
+
+
+async def test_pg_two_nodes_agree_a_function_whose_worker_left_through_the_other_is_not_live(
+    pg_store: SkewedStore, pg_url: str
+) -> None:
+    """The worker registered and left through node A; node B's passes skip the
+    ticks once the window has passed, and catch up when it registers through A
+    again: the decision reads only rows, never a node's memory."""
+    node_b = open_test_store(pg_url)
+    await node_b.open()
+    try:
+        session = await connect(pg_store, cron_fn("f"))
+        start = await next_at(pg_store, "f")
+        await leave(pg_store, session)
+        await advance_to(pg_store, start + LIVE + 60.2)
+        assert await fire(node_b, live_within_s=LIVE) == []
+        assert (await schedules(node_b))["f"][0].skip_reason == "NO_LIVE_WORKER"
+        await connect(pg_store, cron_fn("f"))
+        [caught_up] = await fire(node_b, live_within_s=LIVE)
+        assert caught_up.scheduled_at == start + LIVE + 60  # catchup="latest"
+    finally:
+        await node_b.close()

@@ -72,7 +72,8 @@ def test_limits_come_from_yaml_env_and_flags_in_that_order(tmp_path: Path) -> No
 
 @pytest.mark.parametrize(
     ("limit", "value"),
-    [("max_slots_per_session", 0), ("max_slots_per_session", 10**6), ("max_functions_per_trigger", -1)],
+    [("max_slots_per_session", 0), ("max_slots_per_session", 10**6), ("max_functions_per_trigger", -1),
+     ("function_live_s", 0), ("cron_min_interval_s", -1)],
 )
 def test_a_limit_out_of_range_is_refused_naming_it(limit: str, value: int) -> None:
     with pytest.raises(ConfigError, match=f"limits.{limit}"):

@@ -1,6 +1,7 @@
 """The scheduler in virtual time, on a real SQLite store running inline
 (``ironflow_now()`` is ``BASE + trio.current_time()``): ticks fire at their
-time, once each; a registration wakes it; nothing is written while nothing is due."""
+time, once each; a registration wakes it; nothing is written while nothing is
+due; a function with no live worker starts nothing until a worker returns."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import trio.testing
 
 from actors import scheduler
 from actors.messages import Kick
-from ironflow.config import NodeConfig, Timings
+from ironflow.config import Limits, NodeConfig, Timings
 from ironflow.protocol import FunctionDef, Trigger
 from ironflow.store import Store
 from tests.unit.virtual_time import BASE
@@ -20,15 +21,16 @@ from tests.unit.virtual_time import BASE
 LATE = scheduler.TICK_SLACK_S + 0.001
 
 
-def config(recheck_s: float = 1.0) -> NodeConfig:
-    return NodeConfig(timings=Timings(scheduler_recheck_s=recheck_s))
+def config(recheck_s: float = 1.0, live_s: float = 300.0) -> NodeConfig:
+    return NodeConfig(timings=Timings(scheduler_recheck_s=recheck_s), limits=Limits(function_live_s=live_s))
 
 
-async def register(store: Store, cron: str) -> None:
-    await store.register_worker(
+async def register(store: Store, cron: str) -> str:
+    info = await store.register_worker(
         node_id="n1", worker_id="w", mode="stream", max_concurrent_jobs=1,
         functions=[FunctionDef(id="f", triggers=[Trigger(cron=cron)])], session_expiry_s=10**6,
     )
+    return info.session_id
 
 
 async def start(nursery: trio.Nursery, store: Any, cfg: NodeConfig) -> trio.MemoryReceiveChannel[Kick]:
@@ -84,3 +86,36 @@ async def test_nothing_due_opens_no_firing_transaction(
     assert calls == []
     await trio.sleep(3000 + 1)
     assert calls == ["fire"]
+
+
+async def test_ticks_stop_once_no_worker_was_live_for_the_window_and_catch_up_when_one_returns(
+    store: Store, nursery: trio.Nursery, autojump_clock: trio.testing.MockClock
+) -> None:
+    live_s = 30.0
+    session = await register(store, "*/10 * * * * *")
+    await start(nursery, store, config(live_s=live_s))
+    await trio.sleep(5)
+    await store.close_session(session, recover_leases=True, recovery_grace_s=1, recovery_ceiling=10)
+    left_at = BASE + trio.current_time()
+
+    async def ticks() -> list[float]:
+        runs = await store.list_runs(function_id="f", limit=1000)
+        return sorted([(await store.get_event(r.event_id)).data["scheduled_at_epoch"] for r in runs])
+
+    await trio.sleep(600)  # ten minutes with no worker
+    fired = await ticks()
+    # Every tick within the window after the worker left, none after it.
+    assert fired and max(fired) <= left_at + live_s < max(fired) + 10
+    [record] = await store.list_functions(live_within_s=live_s)
+    [schedule] = record.schedules
+    assert not record.live and schedule.skip_reason == "NO_LIVE_WORKER"
+    assert schedule.skipped_ticks == (schedule.last_tick_at - schedule.skipped_since) / 10 + 1
+    # The worker returns 5 s after a tick: the latest skipped tick runs at once
+    # (catchup="latest"), then every tick again.
+    back_at = BASE + trio.current_time()
+    await register(store, "*/10 * * * * *")
+    await trio.sleep(1)
+    caught_up = [t for t in await ticks() if t not in fired]
+    assert caught_up == [back_at - back_at % 10]
+    await trio.sleep(30)
+    assert len(await ticks()) == len(fired) + 1 + 3

@@ -112,7 +112,7 @@ async def test_a_socket_closed_before_register_writes_nothing(
     await sock.send.aclose()
     with trio.fail_after(10):
         await sock.serve()
-    assert await store.list_sessions() == [] and await store.list_functions() == []
+    assert await store.list_sessions() == [] and await store.list_functions(live_within_s=Limits().function_live_s) == []
 
 
 async def test_a_second_register_is_a_protocol_violation_and_the_session_is_closed(
@@ -145,7 +145,7 @@ async def test_a_register_past_a_limit_is_refused_and_nothing_is_written(
     await sock.send.send(register(functions=[FN, FunctionDef(id="fn2", triggers=[Trigger("go")])]))
     with pytest.raises(session.RegistrationRefused, match="go"), trio.fail_after(10):
         await sock.serve()
-    assert await store.list_sessions() == [] and await store.list_functions() == []
+    assert await store.list_sessions() == [] and await store.list_functions(live_within_s=Limits().function_live_s) == []
 
 
 async def test_a_stale_fence_is_refused_for_that_job_only_and_the_connection_carries_on(
