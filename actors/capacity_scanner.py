@@ -24,8 +24,10 @@ import logging
 import trio
 
 from actors.messages import Kick, kick
-from ironflow import logs, metrics
+from actors.recovered import note_recovered
+from ironflow import logs
 from ironflow.config import NodeConfig
+from ironflow.engine import metrics
 from ironflow.store import Store
 
 log = logging.getLogger("ironflow.capacity")
@@ -54,30 +56,19 @@ async def scan_once(store: Store, config: NodeConfig, kicks: trio.MemorySendChan
     if freed:
         logs.event(log, logging.INFO, "capacity: reservations expired, slots freed", count=freed)
     for seg in recovered:
-        metrics.RECOVERIES.labels(path="lease_expiry").inc()
-        if seg.exhausted:
-            metrics.run_ended("failed", seg.function_id, seg.duration_s)
-            logs.event(
-                log,
-                logging.WARNING,
-                "capacity: lease expired, recovery ceiling reached, run failed",
-                run_id=seg.run_id,
-                execution_seq=seg.old_execution_seq,
-                recovery_count=seg.recovery_count,
+        note_recovered(
+            log, seg, path="lease_expiry",
+            message="capacity: lease expired, segment recovered",
+            fields=dict(
+                old_execution_seq=seg.old_execution_seq, execution_seq=seg.new_execution_seq,
+                session_id=seg.session_id, recovery_count=seg.recovery_count, eligible_at=seg.eligible_at,
+            ),
+            exhausted_message="capacity: lease expired, recovery ceiling reached, run failed",
+            exhausted_fields=dict(
+                execution_seq=seg.old_execution_seq, recovery_count=seg.recovery_count,
                 code="EXECUTION_RECOVERY_EXHAUSTED",
-            )
-        else:
-            logs.event(
-                log,
-                logging.WARNING,
-                "capacity: lease expired, segment recovered",
-                run_id=seg.run_id,
-                old_execution_seq=seg.old_execution_seq,
-                execution_seq=seg.new_execution_seq,
-                session_id=seg.session_id,
-                recovery_count=seg.recovery_count,
-                eligible_at=seg.eligible_at,
-            )
+            ),
+        )
     if sessions:
         logs.event(log, logging.INFO, "capacity: worker sessions expired", count=sessions)
     if freed or recovered or timed_out:

@@ -19,7 +19,8 @@ import logging
 import trio
 
 from actors.directory import SessionDirectory
-from ironflow import logs, metrics
+from actors.recovered import note_recovered
+from ironflow import logs
 from ironflow.config import NodeConfig
 from ironflow.protocol import SessionRecord, Shutdown
 from ironflow.store import Store
@@ -58,9 +59,15 @@ async def _recover_at_deadline(store: Store, config: NodeConfig, node_id: str) -
         )
         for seg in segments:
             recovered += 1
-            metrics.RECOVERIES.labels(path="drain_deadline").inc()
-            if seg.exhausted:
-                metrics.run_ended("failed", seg.function_id, seg.duration_s)
+            # Counted and logged first: the store has recovered it already.
+            note_recovered(
+                log, seg, path="drain_deadline",
+                message="drain: deadline reached, segment recovered",
+                fields=dict(
+                    execution_seq=seg.new_execution_seq, old_execution_seq=seg.old_execution_seq,
+                    session_id=session.session_id, mode=session.mode,
+                ),
+            )
             await store.record_node_drain(
                 "node.drain.recovered",
                 {
@@ -72,16 +79,6 @@ async def _recover_at_deadline(store: Store, config: NodeConfig, node_id: str) -
                     "recovery_count": seg.recovery_count,
                 },
                 run_id=seg.run_id,
-            )
-            logs.event(
-                log,
-                logging.WARNING,
-                "drain: deadline reached, segment recovered",
-                run_id=seg.run_id,
-                execution_seq=seg.new_execution_seq,
-                old_execution_seq=seg.old_execution_seq,
-                session_id=session.session_id,
-                mode=session.mode,
             )
     return recovered
 

@@ -15,7 +15,8 @@ import time
 import trio
 
 from actors.directory import LocalSession, SessionDirectory
-from ironflow import logs, metrics, tracing
+from ironflow import logs, tracing
+from ironflow.engine import metrics
 from ironflow.protocol import TERMINAL_RUN_STATUSES, JobAssignment
 from ironflow.store import Reservation, RunNotFound, Store, StoreError
 

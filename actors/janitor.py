@@ -1,7 +1,7 @@
 """The janitor: deletes finished history past ``history_retention``.
 
 Every ``janitor_interval`` it runs one purge pass
-(:func:`ironflow.retention.purge_pass`): finished runs that ended more than
+(:func:`ironflow.store.retention.purge_pass`): finished runs that ended more than
 ``history_retention`` ago go with their steps and audit rows, then events
 past the idempotency window that no remaining run references — in batches,
 each its own short transaction, so live work is never held up for long. A
@@ -19,9 +19,10 @@ import logging
 
 import trio
 
-from ironflow import logs, metrics, retention
+from ironflow import logs
 from ironflow.config import NodeConfig
-from ironflow.store import PurgeCounts, Store
+from ironflow.engine import metrics
+from ironflow.store import PurgeCounts, Store, retention
 
 log = logging.getLogger("ironflow.janitor")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import trio
 
-from ironflow import metrics
+from ironflow.engine import metrics
 from ironflow.store import Store
 
 # Every transport a session can use, so a gauge drops to 0 rather than vanishing.

@@ -30,11 +30,12 @@ from actors.directory import LocalSession, SessionDirectory
 from actors.grouped import Grouped
 from actors.handout import BATCH, hand_out_or_expire
 from actors.messages import Kick, kick
-from ironflow import logs, metrics, tracing
+from actors.recovered import note_recovered
+from ironflow import logs, tracing
 from ironflow.config import Limits, NodeConfig
 from ironflow.definitions import DefinitionRefused, compile_definition
-from ironflow.dispatch_flow_checks import dispatch_flow_problem
-from ironflow.flow_checks import flow_problem
+from ironflow.engine import metrics
+from ironflow.flow_rules import dispatch_flow_problem, flow_problem
 from ironflow.protocol import (
     EngineMessage,
     ErrorInfo,
@@ -125,11 +126,11 @@ def check_register(msg: Register, limits: Limits) -> None:
             compile_definition(fd)
         except DefinitionRefused as exc:
             raise RegistrationRefused(str(exc)) from None
-        # Flow control, dispatch side (issue 24): keys and priority compile, one keyed constraint.
+        # Flow control, dispatch side : keys and priority compile, one keyed constraint.
         problem = dispatch_flow_problem(fd)
         if problem is not None:
             raise RegistrationRefused(f"function {fd.id!r}: {problem}")
-        problem = flow_problem(fd)  # ingest-side flow control (ironflow/flow_checks.py)
+        problem = flow_problem(fd)  # ingest-side flow control (ironflow/flow_rules.py)
         if problem is not None:
             raise RegistrationRefused(f"function {fd.id!r}: {problem}")
 
@@ -795,21 +796,14 @@ async def run(
                 )
                 recovered = []
             for seg in recovered:
-                metrics.RECOVERIES.labels(path="disconnect").inc()
-                if seg.exhausted:
-                    metrics.run_ended("failed", seg.function_id, seg.duration_s)
-                logs.event(
-                    log,
-                    logging.WARNING,
-                    "capacity: worker lost, segment recovered"
-                    if not seg.exhausted
-                    else "capacity: worker lost, recovery ceiling reached, run failed",
-                    run_id=seg.run_id,
-                    execution_seq=seg.new_execution_seq,
-                    old_execution_seq=seg.old_execution_seq,
-                    session_id=session_id,
-                    recovery_count=seg.recovery_count,
-                    eligible_at=seg.eligible_at,
+                note_recovered(
+                    log, seg, path="disconnect",
+                    message="capacity: worker lost, segment recovered",
+                    exhausted_message="capacity: worker lost, recovery ceiling reached, run failed",
+                    fields=dict(
+                        execution_seq=seg.new_execution_seq, old_execution_seq=seg.old_execution_seq,
+                        session_id=session_id, recovery_count=seg.recovery_count, eligible_at=seg.eligible_at,
+                    ),
                 )
             logs.event(
                 log, logging.INFO, "session: closed", session_id=session_id, recovered=len(recovered)

@@ -22,8 +22,9 @@ import logging
 
 import trio
 
-from ironflow import logs, metrics
+from ironflow import logs
 from ironflow.config import NodeConfig
+from ironflow.engine import metrics
 from ironflow.store import Store, StoreUnavailable
 from ironflow.store.availability import answered_when_down
 

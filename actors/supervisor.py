@@ -21,8 +21,9 @@ from typing import Any
 
 import trio
 
-from ironflow import logs, metrics
+from ironflow import logs
 from ironflow.config import Timings
+from ironflow.engine import metrics
 from ironflow.store import Availability, StoreUnavailable
 
 log = logging.getLogger("ironflow.supervisor")

@@ -84,9 +84,11 @@ def event(
 ) -> None:
     """Log ``message`` with structured ``fields`` (``None`` values are dropped)."""
     if logger.isEnabledFor(level):
-        logger.log(
-            level,
-            message,
-            exc_info=exc_info,
-            extra={"fields": {k: v for k, v in fields.items() if v is not None}},
-        )
+        logger.log(level, message, exc_info=exc_info, extra=log_fields(**fields))
+
+
+def log_fields(**fields: Any) -> dict[str, Any]:
+    """The ``extra=`` of a stdlib logging call whose line carries ``fields`` as
+    ``key=value`` (``None`` values dropped): what :func:`event` passes, for a
+    caller that logs with ``logger.info(...)`` itself (the worker SDK)."""
+    return {"fields": {k: v for k, v in fields.items() if v is not None}}

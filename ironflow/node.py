@@ -55,11 +55,11 @@ from actors import (
 from actors.directory import SessionDirectory
 from actors.messages import Kick
 from actors.supervisor import Supervisor
-from ironflow import expressions, hypercorn_patch, logs, metrics
-from ironflow.api import ApiDeps, HotRoutes, connections, create_app
+from ironflow import expressions, logs
+from ironflow.api import ApiDeps, HotRoutes, connections, create_app, hypercorn_patch
 from ironflow.config import Limits, NodeConfig, redact_url
 from ironflow.ids import default_node_id
-from ironflow.store import CancelNotice, Store, StoreReadOnly, StoreUnavailable, open_store
+from ironflow.store import CancelNotice, Store, StoreReadOnly, StoreUnavailable, open_store, timing
 
 log = logging.getLogger("ironflow.node")
 
@@ -99,7 +99,7 @@ class Node:
         expressions.configure(expression_limits(config.limits))
         self.node_id = config.node_id or default_node_id()
         self.listen_fd = listen_fd
-        self.store: Store = metrics.time_store_calls(
+        self.store: Store = timing.time_store_calls(
             store if store is not None
             else open_store(
                 config.database_url, sqlite_auto_vacuum=config.sqlite_auto_vacuum, timings=config.timings

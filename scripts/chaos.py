@@ -10,7 +10,7 @@ throwaway cluster this script starts), with ``--workers`` worker processes
 (this script re-invoked with ``--worker``) under a steady load of multi-step
 runs: steps that append side-effect marks to a file, durable sleeps, waits
 for an event, invokes of a child function, and a handler that fails its
-first attempt. With ``--waits``, also the wait workload of issue #21: runs
+first attempt. With ``--waits``, also the wait workload: runs
 that do a step and then wait for the event of their own key, that event
 emitted the moment the run is seen holding its lease, beside as many events
 of the name no run waits on. For the given time, at moments drawn from
@@ -1148,7 +1148,7 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=3, help="worker processes kept running")
     ap.add_argument("--rate", type=float, default=4.0, help="events emitted per second (mean)")
     ap.add_argument("--waits", action="store_true",
-                    help="add the wait workload of issue #21 and check every such wait is resolved")
+                    help="add the wait workload and check every such wait is resolved")
     ap.add_argument("--report", help="write the figures as JSON to this file")
     ap.add_argument("--keep", action="store_true", help="keep the work dir (logs, marks, SQLite file)")
     args = ap.parse_args()

@@ -27,8 +27,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from ironflow.protocol import FunctionDef, Trigger  # noqa: E402  (needs REPO on sys.path)
-from ironflow.retention import BATCH, VACUUM_PAGES  # noqa: E402
 from ironflow.store import Fence, Reservation, Store  # noqa: E402
+from ironflow.store.retention import BATCH, VACUUM_PAGES  # noqa: E402
 from tests.clock import SkewedSqliteStore  # noqa: E402  (the purge needs finished runs aged past retention)
 
 # Runs created per round (one emit batch, one reservation pass).

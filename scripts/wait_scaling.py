@@ -12,7 +12,7 @@ with ``--waits`` parkers parked (their keys matching none of the emits),
 offers ``race.go`` emits at ``--rate`` per second for ``--seconds`` (up to 32
 in flight), each starting one ``oneshot`` run, and reports the rate the node
 accepted, the emit latency, and the node's CPU per run (every emitted run
-completed). Issue #21's target: the second within 10 % of the first. Before
+completed). The target: the second within 10 % of the first. Before
 the wait key every emit read every parked wait of its name.
 """
 

@@ -12,7 +12,7 @@ it:
   ``TCPServer.run``);
 - ``timings.http_header_timeout_s``: a request head not whole within it of its
   first byte closes its connection (the keep-alive timer of
-  ``ironflow/hypercorn_patch.py`` enforces it; :class:`ServerConfig` carries it);
+  ``ironflow/api/hypercorn_patch.py`` enforces it; :class:`ServerConfig` carries it);
 - ``limits.max_held_waits``: a result request with ``wait_s`` past it is
   answered ``429 TOO_MANY_HELD_WAITS`` (:class:`HeldWaits`, used by
   ``api/runs.py``).
@@ -66,7 +66,7 @@ class ServerConfig(HypercornConfig):  # type: ignore[misc]
     def __init__(self, max_connections: int, header_timeout: float) -> None:
         super().__init__()
         self.connection_limit = ConnectionLimit(max_connections)
-        # Read by ironflow/hypercorn_patch.py's keep-alive timer.
+        # Read by ironflow/api/hypercorn_patch.py's keep-alive timer.
         self.header_timeout = header_timeout
 
 

@@ -7,11 +7,12 @@ import logging
 from quart import Blueprint, Response, request
 
 from actors.messages import kick
-from ironflow import logs, metrics, tracing
+from ironflow import logs, tracing
 from ironflow.api import flow
 from ironflow.api.auth import require_org
 from ironflow.api.errors import decode, json_response
 from ironflow.api.state import ApiState, state
+from ironflow.engine import metrics
 from ironflow.protocol import EmitBatchRequest, EmitBatchResponse, EmitRequest, EmitResponse
 from ironflow.store import IngestResult
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from quart import Blueprint, Response, request
 
-from ironflow import metrics
 from ironflow.api.auth import require_org
 from ironflow.api.errors import json_response, query_int
 from ironflow.api.state import ApiState, state
+from ironflow.engine import metrics
 from ironflow.protocol import DebounceList, EmitResponse
 from ironflow.store import IngestResult
 

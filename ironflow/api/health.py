@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from quart import Blueprint, Response
 
-from ironflow import metrics
 from ironflow.api.errors import RETRY_AFTER_S, json_response
 from ironflow.api.state import state
+from ironflow.engine import metrics
 from ironflow.protocol import Health
 
 bp = Blueprint("health", __name__)

@@ -110,7 +110,7 @@ ROUTES: tuple[Route, ...] = (
           tags=("runs",)),
     Route("post", "/v1/runs/{run_id}/cancel", "Cancel a run that has not ended", "org",
           {200: p.CancelResponse}, body=p.CancelRequest, body_required=False, tags=("runs",)),
-    # run control (issue #23 §4, docs/run-control.md)
+    # run control (docs/run-control.md)
     Route("post", "/v1/runs/{run_id}/resume",
           "Resume a failed run from its failed step (or from_step), or a paused run", "org",
           {200: rc.ResumeResponse}, body=rc.ResumeRequest, body_required=False, tags=("runs",)),

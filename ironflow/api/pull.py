@@ -17,10 +17,11 @@ from quart import Blueprint, Response, request
 from actors import session as session_actor
 from actors.directory import LocalSession, fresh_start
 from actors.messages import kick
-from ironflow import logs, metrics
+from ironflow import logs
 from ironflow.api.auth import require_org
 from ironflow.api.errors import decode, fail, json_response, optional_body
 from ironflow.api.state import state
+from ironflow.engine import metrics
 from ironflow.protocol import (
     SESSION_SECRET_HEADER,
     EngineMessage,

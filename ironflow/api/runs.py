@@ -9,10 +9,11 @@ import trio
 from quart import Blueprint, Response, request
 
 from actors.messages import kick
-from ironflow import logs, metrics, retention
+from ironflow import logs
 from ironflow.api.auth import require_org, require_platform
 from ironflow.api.errors import decode, fail, json_response, optional_body, query_float, query_int
 from ironflow.api.state import ApiState, state
+from ironflow.engine import metrics
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
     CancelRequest,
@@ -29,6 +30,7 @@ from ironflow.protocol.run_control import (
     ResumeResponse,
     RunPauseResponse,
 )
+from ironflow.store import retention
 from ironflow.store.base import ResumeOutcome
 
 log = logging.getLogger("ironflow.api")
@@ -125,7 +127,7 @@ async def cancel_run(run_id: str) -> Response:
     return json_response(CancelResponse(run_id))
 
 
-# ── run control (issue #23 §4; ironflow/store/run_control.py, docs/run-control.md) ──
+# ── run control (ironflow/store/run_control.py, docs/run-control.md) ──
 
 
 def _resumed(out: ResumeOutcome) -> ResumeResponse:

@@ -276,7 +276,7 @@ def runs_purge(
     show(client, call, as_json=as_json, render_answer=print_purged)
 
 
-# ── run control (issue #23 §4, docs/run-control.md) ──
+# ── run control (docs/run-control.md) ──
 
 
 def print_resumed(answer: ResumeResponse) -> None:

@@ -35,12 +35,9 @@ EXIT_INTERRUPTED = 130
 # The interpreter's thread switch interval in a node process (default 5 ms).
 # The node's database threads (the SQLite writer, the PostgreSQL actors) need
 # the GIL back after every statement; with the Trio thread busy they waited up
-# to the whole default interval each time. Measured with scripts/bench.py,
-# three alternating rounds, 0.5 ms vs 5 ms: PostgreSQL 1.04-1.12x steps/s,
-# SQLite 0.87-1.16x (median 1.14x). Since store calls are grouped (fewer
-# statements, fewer hand-offs), 2 ms: 3 rounds of 0.5 / 5 / 2 ms, SQLite
-# 1,021-1,063 / 1,111-1,133 / 1,182-1,329 steps/s (node CPU 6.1 / 5.3 / 5.1 s
-# per 2,000 runs); PostgreSQL 789-924 / 715-986 / 871-915 (no difference).
+# to the whole default interval each time. 2 ms measured best of 0.5 / 2 / 5
+# ms on SQLite and no worse on PostgreSQL (scripts/bench.py, alternating
+# rounds; method in docs/benchmarks.md).
 SWITCH_INTERVAL_S = 0.002
 # What the engine needs beyond the light install (the `server` extra of
 # pyproject.toml), by import name.

@@ -104,7 +104,7 @@ from ironflow.protocol.http import (
 from ironflow.protocol.worker import (
     # compensation (docs/compensation.md)
     COMPENSATE_PREFIX,
-    # flow control, dispatch side (issue 24)
+    # flow control, dispatch side
     PRIORITY_MAX_S,
     SDK_VERSION,
     TERMINAL_RUN_STATUSES,
@@ -192,7 +192,7 @@ __all__ = [
     "ChaosCrashRequest",
     "Concurrency",
     "FilterNote",
-    # flow control, dispatch side (issue 24)
+    # flow control, dispatch side
     "PRIORITY_MAX_S",
     "Throttle",
     "OnLimit",

@@ -7,7 +7,7 @@ the function: :class:`RateLimit` (events past the limit start none),
 for up to ``max_size`` events). Durations are seconds on the wire; the SDK
 (``ironflow/sdk/flow.py``) also takes a ``timedelta`` or ``"10m"``. A key is
 an expression (``ironflow/expressions.py``: a dotted path or CEL), checked at
-registration (``ironflow/flow_checks.py``).
+registration (``ironflow/flow_rules.py``).
 
 :class:`FlowNote` is what the emit's answer and the event record say about a
 function the event did not simply start.

@@ -1,4 +1,4 @@
-"""HTTP bodies of run control (issue #23 §4): ``POST /v1/runs/{id}/resume``,
+"""HTTP bodies of run control (docs/run-control.md): ``POST /v1/runs/{id}/resume``,
 ``POST /v1/runs/resume`` (bulk), ``POST /v1/runs/{id}/pause``. The store side:
 ``ironflow/store/run_control.py``; the guide: ``docs/run-control.md``."""
 

@@ -35,7 +35,7 @@ LeaseState = Literal["REFRESHED", "STALE", "UNKNOWN"]
 StepKind = Literal["run", "sleep", "wait", "invoke"]
 RunStatus = Literal[
     "waiting_for_capacity", "running", "waiting", "completed", "failed", "cancelled",
-    "paused",  # issue #23 §4: off the queue until resumed (ironflow/store/run_control.py)
+    "paused",  # off the queue until resumed (ironflow/store/run_control.py)
 ]
 TERMINAL_RUN_STATUSES: frozenset[str] = frozenset({"completed", "failed", "cancelled"})
 
@@ -135,7 +135,7 @@ class CancelOn(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     timeout_s: Annotated[float, Meta(gt=0, le=MAX_DURATION_S)] | None = None
 
 
-# ── flow control, dispatch side (issue 24; docs/flow-control.md) ───────────
+# ── flow control, dispatch side (docs/flow-control.md) ───────────
 
 
 class Throttle(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -185,7 +185,7 @@ class FunctionDef(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     debounce: Debounce | None = None
     singleton: Singleton | None = None
     batch: Batch | None = None
-    # Flow control, dispatch side (issue 24; docs/flow-control.md).
+    # Flow control, dispatch side (docs/flow-control.md).
     throttle: Throttle | None = None
     # A CEL expression over ``event`` giving seconds (clamped to ±PRIORITY_MAX_S).
     priority: Annotated[str, Meta(min_length=1, max_length=1024)] | None = None

@@ -133,7 +133,7 @@ def cancel_run(run_id: str, reason: str | None = None) -> Call[CancelResponse]:
     return Call("POST", f"/v1/runs/{run_id}/cancel", CancelResponse, body)
 
 
-# ── run control (issue #23 §4, docs/run-control.md) ──
+# ── run control (docs/run-control.md) ──
 
 
 def resume_run(run_id: str, from_step: str | None = None) -> Call[ResumeResponse]:

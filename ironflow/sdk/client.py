@@ -202,7 +202,7 @@ class Ironflow:
         """Cancel a run; its worker is told to stop the running segment."""
         return (await self.request(calls.cancel_run(run_id, reason))).value
 
-    # run control (issue #23 §4, docs/run-control.md)
+    # run control (docs/run-control.md)
     async def resume_run(self, run_id: str, from_step: str | None = None) -> ResumeResponse:
         """A failed run again from its failed step (or ``from_step``), or a paused run."""
         return (await self.request(calls.resume_run(run_id, from_step))).value

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ironflow.dispatch_flow_checks import dispatch_flow_problem
+from ironflow.flow_rules import dispatch_flow_problem, flow_problem
 from ironflow.protocol import (
     Batch,
     Concurrency,
@@ -281,9 +281,7 @@ def _checked(definition: FunctionDef) -> FunctionDef:
         problem = trigger_problem(trigger)
         if problem is not None:
             raise ValueError(f"@ironflow.function {definition.id!r}: {problem} - at `$.triggers[{i}]`")
-    try:  # flow control's keys and combinations (ironflow/flow_checks.py)
-        from ironflow.flow_checks import flow_problem
-
+    try:  # flow control's keys and combinations (ironflow/flow_rules.py)
         problem = flow_problem(checked)
     except RuntimeError:
         problem = None  # the light install: the engine checks at registration
@@ -293,7 +291,7 @@ def _checked(definition: FunctionDef) -> FunctionDef:
 
 
 def _check_flow(definition: FunctionDef) -> None:
-    """The engine's flow-control checks (ironflow/flow_checks.py), at declaration;
+    """The engine's flow-control checks (ironflow/flow_rules.py), at declaration;
     expressions are compiled where the engine's packages are installed."""
     try:
         problem = dispatch_flow_problem(definition)

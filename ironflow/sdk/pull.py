@@ -20,6 +20,7 @@ import httpx
 import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 
+from ironflow.logs import log_fields
 from ironflow.protocol import (
     SESSION_SECRET_HEADER,
     Heartbeat,
@@ -56,10 +57,6 @@ class _SessionLost(Exception):
     """The engine no longer knows this session (404): re-register."""
 
 
-def _fields(**fields: Any) -> dict[str, Any]:
-    return {"fields": {k: v for k, v in fields.items() if v is not None}}
-
-
 def _error_code(resp: httpx.Response) -> str:
     return api_error_of(resp).code
 
@@ -91,7 +88,7 @@ class _HttpReporter:
             resp = await self._worker._post("/steps", msg)
         except httpx.HTTPError as exc:
             # The step's result is lost; a replay re-runs it. The job carries on.
-            _log.warning("Could not report a step: %r", exc, extra=_fields(run_id=msg.run_id))
+            _log.warning("Could not report a step: %r", exc, extra=log_fields(run_id=msg.run_id))
             return
         if resp.status_code == 409:
             self._worker._abandon(job, "step refused as stale")
@@ -105,7 +102,7 @@ class _HttpReporter:
                 await self._worker._post("/nack", msg)
             except httpx.HTTPError as exc:
                 # The engine recovers the segment when its lease expires.
-                _log.warning("Could not nack a job: %r", exc, extra=_fields(run_id=msg.run_id))
+                _log.warning("Could not nack a job: %r", exc, extra=log_fields(run_id=msg.run_id))
 
     async def result(self, job: JobState, msg: Any) -> None:
         for delay in (*RESULT_RETRY_DELAYS_S, None):
@@ -114,7 +111,7 @@ class _HttpReporter:
             try:
                 resp = await self._worker._post("/result", msg)
             except httpx.HTTPError as exc:
-                _log.warning("Could not report a result: %r", exc, extra=_fields(run_id=msg.run_id))
+                _log.warning("Could not report a result: %r", exc, extra=log_fields(run_id=msg.run_id))
             else:
                 if resp.status_code < 400:
                     return
@@ -124,12 +121,12 @@ class _HttpReporter:
                 if resp.status_code < 500:
                     _log.error(
                         "Result refused: %s %s", resp.status_code, _error_code(resp),
-                        extra=_fields(run_id=msg.run_id),
+                        extra=log_fields(run_id=msg.run_id),
                     )
                     return
             if delay is None:
                 _log.error("Giving up reporting a result; the lease will expire",
-                           extra=_fields(run_id=msg.run_id))
+                           extra=log_fields(run_id=msg.run_id))
                 return
             await anyio.sleep(delay)
 
@@ -234,7 +231,7 @@ class PullWorker(WorkerLifecycle):
             self._running = False
             self._http = None
             self._finished.set()
-            _log.info("Worker stopped", extra=_fields(worker_id=self.worker_id, mode="pull"))
+            _log.info("Worker stopped", extra=log_fields(worker_id=self.worker_id, mode="pull"))
 
     # ── internals ────────────────────────────────────────────────────────
 
@@ -291,7 +288,7 @@ class PullWorker(WorkerLifecycle):
             self.max_frame_bytes = reg.max_frame_bytes
         _log.info(
             "Worker registered",
-            extra=_fields(worker_id=self.worker_id, session_id=self.session_id, mode="pull"),
+            extra=log_fields(worker_id=self.worker_id, session_id=self.session_id, mode="pull"),
         )
 
     async def _reregister(self) -> None:
@@ -361,7 +358,7 @@ class PullWorker(WorkerLifecycle):
                 try:
                     await self._post("/nack", JobNack(*fence, reason=reason))
                 except httpx.HTTPError as exc:
-                    _log.warning("Could not nack a job: %r", exc, extra=_fields(run_id=a.run_id))
+                    _log.warning("Could not nack a job: %r", exc, extra=log_fields(run_id=a.run_id))
             return
         job = JobState(a, self._start_time(a, received))
         self._jobs[a.job_id] = job
@@ -378,7 +375,7 @@ class PullWorker(WorkerLifecycle):
         try:
             resp = await self._post("/ack", JobAck(a.job_id, a.run_id, a.execution_seq, a.lease_token))
         except httpx.HTTPError as exc:
-            _log.warning("Ack failed: %r", exc, extra=_fields(run_id=a.run_id))
+            _log.warning("Ack failed: %r", exc, extra=log_fields(run_id=a.run_id))
             return False
         return resp.status_code < 400
 

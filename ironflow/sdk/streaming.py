@@ -21,6 +21,7 @@ import msgspec
 from anyio.abc import TaskGroup, TaskStatus
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from ironflow.logs import log_fields
 from ironflow.protocol import (
     MAX_FRAME_BYTES,
     Cancel,
@@ -56,10 +57,6 @@ CONNECT_TIMEOUT_S = 10.0
 
 _log = logging.getLogger("ironflow.worker")
 _CLOSE = object()  # outbox sentinel: flush done, close the socket with 1000
-
-
-def _fields(**fields: Any) -> dict[str, Any]:
-    return {"fields": {k: v for k, v in fields.items() if v is not None}}
 
 
 def websocket_url(server_url: str) -> str:
@@ -193,7 +190,7 @@ class StreamingWorker(WorkerLifecycle):
             self.state = "stopped"
             self._running = False
             self._finished.set()
-            _log.info("Worker stopped", extra=_fields(worker_id=self.worker_id))
+            _log.info("Worker stopped", extra=log_fields(worker_id=self.worker_id))
 
     # ── connection management ────────────────────────────────────────────
 
@@ -218,7 +215,7 @@ class StreamingWorker(WorkerLifecycle):
                 raise
             except (HandshakeError, ConnectionClosed, OSError, anyio.BrokenResourceError) as exc:
                 _log.warning(
-                    "Connection to engine lost: %r", exc, extra=_fields(worker_id=self.worker_id)
+                    "Connection to engine lost: %r", exc, extra=log_fields(worker_id=self.worker_id)
                 )
             if self._stopped or self._draining:
                 return
@@ -266,7 +263,7 @@ class StreamingWorker(WorkerLifecycle):
         reporter = _OutboxReporter(send, self)
         _log.info(
             "Worker registered",
-            extra=_fields(
+            extra=log_fields(
                 worker_id=self.worker_id,
                 session_id=self.session_id,
                 functions=",".join(self.functions),
@@ -405,7 +402,7 @@ class StreamingWorker(WorkerLifecycle):
             if job is not None:
                 _log.info(
                     "Run cancelled; cancelling job",
-                    extra=_fields(run_id=msg.run_id, reason=msg.reason),
+                    extra=log_fields(run_id=msg.run_id, reason=msg.reason),
                 )
                 job.abandon()
         elif isinstance(msg, Refused):
@@ -413,7 +410,7 @@ class StreamingWorker(WorkerLifecycle):
             if job is not None:
                 _log.warning(
                     "Engine refused a message; abandoning job",
-                    extra=_fields(run_id=msg.run_id, code=msg.code),
+                    extra=log_fields(run_id=msg.run_id, code=msg.code),
                 )
                 job.abandon()
             else:

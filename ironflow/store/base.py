@@ -199,7 +199,7 @@ class CancelNotice(msgspec.Struct, frozen=True):
     reason: str
 
 
-# ── run control (issue #23 §4: resume a failed run, pause a run) ──────────────
+# ── run control (resume a failed run, pause a run; docs/run-control.md) ──────────────
 
 
 class ResumeOutcome(msgspec.Struct, frozen=True):
@@ -513,7 +513,7 @@ class Store(abc.ABC):
         answer; store/compensation.py). Raises RunNotFound; Conflict if the run
         already ended or is compensating."""
 
-    # run control (issue #23 §4; ironflow/store/run_control.py) ---------------------
+    # run control (ironflow/store/run_control.py) ---------------------
 
     @abc.abstractmethod
     async def resume_run(self, run_id: str, from_step: str | None = None) -> ResumeOutcome:

@@ -1,6 +1,6 @@
 """What every concern of the SQL store shares (assembled in ``sql.py``).
 
-The transaction surface :class:`Tx`, the column lists, the fence clause, the
+The transaction surface :class:`Tx` (in ``tx.py``), the column lists, the fence clause, the
 row → record builders, and :class:`SqlStoreBase` (definition decoding, audit,
 credits, the queue, run creation and resumption). Every public method builds a synchronous ``work(tx)`` closure and hands it to
 the backend's ``_transact``, which runs it as ONE transaction (SQLite: inside
@@ -24,9 +24,8 @@ from __future__ import annotations
 
 import abc
 import hashlib
-from collections.abc import Callable, Iterable, Sequence
-from datetime import UTC, datetime
-from typing import Any, Literal, Protocol, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, TypeVar
 
 import msgspec
 
@@ -44,6 +43,18 @@ from ironflow.protocol import (
     lookup_path,
 )
 from ironflow.store.base import CancelOutcome, Fence, RecoveredSegment, Store
+from ironflow.store.dispatch_flow import priority_of, set_priorities
+from ironflow.store.tx import (  # re-exported: the store modules import them from here
+    Tx as Tx,
+)
+from ironflow.store.tx import _dec as _dec
+from ironflow.store.tx import _dec_error as _dec_error
+from ironflow.store.tx import _enc as _enc
+from ironflow.store.tx import _error_decode as _error_decode
+from ironflow.store.tx import _iso as _iso
+from ironflow.store.tx import _json_decode as _json_decode
+from ironflow.store.tx import _json_encode as _json_encode
+from ironflow.store.tx import _marks as _marks
 
 T = TypeVar("T")
 
@@ -114,71 +125,7 @@ def fence_join(lease: str, fence: str) -> str:
     )
 
 
-_json_encode = msgspec.json.Encoder().encode
-_json_decode = msgspec.json.Decoder().decode
-_error_decode = msgspec.json.Decoder(ErrorInfo).decode
 _function_decode = msgspec.json.Decoder(FunctionDef).decode
-
-
-class Tx(Protocol):
-    """The tiny transaction surface the shared SQL is written against."""
-
-    # True where every statement is a round trip to a server (PostgreSQL): the
-    # hottest transitions then use its combined forms (data-modifying WITH,
-    # multi-row VALUES), one statement instead of one per table or row. SQLite
-    # runs in-process and has no round trips to save.
-    combined: bool
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        """Run one statement; return the affected row count."""
-
-    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
-
-    def fetchone(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None: ...
-
-    def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
-
-    def lock(self, of: str | None = None) -> str:
-        """``FOR UPDATE [OF of] SKIP LOCKED`` on PostgreSQL, ``""`` on SQLite."""
-
-    def lock_wait(self) -> str:
-        """``FOR UPDATE`` (waits for a concurrent holder) on PostgreSQL, ``""`` on SQLite."""
-
-    def runs_ended(self, run_ids: list[str]) -> None:
-        """These runs end in this transaction: tell the other nodes at commit."""
-
-    def notify(self) -> None:
-        """Tell every node's dispatcher, at commit, that queue rows became claimable."""
-
-    def take_notify(self) -> bool:
-        """Whether this call asked for :meth:`notify` so far, withdrawing the ask
-        (it can be made again): the emit that reserved every run it queued
-        kicks nobody (``SqlStore.ingest_and_reserve``)."""
-
-    def share_lock(self, of: str) -> str:
-        """``FOR SHARE OF of`` (waits) on PostgreSQL, ``""`` on SQLite."""
-
-    def advisory_lock(self, key: str) -> None:
-        """Transaction-scoped named lock on PostgreSQL; a no-op on SQLite."""
-
-    def try_advisory_lock(self, key: str) -> bool:
-        """Take the transaction-scoped named lock if free (PostgreSQL); True on SQLite."""
-
-    def key_share_lock(self, of: str) -> str:
-        """``FOR KEY SHARE OF of`` on PostgreSQL (waits for a DELETE of the row,
-        not for an UPDATE of its other columns), ``""`` on SQLite."""
-
-    def renew_lock(self, of: str) -> str:
-        """``FOR NO KEY UPDATE OF of SKIP LOCKED`` on PostgreSQL (what an UPDATE
-        of non-key columns takes, skipping a row another transaction is
-        deleting or locked for update; a ``FOR KEY SHARE`` holder is not
-        skipped), ``""`` on SQLite."""
-
-    # SQL for this transaction's id (PostgreSQL: ``pg_current_xact_id()``, the
-    # number :meth:`snapshot_sql`'s snapshot is judged against), ``NULL`` on SQLite.
-    xid_sql: str
-    # SQL for the current statement's snapshot as text (PostgreSQL), ``NULL`` on SQLite.
-    snapshot_sql: str
 
 
 # ── small helpers ──────────────────────────────────────────────────────────
@@ -209,28 +156,8 @@ def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def _enc(value: Any) -> str:
-    return _json_encode(value).decode()
-
-
-def _dec(text: str | None) -> Any:
-    return None if text is None else _json_decode(text)
-
-
-def _dec_error(text: str | None) -> ErrorInfo | None:
-    return None if text is None else _error_decode(text)
-
-
-def _iso(ts: float) -> str:
-    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds")
-
-
-def _marks(n: int) -> str:
-    return ", ".join("?" * n)
-
-
 def _concurrency_key(fd: FunctionDef, data: Any) -> str | None:
-    keyed = concurrency_keyed(fd)  # the one keyed constraint (issue 24: layered limits)
+    keyed = concurrency_keyed(fd)  # the one keyed constraint (layered limits)
     if keyed is None or keyed.key is None:
         return None
     value = lookup_path(data, keyed.key)
@@ -618,9 +545,7 @@ class SqlStoreBase(Store):
         )
         self._enqueue(tx, run_id, 1, fd.id, ckey, new.delay_s, new.reason)
         self._subscribe_cancels(tx, [(run_id, fd, data)])
-        if fd.priority is not None:  # flow control (issue 24): store/flow.py
-            from ironflow.store.dispatch_flow import priority_of, set_priorities
-
+        if fd.priority is not None:  # flow control : store/flow.py
             set_priorities(tx, [(run_id, priority_of(fd, event_name, data))])
         return run_id
 

@@ -10,7 +10,7 @@ import secrets
 from collections.abc import Callable
 from typing import Any
 
-from ironflow import metrics
+from ironflow.engine import metrics
 from ironflow.protocol import (
     PRIORITY_MAX_S,
     EventInfo,

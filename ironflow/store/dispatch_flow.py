@@ -1,4 +1,4 @@
-"""Flow control at dispatch (issue 24; docs/flow-control.md): layered
+"""Flow control at dispatch (docs/flow-control.md): layered
 concurrency limits, the round robin across concurrency keys, throttle (GCRA
 kept in ``flow_throttle``, by ``ironflow_now()``) and priority.
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from ironflow.expressions import EvaluationError, compile_expression, compile_key, event_variables
 from ironflow.protocol import PRIORITY_MAX_S, FunctionDef, concurrency_limits
-from ironflow.store.core import Tx, _dec, _marks
+from ironflow.store.tx import Tx, _dec, _iso, _marks
 
 # The candidate columns every read of the queue returns (dispatch.py).
 CANDIDATE_COLS = (
@@ -301,8 +301,6 @@ def waiting_reason(tx: Tx, fd: FunctionDef, run_id: str, ckey: str | None,
     """Why a queued segment of ``fd`` waits, when flow control holds it
     ("throttled until …", "concurrency key customer=42: 2/2 in use"); None
     when nothing of flow control does (``runs get``, store/reads.py)."""
-    from ironflow.store.core import _iso
-
     if fd.throttle is not None and reason == "new" and eligible_at > now:
         return f"throttled until {_iso(eligible_at)} ({eligible_at - now:.1f}s)"
     for c in concurrency_limits(fd):

@@ -175,7 +175,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             """Every reservation's queue row out, its lease in, its run running:
             one statement. The queue row goes only with its session's row in
             the same statement's view: an ack from a session removed since its
-            reservation deletes nothing (issue #21, race 1: the queue row went,
+            reservation deletes nothing (docs/isolation.md, race 1: the queue row went,
             no lease came, and the run was stranded). A session removed while
             this runs first frees its reservations (``close_session`` updates
             the queue rows, which this DELETE then waits for and re-checks), or
@@ -914,7 +914,7 @@ def _taken_reservations(returning: str) -> str:
     reservation in ``v`` (run_id, execution_seq, session_id, digest, …):
     reserved for that session, with that token, the session's row still
     there (the join: an ack from a session removed since its reservation
-    takes nothing, issue #21 race 1), the run at that seq and not ended.
+    takes nothing, docs/isolation.md, race 1), the run at that seq and not ended.
     The fence of an activation and of a segment begun and ended at once."""
     return (
         "q AS (DELETE FROM dispatch_queue d USING v JOIN worker_sessions s"

@@ -150,7 +150,7 @@ class IngestOps(WaitOps, FlowOps):
                     batched.append((run_id, event_id))
                 if fd.cancel_on:
                     subscribing.append((run_id, fd, data))
-                if fd.priority is not None:  # flow control (issue 24): store/dispatch_flow.py
+                if fd.priority is not None:  # flow control : store/dispatch_flow.py
                     from ironflow.store.dispatch_flow import priority_of
 
                     prioritised.append((run_id, priority_of(fd, name, data)))

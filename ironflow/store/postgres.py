@@ -50,12 +50,11 @@ retried.
 
 from __future__ import annotations
 
-import math
+import logging
 import queue
-import re
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -63,8 +62,8 @@ import outcome
 import psycopg
 import trio
 from psycopg import pq
-from psycopg.adapt import Transformer
 
+from ironflow import logs
 from ironflow.config import Timings
 from ironflow.store import chain
 from ironflow.store.availability import ANSWER_WHEN_DOWN, Availability, settle, translated
@@ -74,10 +73,10 @@ from ironflow.store.base import (
 )
 from ironflow.store.cancel_on import CANCEL_CHANNEL
 from ironflow.store.chain import chained
-from ironflow.store.core import NamedLock, Tx, lock_id
+from ironflow.store.core import NamedLock, Tx
 from ironflow.store.handback import hand_back
 from ironflow.store.pg_connect import connect, refuse_read_only, session_bounds, unavailable
-from ironflow.store.pg_sql import numbered, pg_sql
+from ironflow.store.pg_tx import PREPARED_MAX, PgTx, fast_path_refusal, in_transaction
 from ironflow.store.schema import (
     SCHEMA_LOCK_KEY,
     added_columns,
@@ -89,6 +88,7 @@ from ironflow.store.sql import SqlStore
 
 __all__ = ["PostgresStore"]
 
+log = logging.getLogger("ironflow.store")
 T = TypeVar("T")
 
 # A call PostgreSQL aborted as a deadlock victim (or serialization failure) is
@@ -110,19 +110,8 @@ ACTOR_CONNECTIONS = 2
 # takes calls beside it: past what a loaded group takes (6-10 ms with fsync
 # on, docs/benchmarks.md), short of what a caller would notice. Below it,
 # calls wait for the group on duty and join the next one: two actors taking
-# calls in turn made twice as many, half-size groups (bench.py, 6 alternating
-# pairs against that: 1.07x steps/s, 0.80x PostgreSQL CPU per run).
+# calls in turn made twice as many, half-size groups, each paying its commit.
 RELIEF_AFTER_S = 0.05
-# Server-side prepared statements per connection: above the number of distinct
-# statements the store issues; beyond it a statement runs unprepared.
-PREPARED_MAX = 512
-# A statement whose best plan may depend on a parameter's value — a range
-# (``<``, ``>``, ``<=``, ``>=`` against one) or a ``LIMIT`` — is planned
-# with its values at every execution (libpq's unnamed statement); every
-# other statement is prepared and planned once, generically (the actors'
-# connections run with ``plan_cache_mode = force_generic_plan``, see
-# ``_Actor._connect``).
-_VALUE_PLANNED = re.compile(r"(?:(?<!<)[<>]=?\s*\?)|(?:\?\s*[<>])|(?:LIMIT\s+\?)|(?:OFFSET\s+\?)", re.IGNORECASE)
 # LISTEN/NOTIFY channel that carries dispatcher kicks between nodes.
 KICK_CHANNEL = "ironflow_kick"
 # LISTEN/NOTIFY channel that carries the ids of ended runs (comma-separated),
@@ -140,180 +129,6 @@ LISTEN_READY_POLL_S = 0.01
 _RETRYABLE = (psycopg.errors.DeadlockDetected, psycopg.errors.SerializationFailure)
 
 _PENDING, _TAKEN, _WITHDRAWN = 0, 1, 2
-
-# Parameter type OIDs sent with the text-format values (0: let the server infer).
-_OID_UNKNOWN, _OID_BOOL, _OID_INT8, _OID_FLOAT8 = 0, 16, 20, 701
-_INT8_MIN, _INT8_MAX = -(2**63), 2**63 - 1
-_OK = (pq.ExecStatus.COMMAND_OK, pq.ExecStatus.TUPLES_OK)
-
-
-def _text_params(params: Sequence[Any]) -> tuple[list[bytes | None], tuple[int, ...]] | None:
-    """Parameters as libpq text values and type OIDs; ``None`` for a type only
-    psycopg's adapters know (then the statement goes through a cursor)."""
-    values: list[bytes | None] = []
-    oids: list[int] = []
-    for v in params:
-        t = type(v)
-        if v is None:
-            values.append(None)
-            oids.append(_OID_UNKNOWN)
-        elif t is str:
-            values.append(v.encode())
-            oids.append(_OID_UNKNOWN)  # as psycopg sends str: the server infers
-        elif t is int and _INT8_MIN <= v <= _INT8_MAX:
-            values.append(str(v).encode())
-            oids.append(_OID_INT8)
-        elif t is float and math.isfinite(v):
-            values.append(repr(v).encode())
-            oids.append(_OID_FLOAT8)
-        elif t is bool:
-            values.append(b"t" if v else b"f")
-            oids.append(_OID_BOOL)
-        else:
-            return None
-    return values, tuple(oids)
-
-
-class _PgTx:
-    """:class:`~ironflow.store.core.Tx` over an actor's connection inside a group transaction.
-
-    The store's statements go straight to libpq (``PQexecPrepared`` on a
-    statement prepared once per connection, text parameters, rows loaded by
-    psycopg's own loaders): a psycopg cursor costs about twice the client CPU
-    per statement. A parameter of another type than str/int/float/bool/None
-    sends its statement through a cursor instead.
-    """
-
-    combined = True
-
-    def __init__(self, conn: psycopg.Connection[Any], prepared: dict[Any, bytes]) -> None:
-        self._conn = conn
-        self._pgconn = conn.pgconn
-        self._loader = Transformer(conn)
-        self._prepared = prepared  # (sql, oids) → statement name, for this connection
-        self._cur = conn.cursor()
-        self._rows: list[tuple[Any, ...]] = []
-        # Set by a call that wants the dispatcher kick; read once the call succeeded.
-        self.notify_wanted = False
-        # Runs the current call ended; announced to every node at commit.
-        self.ended: list[str] = []
-
-    def _run(self, sql: str, params: Sequence[Any]) -> int:
-        """Run one statement; keep its rows for fetch*; return its row count."""
-        adapted = _text_params(params)
-        if adapted is None:
-            self._cur.execute(pg_sql(sql), params, prepare=not _VALUE_PLANNED.search(sql))
-            self._rows = self._cur.fetchall() if self._cur.description is not None else []
-            return self._cur.rowcount
-        values, oids = adapted
-        key = (sql, oids)
-        name = self._prepared.get(key)
-        if name is None:
-            if len(self._prepared) >= PREPARED_MAX:
-                return self._check(self._pgconn.exec_params(numbered(sql), values, oids))
-            # b"": planned with its values each time (never prepared).
-            name = b"" if _VALUE_PLANNED.search(sql) else f"ironflow_{len(self._prepared)}".encode()
-            if name:
-                self._check(self._pgconn.prepare(name, numbered(sql), oids))
-            self._prepared[key] = name
-        if not name:
-            return self._check(self._pgconn.exec_params(numbered(sql), values, oids))
-        # libpq takes None as NULL (psycopg's own calls pass it); its stub says bytes only.
-        return self._check(self._pgconn.exec_prepared(name, values))  # type: ignore[arg-type]
-
-    def _check(self, res: pq.abc.PGresult) -> int:
-        if res.status not in _OK:
-            raise psycopg.errors.error_from_result(res, encoding=self._conn.info.encoding)
-        if res.status == pq.ExecStatus.TUPLES_OK:
-            self._loader.set_pgresult(res)
-            self._rows = self._loader.load_rows(0, res.ntuples, tuple)
-        else:
-            self._rows = []
-        return res.command_tuples or 0
-
-    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
-        return self._run(sql, params)
-
-    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        self._cur.executemany(pg_sql(sql), list(rows))
-
-    def fetchone(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None:
-        self._run(sql, params)
-        return self._rows[0] if self._rows else None
-
-    def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
-        self._run(sql, params)
-        return self._rows
-
-    def lock(self, of: str | None = None) -> str:
-        return f"FOR UPDATE OF {of} SKIP LOCKED" if of else "FOR UPDATE SKIP LOCKED"
-
-    def lock_wait(self) -> str:
-        return "FOR UPDATE"
-
-    def share_lock(self, of: str) -> str:
-        return f"FOR SHARE OF {of}"
-
-    def key_share_lock(self, of: str) -> str:
-        return f"FOR KEY SHARE OF {of}"
-
-    def renew_lock(self, of: str) -> str:
-        return f"FOR NO KEY UPDATE OF {of} SKIP LOCKED"
-
-    xid_sql = "pg_current_xact_id()::text::bigint"
-    snapshot_sql = "pg_current_snapshot()::text"
-
-    def notify(self) -> None:
-        # One pg_notify per group, sent before COMMIT (see _commit).
-        self.notify_wanted = True
-
-    def take_notify(self) -> bool:
-        wanted, self.notify_wanted = self.notify_wanted, False
-        return wanted
-
-    def runs_ended(self, run_ids: list[str]) -> None:
-        self.ended.extend(run_ids)
-
-    def advisory_lock(self, key: str) -> None:
-        self._run("SELECT pg_advisory_xact_lock(hashtext(?))", (key,))
-
-    def try_advisory_lock(self, key: str) -> bool:
-        row = self.fetchone("SELECT pg_try_advisory_xact_lock(hashtext(?))", (key,))
-        return bool(row and row[0])
-
-    def raw(self, sql: str) -> None:
-        """A statement of the actor's own (BEGIN, SAVEPOINT, COMMIT…), no parameters."""
-        self._check(self._pgconn.exec_(sql.encode()))
-
-    def commit(self, statements: list[str]) -> None:
-        """The group's closing statements — its NOTIFYs, COMMIT, perhaps the
-        next BEGIN (see ``_commit``) — as one simple query."""
-        self.raw("; ".join(statements))
-
-    def begin(self, batch: Sequence[_Request]) -> None:
-        """BEGIN, then every named lock the group's calls asked for: sorted by
-        lock number, each in the strongest mode any call wants (exclusive over
-        shared), all in the same round trip. One global order for every group of
-        every node: a group waits for a lock only while holding smaller ones, so
-        no two groups wait for each other on them (the deadlocks of issue #21's
-        race 6, where each call took its idempotency lock when it ran).
-
-        A transaction the last group's COMMIT already began is
-        used as it is: a group without named locks then costs no round trip
-        here."""
-        wanted: dict[int, bool] = {}
-        for req in batch:
-            for name, exclusive in req.locks:
-                number = lock_id(name)
-                wanted[number] = wanted.get(number, False) or exclusive
-        statements = [] if _in_transaction(self._pgconn) else ["BEGIN"]
-        statements += [
-            f"SELECT pg_advisory_xact_lock{'' if exclusive else '_shared'}({number})"
-            for number, exclusive in sorted(wanted.items())
-        ]
-        if statements:
-            self.raw("; ".join(statements))
-
 
 class _Request:
     """One queued store call: its closure and how to hand back its outcome."""
@@ -333,7 +148,7 @@ class _Request:
     ) -> None:
         self.work = work
         self.locks = locks
-        # False: this call's commit need not wait for its WAL flush (_PgTx.begin).
+        # False: this call's commit need not wait for its WAL flush (PgTx.begin).
         self.synchronous_commit = synchronous_commit
         self.token = token
         self.deliver = deliver
@@ -486,7 +301,7 @@ class _Actor:
         """Roll back the transaction the last group's COMMIT began (see
         ``_commit``) when no group came to use it."""
         conn = self._conn
-        if conn is None or not _in_transaction(conn.pgconn):
+        if conn is None or not in_transaction(conn.pgconn):
             return
         try:
             conn.pgconn.exec_(b"ROLLBACK")
@@ -511,7 +326,7 @@ class _Actor:
 
     @staticmethod
     def _optimistic(
-        tx: _PgTx, batch: list[_Request], more_queued: Callable[[], bool]
+        tx: PgTx, batch: list[_Request], more_queued: Callable[[], bool]
     ) -> list[outcome.Outcome[Any] | None] | None:
         """Every call in one transaction, no savepoints; ``None`` (rolled back) if one failed."""
         values: list[outcome.Outcome[Any] | None] = []
@@ -533,7 +348,7 @@ class _Actor:
 
     @staticmethod
     def _careful(
-        tx: _PgTx, batch: list[_Request], more_queued: Callable[[], bool]
+        tx: PgTx, batch: list[_Request], more_queued: Callable[[], bool]
     ) -> tuple[list[outcome.Outcome[Any] | None], list[_Request]]:
         """Every call under its own SAVEPOINT: a failure undoes only its own call."""
         results: list[outcome.Outcome[Any] | None] = []
@@ -574,7 +389,7 @@ class _Actor:
         return results, retry
 
 
-def _commit(tx: _PgTx, batch: Sequence[_Request], notify: bool, ended: list[str], *, then_begin: bool) -> None:
+def _commit(tx: PgTx, batch: Sequence[_Request], notify: bool, ended: list[str], *, then_begin: bool) -> None:
     """The group's NOTIFYs and its COMMIT, in one round trip (one simple
     query of several statements: a NOTIFY that fails leaves the COMMIT unrun
     and the group rolled back, as when each was its own round trip).
@@ -607,12 +422,6 @@ def _commit(tx: _PgTx, batch: Sequence[_Request], notify: bool, ended: list[str]
     except psycopg.OperationalError as exc:
         # The connection broke during COMMIT: the server may have committed.
         raise CommitOutcomeUnknown(f"the database connection failed while committing: {exc}") from exc
-
-
-def _in_transaction(pgconn: pq.abc.PGconn) -> bool:
-    """Whether a transaction is open on ``pgconn`` and usable (a group's
-    COMMIT may have begun the next one: ``_commit``)."""
-    return pgconn.transaction_status == pq.TransactionStatus.INTRANS
 
 
 def _literal(text: str) -> str:
@@ -650,7 +459,7 @@ class PostgresStore(SqlStore):
     _notifies_cancels = True
     # What the actors run each group's statements through (a test subclass
     # may pause between statements: tests/sim/pg.py).
-    tx_class: type[_PgTx] = _PgTx
+    tx_class: type[PgTx] = PgTx
 
     def __init__(
         self, url: str, *, connections: int = ACTOR_CONNECTIONS, timings: Timings | None = None
@@ -689,6 +498,13 @@ class PostgresStore(SqlStore):
             if gone is None:
                 raise
             raise gone from exc
+        refused = fast_path_refusal()
+        if refused is not None and not self.tx_class.libpq_fast_path:
+            logs.event(
+                log, logging.WARNING,
+                "PostgreSQL store: libpq fast path off, statements go through psycopg's cursor",
+                reason=refused,
+            )
         self._actors = [
             _Actor(self, f"ironflow-pg-actor-{i}") for i in range(max(1, self._connections))
         ]
@@ -749,7 +565,7 @@ class PostgresStore(SqlStore):
                     raise StoreUnavailable(
                         "PostgreSQL is read-only (in recovery or default_transaction_read_only)"
                     )
-                tx = _PgTx(conn, {})
+                tx = PgTx(conn, {})
                 tx.raw("BEGIN")
                 value = work(tx)
                 tx.raw("COMMIT")
@@ -881,8 +697,7 @@ class PostgresStore(SqlStore):
         """The calls' first transactions chained into one group (see
         ``ironflow/store/chain.py``), one commit instead of one each. Not on
         SQLite, whose commits are in-process: there the chain's Trio
-        bookkeeping cost more than it saved (bench.py, 3 alternating rounds:
-        1,181/887/1,012 steps/s chained vs 1,236/1,064/1,224 not)."""
+        bookkeeping cost more than it saved (measured with scripts/bench.py)."""
         if len(calls) == 1:
             return await super().in_order(calls)
         return await chain.in_order(calls, self._transact_many)

@@ -68,7 +68,7 @@ class ReadOps(SqlStoreBase):
                     reason = "requeued after nack"
                 else:
                     reason = "waiting for capacity"
-                # Flow control (issue 24): a throttle's start time, a full concurrency key.
+                # Flow control : a throttle's start time, a full concurrency key.
                 fdef = tx.fetchone("SELECT definition FROM functions WHERE id = ?", (run.function_id,))
                 fd = self._fdef_or_none(fdef[0]) if fdef else None
                 if fd is not None and queue.reservation_owner is None:

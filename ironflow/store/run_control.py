@@ -1,4 +1,4 @@
-"""Run control (issue #23 §4): resume a failed run from its failed step, resume
+"""Run control (docs/run-control.md): resume a failed run from its failed step, resume
 many, pause a run at its next step boundary and resume it.
 
 Resuming keeps the run's id and its memoised steps before the failed one; the

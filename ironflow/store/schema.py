@@ -328,7 +328,7 @@ CREATE TABLE IF NOT EXISTS batch_events (
 );
 -- Retention keeps an event a kept batch run still holds (ironflow/store/history.py).
 CREATE INDEX IF NOT EXISTS batch_events_event ON batch_events (event_id);
--- Flow control, dispatch side (issue 24, ironflow/store/flow.py): one GCRA
+-- Flow control, dispatch side (ironflow/store/flow.py): one GCRA
 -- state per throttled function and key — the theoretical arrival time of the
 -- next start, by ironflow_now(). The key is '' for none, 'k:<text>' otherwise.
 CREATE TABLE IF NOT EXISTS flow_throttle (
@@ -422,7 +422,7 @@ _ADDED_COLUMNS = [
     # event (JSON FlowNotes), and 1 on a batch run (its events: batch_events).
     ("events", "flow", "TEXT"),
     ("runs", "batch_size", "INTEGER"),
-    # Flow control, dispatch side (issue 24): seconds a queued segment starts
+    # Flow control, dispatch side : seconds a queued segment starts
     # ahead of its place (its priority, ±600); the order is eligible_at - priority_s.
     ("dispatch_queue", "priority_s", "{REAL} NOT NULL DEFAULT 0"),
     # Compensation (ironflow/store/compensation.py): what began the run's undos
@@ -469,7 +469,7 @@ _LATE_INDEXES = [
     "CREATE INDEX IF NOT EXISTS steps_wait_key ON steps (wait_key)"
     " WHERE status = 'waiting' AND kind = 'wait'",
     "DROP INDEX IF EXISTS steps_wait_event",
-    # Flow control, dispatch side (issue 24; store/flow.py): the queue in
+    # Flow control, dispatch side (store/flow.py): the queue in
     # dispatch order (priority), and per function and concurrency key, for the
     # round robin across keys (a skip scan of the keys, then each key's head).
     "CREATE INDEX IF NOT EXISTS dispatch_queue_order ON dispatch_queue"

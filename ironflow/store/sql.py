@@ -1,22 +1,30 @@
 """The one implementation of :class:`~ironflow.store.base.Store`, assembled
 from one module per concern so each seed mechanism reads on its own:
 
-- ``core``: the transaction surface (``Tx``), shared helpers and machinery;
+- ``tx``: the transaction surface (``Tx``) and the value codecs;
+- ``core``: shared helpers and machinery (``SqlStoreBase``: audit, credits,
+  the queue, run creation and resumption);
 - ``fence``: the fence and a segment's life (ack, complete/fail/yield,
-  nack, heartbeat);
-- ``steps``: a segment's step results, under its fence;
+  nack, heartbeat); ``steps``: a segment's step results, under its fence;
 - ``waits``: ``wait_for_event`` parked, looked back, resolved, and its lock order;
 - ``capacity_scan``: loop 1, the capacity scanner's expiries and recovery;
 - ``wake_claims``: the waker's claims and loop 2, the stale-claim sweeper;
-- ``dispatch``: reservations and assignments;
-- ``ingest``: events, runs, invocations, cancellation;
+- ``dispatch``: reservations and assignments; ``dispatch_flow``: flow
+  control at dispatch (concurrency keys, throttles, priority);
+- ``ingest``: events, runs, invocations, cancellation; ``filters``: trigger
+  filters and expression keys; ``flow``: ingest-side flow control;
+  ``cancel_on``: cancel on an event; ``compensation``: a cancelled run's undos;
 - ``sessions``: worker registration, functions, pull-session ownership;
+- ``run_control``: resume and pause a run;
 - ``traces``: events ingested with a trace's ``traceparent``;
 - ``outage``: the probe and the blind time given back after an outage;
 - ``cron``: cron ticks claimed and fired, functions paused and resumed;
 - ``function_life``: functions live (a worker within ``function_live_s``), deleted, restored;
-- ``reads``, ``event_reads`` (events, re-runs), ``gauges`` (for /metrics), ``stats`` (the dashboard's counts), ``history``
-  (retention), ``keys``.
+- ``reads``, ``event_reads`` (events, re-runs), ``gauges`` (for /metrics),
+  ``stats`` (the dashboard's counts), ``history`` (retention), ``keys``.
+
+The backends (``sqlite.py``, ``postgres.py`` with ``pg_tx.py``) add
+``_transact`` and their lifecycle; ``schema.py`` holds the DDL.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from ironflow.store.wake_claims import WakeLoop
 class SqlStore(
     TraceOps, SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
     EventReadOps, GaugeOps, StatsOps, OutageOps, CronOps, FunctionLifeOps,
-    RunControlOps,  # issue #23 §4: resume / pause a run
+    RunControlOps,  # resume / pause a run
 ):
     """Every Store method, written once. Backends supply ``_transact`` and lifecycle."""
 

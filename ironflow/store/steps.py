@@ -4,7 +4,7 @@ statements as PostgreSQL's parameter limit allows.
 
 The fence verdict comes from the statement that writes the rows, and the
 live lease is locked ``FOR KEY SHARE`` until commit, so whatever ends the
-fence waits for the write (``docs/isolation.md``: issue #21, races 4 and 5).
+fence waits for the write (``docs/isolation.md``, races 4 and 5).
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ class StepResultOps(SqlStoreBase):
         """PostgreSQL: every segment's rows in one statement per chunk, each row
         written only if its fence is live, and the verdict of each fence from
         that same statement (a verdict read by a later statement could call a
-        written row stale: issue #21, race 4). The fence's lease row is locked
+        written row stale: docs/isolation.md, race 4). The fence's lease row is locked
         ``FOR KEY SHARE`` until commit: whatever ends the fence (cancel, loop 1,
         the run's end — each deletes the lease) waits for this write to commit,
         and a write behind such an end finds the lease gone (race 5: a step row

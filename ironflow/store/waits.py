@@ -21,7 +21,7 @@ Locks, in the order they are taken:
    later one starts after the earlier committed, so it sees the earlier's row
    — the park sees the event in its look-back, or the ingest sees the parked
    wait. Without it both read before either commits and the event is lost
-   (issue #21, race 3). Another name's lock is another lock: unrelated names
+   (docs/isolation.md, race 3). Another name's lock is another lock: unrelated names
    never wait for each other.
 2. **The wait rows an event matches**, locked by the ingest with a blocking
    ``FOR UPDATE`` in ``(run_id, step_id)`` order (two ingests resolving the same

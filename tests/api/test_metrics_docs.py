@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ironflow import metrics
+from ironflow.engine import metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 SERIES = re.compile(r"\bironflow_[a-z_]+")

@@ -9,7 +9,7 @@ import httpx
 import trio
 
 from ironflow.config import load_config
-from ironflow.metrics import ACTOR_RESTARTS
+from ironflow.engine.metrics import ACTOR_RESTARTS
 from ironflow.node import Node
 from tests.integration.conftest import TEST_TIMINGS
 from tests.integration.test_bad_input import assert_node_still_works

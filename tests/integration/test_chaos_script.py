@@ -1,6 +1,6 @@
 """scripts/chaos.py for 30 seconds on SQLite: faults of every kind are injected
 under load and every invariant holds (the script's exit status and its report),
-the wait workload of issue #21 (``--waits``) among the load."""
+the wait workload (``--waits``) among the load."""
 
 from __future__ import annotations
 

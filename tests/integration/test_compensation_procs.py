@@ -1,4 +1,4 @@
-"""Compensation through real worker processes (issue #23 §5, docs/compensation.md).
+"""Compensation through real worker processes (docs/compensation.md).
 
 ``saga3`` (tests/procs/compensate_worker.py) reserves, charges, and fails to
 ship for good: its undos run newest-first, and the worker is killed (-9)

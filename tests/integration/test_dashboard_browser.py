@@ -314,7 +314,7 @@ def _ran(effects: Path, run_id: str) -> list[str]:
 async def test_run_control_from_the_run_page_resumes_a_failed_run_from_its_failed_step_and_pauses_a_sleeping_run(
     browser: Any, tmp_path: Path
 ) -> None:
-    """Issue #23 §4 from the dashboard (docs/run-control.md): step two fails
+    """Run control from the dashboard (docs/run-control.md): step two fails
     while a flag file exists; with it gone, "Resume from failed step" runs two
     and three again, not one. A sleeping run paused from its page stays paused
     past its wake time, shows as paused in the runs list, and "Resume" ends it."""

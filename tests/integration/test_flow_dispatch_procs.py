@@ -9,7 +9,7 @@ The limits are checked from the database: a sampler reads, every 20 ms,
 every lease and every reservation (``concurrency_leases``,
 ``dispatch_queue``), one consistent read each; a lease's ``began_at`` is its
 reservation's time by the database clock, which is when the throttle let it
-start. Scaled down from issue 24's figures to fit ~15 s: 3 keys × 10 runs
+start. Scaled down from docs/flow-control.md's figures to fit ~15 s: 3 keys × 10 runs
 (not 30), 16 worker slots, 12 throttled runs (not 50), a backlog of 100
 (not 1,000).
 """

@@ -11,9 +11,9 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 import ironflow
-from ironflow import metrics
 from ironflow.node import Node
 from ironflow.protocol import SESSION_SECRET_HEADER
+from ironflow.store import timing
 from tests.integration.helpers import emit, wait_for_run
 
 
@@ -150,4 +150,4 @@ async def test_a_cancelled_run_and_a_run_failed_at_a_pull_goodbye_are_each_obser
     methods = {
         dict(labels)["method"] for name, labels in after if name == "ironflow_store_call_seconds_count"
     }
-    assert methods and methods <= metrics.store_methods()
+    assert methods and methods <= timing.store_methods()

@@ -1,5 +1,5 @@
 """Two nodes over one PostgreSQL, driven through the HTTP API at full rate as a
-user would: the stress proofs of issue #21.
+user would: the stress proofs of docs/isolation.md's races.
 
 Each test starts two ``ironflow serve`` processes on one database and one
 ``tests/procs/race_worker.py`` on each, and drives them with many concurrent

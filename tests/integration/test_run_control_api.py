@@ -1,5 +1,5 @@
 """Run control's HTTP routes refuse bad input clearly and change nothing
-(issue #23 §4; docs/run-control.md)."""
+(docs/run-control.md)."""
 
 from __future__ import annotations
 

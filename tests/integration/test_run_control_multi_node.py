@@ -1,5 +1,5 @@
 """Run control on two nodes over one PostgreSQL, driven through the HTTP API at
-full rate as a user would (issue #23 §4, ironflow/store/run_control.py):
+full rate as a user would (ironflow/store/run_control.py):
 
 - runs that failed at their second step, resumed in bulk through both nodes
   at once: each is resumed exactly once, ends exactly once, and no step

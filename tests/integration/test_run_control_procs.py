@@ -1,4 +1,4 @@
-"""Run control through real processes (issue #23 §4): a node, a worker, and the
+"""Run control through real processes (docs/run-control.md): a node, a worker, and the
 ``ironflow`` CLI. A run of ``resume3`` (tests/procs/resume_worker.py) fails at
 step two; once the cause is gone, ``ironflow runs resume`` runs steps two and
 three again under the same run id, and step one is not run again. A run of

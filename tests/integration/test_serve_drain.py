@@ -1,4 +1,4 @@
-"""``ironflow serve`` as a real process receiving SIGTERM (issue 11; seed: docs/seeds/graceful-drain.txt).
+"""``ironflow serve`` as a real process receiving SIGTERM (seed: docs/seeds/graceful-drain.txt).
 
 The node drains its streaming and its pull sessions: jobs that finish within
 the node's deadline complete where they run and the node exits 0; a job that

@@ -1,4 +1,4 @@
-"""``ironflow serve --processes 2`` as real processes on PostgreSQL (issue 26).
+"""``ironflow serve --processes 2`` as real processes on PostgreSQL.
 
 One parent, two node processes on one port (SO_REUSEPORT): both answer, a
 worker runs work through the shared port, SIGTERM to the parent drains both

@@ -1,4 +1,4 @@
-"""The waker's claims through real node processes (issue 10; seed: docs/seeds/crash-recovery.txt).
+"""The waker's claims through real node processes (seed: docs/seeds/crash-recovery.txt).
 
 "Exactly one node claims each step"; a claimer that dies between its claim
 and its resume leaves the step ``waking`` until loop 2 (the stale-claim

@@ -1,4 +1,4 @@
-"""A streaming worker for the two-node PostgreSQL stress tests (issue #21).
+"""A streaming worker for the two-node PostgreSQL stress tests (docs/isolation.md).
 
 Usage: python tests/procs/race_worker.py SERVER_URL EFFECTS_FILE [--max-jobs 200]
 

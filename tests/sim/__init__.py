@@ -1,4 +1,4 @@
-"""The deterministic simulator of a whole node (issue 13, part 2).
+"""The deterministic simulator of a whole node.
 
 ``simulator.run_seed(seed)`` runs one seeded fault schedule and checks its
 invariants; ``scripts/simulate.py`` is the command line; the tests are in

@@ -32,7 +32,7 @@ store subclasses, so the engine carries no switch for them.
   (``cron_missed_after_s`` read as 0): a tick fired a few milliseconds late
   is left to the catch-up policy, which under ``none`` drops it.
 
-And on PostgreSQL (``run_seed(seed, bug=NAME, pg=...)``), issue #21's races
+And on PostgreSQL (``run_seed(seed, bug=NAME, pg=...)``), the races of docs/isolation.md
 with their fixes reverted, as they were at 4a4dd38: ``stranded_ack``,
 ``wait_row_skipped``, ``park_and_ingest_missed``, ``false_stale``; and
 ``cron_claim_unguarded``: a cron pass reads due schedules without ``FOR
@@ -306,7 +306,7 @@ def store_class(bug: str | None) -> type[SqliteStore]:
     return BUGS[bug]
 
 
-# ── the PostgreSQL mode's known bugs: issue #21's races, each fix reverted ──
+# ── the PostgreSQL mode's known bugs: the races of docs/isolation.md, each fix reverted ──
 
 
 class StrandedAck(SimPostgresStore):

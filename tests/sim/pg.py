@@ -45,7 +45,8 @@ import trio
 import trio.testing
 from psycopg import sql
 
-from ironflow.store.postgres import PostgresStore, _PgTx
+from ironflow.store.pg_tx import PgTx as _PgTx
+from ironflow.store.postgres import PostgresStore
 from tests.sim.observed import OutcomesByTask
 from tests.sim.schedule import rng_for
 

@@ -1,6 +1,6 @@
 """The simulator on PostgreSQL (tests/sim/pg.py): two nodes, one database,
 interleaved transactions. A bounded campaign, and proof that it finds the
-races of issue #21 with their fixes reverted (``tests/sim/bugs.py``
+races of docs/isolation.md with their fixes reverted (``tests/sim/bugs.py``
 ``PG_BUGS``): the stranded ack and the two lost-event races here; the false
 stale is rare (a few in a hundred seeds: ``scripts/simulate.py --pg --bug
 false_stale --seeds 300``), too slow for the suite.
@@ -38,7 +38,7 @@ BUG_CAP_S = float(os.environ.get("IRONFLOW_SIM_PG_BUG_CAP_S", "120"))
 # Seeds of the known-bug tests start here (not where the campaign's do).
 BUG_SEEDS_FROM = 100_000
 
-# Each race of issue #21, by what the oracle says when it happens.
+# Each race of docs/isolation.md, by what the oracle says when it happens.
 RACES = {
     # activate_leases' one-statement form, from a session that is gone.
     "stranded_ack": ("(stranded: no queue row, no lease, no parked step)",),

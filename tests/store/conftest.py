@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from ironflow.store.postgres import PostgresStore
-from tests.store.test_pg_races import HookedStore
+from tests.store.pg_holds import HookedStore
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from ironflow.store import Fence, StaleExecution, StepResult
-from tests.store.test_store_behaviour import LEASE, emit, fence_of, fn, reserve, worker
+from tests.store.behaviour import LEASE, emit, fence_of, fn, reserve, worker
 
 STEPS = [StepResult("s1", "one", "completed", 1), StepResult("s2", "two", "completed", {"x": 2})]
 

@@ -9,8 +9,8 @@ import psycopg
 import pytest
 
 from ironflow.store import StaleExecution, StepResult
-from tests.store.test_pg_races import beside_a_holder
-from tests.store.test_store_behaviour import LEASE, emit, fence_of, reserve, worker
+from tests.store.behaviour import LEASE, emit, fence_of, reserve, worker
+from tests.store.pg_holds import beside_a_holder
 
 STEPS = [StepResult("s1", "one", "completed", 1)]
 

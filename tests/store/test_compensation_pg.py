@@ -15,11 +15,10 @@ import trio
 
 from ironflow.protocol import ErrorInfo, FunctionDef, RetryPolicy, Trigger, compensation_step_id
 from ironflow.store import Conflict, Fence, StaleExecution
-from tests.store.test_pg_cancel_on_races import held_open
-from tests.store.test_pg_races import HOOK_WAIT_S, HookedStore, lock_waiters, wait_until
-from tests.store.test_pg_races import store as store  # the HookedStore fixture
-from tests.store.test_store_behaviour import running as shared_running
-from tests.store.test_store_behaviour import worker
+from tests.store.behaviour import running as shared_running
+from tests.store.behaviour import worker
+from tests.store.pg_holds import HOOK_WAIT_S, HookedStore, held_open, lock_waiters, wait_until
+from tests.store.pg_holds import store as store  # the HookedStore fixture
 
 FN = FunctionDef(id="saga", triggers=[Trigger("saga.go")], retries=RetryPolicy(max_attempts=1))
 ORIGINAL = ErrorInfo("card declined", "DECLINED", retryable=False)

@@ -9,7 +9,7 @@ import pytest
 
 from ironflow.protocol import Concurrency, InvokeYield
 from ironflow.store import Fence, StaleExecution, StepResult
-from tests.store.test_store_behaviour import (
+from tests.store.behaviour import (
     LEASE,
     RESERVATION,
     emit,

@@ -5,8 +5,8 @@ before its commit while the other round starts — never a sleep."""
 from __future__ import annotations
 
 from ironflow.protocol import Concurrency
-from tests.store.test_flow_pg_races import race_calls
-from tests.store.test_store_behaviour import RESERVATION, emit, fn, reserve, running, worker
+from tests.store.behaviour import RESERVATION, emit, fn, reserve, running, worker
+from tests.store.pg_holds import race_calls
 
 
 async def test_a_completions_reservation_and_another_nodes_round_never_both_pass_a_limit(stores, pg_url):

@@ -12,8 +12,8 @@ from ironflow.protocol import Concurrency
 from ironflow.store.core import lock_id
 from ironflow.store.dispatch_flow import conc_lock
 from ironflow.store.postgres import PostgresStore
-from tests.store.test_pg_races import beside_a_holder, lock_waiters, wait_until
-from tests.store.test_store_behaviour import emit, fn, reserve, worker
+from tests.store.behaviour import emit, fn, reserve, worker
+from tests.store.pg_holds import beside_a_holder, lock_waiters, wait_until
 
 
 def hold(pg_url: str, name: str) -> psycopg.Connection:

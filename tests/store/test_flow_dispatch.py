@@ -1,10 +1,10 @@
-"""Flow control at dispatch (issue 24; ironflow/store/flow.py), on both backends:
+"""Flow control at dispatch (ironflow/store/flow.py), on both backends:
 the round robin across concurrency keys, layered limits, priority, throttle."""
 
 from __future__ import annotations
 
 from ironflow.protocol import Concurrency, Throttle
-from tests.store.test_store_behaviour import LEASE, RESERVATION, emit, fence_of, fn, reserve, worker
+from tests.store.behaviour import LEASE, RESERVATION, emit, fence_of, fn, reserve, worker
 
 
 async def emit_many(store, datas, name="order.created"):
@@ -116,7 +116,7 @@ async def test_the_limit_holds_across_two_stores_reserving_at_once(pg_url):
     import psycopg
 
     from ironflow.protocol import FunctionDef, Trigger
-    from tests.store.test_pg_races import HookedStore, lock_waiters, session_of, wait_until
+    from tests.store.pg_holds import HookedStore, lock_waiters, session_of, wait_until
 
     fd = FunctionDef(id="racer", triggers=[Trigger("race.start")], concurrency=Concurrency(2))
     one, two = HookedStore(pg_url), HookedStore(pg_url)

@@ -5,8 +5,6 @@ second store's ingest runs into the row lock it holds — never a sleep."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import psycopg
@@ -24,8 +22,8 @@ from ironflow.protocol import (
     Trigger,
 )
 from ironflow.store.postgres import PostgresStore
-from tests.store.test_pg_races import HOOK_WAIT_S, HookedStore, lock_waiters, wait_until
-from tests.store.test_store_behaviour import reserve, worker
+from tests.store.behaviour import reserve, worker
+from tests.store.pg_holds import HookedStore, lock_waiters, race_calls, wait_until
 
 EVENT = "race.flow"
 
@@ -57,44 +55,6 @@ async def race(
     (it must not: it waits for ``a``'s row lock, then reads ``a``'s row)."""
     return await race_calls(a, pg_url, lambda: send(a, data), lambda: send(b, data))
 
-
-async def race_calls(
-    a: HookedStore, pg_url: str, call_a: Callable[[], Awaitable[Any]], call_b: Callable[[], Awaitable[Any]]
-) -> tuple[Any, Any, bool]:
-    """Run ``call_a`` (a call on ``a``) held before its commit, and ``call_b``
-    meanwhile; returns both results and whether ``call_b`` finished while
-    ``call_a`` was held rather than waiting for one of its locks."""
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        held.set()
-        release.wait(HOOK_WAIT_S)
-
-    a.after = hold
-    results: dict[str, Any] = {}
-
-    async def on_a() -> None:
-        results["a"] = await call_a()
-
-    async def on_b() -> None:
-        results["b"] = await call_b()
-
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(on_a)
-            assert await trio.to_thread.run_sync(lambda: held.wait(HOOK_WAIT_S))
-            a.after = None
-            nursery.start_soon(on_b)
-            blocked = await trio.to_thread.run_sync(
-                lambda: wait_until(lambda: "b" in results or lock_waiters(pg_url) > 0)
-            )
-            assert blocked
-            b_finished_while_held = "b" in results
-            release.set()
-    finally:
-        release.set()
-        a.after = None
-    return results["a"], results["b"], b_finished_while_held
 
 
 @pytest.mark.parametrize("earlier", [0, 1], ids=["first-event-of-the-key", "row-exists"])

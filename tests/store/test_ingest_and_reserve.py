@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from ironflow.protocol import Concurrency, WaitYield
-from tests.store.test_store_behaviour import RESERVATION, emit, fence_of, fn, reserve, worker
+from tests.store.behaviour import RESERVATION, emit, fence_of, fn, reserve, worker
 
 
 async def step_status(store, run_id: str, step_id: str) -> str | None:

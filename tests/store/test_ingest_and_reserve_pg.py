@@ -9,8 +9,8 @@ import psycopg
 
 from ironflow.protocol import Concurrency, FunctionDef, Trigger
 from ironflow.store.postgres import KICK_CHANNEL, PostgresStore
-from tests.store.test_flow_pg_races import race_calls
-from tests.store.test_store_behaviour import RESERVATION, reserve, worker
+from tests.store.behaviour import RESERVATION, reserve, worker
+from tests.store.pg_holds import race_calls
 
 EVENT = "emit.reserve"
 LIMITED = FunctionDef(id="one-at-a-time", triggers=[Trigger(EVENT)], concurrency=Concurrency(limit=1))

@@ -4,15 +4,14 @@ tests/store/test_pg_races.py) while the other side runs: never a sleep."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import trio
 
 from ironflow.protocol import CancelOn, FunctionDef, Trigger
 from ironflow.store import Fence, StaleExecution
-from tests.store.test_pg_races import HOOK_WAIT_S, HookedStore, lock_waiters, wait_until
-from tests.store.test_pg_races import store as store  # the HookedStore fixture
+from tests.store.pg_holds import HOOK_WAIT_S, HookedStore, held_open, lock_waiters, wait_until
+from tests.store.pg_holds import store as store  # the HookedStore fixture
 
 DRIP = FunctionDef(
     id="drip", triggers=[Trigger("user.created")],
@@ -34,19 +33,6 @@ async def running(store: HookedStore, user_id: int) -> Fence:
     await store.activate_lease(fence, lease_expiry_s=600)
     return fence
 
-
-def held_open(store: HookedStore) -> tuple[threading.Event, threading.Event]:
-    """The next transaction of ``store`` stops after its work, before its
-    commit, until ``release`` is set: (paused, release)."""
-    paused, release = threading.Event(), threading.Event()
-
-    def after() -> None:
-        store.after = None
-        paused.set()
-        release.wait(HOOK_WAIT_S)
-
-    store.after = after
-    return paused, release
 
 
 async def unsubscribe(store: HookedStore, user_id: int, into: list[Any]) -> None:

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ironflow.store.core import Tx
-from ironflow.store.pg_sql import numbered as _numbered
-from ironflow.store.pg_sql import pg_sql as _pg_sql
+from ironflow.store.pg_tx import numbered as _numbered
+from ironflow.store.pg_tx import pg_sql as _pg_sql
 from ironflow.store.postgres import PostgresStore
 
 

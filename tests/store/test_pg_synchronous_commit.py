@@ -38,7 +38,8 @@ from ironflow.protocol import (
     job_id_for,
 )
 from ironflow.store import Fence, StaleExecution, StepResult
-from ironflow.store.postgres import PostgresStore, _PgTx
+from ironflow.store.pg_tx import PgTx as _PgTx
+from ironflow.store.postgres import PostgresStore
 from ironflow.testing import ThrowawayPostgres
 from tests.clock import SkewedPostgresStore
 

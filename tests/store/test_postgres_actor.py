@@ -19,7 +19,8 @@ import trio
 
 from ironflow.store import postgres
 from ironflow.store.core import Tx, lock_id
-from ironflow.store.postgres import PostgresStore, _PgTx
+from ironflow.store.pg_tx import PgTx as _PgTx
+from ironflow.store.postgres import PostgresStore
 
 # Long enough for a blocked actor thread to be noticed as blocked, short for a test.
 SETTLE_S = 0.2

@@ -7,7 +7,7 @@ import pytest
 
 from ironflow.protocol import ErrorInfo
 from ironflow.store import Reservations
-from tests.store.test_store_behaviour import emit, reserve, running, worker
+from tests.store.behaviour import emit, reserve, running, worker
 
 
 async def test_a_reservation_that_runs_the_queue_dry_says_when_the_next_row_is_due(store):

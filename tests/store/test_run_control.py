@@ -1,4 +1,4 @@
-"""Run control (issue #23 §4, ironflow/store/run_control.py), once per backend:
+"""Run control (ironflow/store/run_control.py), once per backend:
 resume a failed run from its failed step, resume many, pause and resume."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Run control on PostgreSQL across nodes (issue #23 §4), each interleaving
+"""Run control on PostgreSQL across nodes (docs/run-control.md), each interleaving
 forced, no sleeps: the first transaction is held open before its commit until
 the second waits on its lock.
 
@@ -20,7 +20,7 @@ import trio
 from ironflow.protocol import ErrorInfo, FunctionDef, Trigger, WaitYield
 from ironflow.store import Conflict, Fence
 from ironflow.store.postgres import PostgresStore
-from tests.store.test_pg_races import HOOK_WAIT_S, lock_waiters, wait_until
+from tests.store.pg_holds import HOOK_WAIT_S, lock_waiters, wait_until
 
 FUNCTION = FunctionDef(id="resumer", triggers=[Trigger("resume.race")])
 

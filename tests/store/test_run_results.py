@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ironflow.protocol import RunResult
 from ironflow.store import Fence, StepResult
-from tests.store.test_store_behaviour import fn, running, worker
+from tests.store.behaviour import fn, running, worker
 
 
 async def test_a_completion_announces_each_runs_result_before_its_end_and_a_read_agrees(store):

@@ -17,7 +17,7 @@ from ironflow.store import FunctionNotFound, Store
 from ironflow.store.core import Tx
 from ironflow.store.schema import _BACKFILL_TRIGGERS
 from tests.clock import SkewedStore, open_test_store
-from tests.store.test_pg_races import lock_waiters, wait_until
+from tests.store.pg_holds import lock_waiters, wait_until
 
 MINUTELY = "0 * * * * *"  # second 0 of every minute
 # Late, not missed, below this (the node's default is 1.5 s).

@@ -24,7 +24,7 @@ from ironflow.store import (
     StepResult,
     Store,
 )
-from tests.store.test_store_behaviour import LEASE, emit, fence_of, reserve, worker
+from tests.store.behaviour import LEASE, emit, fence_of, reserve, worker
 
 
 def fn(fid: str = "f", *triggers: Trigger, **kw) -> FunctionDef:

@@ -9,8 +9,8 @@ import trio.testing
 from actors import capacity_scanner, dispatcher, waker
 from actors.directory import LocalSession, SessionDirectory
 from actors.messages import Kick, kick
-from ironflow import metrics
 from ironflow.config import NodeConfig, Timings
+from ironflow.engine import metrics
 from ironflow.protocol import EngineMessage, FunctionDef, JobAssignment, SleepYield, Trigger
 from ironflow.store import Fence, RecoveredSegment, Store
 from tests.unit.virtual_time import BASE

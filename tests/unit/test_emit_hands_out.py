@@ -15,7 +15,7 @@ from ironflow.api.state import ApiState
 from ironflow.config import Limits
 from ironflow.protocol import Concurrency, JobAssignment
 from ironflow.store import Store
-from tests.store.test_store_behaviour import fn, worker
+from tests.store.behaviour import fn, worker
 
 
 async def api_over(store: Store, *functions: Any, delayed_start: bool = True):

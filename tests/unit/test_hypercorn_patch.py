@@ -1,8 +1,10 @@
 """The hypercorn patch writes a fixed-length response in one socket write,
-byte for byte what hypercorn wrote in several (ironflow/hypercorn_patch.py)."""
+byte for byte what hypercorn wrote in several (ironflow/api/hypercorn_patch.py)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import h11
@@ -15,7 +17,7 @@ from hypercorn.protocol.events import Body, EndBody, Response
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.trio.worker_context import WorkerContext
 
-from ironflow import hypercorn_patch
+from ironflow.api import hypercorn_patch
 
 REQUEST = b"POST /v1/events HTTP/1.1\r\nHost: node\r\nContent-Length: 0\r\n\r\n"
 
@@ -383,3 +385,53 @@ async def test_the_application_queue_keeps_order_and_bounds_what_it_holds() -> N
     with trio.testing.assert_no_checkpoints():
         await rendezvous.put("f")
     assert await rendezvous.get() == "f"
+
+
+_FALLBACK_PROBE = """
+import logging, sys
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio import tcp_server
+from hypercorn.trio.task_group import TaskGroup
+from hypercorn.trio.tcp_server import TCPServer
+from ironflow import logs
+from ironflow.api import hypercorn_patch
+
+logs.setup("INFO")
+hypercorn_patch._installed_hypercorn = lambda: "0.19.0"
+before = (TCPServer.protocol_send, TCPServer._read_data, H11Protocol._send_h11_event,
+          TaskGroup.spawn_app, tcp_server.TrioSingleTask)
+assert hypercorn_patch.apply() is False
+after = (TCPServer.protocol_send, TCPServer._read_data, H11Protocol._send_h11_event,
+         TaskGroup.spawn_app, tcp_server.TrioSingleTask)
+print(all(a is b for a, b in zip(before, after, strict=True)))
+"""
+
+
+def test_another_hypercorn_release_is_refused_with_a_logged_reason_and_served_by_hypercorns_own_code() -> None:
+    # A fresh interpreter: this one may have the changes installed already.
+    out = subprocess.run(
+        [sys.executable, "-c", _FALLBACK_PROBE], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "True"  # not one of the five internals replaced
+    assert "hypercorn patch not applied" in out.stderr
+    assert "hypercorn 0.19.0 is installed; the patch was written for 0.18.0" in out.stderr
+
+
+def test_the_release_it_was_written_for_is_the_installed_and_pinned_one() -> None:
+    import importlib.metadata
+    from pathlib import Path
+
+    assert hypercorn_patch.refusal() is None
+    assert importlib.metadata.version("hypercorn") == hypercorn_patch.WRITTEN_FOR
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    assert f'"hypercorn=={hypercorn_patch.WRITTEN_FOR}"' in pyproject
+    assert hypercorn_patch.apply() is True
+    from hypercorn.trio.tcp_server import TCPServer
+
+    assert TCPServer.protocol_send is hypercorn_patch._protocol_send
+
+
+def test_a_trio_socket_without_its_stdlib_socket_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hypercorn_patch, "_trio_socket_wraps_a_stdlib_socket", lambda: False)
+    reason = hypercorn_patch.refusal()
+    assert reason is not None and "_sock" in reason

@@ -14,8 +14,8 @@ import trio
 import trio.testing
 
 from actors import janitor
-from ironflow import metrics
 from ironflow.config import NodeConfig, Timings
+from ironflow.engine import metrics
 from ironflow.protocol import FunctionDef, SleepYield, Trigger
 from ironflow.store import Fence, RunNotFound, Store
 from tests.unit.virtual_time import BASE

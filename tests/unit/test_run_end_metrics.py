@@ -21,8 +21,8 @@ from actors import capacity_scanner, drain_coordinator
 from actors import session as session_actor
 from actors.directory import LocalSession, SessionDirectory
 from actors.messages import Kick
-from ironflow import metrics
 from ironflow.config import NodeConfig, Timings
+from ironflow.engine import metrics
 from ironflow.protocol import (
     EngineMessage,
     ErrorInfo,

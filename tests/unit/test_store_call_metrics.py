@@ -7,8 +7,8 @@ import pytest
 import trio
 import trio.testing
 
-from ironflow import metrics
-from ironflow.store import RunNotFound, Store
+from ironflow.engine import metrics
+from ironflow.store import RunNotFound, Store, timing
 
 
 def _calls(method: str) -> tuple[float, float]:
@@ -21,7 +21,7 @@ def _calls(method: str) -> tuple[float, float]:
 async def test_a_timed_store_observes_each_call_under_its_method_once_even_when_wrapped_twice(
     store: Store, autojump_clock: trio.testing.MockClock
 ) -> None:
-    assert metrics.time_store_calls(metrics.time_store_calls(store)) is store
+    assert timing.time_store_calls(timing.time_store_calls(store)) is store
     count0, _ = _calls("db_now")
     await store.db_now()
     await store.db_now()
@@ -31,7 +31,7 @@ async def test_a_timed_store_observes_each_call_under_its_method_once_even_when_
 async def test_a_refused_call_is_observed_and_a_cancelled_one_is_not(
     store: Store, autojump_clock: trio.testing.MockClock
 ) -> None:
-    metrics.time_store_calls(store)
+    timing.time_store_calls(store)
     count0, _ = _calls("get_run")
     with pytest.raises(RunNotFound):
         await store.get_run("run_nope")
@@ -43,7 +43,7 @@ async def test_a_refused_call_is_observed_and_a_cancelled_one_is_not(
 
 
 def test_the_method_label_can_only_take_the_store_interfaces_method_names() -> None:
-    methods = metrics.store_methods()
+    methods = timing.store_methods()
     assert {"record_step", "complete_job", "reserve_segments", "resume_claimed_steps"} <= methods
     # Not a call: the node-long kick listener; nor anything private.
     assert "watch_kicks" not in methods and not any(m.startswith("_") for m in methods)

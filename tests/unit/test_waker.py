@@ -155,7 +155,7 @@ async def test_a_full_batch_is_followed_at_once_by_the_next(
 class CancelAfterClaim:
     """The store, with ``victim`` cancelled right after the waker claims its step.
 
-    That is issue 10's race: an API cancel (or loop 2) landing between the
+    That is the race: an API cancel (or loop 2) landing between the
     waker's claim and its resume takes the claim away.
     """
 

@@ -11,9 +11,9 @@ totals when it deleted anything. No SQL here: the guards live in the store.
 
 from __future__ import annotations
 
-from ironflow import metrics
+from ironflow.engine import metrics
 from ironflow.protocol import TERMINAL_RUN_STATUSES
-from ironflow.store import PurgeCounts, Store
+from ironflow.store.base import PurgeCounts, Store
 
 __all__ = ["purge_pass", "BATCH", "VACUUM_PAGES"]
 

@@ -1,21 +1,21 @@
-"""Prometheus metrics of the node (names follow the original product's dashboards)."""
+"""Prometheus metrics of the node (names follow the original product's dashboards).
+
+Imports nothing of the store: the store times its own calls with
+``STORE_CALL`` (:mod:`ironflow.store.timing`) and counts with these metrics.
+"""
 
 from __future__ import annotations
 
 import bisect
-import functools
-import inspect
 import itertools
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Iterator
+from typing import TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
-
-from ironflow.store import Store
 
 REGISTRY = CollectorRegistry()
 
@@ -178,7 +178,7 @@ RUN_DURATION = _registered(_Histogram(
     DURATION_BUCKETS,
     ("function", "status"),
 ))
-# Flow control at dispatch (issue 24; docs/flow-control.md).
+# Flow control at dispatch (docs/flow-control.md).
 FLOW_HELD = Counter(
     "ironflow_flow_held_total",
     "Queued segments flow control held back in this node's dispatch rounds",
@@ -224,11 +224,6 @@ STORE_CALL = _registered(_Histogram(
     ("method",),
 ))
 
-# Store methods not timed: ``watch_kicks`` lives as long as the node (it is a
-# listener, not a call), and opening/closing are not calls an operator tunes.
-_UNTIMED_STORE_METHODS = frozenset({"watch_kicks", "open", "close", "probe"})
-
-
 def run_ended(status: str, function_id: str | None, duration_s: float | None) -> None:
     """Count a run that ended on this node and observe its duration.
 
@@ -240,49 +235,6 @@ def run_ended(status: str, function_id: str | None, duration_s: float | None) ->
     RUNS_FINISHED.inc(labels=(status,))
     if function_id is not None and duration_s is not None:
         RUN_DURATION.observe(max(duration_s, 0.0), (function_id, status))
-
-
-def store_methods() -> frozenset[str]:
-    """The ``Store`` interface's timed methods: every label value ``method`` can take."""
-    return frozenset(
-        name
-        for name, fn in inspect.getmembers(Store, inspect.iscoroutinefunction)
-        if not name.startswith("_") and name not in _UNTIMED_STORE_METHODS
-    )
-
-
-def _timed(method: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-    observe, labels = STORE_CALL.observe, (method,)
-
-    @functools.wraps(call)
-    async def timed(*args: Any, **kwargs: Any) -> Any:
-        started = time.perf_counter()
-        try:
-            result = await call(*args, **kwargs)
-        except Exception:
-            # A refused call (stale fence, conflict) still took its transaction;
-            # a cancelled one (BaseException) did not finish and is not observed.
-            observe(time.perf_counter() - started, labels)
-            raise
-        observe(time.perf_counter() - started, labels)
-        return result
-
-    return timed
-
-
-def time_store_calls(store: Store) -> Store:
-    """Observe ``ironflow_store_call_seconds`` for every interface call on ``store``.
-
-    Wraps the instance's bound methods (the class is untouched, so a store
-    built by a test without a node is not timed). Calling it twice is harmless.
-    Returns ``store``.
-    """
-    if getattr(store, "_ironflow_timed", False):
-        return store
-    for name in store_methods():
-        setattr(store, name, _timed(name, getattr(store, name)))
-    store._ironflow_timed = True  # type: ignore[attr-defined]
-    return store
 
 
 def render() -> bytes:

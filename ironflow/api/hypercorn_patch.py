@@ -1,87 +1,21 @@
-"""Six changes to hypercorn's Trio worker (0.18), installed by :func:`apply`.
+"""Six changes to hypercorn's Trio worker, installed by :func:`apply` when the
+installed hypercorn is the release they were written for (:data:`WRITTEN_FOR`).
 
-**Close a connection the protocol closed.** hypercorn (``trio/tcp_server.py``)
-closes an HTTP/1.1 connection after a response to ``Connection: close`` or
-HTTP/1.0 by sending ``Closed`` from the application's task. quart-trio cancels
-that task as the response ends, so the ``send_eof``/``aclose`` inside is
-cancelled at its first checkpoint and the socket stays open until the *client*
-closes it: 200 such requests left 200 descriptors open on the node. The close
-is quick and must not be skipped, so it is shielded here (bounded by a
-timeout). Same family as upstream pgjones/hypercorn#106.
-
-**One socket write per fixed-length response.** hypercorn writes an HTTP/1.1
-response as one socket write per h11 event: the head, each body chunk, and the
-end of message — which for a ``Content-Length`` response is zero bytes, yet
-still takes the connection's send lock, a shielded cancel scope and a
-checkpoint. Every run starts with a ``POST /v1/events``, and those writes were
-the largest single item of the node's own CPU under load (docs/benchmarks.md,
-"Where the node's CPU goes"). So the head of a response that declares its
-length is held and written together with the next event's bytes (its body, or
-its empty end), and empty writes are skipped. The bytes on the wire are the
-same, in the same order. A response without a length (chunked, streamed: the
-dashboard's live feed) has its head written at once, as before, and so does an
-informational response (a websocket's ``101``).
-
-**A write the socket takes at once costs no task switch.** hypercorn sends
-every write under the connection's send lock through Trio's ``send_all``:
-the lock's acquire and the send each end with a checkpoint that yields to
-the scheduler, twice per response (and per websocket frame the node sends).
-A write is now first offered to the socket directly when no other write is
-under way (the lock is free): taken whole, it is done; what the socket did
-not take (full, or broken) goes hypercorn's way, lock and all, which also
-raises or closes as before. The bytes and their order are unchanged. Plain
-TCP only: a TLS stream's writes go hypercorn's way.
-
-**The keep-alive timer noted, not restarted.** A connection's idle timer is
-stopped when a request arrives and started again when its response is done
-(``TrioSingleTask``): per request, two lock acquisitions, a cancelled task
-and a ``Nursery.start`` of a new one, whose started-handshake costs a task
-switch of its own (this module's earlier ``_SingleTask`` still started a
-task per request). :class:`_KeepAliveTimer` keeps ONE task per connection,
-and a request's arrival and its response's end only note the time and the
-state: the task wakes at its deadline and either closes the connection (idle
-``keep_alive_timeout`` since its last response) or waits again. What it
-does when it fires is hypercorn's: an idle connection past its keep-alive,
-or one idle while the server stops, is closed
-(``TCPServer._initiate_server_close``); a connection busy with a request
-when the server stops is closed once idle. Beyond hypercorn: a request head
-that arrives in pieces must be whole within the server config's
-``header_timeout`` of its first piece (``ironflow/api/connections.py``), or
-the connection is closed: a head sent a byte a second no longer holds a
-connection for the whole keep-alive.
-
-**A message to or from the application costs no task switch when it can
-pass at once.** hypercorn hands the application its request (the body, then
-its end, then a disconnect once the response is done) and a websocket's
-frames through a memory channel per request or connection, and Trio's
-channel ``send`` and ``receive`` each end with a checkpoint that yields to
-the scheduler even when the message passed without waiting: five task
-switches per ``POST /v1/events`` (two in the connection's reader, three in
-the request's task) of the ~10 such a request cost. :func:`_spawn_app` gives
-both sides an :class:`_AppQueue` instead: a message that fits the buffer
-(hypercorn's ``max_app_queue_size``) or one already waiting passes at once,
-and only a full or empty queue waits, as before (so the buffer still bounds
-what a slow application is sent). It is also cheaper to make than the memory
-channel it replaces. The messages and their order are the same. Each side
-still yields at its next wait: the reader at its next socket read, the
-application at its first store call.
-
-**A socket read is a wait and a read.** hypercorn's connection reader enters
-a ``fail_after(read_timeout)`` scope per read (a generator context manager
-and a cancel scope, even with no read timeout, the default) and reads through
-Trio's ``receive_some``: two more context managers, and on a keep-alive
-connection a first ``recv`` that finds nothing (the next request is not sent
-before this response) before it waits and reads again. Together ~12 % of the
-node's main thread under load (docs/benchmarks.md). :func:`_read_data` waits
-until the socket is readable, then reads once. The bytes, the events the
-protocol is handed (``RawData``, an empty one at the peer's end, then
-``Closed``) and when the reader stops (the peer's end, a reset, the socket
-closed by the node) are hypercorn's. A configured ``read_timeout``, or a TLS
-stream, reads hypercorn's way.
+Each replaces one hypercorn internal with a cheaper one of the same
+behaviour (same bytes on the wire, in the same order; same events to the
+application): a shielded close of a connection the protocol closed; one
+socket write per fixed-length response; a write the socket takes at once
+without a task switch; one keep-alive timer task per connection; an
+application queue that passes a message without a task switch; a socket read
+as one wait and one read. Why each, and how to port them to a new hypercorn:
+docs/hypercorn-patch.md.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import logging
+import socket
 from collections import deque
 from typing import Any
 
@@ -94,6 +28,15 @@ from hypercorn.trio.task_group import TaskGroup
 from hypercorn.trio.tcp_server import MAX_RECV, TCPServer
 from hypercorn.trio.worker_context import TrioSingleTask
 from trio.lowlevel import ParkingLot
+
+from ironflow import logs
+
+log = logging.getLogger("ironflow.api")
+
+# The hypercorn release whose internals the six replacements were written
+# against, read line by line; any other release may have changed them, so it
+# is served by its own code (docs/hypercorn-patch.md says how to port).
+WRITTEN_FOR = "0.18.0"
 
 # Upper bound on the shielded close: send_eof and aclose do not block on a
 # healthy socket; this only guards a wedged one.
@@ -327,8 +270,39 @@ async def _spawn_app(self: TaskGroup, app: Any, config: Any, scope: Any, send: A
     return queue.put
 
 
-def apply() -> None:
-    """Install the six changes (idempotent)."""
+def _installed_hypercorn() -> str:
+    """The installed hypercorn's version (its distribution metadata)."""
+    return importlib.metadata.version("hypercorn")
+
+
+def _trio_socket_wraps_a_stdlib_socket() -> bool:
+    """Whether a Trio socket still keeps its stdlib socket as ``_sock`` (Trio's
+    private attribute, written to and read from directly by two changes)."""
+    with socket.socket() as plain:  # closed here: the Trio wrapper is only looked at
+        return getattr(trio.socket.from_stdlib_socket(plain), "_sock", None) is plain
+
+
+def refusal() -> str | None:
+    """Why the changes would not be installed here, or None when they would."""
+    found = _installed_hypercorn()
+    if found != WRITTEN_FOR:
+        return f"hypercorn {found} is installed; the patch was written for {WRITTEN_FOR}"
+    if not _trio_socket_wraps_a_stdlib_socket():
+        return f"trio {trio.__version__}'s socket no longer keeps a stdlib socket as _sock"
+    return None
+
+
+def apply() -> bool:
+    """Install the six changes (idempotent) and return True; or, when
+    :func:`refusal` names a reason, log it, leave hypercorn's own code in place
+    and return False (the node serves the same, at hypercorn's cost)."""
+    reason = refusal()
+    if reason is not None:
+        logs.event(
+            log, logging.WARNING, "hypercorn patch not applied: serving with hypercorn's own code",
+            reason=reason, written_for=WRITTEN_FOR, see="docs/hypercorn-patch.md",
+        )
+        return False
     if TCPServer.protocol_send is not _protocol_send:
         TCPServer.protocol_send = _protocol_send  # type: ignore[method-assign]
     if H11Protocol._send_h11_event is not _send_h11_event:
@@ -339,3 +313,4 @@ def apply() -> None:
         TaskGroup.spawn_app = _spawn_app  # type: ignore[method-assign]
     if TCPServer._read_data is not _read_data:
         TCPServer._read_data = _read_data  # type: ignore[method-assign]
+    return True

@@ -1,0 +1,102 @@
+"""The transaction surface the shared SQL is written against (:class:`Tx`) and
+the value codecs every store module uses (JSON text columns, ISO times,
+``?`` placeholder lists).
+
+Below every other module of the SQL store: it imports none of them, so any
+of them (``core.py`` and the mechanisms it calls) can import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+import msgspec
+
+from ironflow.protocol import ErrorInfo
+
+_json_encode = msgspec.json.Encoder().encode
+_json_decode = msgspec.json.Decoder().decode
+_error_decode = msgspec.json.Decoder(ErrorInfo).decode
+
+
+class Tx(Protocol):
+    """The tiny transaction surface the shared SQL is written against."""
+
+    # True where every statement is a round trip to a server (PostgreSQL): the
+    # hottest transitions then use its combined forms (data-modifying WITH,
+    # multi-row VALUES), one statement instead of one per table or row. SQLite
+    # runs in-process and has no round trips to save.
+    combined: bool
+
+    def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
+        """Run one statement; return the affected row count."""
+
+    def executemany(self, sql: str, rows: Iterable[Sequence[Any]]) -> None: ...
+
+    def fetchone(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None: ...
+
+    def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
+
+    def lock(self, of: str | None = None) -> str:
+        """``FOR UPDATE [OF of] SKIP LOCKED`` on PostgreSQL, ``""`` on SQLite."""
+
+    def lock_wait(self) -> str:
+        """``FOR UPDATE`` (waits for a concurrent holder) on PostgreSQL, ``""`` on SQLite."""
+
+    def runs_ended(self, run_ids: list[str]) -> None:
+        """These runs end in this transaction: tell the other nodes at commit."""
+
+    def notify(self) -> None:
+        """Tell every node's dispatcher, at commit, that queue rows became claimable."""
+
+    def take_notify(self) -> bool:
+        """Whether this call asked for :meth:`notify` so far, withdrawing the ask
+        (it can be made again): the emit that reserved every run it queued
+        kicks nobody (``SqlStore.ingest_and_reserve``)."""
+
+    def share_lock(self, of: str) -> str:
+        """``FOR SHARE OF of`` (waits) on PostgreSQL, ``""`` on SQLite."""
+
+    def advisory_lock(self, key: str) -> None:
+        """Transaction-scoped named lock on PostgreSQL; a no-op on SQLite."""
+
+    def try_advisory_lock(self, key: str) -> bool:
+        """Take the transaction-scoped named lock if free (PostgreSQL); True on SQLite."""
+
+    def key_share_lock(self, of: str) -> str:
+        """``FOR KEY SHARE OF of`` on PostgreSQL (waits for a DELETE of the row,
+        not for an UPDATE of its other columns), ``""`` on SQLite."""
+
+    def renew_lock(self, of: str) -> str:
+        """``FOR NO KEY UPDATE OF of SKIP LOCKED`` on PostgreSQL (what an UPDATE
+        of non-key columns takes, skipping a row another transaction is
+        deleting or locked for update; a ``FOR KEY SHARE`` holder is not
+        skipped), ``""`` on SQLite."""
+
+    # SQL for this transaction's id (PostgreSQL: ``pg_current_xact_id()``, the
+    # number :meth:`snapshot_sql`'s snapshot is judged against), ``NULL`` on SQLite.
+    xid_sql: str
+    # SQL for the current statement's snapshot as text (PostgreSQL), ``NULL`` on SQLite.
+    snapshot_sql: str
+
+
+def _enc(value: Any) -> str:
+    return _json_encode(value).decode()
+
+
+def _dec(text: str | None) -> Any:
+    return None if text is None else _json_decode(text)
+
+
+def _dec_error(text: str | None) -> ErrorInfo | None:
+    return None if text is None else _error_decode(text)
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds")
+
+
+def _marks(n: int) -> str:
+    return ", ".join("?" * n)
