@@ -62,6 +62,10 @@ class SessionDirectory:
         # out here, only when there are any), taken by the session's run state
         # budget at the job's first step (actors/session.py ``RunStateBudget``).
         self.state_before: dict[str, int] = {}
+        # Set by the node when it stops (at once, or after its drain): a session
+        # waiting out an outage of the store then gives up the frames it holds
+        # rather than keep the node from stopping (actors/session.py).
+        self.stopping = trio.Event()
 
     def note_state(self, job_id: str, state_bytes: int) -> None:
         """Remember a handed-out job's stored state (see :attr:`state_before`)."""

@@ -10,6 +10,13 @@ pull session of this node holds work, or the drain deadline passes. At the
 deadline every session of this node still in the store is closed with its
 leases recovered at once, as for a lost socket: a pull worker's jobs do not
 wait for lease expiry. Start, outcome and each recovery are audited.
+
+The deadline holds whatever the database does: while it is unavailable the
+coordinator keeps waiting for the sessions (a store read that fails counts
+as "not idle yet"), and at the deadline what it cannot record (the closes,
+the audit) is logged and left: this node's leases expire in the database and
+the other nodes recover them, as after a crash. The node then stops, and its
+sessions give up frames they could not apply (``actors/session.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from actors.recovered import note_recovered
 from ironflow import logs
 from ironflow.config import NodeConfig
 from ironflow.protocol import SessionRecord, Shutdown
-from ironflow.store import Store
+from ironflow.store import Store, StoreUnavailable
 
 log = logging.getLogger("ironflow.drain")
 
@@ -38,8 +45,12 @@ def _busy_pull(sessions: list[SessionRecord], node_id: str) -> list[SessionRecor
 
 async def _wait_until_idle(store: Store, node_id: str, directory: SessionDirectory) -> None:
     while True:
-        if not directory.streaming() and not _busy_pull(await store.list_sessions(), node_id):
-            return
+        if not directory.streaming():
+            try:
+                if not _busy_pull(await store.list_sessions(), node_id):
+                    return
+            except StoreUnavailable:
+                pass  # unknown: not idle yet (the deadline bounds the wait)
         with trio.move_on_after(PULL_CHECK_INTERVAL_S):
             await directory.wait_changed()
 
@@ -83,6 +94,14 @@ async def _recover_at_deadline(store: Store, config: NodeConfig, node_id: str) -
     return recovered
 
 
+async def _record(store: Store, kind: str, data: dict[str, object]) -> None:
+    """Audit a step of the drain; while the database is unavailable, log it instead."""
+    try:
+        await store.record_node_drain(kind, data)
+    except StoreUnavailable as exc:
+        logs.event(log, logging.WARNING, "drain: not audited, the database is unavailable", type=kind, cause=str(exc))
+
+
 async def run(
     store: Store,
     config: NodeConfig,
@@ -109,9 +128,12 @@ async def run(
     streaming = directory.streaming()
     for session in directory.all():
         session.draining = True  # the dispatcher offers draining sessions nothing
-    pull = [
-        s for s in await store.list_sessions() if s.node_id == node_id and s.mode == "pull"
-    ]
+    try:
+        pull = [
+            s for s in await store.list_sessions() if s.node_id == node_id and s.mode == "pull"
+        ]
+    except StoreUnavailable:
+        pull = []  # not known while the database is unavailable
     logs.event(
         log,
         logging.INFO,
@@ -120,7 +142,8 @@ async def run(
         pull_sessions=len(pull),
         drain_timeout_s=timeout,
     )
-    await store.record_node_drain(
+    await _record(
+        store,
         "node.drain.started",
         {
             "node_id": node_id,
@@ -139,11 +162,23 @@ async def run(
         await _wait_until_idle(store, node_id, directory)
     if not scope.cancelled_caught:
         logs.event(log, logging.INFO, "drain: complete", sessions_left=0)
-        await store.record_node_drain("node.drain.completed", {"node_id": node_id, "recovered": 0})
+        await _record(store, "node.drain.completed", {"node_id": node_id, "recovered": 0})
     else:
         left = len(directory.streaming())
-        busy_pull = len(_busy_pull(await store.list_sessions(), node_id))
-        recovered = await _recover_at_deadline(store, config, node_id)
+        try:
+            busy_pull = len(_busy_pull(await store.list_sessions(), node_id))
+            recovered = await _recover_at_deadline(store, config, node_id)
+        except StoreUnavailable as exc:
+            logs.event(
+                log,
+                logging.WARNING,
+                "drain: deadline reached, the database is unavailable: this node's leases are"
+                " recovered by the other nodes once they expire",
+                sessions_left=left,
+                cause=str(exc),
+            )
+            drained.set()
+            return
         logs.event(
             log,
             logging.WARNING,
@@ -152,7 +187,8 @@ async def run(
             pull_sessions_busy=busy_pull,
             recovered=recovered,
         )
-        await store.record_node_drain(
+        await _record(
+            store,
             "node.drain.deadline_reached",
             {
                 "node_id": node_id,

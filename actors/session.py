@@ -511,8 +511,11 @@ class _Lanes:
                         except StoreUnavailable:
                             # An outage: hold the frames (the socket stays
                             # open; the lane's room stays taken, so a long one
-                            # stops the reader) and apply them once it is over.
-                            await self._store.availability.wait_up()
+                            # stops the reader) and apply them once it is over,
+                            # unless the node stops first.
+                            if not await self._outage_over():
+                                self._give_up(key, units, queue)
+                                return
                 finally:
                     for _ in msgs:
                         self._room.release()
@@ -522,6 +525,45 @@ class _Lanes:
             self._nursery.cancel_scope.cancel()
         finally:
             del self._queues[key]
+
+    async def _outage_over(self) -> bool:
+        """Wait out an outage of the store: True once it is back, False if the
+        node stops first (``SessionDirectory.stopping``)."""
+        stopping = self._directory.stopping
+        back = False
+        if stopping.is_set():
+            return back
+        async with trio.open_nursery() as nursery:
+            async def store_back() -> None:
+                nonlocal back
+                await self._store.availability.wait_up()
+                back = True
+                nursery.cancel_scope.cancel()
+
+            async def node_stops() -> None:
+                await stopping.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(store_back)
+            nursery.start_soon(node_stops)
+        return back
+
+    def _give_up(self, key: str, units: list[list[WorkerMessage]], queue: deque[WorkerMessage]) -> None:
+        """The node stops while the store is down: the frames held for this run
+        are not applied. Its lease expires in the database and another node
+        recovers the segment (the steps those frames reported run again)."""
+        held = sum(len(unit) for unit in units) + len(queue)
+        for _ in queue:
+            self._room.release()
+        queue.clear()
+        logs.event(
+            log,
+            logging.WARNING,
+            "session: frames not applied, the database is unavailable and the node is stopping",
+            session_id=self._session_id,
+            run_id=key,
+            frames=held,
+        )
 
     async def _hold_ack(self, key: str, queue: deque[WorkerMessage]) -> None:
         """Wait (at most ``Timings.ack_hold_s``) until the held ack's run sent
@@ -683,6 +725,16 @@ async def _handle_batch(batch: list[WorkerMessage], lanes: _Lanes) -> None:
         await lanes.put(msg)
 
 
+
+async def _stop_watch(directory: SessionDirectory, store: Store, lanes: trio.CancelScope) -> None:
+    """When the node stops while the store is down, end the session's lanes:
+    a lane waiting on a call the silent database took would otherwise keep the
+    node from stopping (``Store.abandon_calls``). With the store up they finish
+    as usual."""
+    await directory.stopping.wait()
+    if not store.availability.up:
+        lanes.cancel()
+
 async def run(
     store: Store,
     config: NodeConfig,
@@ -747,27 +799,32 @@ async def run(
     task_status.started(session_id)
     try:
         violation: ProtocolViolation | None = None
-        async with trio.open_nursery() as nursery:
-            lanes = _Lanes(
-                nursery, store, config, session_id, outbox, kicks, directory, local.traceparents
-            )
-            while True:
-                try:
-                    msg = await inbound.receive()
-                except trio.EndOfChannel:
-                    lanes.flush()  # held acks are applied now, not after their hold
-                    break  # the nursery waits for the messages already read
-                batch = [msg]
+        # The lanes' nursery inside a guard whose only task ends them if the
+        # node stops while the store is down (see _stop_watch).
+        async with trio.open_nursery() as guard:
+            async with trio.open_nursery() as nursery:
+                lanes = _Lanes(
+                    nursery, store, config, session_id, outbox, kicks, directory, local.traceparents
+                )
+                guard.start_soon(_stop_watch, directory, store, nursery.cancel_scope)
                 while True:
                     try:
-                        batch.append(inbound.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
+                        msg = await inbound.receive()
+                    except trio.EndOfChannel:
+                        lanes.flush()  # held acks are applied now, not after their hold
+                        break  # the nursery waits for the messages already read
+                    batch = [msg]
+                    while True:
+                        try:
+                            batch.append(inbound.receive_nowait())
+                        except (trio.WouldBlock, trio.EndOfChannel):
+                            break
+                    if any(isinstance(m, Register) for m in batch):
+                        violation = ProtocolViolation("register sent twice on one connection")
+                        lanes.flush()
                         break
-                if any(isinstance(m, Register) for m in batch):
-                    violation = ProtocolViolation("register sent twice on one connection")
-                    lanes.flush()
-                    break
-                await _handle_batch(batch, lanes)
+                    await _handle_batch(batch, lanes)
+            guard.cancel_scope.cancel()  # the lanes are done: so is the watch
         if violation is not None:
             raise violation
         if isinstance(lanes.fatal, SessionNotFound):

@@ -4,7 +4,8 @@ While the store is up it reads the database every ``store_probe_s`` (a read:
 an idle node writes nothing), so an outage nobody's call has met yet still
 turns ``/readyz`` to 503 within about that; a probe that has not answered
 within ``store_probe_timeout_s`` (a database gone silent: a partition holds
-packets and closes nothing) marks the store down too. Any store call that meets an
+packets and closes nothing) marks the store down too, unless other calls
+reached the database meanwhile (the probe queued behind a loaded node's work). Any store call that meets an
 outage marks the store down itself (``ironflow/store/availability.py``).
 
 While the store is down it tries a *write* every ``store_probe_s`` (a full
@@ -37,11 +38,16 @@ async def _probe(store: Store, timeout_s: float, *, write: bool) -> bool:
     given up on at the timeout (even one the database took: the probe is
     ANSWER_WHEN_DOWN) and marks the store down, which answers every API call
     still waiting on the database at once."""
+    started = trio.current_time()
     with trio.move_on_after(timeout_s), answered_when_down():
         try:
             await store.probe(write=write)
         except StoreUnavailable:
             return False
+        return True
+    if not write and store.availability.last_ok > started:
+        # Other calls reached the database while the probe waited: it answers,
+        # the probe was queued behind their work (a loaded node), not lost.
         return True
     if store.availability.up:
         store.availability.went_down(

@@ -247,6 +247,10 @@ class Node:
 
                     wait.start_soon(on_drained)
                     wait.start_soon(on_stop)
+                self.directory.stopping.set()
+                if not self.store.availability.up:
+                    # Stopping while the database is silent: what it took is not awaited.
+                    self.store.abandon_calls()
                 server_stop.set()
                 nursery.cancel_scope.cancel()
         finally:

@@ -361,6 +361,14 @@ class Store(abc.ABC):
     async def close(self) -> None:
         """Finish in-flight work and release connections/threads."""
 
+    def abandon_calls(self) -> None:
+        """The node stops while the database does not answer: a call the
+        database took is no longer awaited to its commit or rollback once its
+        caller is cancelled (its outcome stays unknown; the database ends the
+        transaction when the connection goes). A no-op where calls are
+        in-process (SQLite)."""
+        return None
+
     @abc.abstractmethod
     async def db_now(self) -> float:
         """The database clock, epoch seconds."""

@@ -477,6 +477,11 @@ class PostgresStore(SqlStore):
         self._duty = _Duty()
         self.availability = Availability()
         self.availability.on_down = self._answer_held
+        # Set by abandon_calls(): no call waits for the database any more.
+        self._abandoning = False
+        # Every call's requests not answered yet (Trio thread only): what
+        # abandon_calls() answers.
+        self._outstanding: set[_Request] = set()
         # Calls of ANSWER_WHEN_DOWN tasks not yet answered (Trio thread only).
         self._held: set[_Request] = set()
         # Connections the actors lost (see _Actor._run_group).
@@ -587,6 +592,21 @@ class PostgresStore(SqlStore):
         found = cur.fetchone()
         return None if found is None else str(found[0])
 
+    def abandon_calls(self) -> None:
+        self._abandoning = True
+        outstanding, self._outstanding = self._outstanding, set()
+        for req in outstanding:
+            with self._state_lock:
+                never_ran = req.state == _PENDING
+                if never_ran:
+                    req.state = _WITHDRAWN
+            req.deliver(outcome.Error(StoreUnavailable(
+                "the node is stopping and the database does not answer: this call was not applied"
+                if never_ran else
+                "the node is stopping and the database stopped answering while applying this call,"
+                " which may or may not have taken effect"
+            )))
+
     async def close(self) -> None:
         if not self._actors:
             return
@@ -594,12 +614,27 @@ class PostgresStore(SqlStore):
         for _ in actors:
             self._requests.put(None)
 
-        def join() -> None:
+        # An actor stuck on a connection that went silent (a partition) ends
+        # at the TCP bound; past it the node stops without it (its thread is a
+        # daemon, its transaction the server's to end).
+        # Stopping while the database is silent (abandon_calls), a thread on a
+        # dead connection is not waited for beyond a second.
+        bound_s = 1.0 if self._abandoning else self.timings.pg_tcp_timeout_s + 1.0
+
+        def join() -> int:
+            deadline = time.monotonic() + bound_s
             for actor in actors:
-                actor.thread.join()
+                actor.thread.join(max(0.0, deadline - time.monotonic()))
+            return sum(actor.thread.is_alive() for actor in actors)
 
         with trio.CancelScope(shield=True):
-            await trio.to_thread.run_sync(join)
+            stuck = await trio.to_thread.run_sync(join)
+        if stuck:
+            logs.event(
+                log, logging.WARNING,
+                "store: closed with connections still waiting on the database, left to the TCP bounds",
+                connections=stuck, waited_s=f"{bound_s:g}",
+            )
 
     async def reclaim_space(self, max_pages: int) -> int:
         """Nothing to do: autovacuum makes deleted rows' space reusable (it does
@@ -708,6 +743,8 @@ class PostgresStore(SqlStore):
         """``works`` as consecutive requests of one group, in order, each its own
         unit of work (see ``_Actor._careful`` for a retried one); their outcomes."""
         self.availability.check()
+        if self._abandoning:
+            raise StoreUnavailable("the node is stopping and the database does not answer")
         if not self._actors:
             raise RuntimeError("PostgresStore is not open")
         done = trio.Event()
@@ -729,10 +766,12 @@ class PostgresStore(SqlStore):
             self._held.update(members)
         # One queue item: one actor takes the whole chain into one group, in order.
         self._requests.put(members)
+        self._outstanding.update(members)
         try:
             with trio.CancelScope(shield=not held):
                 await done.wait()
         finally:
+            self._outstanding.difference_update(members)
             if held:
                 self._held.difference_update(members)
         return translated(self.availability, [box[i] for i in range(len(works))], unavailable)
@@ -748,6 +787,8 @@ class PostgresStore(SqlStore):
         committed. ``synchronous_commit=False``: see ``SqlStoreBase._transact``
         (a chained call — ``in_order`` — always waits for its flush)."""
         self.availability.check()
+        if self._abandoning:
+            raise StoreUnavailable("the node is stopping and the database does not answer")
         pending = chained(work, locks)
         if pending is not None:
             return await pending
@@ -767,6 +808,7 @@ class PostgresStore(SqlStore):
         held = ANSWER_WHEN_DOWN.get()
         if held:
             self._held.add(req)
+        self._outstanding.add(req)
         self._requests.put(req)
         try:
             await done.wait()
@@ -778,10 +820,12 @@ class PostgresStore(SqlStore):
             if withdrawn or held:
                 raise  # never ran (nothing to hand back), or given up on (ANSWER_WHEN_DOWN)
             # An actor is running it: it will commit or roll back; its result
-            # must reach the caller (the cancellation comes at the next checkpoint).
+            # must reach the caller (the cancellation comes at the next
+            # checkpoint), unless the node stops while the database is silent.
             with trio.CancelScope(shield=True):
                 await done.wait()
         finally:
+            self._outstanding.discard(req)
             if held:
                 self._held.discard(req)
         return settle(self.availability, box[0], unavailable)

@@ -440,7 +440,7 @@ async def test_an_internal_fault_is_a_500_with_a_request_id_also_in_the_log(
     async def broken(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(node.store, "list_runs", broken)
+    monkeypatch.setattr(node.store, "runs_page", broken)
     with caplog.at_level(logging.ERROR, logger="ironflow.api"):
         resp = await http.get("/v1/runs")
     assert resp.status_code == 500 and resp.json()["code"] == "INTERNAL"

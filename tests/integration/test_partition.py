@@ -15,7 +15,10 @@ What must hold:
   waiting for that row proceeds then, not before, and nothing of the held
   transaction is committed;
 - a lock held by a session that is not a node's is given up at
-  ``pg_lock_timeout_s``: ``STORE_TIMEOUT``, and the store stays up.
+  ``pg_lock_timeout_s``: ``STORE_TIMEOUT``, and the store stays up;
+- a node stopped (at once, or by a drain) while cut off stops within its
+  bounds, not when the database answers again; what it could not record is
+  recovered by another node once the database is back: every run completes.
 """
 
 from __future__ import annotations
@@ -230,6 +233,73 @@ async def test_a_transaction_held_on_a_blackholed_connection_releases_its_lock_a
         assert row == ("peer",)  # nothing of the held transaction committed
     finally:
         await store.close()
+
+
+
+# A stop while cut off: the held frames given up, the silent connections
+# waited for a second (ironflow/store/postgres.py ``close``); a drain: its
+# deadline, then the same.
+STOP_WITHIN_S = 3.0
+DRAIN_TIMEOUT_S = 2.0
+
+
+@pytest.mark.parametrize("how", ["stop", "drain"])
+async def test_a_node_stopped_while_cut_off_stops_within_its_bounds_and_loses_no_run(
+    proxy: BlackholeProxy, pg_url: str, tmp_path: Path, how: str
+) -> None:
+    @ironflow.function(id="two-steps", triggers=[ironflow.event("two.go")])
+    async def two_steps(ctx: Any) -> Any:
+        await ctx.step.run("a", lambda: 1)
+        await trio.sleep(0.5)
+        return await ctx.step.run("b", lambda: ctx.event.data)
+
+    config = node_config(
+        proxy.url(pg_url), tmp_path / "a", **PG_BOUNDS, drain_timeout_s=DRAIN_TIMEOUT_S, lease_expiry_s=3.0,
+        heartbeat_interval_s=1.0,
+    )
+    node = Node(config)
+    stopped = trio.Event()
+
+    async def run_node(task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
+        try:
+            await node.run(task_status=task_status)
+        finally:
+            stopped.set()
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(run_node)
+        worker = ironflow.StreamingWorker(node.url, [two_steps], handle_signals=False, reconnect_delay=0.2)
+        await nursery.start(worker.run)
+        async with httpx.AsyncClient(base_url=node.url, timeout=10.0) as http:
+            run_ids = [(await emit(http, "two.go", {"i": i}))["run_ids"][0] for i in range(5)]
+        await trio.sleep(0.2)  # the runs' first steps reported, their segments mid-sleep
+        proxy.blackhole()
+        async def marked_down() -> bool:
+            return not node.store.availability.up
+
+        await eventually(marked_down, timeout=3, message="store marked down")
+        asked = time.monotonic()
+        node.stop() if how == "stop" else node.request_shutdown()
+        with trio.move_on_after(DRAIN_TIMEOUT_S + STOP_WITHIN_S + 10):
+            await stopped.wait()
+        took = time.monotonic() - asked
+        bound = STOP_WITHIN_S + (DRAIN_TIMEOUT_S if how == "drain" else 0.0)
+        assert stopped.is_set() and took <= bound, f"{how}: the node took {took:.2f} s to stop (bound {bound:g} s)"
+        worker.stop()
+        proxy.heal()
+
+        # Another node on the database, with a worker: every run completes once.
+        other: Node = await nursery.start(Node(node_config(pg_url, tmp_path / "b", lease_expiry_s=3.0, heartbeat_interval_s=1.0)).run)
+        second = ironflow.StreamingWorker(other.url, [two_steps], handle_signals=False)
+        await nursery.start(second.run)
+        async with httpx.AsyncClient(base_url=other.url, timeout=10.0) as http:
+            for run_id in run_ids:
+                detail = await wait_for_run(http, run_id, timeout=30)
+                assert detail["run"]["status"] == "completed", detail["run"]
+                assert detail["run"]["output"] == {"i": run_ids.index(run_id)}
+                assert [st["name"] for st in detail["steps"]] == ["a", "b"]  # each recorded once
+        second.stop()
+        other.stop()
 
 
 async def test_the_nodes_postgres_sessions_carry_every_bound(pg_url: str) -> None:
