@@ -29,7 +29,7 @@ from ironflow.store.availability import Availability, settle
 from ironflow.store.base import StorageFull, StoreUnavailable
 from ironflow.store.core import NamedLock, Tx
 from ironflow.store.handback import hand_back
-from ironflow.store.schema import added_columns, backfill_statements, statements
+from ironflow.store.schema import migrate
 from ironflow.store.sql import SqlStore
 
 __all__ = ["SqliteStore"]
@@ -296,15 +296,10 @@ class SqliteStore(SqlStore):
         conn.execute("PRAGMA busy_timeout=5000")
         conn.create_function("ironflow_now", 0, self._db_clock)
         conn.create_function("ironflow_clock", 0, self._db_clock)  # see schema.PG_CLOCK_FUNCTION
+        # The write lock first: a second store opening the file waits (busy_timeout)
+        # and then finds every migration applied.
         conn.execute("BEGIN IMMEDIATE")
-        for stmt in statements("sqlite"):
-            conn.execute(stmt)
-        for table, column, kind in added_columns("sqlite"):
-            have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
-        for stmt in backfill_statements("sqlite"):
-            conn.execute(stmt)
+        migrate(conn.cursor(), "sqlite")
         conn.execute("COMMIT")
         return conn
 
