@@ -29,6 +29,9 @@ BOOTSTRAP_KEY_FILE = ".ironflow_bootstrap_key.json"
 # A lease or claim threshold closer than this multiple of the heartbeat interval
 # would reclaim work from workers that are alive and merely slow.
 MIN_HEARTBEAT_MULTIPLE = 2.0
+# Least limits.max_page_bytes: below it a page of runs without their outputs
+# (~300 bytes each) would hold only a few dozen.
+MIN_PAGE_BYTES = 64 * 1024
 
 
 class ConfigError(ValueError):
@@ -219,6 +222,18 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True):
     # everyone's, and an emit judges each triggered function's expressions.
     # At the default an expression may read ~400 values of an event.
     expression_budget_us: float = 1000.0
+    # Rows one page of a list route (events, runs, audit) may hold: a larger
+    # ``limit`` is refused (422 LIMIT_EXCEEDED), not clamped, so a client that
+    # reads one page never takes it for the whole list. The rest is paged by
+    # ``next_cursor``, an index range scan each, however long the list.
+    max_page_rows: int = 1000
+    # Bytes of records one page may hold (the JSON of its records): the page
+    # stops early, with a ``next_cursor``, at the row that would cross it. With
+    # ``?include=data`` a page of big payloads would otherwise be rows × the
+    # largest body (a page of 1,000 runs with 4 MiB outputs: ~4 GiB); at the
+    # default one page is no larger than the largest body the node accepts.
+    # A single row larger than the cap is still answered, alone on its page.
+    max_page_bytes: int = MAX_FRAME_BYTES
 
 
 class NodeConfig(msgspec.Struct, forbid_unknown_fields=True):
@@ -517,6 +532,13 @@ def _validate_limits(limits: Limits) -> None:
         raise ConfigError(
             f"limits.memo_inline_bytes must be in 0..{MAX_FRAME_BYTES // 2} (half a frame), "
             f"got {limits.memo_inline_bytes}"
+        )
+    if limits.max_page_rows < 1:
+        raise ConfigError(f"limits.max_page_rows must be at least 1, got {limits.max_page_rows}")
+    if limits.max_page_bytes < MIN_PAGE_BYTES:
+        raise ConfigError(
+            f"limits.max_page_bytes must be at least {MIN_PAGE_BYTES} (a page of records without"
+            f" their payloads), got {limits.max_page_bytes}"
         )
     if limits.expression_budget_us < 50:
         # Below it even `event.data.x == 1` would be refused: the call alone costs ~5 µs.

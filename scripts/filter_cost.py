@@ -105,7 +105,7 @@ def main() -> None:
                 rows[n].append((count / wall, cpu_ms))
                 print(f"  round {round_no + 1}, {n:2d} filtered triggers: {count / wall:7.1f} emits/s,"
                       f" node CPU {cpu_ms:.3f} ms per emit", flush=True)
-        last = http.get("/v1/events", params={"name": "cost.10", "limit": 1}).json()["events"][0]
+        last = http.get("/v1/events", params={"include": "data", "name": "cost.10", "limit": 1}).json()["events"][0]
         assert len(last["filtered"]) == 10, last
     for n in VARIANTS:
         rate = statistics.median(r for r, _ in rows[n])

@@ -314,7 +314,7 @@ def one_repeat(args: argparse.Namespace, scenario: str, pg: ThrowawayPostgres | 
                 time.sleep(0.01)
             seen_done = time.time()
             run = detail["run"]
-            audit = client.get("/v1/audit", params={"run_id": run_id}).json()["events"]
+            audit = client.get("/v1/audit", params={"include": "data", "run_id": run_id}).json()["events"]
         recovered = [e for e in audit if e["type"] == "capacity.segment.recovered"]
         expired = [e for e in audit if e["type"] == "capacity.lease.expired"]
         resumed = find_effect(effects, run_id, "two-start", b.pid)

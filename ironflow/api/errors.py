@@ -35,6 +35,8 @@ STATUS_FOR_CODE = {
     "STEP_NOT_FOUND": 404,
     "SESSION_NOT_FOUND": 404,
     "LIMIT_EXCEEDED": 422,
+    # A list's ?cursor= it never handed out (ironflow/store/pages.py).
+    "INVALID_CURSOR": 422,
     # A key expression that fails on an invocation's input (docs/triggers.md).
     "KEY_EVALUATION_FAILED": 422,
     # An outage of the database (ironflow/store/availability.py): try again.

@@ -12,9 +12,10 @@ from quart import Blueprint, Response, request
 from actors.messages import kick
 from ironflow import logs
 from ironflow.api.auth import require_org
-from ironflow.api.errors import json_response, query_int
+from ironflow.api.errors import json_response
+from ironflow.api.pages import page_request
 from ironflow.api.state import state
-from ironflow.protocol import EventList, RerunResponse
+from ironflow.protocol import RerunResponse
 
 log = logging.getLogger("ironflow.api")
 bp = Blueprint("event_reads", __name__)
@@ -22,11 +23,11 @@ bp = Blueprint("event_reads", __name__)
 
 @bp.get("/v1/events")
 async def list_events() -> Response:
+    """Stored events, newest first, one page (ironflow/api/pages.py): no
+    ``data`` unless ``?include=data``; ``GET /v1/events/{id}`` has it."""
     await require_org()
-    events = await state().store.list_events(
-        name=request.args.get("name") or None, limit=query_int("limit", 50)
-    )
-    return json_response(EventList(events))
+    page = await state().store.events_page(page_request(50), name=request.args.get("name") or None)
+    return json_response(page)
 
 
 @bp.get("/v1/events/<event_id>")

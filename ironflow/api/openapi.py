@@ -61,6 +61,13 @@ class Route:
 
 
 _LIMIT = Query("limit", {"type": "integer", "minimum": 1, "maximum": 1000}, "at most this many")
+# A list route's paging (ironflow/api/pages.py): rows, the cursor, the payloads.
+_PAGE = (
+    Query("limit", {"type": "integer", "minimum": 1, "maximum": 1000},
+          "at most this many rows (and limits.max_page_bytes of records)"),
+    Query("cursor", {"type": "string"}, "the next_cursor of the page before"),
+    Query("include", {"type": "string", "enum": ["data"]}, "data: the payloads a list leaves out"),
+)
 _WORKER_FRAMES = "Streaming-worker frames (see docs/http-api.md); each is one tagged JSON text frame"
 
 # Every route the node serves. Keep in step with the blueprints (a test checks).
@@ -81,7 +88,7 @@ ROUTES: tuple[Route, ...] = (
           {201: p.EmitBatchResponse}, body=p.EmitBatchRequest, tags=("events",)),
     Route("get", "/v1/events", "Stored events, newest first, with the runs each started", "org",
           {200: p.EventList},
-          query=(Query("name", {"type": "string"}, "only events of this name"), _LIMIT),
+          query=(Query("name", {"type": "string"}, "only events of this name"), *_PAGE),
           tags=("events",)),
     Route("get", "/v1/events/{event_id}", "One stored event", "org", {200: p.EventRecord},
           tags=("events",)),
@@ -94,7 +101,7 @@ ROUTES: tuple[Route, ...] = (
     Route("get", "/v1/runs", "Runs, newest first", "org", {200: p.RunList},
           query=(Query("status", {"type": "string"}, "only runs in this status"),
                  Query("function", {"type": "string"}, "only runs of this function id"),
-                 _LIMIT), tags=("runs",)),
+                 *_PAGE), tags=("runs",)),
     Route("get", "/v1/runs/{run_id}", "A run with its steps, queue entry, lease and why it waits",
           "org", {200: p.RunDetail}, tags=("runs",)),
     Route("get", "/v1/runs/{run_id}/result",
@@ -148,7 +155,7 @@ ROUTES: tuple[Route, ...] = (
     Route("get", "/v1/audit", "The audit trail", "org", {200: p.AuditList},
           query=(Query("run_id", {"type": "string"}, "only entries of this run"),
                  Query("type", {"type": "string"}, "only entries of this type"),
-                 _LIMIT), tags=("audit",)),
+                 *_PAGE), tags=("audit",)),
     Route("post", "/v1/keys", "Mint an API key", "org", {201: p.KeyCreateResponse},
           body=p.KeyCreateRequest, body_required=False, tags=("keys",)),
     Route("get", "/v1/capacity/leases", "Concurrency leases (platform only)", "platform",

@@ -11,7 +11,8 @@ from quart import Blueprint, Response, request
 from actors.messages import kick
 from ironflow import logs
 from ironflow.api.auth import require_org, require_platform
-from ironflow.api.errors import decode, fail, json_response, optional_body, query_float, query_int
+from ironflow.api.errors import decode, fail, json_response, optional_body, query_float
+from ironflow.api.pages import page_request
 from ironflow.api.state import ApiState, state
 from ironflow.engine import metrics
 from ironflow.protocol import (
@@ -20,7 +21,6 @@ from ironflow.protocol import (
     CancelResponse,
     PurgeRequest,
     PurgeResponse,
-    RunList,
     RunResult,
 )
 from ironflow.protocol.run_control import (
@@ -42,13 +42,15 @@ MAX_RESULT_WAIT_S = 300.0
 
 @bp.get("/v1/runs")
 async def list_runs() -> Response:
+    """Runs, newest first, one page (ironflow/api/pages.py): no ``output``
+    (nor an error's traceback) unless ``?include=data``; the run's GET has them."""
     await require_org()
-    runs = await state().store.list_runs(
+    page = await state().store.runs_page(
+        page_request(50),
         status=request.args.get("status") or None,
         function_id=request.args.get("function") or None,
-        limit=query_int("limit", 50),
     )
-    return json_response(RunList(runs))
+    return json_response(page)
 
 
 @bp.get("/v1/runs/<run_id>")

@@ -26,6 +26,7 @@ def print_audit(answer: AuditList) -> None:
         for e in answer.events
     ]
     render.table(["AT", "TYPE", "RUN", "FUNCTION", "DATA"], rows, empty="no audit events")
+    render.next_page(answer.next_cursor, "ironflow audit list")
 
 
 @client_command(group, "list")
@@ -34,10 +35,12 @@ def print_audit(answer: AuditList) -> None:
     "--type", "type_", default=None, help="Only this event type, e.g. capacity.segment.recovered."
 )
 @click.option("--limit", type=click.IntRange(1, 1000), default=100, show_default=True)
+@click.option("--cursor", default=None, help="The page after this one (printed under the page before).")
 @json_option
 def audit_list(
-    client: IronflowSync, run_id: str | None, type_: str | None, limit: int, as_json: bool
+    client: IronflowSync, run_id: str | None, type_: str | None, limit: int, cursor: str | None,
+    as_json: bool,
 ) -> None:
-    """List audit events, newest first."""
-    call = calls.list_audit(run_id=run_id, type=type_, limit=limit)
+    """List audit events, oldest first, one page (with their data)."""
+    call = calls.list_audit(run_id=run_id, type=type_, limit=limit, cursor=cursor, include_data=True)
     show(client, call, as_json=as_json, render_answer=print_audit)

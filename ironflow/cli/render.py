@@ -39,6 +39,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, empty: str) 
         click.echo("  ".join(padded).rstrip())
 
 
+def next_page(cursor: str | None, command: str) -> None:
+    """After a page that is not the last: how to read the next one."""
+    if cursor is not None:
+        click.echo(f"more: {command} --cursor {cursor}")
+
+
 def fields(pairs: Sequence[tuple[str, Any]]) -> None:
     """Print ``name  value`` lines with the names aligned (``None`` shows as ``-``)."""
     width = max(len(name) for name, _ in pairs)

@@ -57,6 +57,7 @@ def print_runs(answer: RunList) -> None:
         rows,
         empty="no runs",
     )
+    render.next_page(answer.next_cursor, "ironflow runs list")
 
 
 @client_command(group, "list")
@@ -65,12 +66,14 @@ def print_runs(answer: RunList) -> None:
 )
 @click.option("--function", "function_id", default=None, help="Only runs of this function id.")
 @click.option("--limit", type=click.IntRange(1, 1000), default=50, show_default=True)
+@click.option("--cursor", default=None, help="The page after this one (printed under the page before).")
 @json_option
 def runs_list(
-    client: IronflowSync, status: str | None, function_id: str | None, limit: int, as_json: bool
+    client: IronflowSync, status: str | None, function_id: str | None, limit: int, cursor: str | None,
+    as_json: bool,
 ) -> None:
-    """List runs, newest first."""
-    call = calls.list_runs(status=status, function=function_id, limit=limit)
+    """List runs, newest first, one page."""
+    call = calls.list_runs(status=status, function=function_id, limit=limit, cursor=cursor)
     show(client, call, as_json=as_json, render_answer=print_runs)
 
 

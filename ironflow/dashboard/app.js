@@ -289,7 +289,7 @@
     return async () => {
       const [detail, audit] = await Promise.all([
         get(`/v1/runs/${encodeURIComponent(runId)}`),
-        get(`/v1/audit?run_id=${encodeURIComponent(runId)}&limit=200`),
+        get(`/v1/audit?run_id=${encodeURIComponent(runId)}&limit=200&include=data`),
       ]);
       const run = detail.run;
       if (run.status !== lastStatus) {
@@ -617,7 +617,7 @@
     return async () => {
       // Ingest-side flow control (docs/flow-control.md): pending debounces, and per event what it did.
       const [events, debounces] = await Promise.all([
-        get("/v1/events?limit=50").then((d) => d.events), get("/v1/debounces").then((d) => d.debounces)]);
+        get("/v1/events?limit=50&include=data").then((d) => d.events), get("/v1/debounces").then((d) => d.debounces)]);
       const flow = (e) => (e.flow || []).map((n) => [el("span", { class: "muted", text: `${n.function_id}: ${n.reason}` }), el("br")]);
       fill(live, el("table", { id: "events-table" },
         el("thead", {}, el("tr", {}, ["event", "name", "received", "runs", "flow control", "data"].map((h) => el("th", { text: h })))),

@@ -185,6 +185,10 @@ class RunRecord(msgspec.Struct, frozen=True):
     started_at: float | None
     ended_at: float | None
     concurrency_key: str | None = None
+    # Fields a list left out (``["output", "error.traceback"]``): a list route
+    # carries no payloads unless asked (``?include=data``); the run's own GET
+    # always has them.
+    omitted: list[str] = []
 
 
 class StepRecord(msgspec.Struct, frozen=True):
@@ -258,6 +262,8 @@ class AuditRecord(msgspec.Struct, frozen=True):
     run_id: str | None
     function_id: str | None
     data: Any
+    # ``["data"]`` in a list that left it out (``?include=data`` keeps it).
+    omitted: list[str] = []
 
 
 class FunctionSchedule(msgspec.Struct, frozen=True):
@@ -313,7 +319,11 @@ class Health(msgspec.Struct, frozen=True):
 
 
 class RunList(msgspec.Struct, frozen=True):
+    """``GET /v1/runs``: one page, newest first; ``next_cursor`` (None: the
+    last page) is the ``?cursor=`` of the next."""
+
     runs: list[RunRecord]
+    next_cursor: str | None = None
 
 
 class CancelResponse(msgspec.Struct, frozen=True):
@@ -361,7 +371,11 @@ class InvokeResponse(msgspec.Struct, frozen=True):
 
 
 class AuditList(msgspec.Struct, frozen=True):
+    """``GET /v1/audit``: one page, oldest first; ``next_cursor`` (None: the
+    last page) is the ``?cursor=`` of the next."""
+
     events: list[AuditRecord]
+    next_cursor: str | None = None
 
 
 class LeaseList(msgspec.Struct, frozen=True):
@@ -417,10 +431,17 @@ class EventRecord(msgspec.Struct, frozen=True):
     cancelled_run_ids: list[str] = []
     # What flow control did with it, per function (protocol/flow.py).
     flow: list[FlowNote] = []
+    # ``["data"]`` in a list that left it out (``?include=data`` keeps it);
+    # ``GET /v1/events/{id}`` always has it.
+    omitted: list[str] = []
 
 
 class EventList(msgspec.Struct, frozen=True):
+    """``GET /v1/events``: one page, newest first; ``next_cursor`` (None: the
+    last page) is the ``?cursor=`` of the next."""
+
     events: list[EventRecord]
+    next_cursor: str | None = None
 
 
 class RerunResponse(msgspec.Struct, frozen=True):

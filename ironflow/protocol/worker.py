@@ -218,7 +218,7 @@ class MemoStep(msgspec.Struct, frozen=True, omit_defaults=True):
 
     ``output_omitted``: the output is not in the assignment (the run's state
     is past the inline budget, ``limits.memo_inline_bytes``); the SDK fetches
-    it when the handler reaches the step: ``GET /v1/runs/{run_id}/steps/{step_id}/output``."""
+    it when the handler reaches the step: ``GET /v1/runs/{run_id}/step-output?step_id=``."""
 
     step_id: str
     name: str

@@ -21,6 +21,7 @@ from ironflow.protocol import (
     DeleteFunctionResponse,
     EmitRequest,
     EmitResponse,
+    EventList,
     FinishedRunStatus,
     FunctionList,
     InvokeRequest,
@@ -121,11 +122,30 @@ def run_result(run_id: str, wait_s: float) -> Call[RunResult]:
     )
 
 
+def _include(include_data: bool) -> str | None:
+    """The ``include`` query parameter of a list: its payloads, or none (the default)."""
+    return "data" if include_data else None
+
+
 def list_runs(
-    *, status: str | None = None, function: str | None = None, limit: int | None = None
+    *, status: str | None = None, function: str | None = None, limit: int | None = None,
+    cursor: str | None = None, include_data: bool = False,
 ) -> Call[RunList]:
-    params = {"status": status, "function": function, "limit": limit}
+    """One page of runs, newest first (``cursor``: the page before's ``next_cursor``)."""
+    params = {
+        "status": status, "function": function, "limit": limit, "cursor": cursor,
+        "include": _include(include_data),
+    }
     return Call("GET", "/v1/runs", RunList, params=params)
+
+
+def list_events(
+    *, name: str | None = None, limit: int | None = None, cursor: str | None = None,
+    include_data: bool = False,
+) -> Call[EventList]:
+    """One page of stored events, newest first."""
+    params = {"name": name, "limit": limit, "cursor": cursor, "include": _include(include_data)}
+    return Call("GET", "/v1/events", EventList, params=params)
 
 
 def cancel_run(run_id: str, reason: str | None = None) -> Call[CancelResponse]:
@@ -182,9 +202,13 @@ def resume_function(function_id: str, *, catchup: bool = False) -> Call[PauseRes
 
 
 def list_audit(
-    *, run_id: str | None = None, type: str | None = None, limit: int | None = None
+    *, run_id: str | None = None, type: str | None = None, limit: int | None = None,
+    cursor: str | None = None, include_data: bool = False,
 ) -> Call[AuditList]:
-    params = {"run_id": run_id, "type": type, "limit": limit}
+    """One page of the audit trail, oldest first."""
+    params = {
+        "run_id": run_id, "type": type, "limit": limit, "cursor": cursor, "include": _include(include_data),
+    }
     return Call("GET", "/v1/audit", AuditList, params=params)
 
 

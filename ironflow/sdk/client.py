@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import AsyncIterator
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ from ironflow.protocol import (
     ApiError,
     CancelResponse,
     EmitResponse,
+    EventRecord,
     RunDetail,
     RunRecord,
     RunResult,
@@ -192,11 +194,40 @@ class Ironflow:
         return (await self.request(calls.get_run(run_id))).value
 
     async def list_runs(
-        self, *, status: str | None = None, function: str | None = None, limit: int | None = None
+        self, *, status: str | None = None, function: str | None = None, limit: int | None = None,
+        include_data: bool = False,
     ) -> list[RunRecord]:
-        """Runs, newest first, optionally filtered by status and function id."""
-        call = calls.list_runs(status=status, function=function, limit=limit)
+        """The newest runs (one page), optionally filtered by status and function
+        id; without their outputs unless ``include_data`` (:meth:`get_run` has
+        them). :meth:`iter_runs` reads every page."""
+        call = calls.list_runs(status=status, function=function, limit=limit, include_data=include_data)
         return (await self.request(call)).value.runs
+
+    async def iter_runs(
+        self, *, status: str | None = None, function: str | None = None, page_size: int | None = None,
+        include_data: bool = False,
+    ) -> AsyncIterator[RunRecord]:
+        """Every run, newest first, page by page (a run created meanwhile may or
+        may not be seen; none is seen twice)."""
+        cursor: str | None = None
+        while True:
+            call = calls.list_runs(
+                status=status, function=function, limit=page_size, cursor=cursor, include_data=include_data
+            )
+            page = (await self.request(call)).value
+            for run in page.runs:
+                yield run
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    async def list_events(
+        self, *, name: str | None = None, limit: int | None = None, include_data: bool = False
+    ) -> list[EventRecord]:
+        """The newest stored events (one page), each with the runs it started and
+        what became of it; without their data unless ``include_data``."""
+        call = calls.list_events(name=name, limit=limit, include_data=include_data)
+        return (await self.request(call)).value.events
 
     async def cancel_run(self, run_id: str, reason: str = "cancelled by user") -> CancelResponse:
         """Cancel a run; its worker is told to stop the running segment."""

@@ -22,9 +22,11 @@ import trio
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
     ActiveJob,
+    AuditList,
     AuditRecord,
     DebounceRecord,
     ErrorInfo,
+    EventList,
     EventRecord,
     FlowNote,
     FunctionDef,
@@ -35,6 +37,7 @@ from ironflow.protocol import (
     LeaseRecord,
     QueueRecord,
     RunDetail,
+    RunList,
     RunRecord,
     RunResult,
     RunStats,
@@ -47,6 +50,7 @@ from ironflow.store.errors import (  # noqa: F401  (re-exported: the store's err
     CommitOutcomeUnknown,
     Conflict,
     FunctionNotFound,
+    InvalidCursor,
     KeyEvaluationFailed,
     LimitExceeded,
     NotFound,
@@ -65,6 +69,22 @@ from ironflow.store.errors import (  # noqa: F401  (re-exported: the store's err
 # ``ironflow.store`` re-exports them for the store's callers.
 
 # ── records ─────────────────────────────────────────────────────────────────
+
+
+class PageRequest(msgspec.Struct, frozen=True):
+    """Which page of a list to read (ironflow/store/pages.py).
+
+    ``limit``: rows at most; ``cursor``: the ``next_cursor`` of the page
+    before (None: the first page); ``include_data``: payloads (event data,
+    run outputs, audit data) in the records, or left out and named in each
+    record's ``omitted``; ``max_bytes``: the JSON of the page's records at
+    most (None: no byte cap, for the store's own callers).
+    """
+
+    limit: int = 50
+    cursor: str | None = None
+    include_data: bool = False
+    max_bytes: int | None = None
 
 
 class Fence(msgspec.Struct, frozen=True):
@@ -813,7 +833,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def list_runs(
         self, *, status: str | None = None, function_id: str | None = None, limit: int = 50
-    ) -> list[RunRecord]: ...
+    ) -> list[RunRecord]:
+        """The newest ``limit`` runs with their outputs (:meth:`runs_page`'s first page)."""
+
+    @abc.abstractmethod
+    async def runs_page(
+        self, page: PageRequest, *, status: str | None = None, function_id: str | None = None
+    ) -> RunList:
+        """One page of runs, newest first (store/pages.py). InvalidCursor."""
 
     @abc.abstractmethod
     def on_wake_scheduled(self, listener: Callable[[float], None]) -> Callable[[], None]:
@@ -866,7 +893,14 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def list_audit(
         self, *, run_id: str | None = None, type: str | None = None, limit: int = 100
-    ) -> list[AuditRecord]: ...
+    ) -> list[AuditRecord]:
+        """The oldest ``limit`` audit records with their data (:meth:`audit_page`'s first page)."""
+
+    @abc.abstractmethod
+    async def audit_page(
+        self, page: PageRequest, *, run_id: str | None = None, type: str | None = None
+    ) -> AuditList:
+        """One page of the audit trail, oldest first (store/pages.py). InvalidCursor."""
 
     @abc.abstractmethod
     async def run_stats(self, *, window_s: int, bucket_s: int) -> RunStats:
@@ -878,7 +912,11 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def list_events(self, *, name: str | None = None, limit: int = 50) -> list[EventRecord]:
-        """Stored events, newest first, each with the runs it started."""
+        """Stored events, newest first, each with the runs it started (:meth:`events_page`'s first page)."""
+
+    @abc.abstractmethod
+    async def events_page(self, page: PageRequest, *, name: str | None = None) -> EventList:
+        """One page of stored events, newest first (store/pages.py). InvalidCursor."""
 
     @abc.abstractmethod
     async def get_event(self, event_id: str) -> EventRecord:

@@ -49,6 +49,13 @@ class LimitExceeded(StoreError):
     code = "LIMIT_EXCEEDED"
 
 
+class InvalidCursor(StoreError):
+    """A page cursor this list did not hand out (malformed, altered, or another
+    list's): the caller starts again without one."""
+
+    code = "INVALID_CURSOR"
+
+
 class KeyEvaluationFailed(StoreError):
     """A function's key expression failed on the event that would start a run
     (docs/triggers.md): the run is not created; the message says why."""

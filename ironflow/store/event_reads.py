@@ -11,13 +11,18 @@ from typing import Any
 
 import msgspec
 
-from ironflow.protocol import EventRecord, FlowNote
-from ironflow.store.base import FunctionNotFound, NotFound, RunNotFound
-from ironflow.store.core import SqlStoreBase, Tx, _dec, _enc, _where
+from ironflow.protocol import EventList, EventRecord, FlowNote
+from ironflow.store.base import FunctionNotFound, NotFound, PageRequest, RunNotFound
+from ironflow.store.core import SqlStoreBase, Tx, _dec, _enc
 from ironflow.store.filters import EventNotes, notes_decode
+from ironflow.store.pages import Keyset, PageQuery, read_page
 
 _EVENT_COLS = "id, name, data, received_at, run_ids, idempotency_key, notes, flow"
 _flow_decode = msgspec.json.Decoder(list[FlowNote]).decode
+# Events newest first, by arrival (indexes events_page, events_name_page).
+EVENTS_ORDER = Keyset("events", "received_at", "id", descending=True)
+# The columns besides ``data`` whose size the event chose (store/pages.py).
+_SIZED = ("run_ids", "notes", "flow")
 
 
 def _event_record(row: Any) -> EventRecord:
@@ -30,20 +35,29 @@ def _event_record(row: Any) -> EventRecord:
     )
 
 
+def _listed_event(row: Any) -> EventRecord:
+    """An event as a list shows it without ``?include=data``."""
+    return msgspec.structs.replace(_event_record(row), omitted=["data"])
+
+
 class EventReadOps(SqlStoreBase):
     """Recent events with their runs, one event, and a run's re-run."""
 
     async def list_events(self, *, name: str | None = None, limit: int = 50) -> list[EventRecord]:
-        def work(tx: Tx) -> list[EventRecord]:
-            clause, params = _where({"name": name})
-            rows = tx.fetchall(
-                f"SELECT {_EVENT_COLS} FROM events {clause}"
-                " ORDER BY received_at DESC, id DESC LIMIT ?",
-                [*params, limit],
-            )
-            return [_event_record(r) for r in rows]
+        return (await self.events_page(PageRequest(limit=limit, include_data=True), name=name)).events
 
-        return await self._read(work)
+    async def events_page(self, page: PageRequest, *, name: str | None = None) -> EventList:
+        query = PageQuery(
+            EVENTS_ORDER,
+            _EVENT_COLS if page.include_data else _EVENT_COLS.replace("data", "NULL"),
+            "events",
+            {"name": name},
+            ("data", *_SIZED) if page.include_data else _SIZED,
+            _event_record if page.include_data else _listed_event,
+            lambda record: (record.received_at, record.id),
+        )
+        events, cursor = await self._read(lambda tx: read_page(tx, query, page))
+        return EventList(events, cursor)
 
     async def get_event(self, event_id: str) -> EventRecord:
         def work(tx: Tx) -> EventRecord:

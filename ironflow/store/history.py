@@ -84,7 +84,7 @@ class RetentionOps(SqlStoreBase):
                 # Audit rows of no run (node drains, janitor passes…) go by age
                 # alone, and only in a purge of every finished status: one
                 # limited to some statuses is about those runs. `run_id IS
-                # NULL` is the guard and the audit_run index's prefix.
+                # NULL` is the guard and the audit_run_page index's prefix.
                 loose = tx.execute(
                     "DELETE FROM audit_log WHERE id IN (SELECT a.id FROM audit_log a"
                     " WHERE a.run_id IS NULL AND a.at < ironflow_now() - ?"

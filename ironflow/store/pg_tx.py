@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import psycopg
@@ -213,6 +213,7 @@ class PgTx:
     """
 
     combined = True
+    streams_rows = False
     # Whether statements go straight to libpq; False: every statement through
     # psycopg's cursor, prepared by psycopg. Per class, so the store (a refused
     # psycopg) or a test subclass picks the form.
@@ -276,6 +277,9 @@ class PgTx:
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         self._run(sql, params)
         return self._rows
+
+    def iterate(self, sql: str, params: Sequence[Any] = ()) -> Iterator[tuple[Any, ...]]:
+        return iter(self.fetchall(sql, params))  # libpq loads the result whole
 
     def lock(self, of: str | None = None) -> str:
         return f"FOR UPDATE OF {of} SKIP LOCKED" if of else "FOR UPDATE SKIP LOCKED"

@@ -4,18 +4,22 @@ the lists of runs, leases, sessions, the queue and the audit trail.
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
+
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
+    AuditList,
     AuditRecord,
     LeaseRecord,
     QueueRecord,
     RunDetail,
+    RunList,
     RunRecord,
     SessionRecord,
 )
-from ironflow.store.base import (
-    RunNotFound,
-)
+from ironflow.store.base import PageRequest, RunNotFound
 from ironflow.store.core import (
     _LEASE_COLS,
     _QUEUE_COLS,
@@ -29,9 +33,39 @@ from ironflow.store.core import (
     _queue_record,
     _run_record,
     _step_record,
-    _where,
 )
 from ironflow.store.dispatch_flow import waiting_reason
+from ironflow.store.pages import Keyset, PageQuery, read_page
+
+# Runs newest first, by creation (indexes runs_page, runs_status_page, runs_function_page).
+RUNS_ORDER = Keyset("runs", "r.created_at", "r.id", descending=True)
+# The audit trail oldest first, as it happened (audit_page, audit_run_page, audit_type_page).
+AUDIT_ORDER = Keyset("audit", "at", "id", descending=False)
+_AUDIT_COLS = "id, at, type, run_id, function_id, data"
+
+
+def _run_key(run: RunRecord) -> tuple[float, str]:
+    return run.created_at, run.id
+
+
+def _listed_run(row: tuple[Any, ...]) -> RunRecord:
+    """A run as a list shows it without ``?include=data``: row[9] says whether
+    it has an output (left out); the error without its traceback."""
+    run = _run_record((*row[:9], None, *row[10:]))
+    omitted = ["output"] if row[9] else []
+    error = run.error
+    if error is not None and error.traceback is not None:
+        error = msgspec.structs.replace(error, traceback=None)
+        omitted.append("error.traceback")
+    return msgspec.structs.replace(run, error=error, omitted=omitted) if omitted else run
+
+
+def _audit_record(row: tuple[Any, ...]) -> AuditRecord:
+    return AuditRecord(row[0], row[1], row[2], row[3], row[4], _dec(row[5]))
+
+
+def _listed_audit(row: tuple[Any, ...]) -> AuditRecord:
+    return AuditRecord(row[0], row[1], row[2], row[3], row[4], None, omitted=["data"])
 
 
 class ReadOps(SqlStoreBase):
@@ -103,16 +137,23 @@ class ReadOps(SqlStoreBase):
     async def list_runs(
         self, *, status: str | None = None, function_id: str | None = None, limit: int = 50
     ) -> list[RunRecord]:
-        def work(tx: Tx) -> list[RunRecord]:
-            clause, params = _where({"r.status": status, "r.function_id": function_id})
-            rows = tx.fetchall(
-                f"SELECT {_RUN_COLS} FROM runs r {clause} ORDER BY r.created_at DESC, r.id DESC"
-                " LIMIT ?",
-                [*params, limit],
-            )
-            return [_run_record(r) for r in rows]
+        page = PageRequest(limit=limit, include_data=True)
+        return (await self.runs_page(page, status=status, function_id=function_id)).runs
 
-        return await self._read(work)
+    async def runs_page(
+        self, page: PageRequest, *, status: str | None = None, function_id: str | None = None
+    ) -> RunList:
+        query = PageQuery(
+            RUNS_ORDER,
+            _RUN_COLS if page.include_data else _RUN_COLS.replace("r.output", "r.output IS NOT NULL"),
+            "runs r",
+            {"r.status": status, "r.function_id": function_id},
+            ("r.output", "r.error") if page.include_data else ("r.error",),
+            _run_record if page.include_data else _listed_run,
+            _run_key,
+        )
+        runs, cursor = await self._read(lambda tx: read_page(tx, query, page))
+        return RunList(runs, cursor)
 
     async def get_run_record(self, run_id: str) -> RunRecord:
         def work(tx: Tx) -> RunRecord:
@@ -179,13 +220,20 @@ class ReadOps(SqlStoreBase):
     async def list_audit(
         self, *, run_id: str | None = None, type: str | None = None, limit: int = 100
     ) -> list[AuditRecord]:
-        def work(tx: Tx) -> list[AuditRecord]:
-            clause, params = _where({"run_id": run_id, "type": type})
-            rows = tx.fetchall(
-                f"SELECT id, at, type, run_id, function_id, data FROM audit_log {clause}"
-                " ORDER BY at, id LIMIT ?",
-                [*params, limit],
-            )
-            return [AuditRecord(r[0], r[1], r[2], r[3], r[4], _dec(r[5])) for r in rows]
+        page = PageRequest(limit=limit, include_data=True)
+        return (await self.audit_page(page, run_id=run_id, type=type)).events
 
-        return await self._read(work)
+    async def audit_page(
+        self, page: PageRequest, *, run_id: str | None = None, type: str | None = None
+    ) -> AuditList:
+        query = PageQuery(
+            AUDIT_ORDER,
+            _AUDIT_COLS if page.include_data else _AUDIT_COLS.replace("data", "NULL"),
+            "audit_log",
+            {"run_id": run_id, "type": type},
+            ("data",) if page.include_data else (),
+            _audit_record if page.include_data else _listed_audit,
+            lambda record: (record.at, record.id),
+        )
+        events, cursor = await self._read(lambda tx: read_page(tx, query, page))
+        return AuditList(events, cursor)

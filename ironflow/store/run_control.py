@@ -154,7 +154,7 @@ class RunControlOps(SqlStoreBase):
         after_at, after_id = _cursor(cursor)
 
         def page(tx: Tx) -> list[tuple[str, float]]:
-            # runs_status (status, created_at): one range of the index, paged.
+            # runs_status_page (status, created_at, id): one range of the index, paged.
             of_function = "" if function_id is None else " AND function_id = ?"
             rows = tx.fetchall(
                 f"SELECT id, created_at FROM runs WHERE status = 'failed'{of_function}"

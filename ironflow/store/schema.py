@@ -587,10 +587,30 @@ MIGRATIONS: tuple[Migration, ...] = (
     # The fingerprint of the whole DDL that a PostgreSQL start compared before
     # the versions table replaced it.
     Migration(5, "schema_state dropped", sqlite=[], postgres=["DROP TABLE IF EXISTS schema_state"]),
+    # The list routes page by a keyset (timestamp, id) (store/pages.py): each
+    # *_page index replaces the one it extends by the id. On SQLite the events
+    # of one name by (received_at, id) serve a wait's look-back as well.
+    Migration(6, "page indexes", **_both(lambda d: [
+        "CREATE INDEX IF NOT EXISTS events_page ON events (received_at, id)",
+        "CREATE INDEX IF NOT EXISTS runs_page ON runs (created_at, id)",
+        "CREATE INDEX IF NOT EXISTS runs_status_page ON runs (status, created_at, id)",
+        "CREATE INDEX IF NOT EXISTS runs_function_page ON runs (function_id, created_at, id)",
+        "CREATE INDEX IF NOT EXISTS audit_page ON audit_log (at, id)",
+        "CREATE INDEX IF NOT EXISTS audit_run_page ON audit_log (run_id, at, id)",
+        "CREATE INDEX IF NOT EXISTS audit_type_page ON audit_log (type, at, id)",
+        "CREATE INDEX IF NOT EXISTS events_name_page ON events (name, received_at, id)",
+        "DROP INDEX IF EXISTS events_received",
+        "DROP INDEX IF EXISTS runs_status",
+        "DROP INDEX IF EXISTS runs_function",
+        "DROP INDEX IF EXISTS audit_run",
+        "DROP INDEX IF EXISTS audit_type",
+        *(["DROP INDEX IF EXISTS events_name_received"] if d == "sqlite" else []),
+    ])),
 )
 # The last migration a database from before schema_migrations may already
-# hold part of (so every migration up to it is idempotent).
-BASELINE = 5
+# hold part of (so every migration up to it is idempotent): the page indexes
+# were the last change made without the versions table.
+BASELINE = 6
 
 
 def latest_version() -> int:

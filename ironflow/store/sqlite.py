@@ -18,7 +18,7 @@ import sqlite3
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -82,6 +82,7 @@ class _SqliteTx:
     """:class:`~ironflow.store.core.Tx` over the writer thread's connection."""
 
     combined = False
+    streams_rows = True
 
     def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn
@@ -100,6 +101,13 @@ class _SqliteTx:
 
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
         return self._conn.execute(sql, params).fetchall()
+
+    def iterate(self, sql: str, params: Sequence[Any] = ()) -> Iterator[tuple[Any, ...]]:
+        cur = self._conn.execute(sql, params)
+        try:
+            yield from cur
+        finally:
+            cur.close()  # a loop left early: the statement ends here, not at the next one
 
     def lock(self, of: str | None = None) -> str:
         return ""  # the single writer already serialises every transaction

@@ -8,7 +8,7 @@ of them (``core.py`` and the mechanisms it calls) can import it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any, Protocol
 
@@ -29,6 +29,12 @@ class Tx(Protocol):
     # multi-row VALUES), one statement instead of one per table or row. SQLite
     # runs in-process and has no round trips to save.
     combined: bool
+    # True where a SELECT's rows are read from the database as they are
+    # iterated (SQLite: one step of the statement each), False where a result
+    # arrives whole at execute (PostgreSQL). A page capped in bytes
+    # (store/pages.py) stops reading at the cap where rows stream, and measures
+    # its rows' sizes first where they do not.
+    streams_rows: bool
 
     def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         """Run one statement; return the affected row count."""
@@ -38,6 +44,10 @@ class Tx(Protocol):
     def fetchone(self, sql: str, params: Sequence[Any] = ()) -> tuple[Any, ...] | None: ...
 
     def fetchall(self, sql: str, params: Sequence[Any] = ()) -> list[tuple[Any, ...]]: ...
+
+    def iterate(self, sql: str, params: Sequence[Any] = ()) -> Iterator[tuple[Any, ...]]:
+        """The rows of one SELECT, one at a time (see :attr:`streams_rows`);
+        leaving the loop early ends the statement."""
 
     def lock(self, of: str | None = None) -> str:
         """``FOR UPDATE [OF of] SKIP LOCKED`` on PostgreSQL, ``""`` on SQLite."""

@@ -591,6 +591,7 @@ def test_functions_list_and_audit_list() -> None:
         "run_id": "run_01",
         "type": "capacity.segment.recovered",
         "limit": "100",
+        "include": "data",  # the audit list shows each entry's data
     }
     assert "capacity.segment.recovered" in result.stdout
 
@@ -841,3 +842,14 @@ def test_serve_without_chaos_flag_keeps_chaos_off(served: list[NodeConfig]) -> N
     result = run(["serve", "--dev"])
     assert result.exit_code == 0 and served[0].chaos is False
     assert "--chaos" not in result.output
+
+
+def test_runs_list_prints_how_to_read_the_next_page_and_sends_the_cursor() -> None:
+    handler = answer(200, {"runs": [], "next_cursor": "abc123"})
+    result = run(["runs", "list", "--cursor", "prev456", "--limit", "5"], handler)
+    assert result.exit_code == 0, result.output
+    params = dict(handler.seen[0].url.params)  # type: ignore[attr-defined]
+    assert params["cursor"] == "prev456" and params["limit"] == "5" and "include" not in params
+    assert "more: ironflow runs list --cursor abc123" in result.stdout
+    last = run(["runs", "list"], answer(200, {"runs": [], "next_cursor": None}))
+    assert "more:" not in last.stdout

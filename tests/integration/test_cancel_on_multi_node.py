@@ -77,7 +77,7 @@ async def test_at_full_rate_through_two_nodes_exactly_the_named_runs_are_cancell
                 emits.start_soon(unsubscribe, user)
 
         async def settled() -> dict[str, str] | None:
-            runs = (await on_b.get("/v1/runs", params={"limit": 1000})).json()["runs"]
+            runs = (await on_b.get("/v1/runs", params={"include": "data", "limit": 1000})).json()["runs"]
             status = {r["id"]: r["status"] for r in runs}
             done = all(status.get(run_of[u]) in ("cancelled", "waiting") for u in range(RUNS))
             return status if done and len(status) == RUNS else None
@@ -85,7 +85,7 @@ async def test_at_full_rate_through_two_nodes_exactly_the_named_runs_are_cancell
         # An odd user's run is asleep once its "nap" step is recorded.
         status = await eventually(settled, timeout=20, interval=0.2, message="every run cancelled or asleep")
         assert {u for u in range(RUNS) if status[run_of[u]] == "cancelled"} == set(range(0, RUNS, 2))
-        audits = (await on_b.get("/v1/audit", params={"type": "run.cancelled", "limit": 1000})).json()["events"]
+        audits = (await on_b.get("/v1/audit", params={"include": "data", "type": "run.cancelled", "limit": 1000})).json()["events"]
         ended = [e["run_id"] for e in audits]
         assert sorted(ended) == sorted(run_of[u] for u in range(0, RUNS, 2)), "a run ended twice or not at all"
         assert all(e["data"]["cause"] == "cancel-on-event" for e in audits)

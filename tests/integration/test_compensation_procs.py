@@ -103,7 +103,7 @@ async def test_undos_run_once_across_a_kill_9_and_a_cancel_compensates(
         "ship": "failed", "compensate:begin": "completed", "compensate:refund": "completed",
         "compensate:release": "completed",
     }
-    audit = (await http.get("/v1/audit", params={"run_id": run_id, "type": "run.compensated"})).json()
+    audit = (await http.get("/v1/audit", params={"include": "data", "run_id": run_id, "type": "run.compensated"})).json()
     assert [e["data"] for e in audit["events"]] == [
         {"cause": "failure", "undos_completed": 2, "undos_failed": 0, "error": "NON_RETRYABLE"}
     ]

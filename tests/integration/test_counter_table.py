@@ -60,7 +60,7 @@ async def finished(http: httpx.AsyncClient, run_id: str, timeout: float = 20.0) 
 
 
 async def audit(http: httpx.AsyncClient, run_id: str, kind: str | None = None) -> list[dict[str, Any]]:
-    params = {"run_id": run_id, **({"type": kind} if kind else {})}
+    params = {"run_id": run_id, "include": "data", **({"type": kind} if kind else {})}
     return list((await http.get("/v1/audit", params=params)).json()["events"])
 
 

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 
 async def audit_types(http: httpx.AsyncClient, run_id: str) -> list[str]:
-    events = (await http.get("/v1/audit", params={"run_id": run_id})).json()["events"]
+    events = (await http.get("/v1/audit", params={"include": "data", "run_id": run_id})).json()["events"]
     return [e["type"] for e in events]
 
 

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.slow
 
 
 async def cron_runs(http: httpx.AsyncClient, fid: str) -> list[dict[str, Any]]:
-    return (await http.get("/v1/runs", params={"function": fid, "limit": 1000})).json()["runs"]
+    return (await http.get("/v1/runs", params={"include": "data", "function": fid, "limit": 1000})).json()["runs"]
 
 
 async def test_pause_stops_events_and_ticks_and_resume_with_catchup_starts_the_latest(
@@ -63,7 +63,7 @@ async def test_pause_stops_events_and_ticks_and_resume_with_catchup_starts_the_l
     again = await http.post("/v1/functions/pausable/resume", json={"catchup": True})
     assert again.json() == {"function_id": "pausable", "paused": False, "changed": False,
                             "catchup_run_id": None}
-    audit = (await http.get("/v1/audit", params={"type": "function.resumed"})).json()["events"]
+    audit = (await http.get("/v1/audit", params={"include": "data", "type": "function.resumed"})).json()["events"]
     assert audit[0]["function_id"] == "pausable" and audit[0]["data"]["catchup"] is True
     missing = await http.post("/v1/functions/nope/pause")
     assert missing.status_code == 404 and missing.json()["code"] == "FUNCTION_NOT_FOUND"
@@ -132,7 +132,7 @@ async def test_delete_stops_events_and_ticks_lets_a_run_in_flight_finish_and_a_w
     assert len((await emit(http, "d.go"))["run_ids"]) == 1
     await eventually(ticking, timeout=10, message="its ticks start runs again")
     for kind in ("function.deleted", "function.restored"):
-        [entry] = (await http.get("/v1/audit", params={"type": kind})).json()["events"]
+        [entry] = (await http.get("/v1/audit", params={"include": "data", "type": kind})).json()["events"]
         assert entry["function_id"] == "doomed"
     again.stop()
 

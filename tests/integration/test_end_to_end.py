@@ -136,7 +136,7 @@ async def test_idempotency_key_returns_the_first_event_and_creates_nothing(node:
     assert again["event_id"] == first["event_id"]
     assert again["run_ids"] == first["run_ids"] and len(first["run_ids"]) == 1
     assert again["duplicate"] is True
-    runs = (await http.get("/v1/runs", params={"function": "once"})).json()["runs"]
+    runs = (await http.get("/v1/runs", params={"include": "data", "function": "once"})).json()["runs"]
     assert len(runs) == 1
 
 

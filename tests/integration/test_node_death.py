@@ -53,7 +53,7 @@ async def test_killed_node_sessions_and_leases_are_reaped_by_the_survivor(
         assert run["status"] == "completed" and run["output"] == {"pid": worker_b.pid}
         assert run["recovery_count"] == 1
         assert count(read_effects(effects), run_id, "one") == 1
-        types = [e["type"] for e in (await http.get("/v1/audit", params={"run_id": run_id})).json()["events"]]
+        types = [e["type"] for e in (await http.get("/v1/audit", params={"include": "data", "run_id": run_id})).json()["events"]]
         assert "capacity.lease.expired" in types and "capacity.segment.recovered" in types
         # The dead node's worker session was reaped by node-b's scanner (database time).
         with trio.fail_after(15):

@@ -52,5 +52,5 @@ async def test_handler_that_always_dies_starts_eleven_times_then_fails(
     assert run["recovery_count"] == ceiling
     assert count(read_effects(effects), run_id, "start") == ceiling + 1
     assert run["attempt"] == 1  # lease recovery never spends the retry budget
-    events = (await http.get("/v1/audit", params={"run_id": run_id})).json()["events"]
+    events = (await http.get("/v1/audit", params={"include": "data", "run_id": run_id})).json()["events"]
     assert sum(e["type"] == "capacity.segment.recovered" for e in events) == ceiling

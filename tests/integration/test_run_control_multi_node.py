@@ -50,7 +50,7 @@ async def _two_clients(a: Node, b: Node) -> AsyncIterator[list[httpx.AsyncClient
 
 
 async def _runs(http: httpx.AsyncClient, function_id: str) -> list[dict[str, Any]]:
-    resp = await http.get("/v1/runs", params={"function": function_id, "limit": 1000})
+    resp = await http.get("/v1/runs", params={"include": "data", "function": function_id, "limit": 1000})
     return list(resp.json()["runs"])
 
 
@@ -68,7 +68,7 @@ async def _all(http: httpx.AsyncClient, function_id: str, status: str, n: int) -
 
 
 async def _audit(http: httpx.AsyncClient, kind: str) -> Counter[str]:
-    events = (await http.get("/v1/audit", params={"type": kind, "limit": 1000})).json()["events"]
+    events = (await http.get("/v1/audit", params={"include": "data", "type": kind, "limit": 1000})).json()["events"]
     return Counter(e["run_id"] for e in events)
 
 

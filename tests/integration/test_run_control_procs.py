@@ -91,7 +91,7 @@ async def test_cli_resumes_a_failed_run_from_its_failed_step(store_url: str, tmp
             assert completed["run"]["output"] == [1, 2, 3] and completed["run"]["attempt"] == 1
             ran = [line.split()[1] for line in effects.read_text().splitlines() if line.startswith(run_id)]
             assert ran == ["one", "two", "two", "three"]  # one never again
-            audit = (await client.get("/v1/audit", params={"run_id": run_id, "type": "run.resumed"})).json()
+            audit = (await client.get("/v1/audit", params={"include": "data", "run_id": run_id, "type": "run.resumed"})).json()
             assert [e["data"]["from_step"] for e in audit["events"]] == ["two"]
 
             emitted = await client.post("/v1/events", json={"name": "pause.go", "data": {"nap": 3.0}})

@@ -128,7 +128,7 @@ async def test_real_processes_an_event_cancels_a_sleeping_run_one_mid_step_and_o
         with trio.fail_after(10):
             while "Run cancelled; cancelling job" not in worker.log_path.read_text(errors="replace"):
                 await trio.sleep(0.05)
-        listed = {r["id"]: (r["function_id"], r["status"]) for r in (await http.get("/v1/runs")).json()["runs"]}
+        listed = {r["id"]: (r["function_id"], r["status"]) for r in (await http.get("/v1/runs", params={"include": "data"})).json()["runs"]}
         assert listed[kept] == ("drip", "waiting")
         assert [s for f, s in listed.values() if f == "slow-child"] == ["waiting"]
         assert (await http.get(f"/v1/runs/{runs['step']}")).json()["steps"] == []

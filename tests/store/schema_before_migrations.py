@@ -42,8 +42,9 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_idempotency ON events (idempotency_key, received_at)
     WHERE idempotency_key IS NOT NULL;
--- The janitor finds events past the idempotency window by age.
-CREATE INDEX IF NOT EXISTS events_received ON events (received_at);
+-- The janitor finds events past the idempotency window by age, and GET
+-- /v1/events pages newest first by (received_at, id) (store/pages.py).
+CREATE INDEX IF NOT EXISTS events_page ON events (received_at, id);
 
 CREATE TABLE IF NOT EXISTS runs (
     id                    TEXT PRIMARY KEY,
@@ -69,8 +70,12 @@ CREATE TABLE IF NOT EXISTS runs (
     ended_at              {REAL},
     updated_at            {REAL} NOT NULL
 );
-CREATE INDEX IF NOT EXISTS runs_status ON runs (status, created_at);
-CREATE INDEX IF NOT EXISTS runs_function ON runs (function_id, created_at);
+-- GET /v1/runs pages newest first by (created_at, id), all runs or one
+-- status or one function's (store/pages.py). The status index serves the
+-- bulk resume and the janitor as well.
+CREATE INDEX IF NOT EXISTS runs_page ON runs (created_at, id);
+CREATE INDEX IF NOT EXISTS runs_status_page ON runs (status, created_at, id);
+CREATE INDEX IF NOT EXISTS runs_function_page ON runs (function_id, created_at, id);
 CREATE INDEX IF NOT EXISTS runs_parent ON runs (parent_run_id) WHERE parent_run_id IS NOT NULL;
 -- The janitor keeps an event while any run references it, and finds finished
 -- runs past retention by their end time (only finished runs are indexed).
@@ -200,8 +205,11 @@ CREATE TABLE IF NOT EXISTS audit_log (
     function_id  TEXT,
     data         TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS audit_run ON audit_log (run_id, at);
-CREATE INDEX IF NOT EXISTS audit_type ON audit_log (type, at);
+-- GET /v1/audit pages oldest first by (at, id): all of it, one run's or one
+-- type's (store/pages.py).
+CREATE INDEX IF NOT EXISTS audit_page ON audit_log (at, id);
+CREATE INDEX IF NOT EXISTS audit_run_page ON audit_log (run_id, at, id);
+CREATE INDEX IF NOT EXISTS audit_type_page ON audit_log (type, at, id);
 
 -- One row at most, inserted and deleted in one transaction by the outage
 -- probe (ironflow/store/outage.py): proves the database can grow again.
@@ -463,6 +471,13 @@ _LATE_INDEXES = [
     "CREATE INDEX IF NOT EXISTS steps_wait_key ON steps (wait_key)"
     " WHERE status = 'waiting' AND kind = 'wait'",
     "DROP INDEX IF EXISTS steps_wait_event",
+    # Each extended by the id (store/pages.py: the keyset order): the *_page
+    # index with the same leading columns replaces it.
+    "DROP INDEX IF EXISTS events_received",
+    "DROP INDEX IF EXISTS runs_status",
+    "DROP INDEX IF EXISTS runs_function",
+    "DROP INDEX IF EXISTS audit_run",
+    "DROP INDEX IF EXISTS audit_type",
     # Flow control, dispatch side (store/flow.py): the queue in
     # dispatch order (priority), and per function and concurrency key, for the
     # round robin across keys (a skip scan of the keys, then each key's head).
@@ -484,11 +499,14 @@ _FUNCTION_ORDER_INDEX = {
     "postgres": [],
 }
 # A wait's look-back: the events of its name committed after its segment began
-# (PostgreSQL: by transaction id; SQLite: by arrival, its commit order).
+# (PostgreSQL: by transaction id; SQLite: by arrival, its commit order). The
+# events of one name newest first, paged by (received_at, id) (store/pages.py):
+# on SQLite the same index.
 _LOOKBACK_INDEX = {
-    "sqlite": "CREATE INDEX IF NOT EXISTS events_name_received ON events (name, received_at)",
-    "postgres": "CREATE INDEX IF NOT EXISTS events_name_xid ON events (name, xid)"
-    " WHERE xid IS NOT NULL",
+    "sqlite": ["CREATE INDEX IF NOT EXISTS events_name_page ON events (name, received_at, id)",
+               "DROP INDEX IF EXISTS events_name_received"],
+    "postgres": ["CREATE INDEX IF NOT EXISTS events_name_xid ON events (name, xid) WHERE xid IS NOT NULL",
+                 "CREATE INDEX IF NOT EXISTS events_name_page ON events (name, received_at, id)"],
 }
 # What the backfill of an older database computes for a wait parked before
 # wait keys existed (the value text as it was stored, "null" for a missing one).
@@ -526,7 +544,7 @@ SESSION_FUNCTIONS_BACKFILL = {
 def backfill_statements(dialect: str) -> list[str]:
     """Statements run after the DDL and column additions, on every start."""
     return [
-        *_LATE_INDEXES, *_FUNCTION_ORDER_INDEX[dialect], _LOOKBACK_INDEX[dialect], _BACKFILL_TRIGGERS[dialect],
+        *_LATE_INDEXES, *_FUNCTION_ORDER_INDEX[dialect], *_LOOKBACK_INDEX[dialect], _BACKFILL_TRIGGERS[dialect],
         WAIT_KEY_BACKFILL[dialect], WAIT_PATHS_BACKFILL[dialect], SESSION_FUNCTIONS_BACKFILL[dialect],
     ]
 

@@ -90,7 +90,8 @@ def test_a_database_made_before_numbered_migrations_is_brought_forward_with_its_
     backend, columns, request, tmp_path
 ):
     """``columns`` false: a database of the first release, without the added
-    columns, whose waiting step has no wait key and whose function no trigger row."""
+    columns, whose waiting step has no wait key, whose function has no trigger
+    row, and with the list indexes the page indexes replaced."""
     url = _url(backend, request, tmp_path)
     _build_before(url, columns=columns)
     definition = msgspec.json.encode(FunctionDef(id="f", triggers=[Trigger("order.created")])).decode()
@@ -104,6 +105,16 @@ def test_a_database_made_before_numbered_migrations_is_brought_forward_with_its_
         " wait_event, wait_match, wait_match_value)"
         " VALUES ('r1', 'w', 'w', 'wait', 'waiting', 1, 1, 'order.paid', 'data.id', '\"a\"')",
     ]
+    if not columns:  # and the list indexes from before the page indexes replaced them
+        statements += [
+            "CREATE INDEX events_received ON events (received_at)",
+            "CREATE INDEX runs_status ON runs (status, created_at)",
+            "CREATE INDEX runs_function ON runs (function_id, created_at)",
+            "CREATE INDEX audit_run ON audit_log (run_id, at)",
+            "CREATE INDEX audit_type ON audit_log (type, at)",
+        ]
+        if backend == "sqlite":
+            statements.append("CREATE INDEX events_name_received ON events (name, received_at)")
     if url.startswith("sqlite:///"):
         with sqlite3.connect(url.removeprefix("sqlite:///")) as conn:
             for s in statements:
