@@ -41,21 +41,31 @@ from ironflow.store.base import (
     StaleExecution,
     StepResult,
 )
-from ironflow.store.compensation import CompensationOps, has_undos_sql
+from ironflow.store.compensation import end_compensation
 from ironflow.store.core import (
     _FENCE_SQL,
     _RUN_COLS,
-    _TERMINAL_SQL,
     INVOKED_EVENT,
     MAX_STATEMENT_PARAMS,
-    RUN_END_FIGURES,
     Tx,
-    _enc,
     _run_record,
+    enc,
     fence_join,
     token_hash,
 )
 from ironflow.store.steps import _STEP_INSERT, _STEP_RESULT_UPSERT, _STEP_ROW_PARAMS, StepResultOps
+from ironflow.store.transitions import (
+    RUN_END_FIGURES,
+    TERMINAL_SQL,
+    audit_if_enabled,
+    begin_compensation,
+    enqueue,
+    free_credit,
+    has_undos_sql,
+    resolve_parent,
+    resume,
+    write_audit,
+)
 from ironflow.store.waits import WaitOps, park_locks
 
 # Whether the run's function records ordinary audit events, read in the same
@@ -76,7 +86,7 @@ _BEGUN_AND_ENDED = (
 )
 
 
-class FenceOps(StepResultOps, WaitOps, CompensationOps):
+class FenceOps(StepResultOps, WaitOps):
     """The fence and a segment's life (see the module docstring)."""
 
     def _take_lease(self, tx: Tx, fence: Fence) -> tuple[float, str | None]:
@@ -93,7 +103,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             raise StaleExecution(
                 f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
             )
-        self._free_credit(tx, fence.session_id, fence.run_id, fence.execution_seq)
+        free_credit(tx, fence.session_id, fence.run_id, fence.execution_seq)
         return float(row[0]), row[1]
 
     async def activate_lease(self, fence: Fence, *, lease_expiry_s: float) -> RunRecord:
@@ -253,7 +263,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 if run is not None:
                     record = _run_record(run)
                     if run[-1]:
-                        self._audit(
+                        write_audit(
                             tx, "run.started", fence.run_id, record.function_id,
                             {"execution_seq": fence.execution_seq},
                         )
@@ -289,8 +299,8 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         """After the run's UPDATE: ``row`` = parent run, parent step, function,
         duration, audit flag."""
         if row[4]:
-            self._audit(tx, "run.completed", fence.run_id, row[2], {})
-        kicked = self._resolve_parent(tx, row[0], row[1], fence.run_id, output=output)
+            write_audit(tx, "run.completed", fence.run_id, row[2], {})
+        kicked = resolve_parent(tx, row[0], row[1], fence.run_id, output=output)
         return JobOutcome(
             fence.run_id, "completed", kicked_run_ids=kicked, function_id=row[2], duration_s=row[3]
         )
@@ -397,7 +407,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         if not items:
             return {}
         rows = [
-            (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), _enc(output))
+            (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), enc(output))
             for (f, _), (_, output, _) in items
         ]
         steps = self._step_rows([prepared for prepared, _ in items])
@@ -414,7 +424,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         fences = [(fence, fields) for (fence, fields), _ in items if fence.run_id in begun]
         for fence, _ in fences:
             if begun[fence.run_id][4]:
-                self._audit(
+                write_audit(
                     tx, "run.started", fence.run_id, begun[fence.run_id][2],
                     {"execution_seq": fence.execution_seq},
                 )
@@ -550,7 +560,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         if not items:
             return {}
         rows = [
-            (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), _enc(output))
+            (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), enc(output))
             for f, output in items
         ]
         ended = self._complete_fenced(tx, rows) if tx.combined else self._complete_per_table(tx, rows)
@@ -577,7 +587,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             attempt, max_attempts, ckey, parent_run_id, parent_step_id, definition, audit = run[:7]
             compensation, stored_error, has_undos = run[7:]
             if compensation is not None:  # the compensation segment's end
-                return self._end_compensation(
+                return end_compensation(
                     tx, fence.run_id, compensation, stored_error, (parent_run_id, parent_step_id),
                     attempt=attempt, audit=bool(audit),
                 )
@@ -588,13 +598,13 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                     " current_execution_seq = current_execution_seq + 1, error = ?,"
                     " updated_at = ironflow_now() WHERE id = ?"
                     " RETURNING current_execution_seq, attempt",
-                    (_enc(error), fence.run_id),
+                    (enc(error), fence.run_id),
                 )
                 assert row is not None
-                eligible_at = self._enqueue(
+                eligible_at = enqueue(
                     tx, fence.run_id, row[0], fd.id, ckey, fd.retries.delay_after(attempt), "retry"
                 )
-                self._audit_if_enabled(
+                audit_if_enabled(
                     tx,
                     "run.attempt.failed",
                     fence.run_id,
@@ -602,17 +612,17 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 )
                 return JobOutcome(fence.run_id, "waiting", row[0], eligible_at, row[1])
             if has_undos:  # the run's final failure: its undos run first
-                seq, eligible_at = self._begin_compensation(tx, fence.run_id, "failure", error)
+                seq, eligible_at = begin_compensation(tx, fence.run_id, "failure", error)
                 return JobOutcome(fence.run_id, "waiting", seq, eligible_at, attempt, compensating=True)
             ended = tx.fetchone(
                 "UPDATE runs SET status = 'failed', error = ?, ended_at = ironflow_now(),"
                 f" updated_at = ironflow_now() WHERE id = ? RETURNING {RUN_END_FIGURES}",
-                (_enc(error), fence.run_id),
+                (enc(error), fence.run_id),
             )
             assert ended is not None
             if audit:
-                self._audit(tx, "run.failed", fence.run_id, ended[0], {"error": error})
-            kicked = self._resolve_parent(
+                write_audit(tx, "run.failed", fence.run_id, ended[0], {"error": error})
+            kicked = resolve_parent(
                 tx, parent_run_id, parent_step_id, fence.run_id, error=error
             )
             return JobOutcome(
@@ -642,7 +652,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                     tx, fence, step_id, name, info,
                     began_at=began_at, began_snapshot=began_snapshot,
                 ):
-                    resumed = self._resume(tx, fence.run_id)
+                    resumed = resume(tx, fence.run_id)
                     if resumed is not None:
                         return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
                 return JobOutcome(fence.run_id, "waiting")
@@ -663,9 +673,9 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                         retryable=False,
                     )
                     self._park_step(
-                        tx, fence, step_id, name, kind, "failed", None, error=_enc(error)
+                        tx, fence, step_id, name, kind, "failed", None, error=enc(error)
                     )
-                    resumed = self._resume(tx, fence.run_id)
+                    resumed = resume(tx, fence.run_id)
                     assert resumed is not None
                     return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
                 event_id = new_id("evt")
@@ -683,9 +693,9 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                     # no child; the invoke step fails, not retried.
                     error = ErrorInfo(message=str(exc), code=exc.code, retryable=False)
                     self._park_step(
-                        tx, fence, step_id, name, kind, "failed", None, error=_enc(error)
+                        tx, fence, step_id, name, kind, "failed", None, error=enc(error)
                     )
-                    resumed = self._resume(tx, fence.run_id)
+                    resumed = resume(tx, fence.run_id)
                     assert resumed is not None
                     return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
                 self._insert_event(tx, event_id, INVOKED_EVENT, info.input, None, [invoke_run_id])
@@ -696,7 +706,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 # The step settled after this segment read it (a replay of a
                 # parked step the waker completed meanwhile): nothing to wait
                 # for, so the run goes on rather than waiting on nothing.
-                resumed = self._resume(tx, fence.run_id)
+                resumed = resume(tx, fence.run_id)
                 if resumed is not None:
                     return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1], kicked_run_ids=kicked)
             return JobOutcome(fence.run_id, "waiting", kicked_run_ids=kicked)
@@ -761,7 +771,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                     f"segment {fence.run_id}/{fence.execution_seq} is neither reserved nor"
                     " leased with this token"
                 )
-            self._free_credit(
+            free_credit(
                 tx,
                 fence.session_id,
                 fence.run_id,
@@ -779,10 +789,10 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 (fence.run_id,),
             )
             assert row is not None
-            eligible_at = self._enqueue(tx, fence.run_id, row[0], row[1], row[2], 0.0, "nack")
+            eligible_at = enqueue(tx, fence.run_id, row[0], row[1], row[2], 0.0, "nack")
             # Always recorded, whatever the function's audit toggle, like every
             # capacity.* event: a run's story includes the assignments refused.
-            self._audit(
+            write_audit(
                 tx,
                 "capacity.job.nacked",
                 fence.run_id,
@@ -922,7 +932,7 @@ def _taken_reservations(returning: str) -> str:
         " AND d.execution_seq = v.execution_seq AND d.reservation_owner = v.session_id"
         " AND d.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
         " WHERE id = v.run_id AND current_execution_seq = v.execution_seq"
-        f" AND status NOT IN {_TERMINAL_SQL}) RETURNING {returning})"
+        f" AND status NOT IN {TERMINAL_SQL}) RETURNING {returning})"
     )
 
 
@@ -937,7 +947,7 @@ def _take_reservations_per_table(n: int, returning: str) -> str:
         + ", ".join(["(?, ?, ?, ?)"] * n) + ")"
         " AND EXISTS (SELECT 1 FROM runs WHERE id = dispatch_queue.run_id"
         " AND current_execution_seq = dispatch_queue.execution_seq"
-        f" AND status NOT IN {_TERMINAL_SQL})"
+        f" AND status NOT IN {TERMINAL_SQL})"
         # A gone session's acks are refused: its queue rows stay.
         " AND EXISTS (SELECT 1 FROM worker_sessions WHERE id = dispatch_queue.reservation_owner)"
         f" RETURNING {returning}"

@@ -19,22 +19,23 @@ from ironflow.store.base import (
     FunctionNotFound,
     IngestResult,
 )
-from ironflow.store.cancel_on import cancel_paths_sql, cancel_reason
+from ironflow.store.cancel_on import CancelOnOps, cancel_paths_sql, cancel_reason
 from ironflow.store.core import (
     INVOKED_EVENT,
     MAX_STATEMENT_PARAMS,
     NamedLock,
     NewRun,
     Tx,
-    _dec,
-    _enc,
-    _marks,
     _trigger_patterns,
     _triggered,
+    dec,
+    enc,
     new_run,
+    placeholders,
 )
 from ironflow.store.filters import notes_text
 from ironflow.store.flow import FlowGroup, FlowOps, FlowResult, has_flow
+from ironflow.store.transitions import cancel
 from ironflow.store.waits import WaitOps, ingest_locks
 
 R = TypeVar("R")
@@ -47,7 +48,7 @@ def _cancelled_ids(results: list[IngestResult]) -> list[str]:
     return [o.run_id for r in results for o in r.cancelled if not o.compensating]
 
 
-class IngestOps(WaitOps, FlowOps):
+class IngestOps(WaitOps, FlowOps, CancelOnOps):
     """Events in, runs created, waits resolved, invocations, cancellation."""
 
     def _ingest(
@@ -61,7 +62,7 @@ class IngestOps(WaitOps, FlowOps):
                 (idempotency_key, float(window_s)),
             )
             if seen is not None:
-                return IngestResult(seen[0], _dec(seen[1]), True)
+                return IngestResult(seen[0], dec(seen[1]), True)
         fds, paths, cancel_paths, paused = self._triggered_and_waited(tx, [name])
         return self._ingest_new(tx, name, data, idempotency_key, fds, paths, cancel_paths, paused)
 
@@ -155,7 +156,7 @@ class IngestOps(WaitOps, FlowOps):
 
                     prioritised.append((run_id, priority_of(fd, name, data)))
             event_rows += [
-                event_id, name, _enc(data), key, _enc(run_ids), (notes or {}).get(event_id),
+                event_id, name, enc(data), key, enc(run_ids), (notes or {}).get(event_id),
                 (flows or {}).get(event_id),
             ]
             all_run_ids.append(run_ids)
@@ -220,7 +221,7 @@ class IngestOps(WaitOps, FlowOps):
         functions_sql = (
             "SELECT 0, f.definition, CASE WHEN f.paused_at IS NULL THEN NULL ELSE 'paused' END"
             " FROM functions f WHERE f.id IN (SELECT t.function_id"
-            f" FROM function_triggers t WHERE t.pattern IN ({_marks(len(patterns))}))"
+            f" FROM function_triggers t WHERE t.pattern IN ({placeholders(len(patterns))}))"
         )
         rows = tx.fetchall(
             f"{functions_sql} UNION ALL SELECT 1, w.wait_event, w.wait_match FROM"
@@ -350,7 +351,7 @@ class IngestOps(WaitOps, FlowOps):
             )
             flows.append(flow)
             if flow is not None and flow.notes:
-                flow_notes[event_id] = _enc(flow.notes)
+                flow_notes[event_id] = enc(flow.notes)
             planned.append((event_id, name, data, None, [*(starting if flow is None else flow.runs)]))
         create_planned()
         resumed = self._resolve_waits(
@@ -396,6 +397,6 @@ class IngestOps(WaitOps, FlowOps):
     async def cancel_run(self, run_id: str, reason: str) -> CancelOutcome:
         def work(tx: Tx) -> CancelOutcome:
             error = ErrorInfo(message=reason, code="CANCELLED", retryable=False)
-            return self._cancel(tx, run_id, error, {"reason": reason})
+            return cancel(tx, run_id, error, {"reason": reason})
 
         return await self._transact_ending(work, lambda o: [] if o.compensating else [run_id])

@@ -213,6 +213,7 @@ class PgTx:
     """
 
     combined = True
+    notifies_nodes = True
     streams_rows = False
     # Whether statements go straight to libpq; False: every statement through
     # psycopg's cursor, prepared by psycopg. Per class, so the store (a refused

@@ -27,12 +27,12 @@ from ironflow.store.core import (
     _STEP_COLS,
     SqlStoreBase,
     Tx,
-    _dec,
-    _iso,
     _lease_record,
     _queue_record,
     _run_record,
     _step_record,
+    dec,
+    iso_time,
 )
 from ironflow.store.dispatch_flow import waiting_reason
 from ironflow.store.pages import Keyset, PageQuery, read_page
@@ -61,7 +61,7 @@ def _listed_run(row: tuple[Any, ...]) -> RunRecord:
 
 
 def _audit_record(row: tuple[Any, ...]) -> AuditRecord:
-    return AuditRecord(row[0], row[1], row[2], row[3], row[4], _dec(row[5]))
+    return AuditRecord(row[0], row[1], row[2], row[3], row[4], dec(row[5]))
 
 
 def _listed_audit(row: tuple[Any, ...]) -> AuditRecord:
@@ -91,13 +91,13 @@ class ReadOps(SqlStoreBase):
             reason = None
             if queue is not None:
                 if queue.reason == "recovery" and queue.eligible_at > now:
-                    reason = f"recovery grace until {_iso(queue.eligible_at)}"
+                    reason = f"recovery grace until {iso_time(queue.eligible_at)}"
                 elif queue.reason == "retry" and queue.eligible_at > now:
-                    reason = f"retry delay until {_iso(queue.eligible_at)}"
+                    reason = f"retry delay until {iso_time(queue.eligible_at)}"
                 elif queue.reason == "debounce" and queue.eligible_at > now:  # store/flow.py
-                    reason = f"debounced until {_iso(queue.eligible_at)}"
+                    reason = f"debounced until {iso_time(queue.eligible_at)}"
                 elif queue.reason == "batch" and queue.eligible_at > now:
-                    reason = f"batch filling until {_iso(queue.eligible_at)}"
+                    reason = f"batch filling until {iso_time(queue.eligible_at)}"
                 elif queue.reason == "nack":
                     reason = "requeued after nack"
                 else:
@@ -114,10 +114,10 @@ class ReadOps(SqlStoreBase):
                 for s in step_rows:
                     kind, status, wake_at, wait_event, child = s[3], s[4], s[10], s[11], s[12]
                     if status == "sleeping":
-                        reason = f"sleeping until {_iso(wake_at)}"
+                        reason = f"sleeping until {iso_time(wake_at)}"
                     elif status == "waiting" and kind == "wait":
                         reason = f"waiting for event {wait_event}" + (
-                            f" until {_iso(wake_at)}" if wake_at is not None else ""
+                            f" until {iso_time(wake_at)}" if wake_at is not None else ""
                         )
                     elif status == "waiting" and kind == "invoke":
                         reason = f"waiting for invoked run {child}"
@@ -200,7 +200,7 @@ class ReadOps(SqlStoreBase):
                     r[7],
                     int(r[8]),
                     int(r[9]),
-                    _dec(r[10]),
+                    dec(r[10]),
                 )
                 for r in rows
             ]

@@ -2,8 +2,11 @@
 from one module per concern so each seed mechanism reads on its own:
 
 - ``tx``: the transaction surface (``Tx``) and the value codecs;
-- ``core``: shared helpers and machinery (``SqlStoreBase``: audit, credits,
-  the queue, run creation and resumption);
+- ``transitions``: the shared transitions every operation calls as functions
+  of its ``Tx`` (enqueue, take a segment, end, resume, cancel, recover; the
+  audit rows and credits they write);
+- ``core``: shared machinery (``SqlStoreBase``: the transaction hook,
+  definition decoding, run creation, the fence check);
 - ``fence``: the fence and a segment's life (ack, complete/fail/yield,
   nack, heartbeat); ``steps``: a segment's step results, under its fence;
 - ``waits``: ``wait_for_event`` parked, looked back, resolved, and its lock order;
@@ -24,7 +27,7 @@ from one module per concern so each seed mechanism reads on its own:
   ``stats`` (the dashboard's counts), ``history`` (retention), ``keys``.
 
 The backends (``sqlite.py``, ``postgres.py`` with ``pg_tx.py``) add
-``_transact`` and their lifecycle; ``schema.py`` holds the DDL.
+``_transact`` and their lifecycle; ``schema.py`` holds the numbered migrations.
 """
 
 from __future__ import annotations

@@ -82,6 +82,7 @@ class _SqliteTx:
     """:class:`~ironflow.store.core.Tx` over the writer thread's connection."""
 
     combined = False
+    notifies_nodes = False
     streams_rows = True
 
     def __init__(self, conn: sqlite3.Connection) -> None:

@@ -17,7 +17,8 @@ import outcome
 
 from ironflow.protocol import ErrorInfo
 from ironflow.store.base import Fence, StaleExecution, StepNotFound, StepResult
-from ironflow.store.core import MAX_STATEMENT_PARAMS, SqlStoreBase, Tx, _enc, fence_join, token_hash
+from ironflow.store.core import MAX_STATEMENT_PARAMS, SqlStoreBase, Tx, enc, fence_join, token_hash
+from ironflow.store.transitions import write_audit
 
 # A step's run's function id when that function records ordinary audit
 # events, else NULL: read in the statement that writes the step.
@@ -99,8 +100,8 @@ class StepResultOps(SqlStoreBase):
                 s.step_id,
                 s.name,
                 s.status,
-                _enc(s.output) if s.status == "completed" else None,
-                None if s.error is None else _enc(s.error),
+                enc(s.output) if s.status == "completed" else None,
+                None if s.error is None else enc(s.error),
                 float(s.duration_ms),
             )
             for s in steps
@@ -247,7 +248,7 @@ class StepResultOps(SqlStoreBase):
         names = {(row[0], row[1]): row[2] for row in chunk}
         for run_id, step_id, status, audited in written:
             if status == "completed" and audited is not None:
-                self._audit(
+                write_audit(
                     tx, "step.completed", run_id, audited,
                     {"step_id": step_id, "name": names[(run_id, step_id)]},
                 )

@@ -32,7 +32,7 @@ Locks, in the order they are taken:
    matching event passes it by (race 2). ``SKIP LOCKED`` stays where any free
    row will do: the waker's claim of elapsed waits (``wake_claims.py``), whose
    skipped rows are claimed on its next pass.
-3. The run row, by :meth:`SqlStoreBase._resume` (an UPDATE), after its step.
+3. The run row, by ``transitions.resume`` (an UPDATE), after its step.
 
 The **look-back** of a park finds an event that arrived while the segment
 ran, before the wait existed. The segment began when it was *reserved*: the
@@ -58,7 +58,7 @@ The **timeout** is the waker's: ``wake_claims.py`` claims waits whose ``wake_at`
 passed (``waking``) and resolves them ``timed_out``; an ingest that locks the
 row after such a claim sees its status changed and leaves it. A wait is
 therefore resolved exactly once: by one event, or by its timeout, or failed
-by its run's end (``core._end_run``).
+by its run's end (``transitions.end_run``).
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ import msgspec
 
 from ironflow.protocol import WaitYield, lookup_path
 from ironflow.store.base import Fence
-from ironflow.store.core import NamedLock, SqlStoreBase, Tx, _dec, _enc, _marks
+from ironflow.store.core import NamedLock, SqlStoreBase, Tx, dec, enc, placeholders
+from ironflow.store.transitions import resume
 
 # Events of the awaited name read per page when a wait parks and looks back.
 LOOKBACK_PAGE = 100
@@ -164,7 +165,7 @@ class WaitOps(SqlStoreBase):
             " claimed_at = NULL, pre_claim_status = NULL WHERE steps.status <> 'completed'",
             (
                 fence.run_id, step_id, name, fence.execution_seq, time.time_ns(), info.timeout_at,
-                info.event, info.match, _enc(info.match_value),
+                info.event, info.match, enc(info.match_value),
                 wait_key(info.event, info.match, info.match_value),
             ),
         )
@@ -211,12 +212,12 @@ class WaitOps(SqlStoreBase):
             matching = [
                 row for row in page
                 if row[0] not in own
-                and (want is None or match_text(lookup_path(_dec(row[1]), info.match or "")) == want)
+                and (want is None or match_text(lookup_path(dec(row[1]), info.match or "")) == want)
             ]
             if matching:
                 event_id, data_text, received_at, _ = min(matching, key=lambda row: (row[2], row[0]))
-                event = _enc({
-                    "id": event_id, "name": info.event, "data": _dec(data_text),
+                event = enc({
+                    "id": event_id, "name": info.event, "data": dec(data_text),
                     "received_at": received_at,
                 })
                 return bool(tx.execute(
@@ -233,7 +234,7 @@ class WaitOps(SqlStoreBase):
     @staticmethod
     def _wait_paths_sql(names: int) -> str:
         """The match paths waited on for ``names`` event names (params: the names)."""
-        return f"SELECT wait_event, wait_match FROM wait_paths WHERE wait_event IN ({_marks(names)})"
+        return f"SELECT wait_event, wait_match FROM wait_paths WHERE wait_event IN ({placeholders(names)})"
 
     def _resolve_waits(
         self,
@@ -257,7 +258,7 @@ class WaitOps(SqlStoreBase):
         # each lock (PostgreSQL re-reads a row it waited for): module docstring.
         waits = tx.fetchall(
             "SELECT run_id, step_id, wait_key FROM steps WHERE status = 'waiting' AND kind = 'wait'"
-            f" AND wait_key IN ({_marks(len(keys))}) ORDER BY run_id, step_id {tx.lock_wait()}",
+            f" AND wait_key IN ({placeholders(len(keys))}) ORDER BY run_id, step_id {tx.lock_wait()}",
             keys,
         )
         outputs: dict[int, str] = {}
@@ -266,7 +267,7 @@ class WaitOps(SqlStoreBase):
             if place not in outputs:
                 event_id, name, data = events[place]
                 row = tx.fetchone("SELECT received_at FROM events WHERE id = ?", (event_id,))
-                outputs[place] = _enc({
+                outputs[place] = enc({
                     "id": event_id, "name": name, "data": data,
                     "received_at": row[0] if row else None,
                 })
@@ -276,7 +277,7 @@ class WaitOps(SqlStoreBase):
                     " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
                     (outputs[place], run_id, step_id),
                 )
-                and self._resume(tx, run_id) is not None
+                and resume(tx, run_id) is not None
             ):
                 resumed[place].append(run_id)
         return resumed

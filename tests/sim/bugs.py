@@ -58,13 +58,12 @@ from ironflow.store.base import CronFired
 from ironflow.store.core import (
     _FENCE_SQL,
     _RUN_COLS,
-    _TERMINAL_SQL,
     Tx,
-    _dec,
-    _enc,
-    _marks,
     _run_record,
+    dec,
+    enc,
     new_run,
+    placeholders,
     token_hash,
 )
 from ironflow.store.cron import _SCHEDULE_COLS, _due
@@ -72,6 +71,7 @@ from ironflow.store.dispatch_flow import FlowPlan
 from ironflow.store.fence import _BEGUN_AND_ENDED
 from ironflow.store.sqlite import SqliteStore
 from ironflow.store.steps import _STEP_AUDITED_FUNCTION, _STEP_RESULT_UPSERT
+from ironflow.store.transitions import TERMINAL_SQL, audit_if_enabled, resume, write_audit
 from ironflow.store.waits import park_locks
 from tests.sim.pg import SimPostgresStore
 
@@ -88,8 +88,8 @@ class UnfencedRecordStep(SqliteStore):
         error: ErrorInfo | None = None,
         duration_ms: float = 0.0,
     ) -> None:
-        out_text = _enc(output) if status == "completed" else None
-        err_text = None if error is None else _enc(error)
+        out_text = enc(output) if status == "completed" else None
+        err_text = None if error is None else enc(error)
 
         def work(tx: Tx) -> None:
             # The real statement, minus its `WHERE EXISTS (… the fence …)`.
@@ -111,7 +111,7 @@ class UnfencedRecordStep(SqliteStore):
                 ),
             )
             if written and status == "completed":
-                self._audit_if_enabled(
+                audit_if_enabled(
                     tx, "step.completed", fence.run_id, {"step_id": step_id, "name": name}
                 )
 
@@ -329,7 +329,7 @@ class StrandedAck(SimPostgresStore):
                 " AND d.execution_seq = v.execution_seq AND d.reservation_owner = v.session_id"
                 " AND d.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
                 " WHERE id = v.run_id AND current_execution_seq = v.execution_seq"
-                f" AND status NOT IN {_TERMINAL_SQL}) RETURNING d.run_id, d.execution_seq,"
+                f" AND status NOT IN {TERMINAL_SQL}) RETURNING d.run_id, d.execution_seq,"
                 " d.function_id, d.concurrency_key, v.session_id, v.digest,"
                 " d.reserved_at, d.reservation_snapshot),"
                 " l AS (INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
@@ -351,7 +351,7 @@ class StrandedAck(SimPostgresStore):
             if run is not None:
                 record = _run_record(run)
                 if run[-1]:
-                    self._audit(tx, "run.started", fence.run_id, record.function_id,
+                    write_audit(tx, "run.started", fence.run_id, record.function_id,
                                 {"execution_seq": fence.execution_seq})
                 results.append(outcome.Value(record))
             elif self._fence_alive(tx, fence):
@@ -375,22 +375,22 @@ class WaitRowSkipped(SimPostgresStore):
         names = sorted({name for _, name, _ in events})
         waiting = tx.fetchall(
             "SELECT run_id, step_id, wait_event, wait_match, wait_match_value FROM steps"
-            f" WHERE status = 'waiting' AND kind = 'wait' AND wait_event IN ({_marks(len(names))})"
+            f" WHERE status = 'waiting' AND kind = 'wait' AND wait_event IN ({placeholders(len(names))})"
             f" {tx.lock()}",
             names,
         )
         for place, (event_id, name, data) in enumerate(events):
             for run_id, step_id, event, match, value in waiting:
-                if event != name or (match is not None and lookup_path(data, match) != _dec(value)):
+                if event != name or (match is not None and lookup_path(data, match) != dec(value)):
                     continue
                 received = tx.fetchone("SELECT received_at FROM events WHERE id = ?", (event_id,))
-                output = _enc({"id": event_id, "name": name, "data": data,
+                output = enc({"id": event_id, "name": name, "data": data,
                                "received_at": received[0] if received else None})
                 if tx.execute(
                     "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
                     " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
                     (output, run_id, step_id),
-                ) and self._resume(tx, run_id) is not None:
+                ) and resume(tx, run_id) is not None:
                     resumed[place].append(run_id)
         return resumed
 
