@@ -11,10 +11,10 @@ placeholders; :class:`Tx` implementations translate for their driver. The
 only dialect differences are fragments from :meth:`Tx.lock` (``FOR UPDATE
 SKIP LOCKED`` on PostgreSQL, nothing on SQLite — its single writer already
 serialises), :meth:`Tx.advisory_lock` (PostgreSQL only), and, where
-:attr:`Tx.combined` is set (PostgreSQL), the hottest transitions (create a run,
-activate a segment, complete it) written as one statement with data-modifying
-``WITH`` clauses instead of one statement per table — same rows, same checks,
-one round trip.
+:attr:`Tx.modifying_with` is set (PostgreSQL), the hottest transitions (create a
+run, activate a segment, complete it) written as one statement with
+data-modifying ``WITH`` clauses instead of one statement per table — same rows,
+same checks, one round trip — each pair of forms side by side in one function.
 
 Fencing lives in the SQL: a worker message may only change a segment when a
 lease row with that ``(run_id, execution_seq, session_id, lease_token_hash)``
@@ -297,7 +297,7 @@ class SqlStoreBase(Store):
         """The runs of ``fences`` (different runs) whose fence is the live
         lease (:func:`fence_join`): one statement. It locks nothing: right for
         SQLite's single writer; on PostgreSQL a verdict that must still hold
-        at commit needs a lock (``steps._record_fenced``)."""
+        at commit needs a lock (``steps._record_live``)."""
         if not fences:
             return set()
         return {

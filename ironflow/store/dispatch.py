@@ -97,15 +97,19 @@ def _read_candidates(tx: Tx, function_ids: list[str], n: int) -> list[tuple[Any,
     return tx.fetchall(_candidates_sql(tx, len(function_ids)), [*function_ids, n])
 
 
-def _read_credits_and_candidates(
+def _read_credits(
     tx: Tx, session_ids: list[str], function_ids: list[str], limit: int
-) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    """PostgreSQL: :func:`_credits_sql` and the first :func:`_candidates_sql`
-    read (``RESERVE_OVERSCAN`` rows per credit the round may fill) in one
-    statement, one round trip. The candidates' LIMIT counts the credits, so
-    the credits are read and locked first, as by two statements; the
-    candidates are read in the same snapshot (a DRAINING nack's requeued row,
-    committed while the session row was waited for, is not among them)."""
+) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]] | None]:
+    """The free credits of ``session_ids`` (:func:`_credits_sql`, locked) and,
+    where statements are round trips (``tx.round_trips``), the first
+    :func:`_candidates_sql` read of ``function_ids`` with them in one
+    statement (``RESERVE_OVERSCAN`` rows per credit the round may fill;
+    otherwise None: the caller reads them). The candidates' LIMIT counts the
+    credits, so the credits are read and locked first, as by two statements;
+    the candidates are read in the same snapshot (a DRAINING nack's requeued
+    row, committed while the session row was waited for, is not among them)."""
+    if not tx.round_trips:
+        return tx.fetchall(_credits_sql(tx, len(session_ids)), session_ids), None
     rows = tx.fetchall(
         f"WITH c AS ({_credits_sql(tx, len(session_ids))}),"
         f" q AS ({_candidates_sql(tx, len(function_ids), f'least(?, (SELECT count(*) FROM c)) * {RESERVE_OVERSCAN}')})"
@@ -212,11 +216,7 @@ class DispatchOps(SqlStoreBase):
                 )
             if not joined:
                 release_expired_reservations(tx)
-            # PostgreSQL reads the first candidates with the credits (one round trip).
-            credits, first = (
-                _read_credits_and_candidates(tx, session_ids, function_ids, limit) if tx.combined
-                else (tx.fetchall(_credits_sql(tx, len(session_ids)), session_ids), None)
-            )
+            credits, first = _read_credits(tx, session_ids, function_ids, limit)
             if not credits:
                 return []
             free: dict[str, list[int]] = {}
@@ -409,7 +409,7 @@ def _write_reservations(
         f" reservation_snapshot = {tx.snapshot_sql}"
     )
     queue_rows = [(rid, seq, sid, token_hash(tok)) for rid, seq, sid, tok in chosen]
-    if tx.combined:
+    if tx.modifying_with:
         return tx.fetchall(
             "WITH v (run_id, execution_seq, session_id, digest) AS (VALUES "
             + ", ".join(["(?, ?, ?, ?)"] * len(queue_rows))

@@ -255,7 +255,7 @@ class FenceOps(StepResultOps, WaitOps):
         def work(tx: Tx) -> list[outcome.Outcome[RunRecord]]:
             started = {
                 row[0]: row
-                for row in (one_statement(tx) if tx.combined else statement_per_table(tx))
+                for row in (one_statement(tx) if tx.modifying_with else statement_per_table(tx))
             }
             results: list[outcome.Outcome[RunRecord]] = []
             for fence in fences:
@@ -411,16 +411,10 @@ class FenceOps(StepResultOps, WaitOps):
             for (f, _), (_, output, _) in items
         ]
         steps = self._step_rows([prepared for prepared, _ in items])
-        # PostgreSQL writes the unaudited runs' steps in the same statement
-        # when they fit one (no step twice: an upsert changes a row once).
-        folded = tx.combined and _one_statement(steps, len(rows) * 5 + len(steps) * _STEP_ROW_PARAMS)
-        begun = {
-            row[0]: row[1:]
-            for row in (
-                self._begin_ended(tx, rows, steps if folded else []) if tx.combined
-                else self._begin_ended_per_table(tx, rows)
-            )
-        }
+        # With data-modifying WITH the unaudited runs' steps go in the same
+        # statement when they fit one (no step twice: an upsert changes a row once).
+        folded = tx.modifying_with and _one_statement(steps, len(rows) * 5 + len(steps) * _STEP_ROW_PARAMS)
+        begun = {row[0]: row[1:] for row in self._begin_ended(tx, rows, steps if folded else [])}
         fences = [(fence, fields) for (fence, fields), _ in items if fence.run_id in begun]
         for fence, _ in fences:
             if begun[fence.run_id][4]:
@@ -445,14 +439,24 @@ class FenceOps(StepResultOps, WaitOps):
     def _begin_ended(
         tx: Tx, rows: list[tuple[Any, ...]], steps: list[tuple[Any, ...]]
     ) -> list[tuple[Any, ...]]:
-        """PostgreSQL: :meth:`_begin_and_complete`'s statement over ``rows``
-        (run, seq, session, digest, output): the activation's DELETE
-        (:meth:`_activate`, same conditions and lock order: the queue row,
-        then the run row), the credit freed, the run completed with its start
-        figures; and ``steps`` (:meth:`_step_rows`) of the runs it began whose
-        functions record no audit events, written under the seq the DELETE
-        proved (after the run rows, as a step written alone would be). Per
-        run: its id, parent run, parent step, function, duration, audit flag."""
+        """:meth:`_begin_and_complete`'s writes over ``rows`` (run, seq,
+        session, digest, output): the activation's DELETE (:meth:`_activate`,
+        same conditions and lock order: the queue row, then the run row), the
+        credit freed, the run completed with its start figures. Per run: its
+        id, parent run, parent step, function, duration, audit flag.
+
+        With data-modifying WITH (``tx.modifying_with``), one statement, which
+        also writes ``steps`` (:meth:`_step_rows`) of the runs it began whose
+        functions record no audit events, under the seq the DELETE proved
+        (after the run rows, as a step written alone would be). Without (SQLite;
+        ``steps`` then empty), one statement per table, its single writer
+        making them one step."""
+        if not tx.modifying_with:
+            taken = tx.fetchall(
+                _take_reservations_per_table(len(rows), "run_id, execution_seq, reservation_owner"),
+                (*(row[0] for row in rows), *(value for row in rows for value in row[:4])),
+            )
+            return FenceOps._end_taken_per_table(tx, rows, taken, _BEGUN_AND_ENDED)
         written = (
             ", sv (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
             + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(steps))
@@ -478,41 +482,30 @@ class FenceOps(StepResultOps, WaitOps):
         )
 
     @staticmethod
-    def _begin_ended_per_table(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """SQLite (no data-modifying WITH): :meth:`_begin_ended` in one
-        statement per table (its single writer makes them one step)."""
-        taken = tx.fetchall(
-            _take_reservations_per_table(len(rows), "run_id, execution_seq, reservation_owner"),
-            (*(row[0] for row in rows), *(value for row in rows for value in row[:4])),
-        )
-        return FenceOps._end_taken_per_table(tx, rows, taken, _BEGUN_AND_ENDED)
+    def _complete_rows(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """:meth:`_complete_many`'s rows (run, seq, session, digest, output):
+        the fenced leases out (the fence verdict), their credits freed, their
+        runs completed. Per run completed: its id, parent run, parent step,
+        function, duration, audit flag.
 
-    @staticmethod
-    def _complete_fenced(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """PostgreSQL: :meth:`_complete_many`'s rows (run, seq, session, digest,
-        output) in one statement; per run completed: its id, parent run,
-        parent step, function, duration, audit flag."""
-        return tx.fetchall(
-            "WITH v (run_id, execution_seq, session_id, digest, output) AS (VALUES "
-            + ", ".join(["(?, ?, ?, ?, ?)"] * len(rows))
-            + f"), l AS (DELETE FROM concurrency_leases c USING v WHERE {fence_join('c', 'v')}"
-            " RETURNING c.run_id, c.execution_seq, c.session_id, v.output),"
-            " k AS (UPDATE worker_credits w SET claimed_run_id = NULL,"
-            " claimed_execution_seq = NULL, held = 0 FROM l WHERE w.session_id = l.session_id"
-            " AND w.claimed_run_id = l.run_id AND w.claimed_execution_seq = l.execution_seq)"
-            f" UPDATE runs SET {_ENDED}, output = l.output FROM l"
-            f" WHERE runs.id = l.run_id RETURNING runs.id, parent_run_id, parent_step_id,"
-            f" {RUN_END_FIGURES}, {_AUDIT_FLAG}",
-            tuple(value for row in rows for value in row),
-        )
-
-    @staticmethod
-    def _complete_per_table(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """SQLite (no data-modifying WITH): :meth:`_complete_fenced` in one
-        statement per table. The fenced leases out (the fence verdict), their
-        credits freed, their runs completed. ``run_id IN`` beside each row-value
-        list keeps SQLite on the primary key (a row-value list of several rows
-        alone makes it scan the table)."""
+        With data-modifying WITH (``tx.modifying_with``), one statement.
+        Without (SQLite), one statement per table: ``run_id IN`` beside each
+        row-value list keeps SQLite on the primary key (a row-value list of
+        several rows alone makes it scan the table)."""
+        if tx.modifying_with:
+            return tx.fetchall(
+                "WITH v (run_id, execution_seq, session_id, digest, output) AS (VALUES "
+                + ", ".join(["(?, ?, ?, ?, ?)"] * len(rows))
+                + f"), l AS (DELETE FROM concurrency_leases c USING v WHERE {fence_join('c', 'v')}"
+                " RETURNING c.run_id, c.execution_seq, c.session_id, v.output),"
+                " k AS (UPDATE worker_credits w SET claimed_run_id = NULL,"
+                " claimed_execution_seq = NULL, held = 0 FROM l WHERE w.session_id = l.session_id"
+                " AND w.claimed_run_id = l.run_id AND w.claimed_execution_seq = l.execution_seq)"
+                f" UPDATE runs SET {_ENDED}, output = l.output FROM l"
+                f" WHERE runs.id = l.run_id RETURNING runs.id, parent_run_id, parent_step_id,"
+                f" {RUN_END_FIGURES}, {_AUDIT_FLAG}",
+                tuple(value for row in rows for value in row),
+            )
         runs = ", ".join("?" * len(rows))
         run_ids = [row[0] for row in rows]
         taken = tx.fetchall(
@@ -563,7 +556,7 @@ class FenceOps(StepResultOps, WaitOps):
             (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), enc(output))
             for f, output in items
         ]
-        ended = self._complete_fenced(tx, rows) if tx.combined else self._complete_per_table(tx, rows)
+        ended = self._complete_rows(tx, rows)
         by_run = {row[0]: row[1:] for row in ended}
         return {
             fence.run_id: self._completed(tx, fence, output, by_run[fence.run_id])

@@ -181,7 +181,7 @@ class IngestOps(WaitOps, FlowOps, CancelOnOps):
             " eligible_at, reason, enqueued_at) VALUES "
             + ", ".join(["(?, 1, ?, ?, ironflow_now() + ?, ?, ironflow_now())"] * runs_n)
         )
-        if tx.combined:
+        if tx.modifying_with:
             tx.execute(
                 f"WITH e AS ({events_sql}), r AS ({runs_sql}) {queue_sql}",
                 (*event_rows, *run_rows, *queue_rows),

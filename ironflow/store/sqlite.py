@@ -81,7 +81,8 @@ def _unavailable(exc: BaseException) -> StoreUnavailable | None:
 class _SqliteTx:
     """:class:`~ironflow.store.core.Tx` over the writer thread's connection."""
 
-    combined = False
+    modifying_with = False
+    round_trips = False
     notifies_nodes = False
     streams_rows = True
 

@@ -134,10 +134,7 @@ class StepResultOps(SqlStoreBase):
         nothing of it written, for a segment whose fence is not live."""
         rows = self._step_rows(prepared)
         fences = {fence.run_id: fence for fence, _ in prepared}
-        live = (
-            self._record_fenced(tx, fences, rows) if tx.combined
-            else self._record_checked(tx, fences, rows)
-        )
+        live = self._record_live(tx, fences, rows)
         return [
             outcome.Value(None) if fence.run_id in live or not fields else outcome.Error(StaleExecution(
                 f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
@@ -155,16 +152,6 @@ class StepResultOps(SqlStoreBase):
         for fence, fields in prepared:
             rows += [(fence.run_id, *row, first + len(rows) + i) for i, row in enumerate(fields)]
         return rows
-
-    def _record_checked(
-        self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]
-    ) -> set[str]:
-        """SQLite: the fences checked (one statement), then the live ones' rows
-        written (its single writer makes the check and the write one step).
-        The runs whose fence was live."""
-        live = self._fences_alive(tx, list(fences.values()))
-        self._write_steps(tx, [row for row in rows if row[0] in live])
-        return live
 
     def _write_steps(self, tx: Tx, rows: list[tuple[Any, ...]]) -> None:
         """Write step rows (:meth:`_step_rows`) whose segments' fences the
@@ -196,18 +183,30 @@ class StepResultOps(SqlStoreBase):
                 tuple(value for row in chunk for value in (*row[:7], seqs[row[0]], row[7])),
             )
 
-    def _record_fenced(
+    def _record_live(
         self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]
     ) -> set[str]:
-        """PostgreSQL: every segment's rows in one statement per chunk, each row
-        written only if its fence is live, and the verdict of each fence from
-        that same statement (a verdict read by a later statement could call a
-        written row stale: docs/isolation.md, race 4). The fence's lease row is locked
-        ``FOR KEY SHARE`` until commit: whatever ends the fence (cancel, loop 1,
-        the run's end — each deletes the lease) waits for this write to commit,
-        and a write behind such an end finds the lease gone (race 5: a step row
-        committed after its run's cancel). A heartbeat's UPDATE of the lease
-        does not wait for it. The runs whose fence was live."""
+        """Write the rows (:meth:`_step_rows`) of the segments whose fence is
+        live, and audit them; the runs whose fence was live.
+
+        With data-modifying WITH (``tx.modifying_with``): every segment's rows
+        in one statement per chunk, each row written only if its fence is
+        live, and the verdict of each fence from that same statement (a
+        verdict read by a later statement could call a written row stale:
+        docs/isolation.md, race 4). The fence's lease row is locked ``FOR KEY
+        SHARE`` until commit: whatever ends the fence (cancel, loop 1, the
+        run's end — each deletes the lease) waits for this write to commit,
+        and a write behind such an end finds the lease gone (race 5: a step
+        row committed after its run's cancel). A heartbeat's UPDATE of the
+        lease does not wait for it.
+
+        Without (SQLite): the fences checked (one statement), then the live
+        ones' rows written; its single writer makes the check and the write
+        one step, so no later transaction comes between them."""
+        if not tx.modifying_with:
+            checked = self._fences_alive(tx, list(fences.values()))
+            self._write_steps(tx, [row for row in rows if row[0] in checked])
+            return checked
         live: set[str] = set()
         for chunk in _statement_chunks(rows, _STEP_ROW_PARAMS + 4):
             in_chunk = sorted({row[0] for row in chunk})

@@ -24,11 +24,19 @@ error_decode = msgspec.json.Decoder(ErrorInfo).decode
 class Tx(Protocol):
     """The tiny transaction surface the shared SQL is written against."""
 
-    # True where every statement is a round trip to a server (PostgreSQL): the
-    # hottest transitions then use its combined forms (data-modifying WITH,
-    # multi-row VALUES), one statement instead of one per table or row. SQLite
-    # runs in-process and has no round trips to save.
-    combined: bool
+    # The dialect differences the shared SQL asks about, each a capability
+    # named for its question; where a function has two forms, both are written
+    # side by side in it (tests/store/test_statement_forms.py: the same rows).
+    #
+    # Whether INSERT/UPDATE/DELETE may stand inside WITH (PostgreSQL): a
+    # transition over several tables is then one statement, its later parts
+    # seeing what the earlier ones returned. SQLite has no data-modifying
+    # WITH: one statement per table, its single writer making them one step.
+    modifying_with: bool
+    # Whether every statement is a round trip to a server (PostgreSQL): reads
+    # that could be two statements are folded into one. SQLite runs
+    # in-process and has no round trips to save.
+    round_trips: bool
     # Whether a NOTIFY reaches every node at commit (PostgreSQL); SQLite has one node.
     notifies_nodes: bool
     # True where a SELECT's rows are read from the database as they are

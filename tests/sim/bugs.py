@@ -272,7 +272,9 @@ class UnfencedBegunSegment(SqliteStore):
     session still complete the run."""
 
     @staticmethod
-    def _begin_ended_per_table(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    def _begin_ended(
+        tx: Tx, rows: list[tuple[Any, ...]], steps: list[tuple[Any, ...]]
+    ) -> list[tuple[Any, ...]]:
         taken = [
             row for run_id, seq, *_ in rows
             for row in tx.fetchall(
@@ -316,7 +318,7 @@ class StrandedAck(SimPostgresStore):
     the queue row and writes no lease: the run is stranded."""
 
     def _activate(self, tx: Tx, fences: Sequence[Fence], lease_expiry_s: float) -> list[outcome.Outcome[RunRecord]]:
-        if not tx.combined:
+        if not tx.modifying_with:
             return super()._activate(tx, fences, lease_expiry_s)
         rows = [(f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token)) for f in fences]
         values = ", ".join(["(?, ?, ?, ?)"] * len(rows))
@@ -420,7 +422,7 @@ class FalseStale(SimPostgresStore):
     again by a later statement, as it was: a lease ended in between turns
     rows already written into a StaleExecution."""
 
-    def _record_fenced(self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]) -> set[str]:
+    def _record_live(self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]) -> set[str]:
         live: set[str] = set()
         for run_id, fence in fences.items():
             mine = [row for row in rows if row[0] == run_id]
