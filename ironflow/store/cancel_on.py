@@ -59,9 +59,10 @@ import msgspec
 from ironflow.definitions import CANCEL_VARIABLES
 from ironflow.expressions import EvaluationError, ExpressionError, compile_expression
 from ironflow.protocol import TERMINAL_RUN_STATUSES, ErrorInfo, FunctionDef, lookup_path
-from ironflow.store.base import CancelNotice, CancelOutcome, Conflict, RunNotFound
+from ironflow.store.base import Conflict, RunNotFound
 from ironflow.store.core import Tx, dec, placeholders
 from ironflow.store.filters import FilterOps
+from ironflow.store.records import CancelNotice, CancelOutcome
 from ironflow.store.transitions import cancel
 from ironflow.store.waits import wait_key
 

@@ -11,10 +11,6 @@ from __future__ import annotations
 from ironflow.protocol import (
     ErrorInfo,
 )
-from ironflow.store.base import (
-    CancelOutcome,
-    RecoveredSegment,
-)
 from ironflow.store.core import (
     FUNCTION_TIMEOUT,
     SCAN_BATCH,
@@ -24,6 +20,7 @@ from ironflow.store.core import (
     placeholders,
 )
 from ironflow.store.function_life import forget_sessions
+from ironflow.store.records import CancelOutcome, RecoveredSegment
 from ironflow.store.transitions import TERMINAL_SQL, end_run, recover, write_audit
 
 

@@ -50,8 +50,8 @@ from ironflow.protocol import (
     compensation_id_prefix,
     compensation_step_id,
 )
-from ironflow.store.base import JobOutcome
 from ironflow.store.core import Tx, dec_error
+from ironflow.store.records import JobOutcome
 from ironflow.store.transitions import RUN_END_FIGURES, resolve_parent, write_audit
 
 

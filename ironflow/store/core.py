@@ -41,8 +41,9 @@ from ironflow.protocol import (
     concurrency_keyed,
     lookup_path,
 )
-from ironflow.store.base import Fence, RecoveredSegment, Store
+from ironflow.store.base import Store
 from ironflow.store.dispatch_flow import priority_of, set_priorities
+from ironflow.store.records import Fence, RecoveredSegment
 from ironflow.store.transitions import enqueue
 from ironflow.store.tx import (  # re-exported: the store modules import them from here
     Tx as Tx,

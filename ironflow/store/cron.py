@@ -49,9 +49,10 @@ from ironflow.protocol.cron import (
     tick_data,
     ticks_between,
 )
-from ironflow.store.base import CronFired, FunctionNotFound
+from ironflow.store.base import FunctionNotFound
 from ironflow.store.core import SqlStoreBase, Tx
 from ironflow.store.function_life import NO_LIVE_WORKER, live_function_ids
+from ironflow.store.records import CronFired
 from ironflow.store.transitions import write_audit
 
 # Ticks older than their catch-up window plus this are never fired again

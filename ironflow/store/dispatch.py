@@ -19,10 +19,6 @@ from ironflow.protocol import (
     concurrency_limits,
     job_id_for,
 )
-from ironflow.store.base import (
-    Reservation,
-    Reservations,
-)
 from ironflow.store.capacity_scan import release_expired_reservations
 from ironflow.store.core import (
     RESERVE_OVERSCAN,
@@ -36,6 +32,7 @@ from ironflow.store.core import (
 )
 from ironflow.store.dispatch_flow import CANDIDATE_COLS, ORDER_SQL, FlowPlan, conc_lock
 from ironflow.store.flow import batch_events
+from ironflow.store.records import Reservation, Reservations
 from ironflow.store.transitions import free_credit
 
 # What a segment's assignment needs of its run (``r``), its trigger event

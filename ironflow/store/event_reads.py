@@ -12,10 +12,11 @@ from typing import Any
 import msgspec
 
 from ironflow.protocol import EventList, EventRecord, FlowNote
-from ironflow.store.base import FunctionNotFound, NotFound, PageRequest, RunNotFound
+from ironflow.store.base import FunctionNotFound, NotFound, RunNotFound
 from ironflow.store.core import SqlStoreBase, Tx, dec, enc
 from ironflow.store.filters import EventNotes, notes_decode
 from ironflow.store.pages import Keyset, PageQuery, read_page
+from ironflow.store.records import PageRequest
 from ironflow.store.transitions import audit_if_enabled
 
 _EVENT_COLS = "id, name, data, received_at, run_ids, idempotency_key, notes, flow"

@@ -33,13 +33,10 @@ from ironflow.protocol import (
     compensation_step_id,
 )
 from ironflow.store.base import (
-    Fence,
     FunctionNotFound,
-    JobOutcome,
     KeyEvaluationFailed,
     SessionNotFound,
     StaleExecution,
-    StepResult,
 )
 from ironflow.store.compensation import end_compensation
 from ironflow.store.core import (
@@ -53,6 +50,7 @@ from ironflow.store.core import (
     fence_join,
     token_hash,
 )
+from ironflow.store.records import Fence, JobOutcome, StepResult
 from ironflow.store.steps import _STEP_INSERT, _STEP_RESULT_UPSERT, _STEP_ROW_PARAMS, StepResultOps
 from ironflow.store.transitions import (
     RUN_END_FIGURES,

@@ -71,10 +71,11 @@ from ironflow.protocol import (
     concurrency_limits,
 )
 from ironflow.protocol.flow import FlowMechanism
-from ironflow.store.base import CancelNotice, CancelOutcome, Conflict, RunNotFound
+from ironflow.store.base import Conflict, RunNotFound
 from ironflow.store.cancel_on import notify_cancels
 from ironflow.store.core import NewRun, SqlStoreBase, Tx, dec, enc, iso_time, new_run, placeholders
 from ironflow.store.errors import KeyEvaluationFailed
+from ironflow.store.records import CancelNotice, CancelOutcome
 from ironflow.store.transitions import TERMINAL_SQL, cancel
 
 # Slack on the rate limit's comparison: period/limit * limit may round above period.

@@ -8,10 +8,7 @@ from __future__ import annotations
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
 )
-from ironflow.store.base import (
-    PurgeCounts,
-    StoreError,
-)
+from ironflow.store.base import StoreError
 from ironflow.store.core import (
     JANITOR_LOCK,
     PURGE_AUDIT,
@@ -19,6 +16,7 @@ from ironflow.store.core import (
     Tx,
     placeholders,
 )
+from ironflow.store.records import PurgeCounts
 from ironflow.store.transitions import TERMINAL_SQL, write_audit
 
 

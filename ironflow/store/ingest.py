@@ -13,12 +13,7 @@ from ironflow.protocol import (
     ErrorInfo,
     FunctionDef,
 )
-from ironflow.store.base import (
-    CancelNotice,
-    CancelOutcome,
-    FunctionNotFound,
-    IngestResult,
-)
+from ironflow.store.base import FunctionNotFound
 from ironflow.store.cancel_on import CancelOnOps, cancel_paths_sql, cancel_reason
 from ironflow.store.core import (
     INVOKED_EVENT,
@@ -35,6 +30,7 @@ from ironflow.store.core import (
 )
 from ironflow.store.filters import notes_text
 from ironflow.store.flow import FlowGroup, FlowOps, FlowResult, has_flow
+from ironflow.store.records import CancelNotice, CancelOutcome, IngestResult
 from ironflow.store.transitions import cancel
 from ironflow.store.waits import WaitOps, ingest_locks
 

@@ -19,7 +19,7 @@ from ironflow.protocol import (
     RunRecord,
     SessionRecord,
 )
-from ironflow.store.base import PageRequest, RunNotFound
+from ironflow.store.base import RunNotFound
 from ironflow.store.core import (
     _LEASE_COLS,
     _QUEUE_COLS,
@@ -36,6 +36,7 @@ from ironflow.store.core import (
 )
 from ironflow.store.dispatch_flow import waiting_reason
 from ironflow.store.pages import Keyset, PageQuery, read_page
+from ironflow.store.records import PageRequest
 
 # Runs newest first, by creation (indexes runs_page, runs_status_page, runs_function_page).
 RUNS_ORDER = Keyset("runs", "r.created_at", "r.id", descending=True)

@@ -17,8 +17,9 @@ same run at once serialise and the second sees it queued: Conflict
 
 from __future__ import annotations
 
-from ironflow.store.base import CancelOutcome, Conflict, NotFound, ResumeOutcome, RunNotFound
+from ironflow.store.base import Conflict, NotFound, RunNotFound
 from ironflow.store.core import SqlStoreBase, Tx
+from ironflow.store.records import CancelOutcome, ResumeOutcome
 from ironflow.store.transitions import enqueue, take_segment, write_audit
 
 # Most runs one bulk resume call puts back (each in its own transaction).

@@ -13,11 +13,7 @@ from ironflow.protocol import (
     FunctionDef,
     FunctionRecord,
 )
-from ironflow.store.base import (
-    LimitExceeded,
-    RecoveredSegment,
-    SessionInfo,
-)
+from ironflow.store.base import LimitExceeded
 from ironflow.store.cancel_on import register_cancel_paths
 from ironflow.store.core import (
     SqlStoreBase,
@@ -37,6 +33,7 @@ from ironflow.store.function_life import (
     lock_registered,
     rewind_skipped,
 )
+from ironflow.store.records import RecoveredSegment, SessionInfo
 from ironflow.store.transitions import recover, write_audit
 
 

@@ -37,7 +37,6 @@ from typing import Any
 
 import outcome
 
-from ironflow.store.base import Fence, IngestResult, JobOutcome, Reservations, StepResult
 from ironflow.store.capacity_scan import CapacityLoop
 from ironflow.store.core import Tx
 from ironflow.store.cron import CronOps
@@ -51,6 +50,7 @@ from ironflow.store.ingest import IngestOps
 from ironflow.store.keys import KeyOps
 from ironflow.store.outage import OutageOps
 from ironflow.store.reads import ReadOps
+from ironflow.store.records import Fence, IngestResult, JobOutcome, Reservations, StepResult
 from ironflow.store.run_control import RunControlOps
 from ironflow.store.sessions import SessionOps
 from ironflow.store.stats import StatsOps

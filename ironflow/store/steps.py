@@ -16,8 +16,9 @@ from typing import Any, Literal
 import outcome
 
 from ironflow.protocol import ErrorInfo
-from ironflow.store.base import Fence, StaleExecution, StepNotFound, StepResult
+from ironflow.store.base import StaleExecution, StepNotFound
 from ironflow.store.core import MAX_STATEMENT_PARAMS, SqlStoreBase, Tx, enc, fence_join, token_hash
+from ironflow.store.records import Fence, StepResult
 from ironflow.store.transitions import write_audit
 
 # A step's run's function id when that function records ordinary audit

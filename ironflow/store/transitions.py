@@ -32,7 +32,8 @@ from ironflow.protocol import (
     compensation_step_id,
     job_id_for,
 )
-from ironflow.store.base import CancelOutcome, Conflict, RecoveredSegment, RunNotFound
+from ironflow.store.base import Conflict, RunNotFound
+from ironflow.store.records import CancelOutcome, RecoveredSegment
 from ironflow.store.tx import Tx, enc
 
 __all__ = [

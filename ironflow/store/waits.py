@@ -70,8 +70,8 @@ from typing import Any
 import msgspec
 
 from ironflow.protocol import WaitYield, lookup_path
-from ironflow.store.base import Fence
 from ironflow.store.core import NamedLock, SqlStoreBase, Tx, dec, enc, placeholders
+from ironflow.store.records import Fence
 from ironflow.store.transitions import resume
 
 # Events of the awaited name read per page when a wait parks and looks back.

@@ -12,15 +12,13 @@ from ironflow.ids import new_id
 from ironflow.protocol import (
     ErrorInfo,
 )
-from ironflow.store.base import (
-    WakeOutcome,
-)
 from ironflow.store.core import (
     SqlStoreBase,
     Tx,
     enc,
     placeholders,
 )
+from ironflow.store.records import WakeOutcome
 from ironflow.store.transitions import TERMINAL_SQL, audit_if_enabled
 
 

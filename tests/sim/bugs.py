@@ -54,7 +54,6 @@ from ironflow.ids import new_id
 from ironflow.protocol import ErrorInfo, FunctionDef, JobNackReason, RunRecord, lookup_path
 from ironflow.protocol.cron import CRON_EVENT, next_tick, tick_data
 from ironflow.store import Fence, JobOutcome, Reservation, StaleExecution, Store
-from ironflow.store.base import CronFired
 from ironflow.store.core import (
     _FENCE_SQL,
     _RUN_COLS,
@@ -69,6 +68,7 @@ from ironflow.store.core import (
 from ironflow.store.cron import _SCHEDULE_COLS, _due
 from ironflow.store.dispatch_flow import FlowPlan
 from ironflow.store.fence import _BEGUN_AND_ENDED
+from ironflow.store.records import CronFired
 from ironflow.store.sqlite import SqliteStore
 from ironflow.store.steps import _STEP_AUDITED_FUNCTION, _STEP_RESULT_UPSERT
 from ironflow.store.transitions import TERMINAL_SQL, audit_if_enabled, resume, write_audit
