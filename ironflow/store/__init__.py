@@ -41,8 +41,8 @@ def open_store(
         from ironflow.store.postgres import PostgresStore
 
         return PostgresStore(url, timings=timings)
-    from ironflow.store.sqlite import SqliteStore, _sqlite_path
+    from ironflow.store.sqlite import SqliteStore, sqlite_path
 
-    path = _sqlite_path(url)
+    path = sqlite_path(url)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return SqliteStore(path, now=now, auto_vacuum=sqlite_auto_vacuum)

@@ -16,7 +16,7 @@ from ironflow.store.core import (
     SCAN_BATCH,
     SqlStoreBase,
     Tx,
-    _exhausted,
+    exhausted_runs,
     placeholders,
 )
 from ironflow.store.function_life import forget_sessions
@@ -72,7 +72,7 @@ class CapacityLoop(SqlStoreBase):
                 no_grace_first=False,
             )
 
-        return await self._transact_ending(work, _exhausted)
+        return await self._transact_ending(work, exhausted_runs)
 
     async def expire_sessions(self) -> int:
         def work(tx: Tx) -> int:

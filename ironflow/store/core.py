@@ -82,22 +82,22 @@ JANITOR_LOCK = "ironflow:janitor"
 # Audit type of one history purge pass.
 PURGE_AUDIT = "history.purged"
 
-_RUN_COLS = (
+RUN_COLS = (
     "r.id, r.function_id, r.event_id, r.parent_run_id, r.status, r.attempt, r.max_attempts,"
     " r.recovery_count, r.current_execution_seq, r.output, r.error, r.created_at,"
     " r.started_at, r.ended_at, r.concurrency_key"
 )
-_STEP_COLS = (
+STEP_COLS = (
     "run_id, step_id, name, kind, status, output, error, duration_ms, execution_seq,"
     " created_at, wake_at"
 )
-_QUEUE_COLS = (
+QUEUE_COLS = (
     "run_id, function_id, execution_seq, eligible_at, reason, enqueued_at,"
     " reservation_owner, reservation_expires_at"
 )
-_LEASE_COLS = "run_id, function_id, execution_seq, session_id, node_id, expires_at, activated_at"
+LEASE_COLS = "run_id, function_id, execution_seq, session_id, node_id, expires_at, activated_at"
 # The lease half of every fence check; params: run_id, seq, session_id, token_hash, run_id, seq.
-_FENCE_SQL = (
+FENCE_SQL = (
     "run_id = ? AND execution_seq = ? AND session_id = ? AND lease_token_hash = ?"
     " AND EXISTS (SELECT 1 FROM runs WHERE id = ? AND current_execution_seq = ?)"
 )
@@ -109,7 +109,7 @@ NamedLock = tuple[str, bool]
 
 
 def fence_join(lease: str, fence: str) -> str:
-    """:data:`_FENCE_SQL` for many fences at once: lease rows ``lease`` (an alias
+    """:data:`FENCE_SQL` for many fences at once: lease rows ``lease`` (an alias
     of ``concurrency_leases``) matching the rows of ``fence`` (a VALUES alias
     with run_id, execution_seq, session_id, digest) whose run is still at that seq."""
     return (
@@ -126,7 +126,7 @@ _function_decode = msgspec.json.Decoder(FunctionDef).decode
 # ── small helpers ──────────────────────────────────────────────────────────
 
 
-def _exhausted(recovered: list[RecoveredSegment]) -> list[str]:
+def exhausted_runs(recovered: list[RecoveredSegment]) -> list[str]:
     """The runs a recovery ended (failed at the recovery ceiling)."""
     return [seg.run_id for seg in recovered if seg.exhausted]
 
@@ -161,7 +161,7 @@ def _concurrency_key(fd: FunctionDef, data: Any) -> str | None:
     return value if isinstance(value, str) else enc(value)
 
 
-def _triggered(fd: FunctionDef, name: str) -> bool:
+def triggered(fd: FunctionDef, name: str) -> bool:
     for trigger in fd.triggers:
         if trigger.event is None:  # a cron trigger (ironflow/store/cron.py)
             continue
@@ -172,13 +172,13 @@ def _triggered(fd: FunctionDef, name: str) -> bool:
     return False
 
 
-def _trigger_patterns(name: str) -> list[str]:
+def trigger_patterns(name: str) -> list[str]:
     """Every trigger pattern that matches event ``name``: the name itself and
     ``prefix.*`` for each dot in it (``a.b.c`` → ``a.b.c``, ``a.*``, ``a.b.*``)."""
     return [name] + [name[: i + 1] + "*" for i, ch in enumerate(name) if ch == "."]
 
 
-def _run_record(row: Sequence[Any]) -> RunRecord:
+def run_record(row: Sequence[Any]) -> RunRecord:
     return RunRecord(
         id=row[0],
         function_id=row[1],
@@ -198,7 +198,7 @@ def _run_record(row: Sequence[Any]) -> RunRecord:
     )
 
 
-def _step_record(row: Sequence[Any]) -> StepRecord:
+def step_record(row: Sequence[Any]) -> StepRecord:
     return StepRecord(
         run_id=row[0],
         step_id=row[1],
@@ -214,7 +214,7 @@ def _step_record(row: Sequence[Any]) -> StepRecord:
     )
 
 
-def _queue_record(row: Sequence[Any], now: float) -> QueueRecord:
+def queue_record(row: Sequence[Any], now: float) -> QueueRecord:
     return QueueRecord(
         run_id=row[0],
         function_id=row[1],
@@ -228,7 +228,7 @@ def _queue_record(row: Sequence[Any], now: float) -> QueueRecord:
     )
 
 
-def _lease_record(row: Sequence[Any], now: float) -> LeaseRecord:
+def lease_record(row: Sequence[Any], now: float) -> LeaseRecord:
     return LeaseRecord(
         run_id=row[0],
         function_id=row[1],
@@ -284,10 +284,10 @@ class SqlStoreBase(Store):
         self._schedule_listeners: list[Callable[[], None]] = []
 
     def _fence_alive(self, tx: Tx, fence: Fence) -> bool:
-        """Whether ``fence`` is the live lease (:data:`_FENCE_SQL`)."""
+        """Whether ``fence`` is the live lease (:data:`FENCE_SQL`)."""
         return (
             tx.fetchone(
-                f"SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL}",
+                f"SELECT 1 FROM concurrency_leases WHERE {FENCE_SQL}",
                 self._fence_params(fence),
             )
             is not None
@@ -316,7 +316,7 @@ class SqlStoreBase(Store):
 
     @staticmethod
     def _fence_params(fence: Fence) -> tuple[Any, ...]:
-        """The parameters of :data:`_FENCE_SQL` for ``fence``, in its order."""
+        """The parameters of :data:`FENCE_SQL` for ``fence``, in its order."""
         return (
             fence.run_id,
             fence.execution_seq,

@@ -5,7 +5,7 @@ fail / yield / nack it, and heartbeat its lease (its step results:
 This is the fencing chokepoint: a worker message may change a segment only
 when a lease row with ``(run_id, execution_seq, session_id,
 lease_token_hash)`` exists AND ``runs.current_execution_seq`` still equals
-that seq (``_FENCE_SQL``; parameters in :meth:`FenceOps._fence_params`'s
+that seq (``FENCE_SQL``; parameters in :meth:`FenceOps._fence_params`'s
 order). A stale worker's write is refused with ``StaleExecution``, never
 applied.
 """
@@ -40,18 +40,18 @@ from ironflow.store.base import (
 )
 from ironflow.store.compensation import end_compensation
 from ironflow.store.core import (
-    _FENCE_SQL,
-    _RUN_COLS,
+    FENCE_SQL,
     INVOKED_EVENT,
     MAX_STATEMENT_PARAMS,
+    RUN_COLS,
     Tx,
-    _run_record,
     enc,
     fence_join,
+    run_record,
     token_hash,
 )
 from ironflow.store.records import Fence, JobOutcome, StepResult
-from ironflow.store.steps import _STEP_INSERT, _STEP_RESULT_UPSERT, _STEP_ROW_PARAMS, StepResultOps
+from ironflow.store.steps import STEP_INSERT, STEP_RESULT_UPSERT, STEP_ROW_PARAMS, StepResultOps
 from ironflow.store.transitions import (
     RUN_END_FIGURES,
     TERMINAL_SQL,
@@ -93,7 +93,7 @@ class FenceOps(StepResultOps, WaitOps):
         wrote) and the snapshot of its reservation (PostgreSQL; waits.py).
         StaleExecution if it is not live."""
         row = tx.fetchone(
-            f"DELETE FROM concurrency_leases WHERE {_FENCE_SQL}"
+            f"DELETE FROM concurrency_leases WHERE {FENCE_SQL}"
             " RETURNING coalesce(began_at, activated_at), began_snapshot",
             self._fence_params(fence),
         )
@@ -204,7 +204,7 @@ class FenceOps(StepResultOps, WaitOps):
                 " FROM q RETURNING run_id)"
                 " UPDATE runs r SET status = 'running', started_at = coalesce(r.started_at,"
                 " ironflow_now()), deadline_at = coalesce(r.deadline_at, ironflow_now() + r.timeout_s),"
-                f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {_RUN_COLS},"
+                f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {RUN_COLS},"
                 f" {_AUDIT_FLAG}",
                 (*flat, float(lease_expiry_s)),
             )
@@ -245,7 +245,7 @@ class FenceOps(StepResultOps, WaitOps):
                 " ironflow_now()), deadline_at = coalesce(deadline_at, ironflow_now() + timeout_s),"
                 " updated_at = ironflow_now() WHERE id IN ("
                 + ", ".join("?" * len(taken)) + ") RETURNING"
-                + _RUN_COLS.replace("r.", " ")
+                + RUN_COLS.replace("r.", " ")
                 + f", {_AUDIT_FLAG}",
                 tuple(row[0] for row in taken),
             )
@@ -259,7 +259,7 @@ class FenceOps(StepResultOps, WaitOps):
             for fence in fences:
                 run = started.get(fence.run_id)
                 if run is not None:
-                    record = _run_record(run)
+                    record = run_record(run)
                     if run[-1]:
                         write_audit(
                             tx, "run.started", fence.run_id, record.function_id,
@@ -267,9 +267,9 @@ class FenceOps(StepResultOps, WaitOps):
                         )
                     results.append(outcome.Value(record))
                 elif self._fence_alive(tx, fence):  # a repeated JobAck: already active
-                    again = tx.fetchone(f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,))
+                    again = tx.fetchone(f"SELECT {RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,))
                     assert again is not None
-                    results.append(outcome.Value(_run_record(again)))
+                    results.append(outcome.Value(run_record(again)))
                 else:
                     results.append(
                         outcome.Error(
@@ -411,7 +411,7 @@ class FenceOps(StepResultOps, WaitOps):
         steps = self._step_rows([prepared for prepared, _ in items])
         # With data-modifying WITH the unaudited runs' steps go in the same
         # statement when they fit one (no step twice: an upsert changes a row once).
-        folded = tx.modifying_with and _one_statement(steps, len(rows) * 5 + len(steps) * _STEP_ROW_PARAMS)
+        folded = tx.modifying_with and _one_statement(steps, len(rows) * 5 + len(steps) * STEP_ROW_PARAMS)
         begun = {row[0]: row[1:] for row in self._begin_ended(tx, rows, steps if folded else [])}
         fences = [(fence, fields) for (fence, fields), _ in items if fence.run_id in begun]
         for fence, _ in fences:
@@ -458,11 +458,11 @@ class FenceOps(StepResultOps, WaitOps):
         written = (
             ", sv (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
             + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(steps))
-            + f"), i AS ({_STEP_INSERT} SELECT sv.run_id, sv.step_id, sv.name,"
+            + f"), i AS ({STEP_INSERT} SELECT sv.run_id, sv.step_id, sv.name,"
             " 'run', sv.status, sv.output, sv.error, sv.duration_ms, q.execution_seq,"
             " ironflow_now(), sv.seq FROM sv JOIN q ON q.run_id = sv.run_id"
             " JOIN r ON r.id = sv.run_id WHERE coalesce(r.audited, 0) = 0"
-            f"{_STEP_RESULT_UPSERT})"
+            f"{STEP_RESULT_UPSERT})"
         ) if steps else ""
         return tx.fetchall(
             "WITH v (run_id, execution_seq, session_id, digest, output) AS (VALUES "
@@ -744,7 +744,7 @@ class FenceOps(StepResultOps, WaitOps):
 
         def work(tx: Tx) -> JobOutcome:
             lease = tx.fetchone(
-                f"DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING run_id",
+                f"DELETE FROM concurrency_leases WHERE {FENCE_SQL} RETURNING run_id",
                 self._fence_params(fence),
             )
             if (
@@ -865,7 +865,7 @@ class FenceOps(StepResultOps, WaitOps):
                 if job.run_id in refreshed or tx.fetchone(
                     # Live but locked by another transaction (skipped above),
                     # or assigned but not yet activated: the reservation is still ours.
-                    f"SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL}"
+                    f"SELECT 1 FROM concurrency_leases WHERE {FENCE_SQL}"
                     " AND expires_at > ironflow_now()",
                     (job.run_id, job.execution_seq, session_id, digest, job.run_id, job.execution_seq),
                 ) or tx.fetchone(

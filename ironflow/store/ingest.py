@@ -21,12 +21,12 @@ from ironflow.store.core import (
     NamedLock,
     NewRun,
     Tx,
-    _trigger_patterns,
-    _triggered,
     dec,
     enc,
     new_run,
     placeholders,
+    trigger_patterns,
+    triggered,
 )
 from ironflow.store.filters import notes_text
 from ironflow.store.flow import FlowGroup, FlowOps, FlowResult, has_flow
@@ -74,7 +74,7 @@ class IngestOps(WaitOps, FlowOps, CancelOnOps):
         # Cancel first: the event never cancels a run it starts (cancel_on.py).
         cancelled = self._cancel_on_events(tx, [(event_id, name, data)], cancel_paths)[0]
         # A paused function starts nothing; the answer names it (ironflow/store/cron.py).
-        live = [fd for fd in functions if fd.id not in paused and _triggered(fd, name)]
+        live = [fd for fd in functions if fd.id not in paused and triggered(fd, name)]
         # Trigger filters and key expressions (filters.py), then ingest-side flow
         # control (store/flow.py) for the functions declaring it.
         fds, filtered = self._judge(live, event_id, name, data)
@@ -92,7 +92,7 @@ class IngestOps(WaitOps, FlowOps, CancelOnOps):
             event_id, run_ids, False,
             resumed_run_ids=[*resumed, *(r for o in cancelled for r in o.kicked_run_ids)],
             cancelled=cancelled,
-            paused_function_ids=[fd.id for fd in functions if fd.id in paused and _triggered(fd, name)],
+            paused_function_ids=[fd.id for fd in functions if fd.id in paused and triggered(fd, name)],
             flow=[] if flow is None else flow.notes,
         )
 
@@ -212,7 +212,7 @@ class IngestOps(WaitOps, FlowOps, CancelOnOps):
         (cancel_on.py), and which of the functions are paused
         (ironflow/store/cron.py): one statement."""
         names = sorted(set(names))
-        patterns = sorted({pattern for name in names for pattern in _trigger_patterns(name)})
+        patterns = sorted({pattern for name in names for pattern in trigger_patterns(name)})
         # The third column says whether the function is paused (ironflow/store/cron.py).
         functions_sql = (
             "SELECT 0, f.definition, CASE WHEN f.paused_at IS NULL THEN NULL ELSE 'paused' END"
@@ -358,7 +358,7 @@ class IngestOps(WaitOps, FlowOps, CancelOnOps):
                 event_id, run_ids, False,
                 resumed_run_ids=[*resumed_ids, *(r for o in cancelled for r in o.kicked_run_ids)],
                 cancelled=cancelled,
-                paused_function_ids=[fd.id for fd in functions if fd.id in paused and _triggered(fd, name)],
+                paused_function_ids=[fd.id for fd in functions if fd.id in paused and triggered(fd, name)],
                 flow=[] if flow is None else flow.notes,
             )
             for (event_id, name, _, _, _), run_ids, resumed_ids, flow, cancelled in zip(

@@ -18,9 +18,9 @@ from ironflow.store.cancel_on import register_cancel_paths
 from ironflow.store.core import (
     SqlStoreBase,
     Tx,
-    _exhausted,
     dec,
     enc,
+    exhausted_runs,
     placeholders,
     token_hash,
 )
@@ -227,4 +227,4 @@ class SessionOps(SqlStoreBase):
             tx.execute("DELETE FROM worker_sessions WHERE id = ?", (session_id,))
             return recovered
 
-        return await self._transact_ending(work, _exhausted)
+        return await self._transact_ending(work, exhausted_runs)

@@ -150,7 +150,7 @@ class _SqliteTx:
 _TEMPORARY_FILES: set[str] = set()
 
 
-def _sqlite_path(url: str) -> str:
+def sqlite_path(url: str) -> str:
     for prefix in ("sqlite:///", "sqlite://", "sqlite:"):
         if url.startswith(prefix):
             url = url[len(prefix) :]
@@ -202,7 +202,7 @@ class SqliteStore(SqlStore):
         # write, measured with bench.py): opt-in. Without it purged pages are
         # reused, so a database under retention stops growing but never shrinks.
         self._auto_vacuum = auto_vacuum
-        self.path = _sqlite_path(path)
+        self.path = sqlite_path(path)
         # A `:memory:` store lives in a temp file of ours: deleted on close.
         self._temporary = self.path in _TEMPORARY_FILES
         self._clock = now or time.time

@@ -28,12 +28,12 @@ _STEP_AUDITED_FUNCTION = (
     " WHERE r.id = steps.run_id AND f.audit = 1)"
 )
 # The columns a step result's row is written with (step.run's kind).
-_STEP_INSERT = (
+STEP_INSERT = (
     "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
     " duration_ms, execution_seq, created_at, seq)"
 )
 # Bind parameters of one step row in the step-result INSERT.
-_STEP_ROW_PARAMS = 8
+STEP_ROW_PARAMS = 8
 
 
 def _statement_chunks(rows: list[tuple[Any, ...]], per_row: int) -> list[list[tuple[Any, ...]]]:
@@ -56,7 +56,7 @@ def _statement_chunks(rows: list[tuple[Any, ...]], per_row: int) -> list[list[tu
 
 # How a step result is written: a completed row is never overwritten (a
 # replayed result leaves it as it was); a failed one may be retried over.
-_STEP_RESULT_UPSERT = (
+STEP_RESULT_UPSERT = (
     " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
     " output = excluded.output, error = excluded.error,"
     " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
@@ -157,15 +157,15 @@ class StepResultOps(SqlStoreBase):
     def _write_steps(self, tx: Tx, rows: list[tuple[Any, ...]]) -> None:
         """Write step rows (:meth:`_step_rows`) whose segments' fences the
         caller has proven in this transaction, and audit them."""
-        for chunk in _statement_chunks(rows, _STEP_ROW_PARAMS):
+        for chunk in _statement_chunks(rows, STEP_ROW_PARAMS):
             written = tx.fetchall(
                 "WITH v (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
                 + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
-                + f") {_STEP_INSERT}"
+                + f") {STEP_INSERT}"
                 " SELECT v.run_id, v.step_id, v.name, 'run', v.status, v.output, v.error,"
                 " v.duration_ms, (SELECT current_execution_seq FROM runs WHERE id = v.run_id),"
                 " ironflow_now(), v.seq FROM v WHERE true"
-                + _STEP_RESULT_UPSERT
+                + STEP_RESULT_UPSERT
                 + f" RETURNING run_id, step_id, status, {_STEP_AUDITED_FUNCTION}",
                 tuple(value for row in chunk for value in row),
             )
@@ -176,11 +176,11 @@ class StepResultOps(SqlStoreBase):
         """:meth:`_write_steps` for segments whose functions record no audit
         events and whose execution seqs the caller knows (``seqs``: run →
         seq): the same rows, no per-row reads of the run and its function."""
-        for chunk in _statement_chunks(rows, _STEP_ROW_PARAMS + 1):
+        for chunk in _statement_chunks(rows, STEP_ROW_PARAMS + 1):
             tx.execute(
-                f"{_STEP_INSERT} VALUES "
+                f"{STEP_INSERT} VALUES "
                 + ", ".join(["(?, ?, ?, 'run', ?, ?, ?, ?, ?, ironflow_now(), ?)"] * len(chunk))
-                + _STEP_RESULT_UPSERT,
+                + STEP_RESULT_UPSERT,
                 tuple(value for row in chunk for value in (*row[:7], seqs[row[0]], row[7])),
             )
 
@@ -209,7 +209,7 @@ class StepResultOps(SqlStoreBase):
             self._write_steps(tx, [row for row in rows if row[0] in checked])
             return checked
         live: set[str] = set()
-        for chunk in _statement_chunks(rows, _STEP_ROW_PARAMS + 4):
+        for chunk in _statement_chunks(rows, STEP_ROW_PARAMS + 4):
             in_chunk = sorted({row[0] for row in chunk})
             heads = [
                 (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token))
@@ -222,11 +222,11 @@ class StepResultOps(SqlStoreBase):
                 f" WHERE {fence_join('c', 'f')} ORDER BY c.run_id {tx.key_share_lock('c')}),"
                 " v (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
                 + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
-                + f"), i AS ({_STEP_INSERT}"
+                + f"), i AS ({STEP_INSERT}"
                 " SELECT v.run_id, v.step_id, v.name, 'run', v.status, v.output, v.error,"
                 " v.duration_ms, live.execution_seq, ironflow_now(), v.seq FROM v, live"
                 " WHERE live.run_id = v.run_id"
-                + _STEP_RESULT_UPSERT
+                + STEP_RESULT_UPSERT
                 + f" RETURNING run_id, step_id, status, {_STEP_AUDITED_FUNCTION} AS audited)"
                 " SELECT 0, run_id, step_id, status, audited FROM i"
                 " UNION ALL SELECT 1, run_id, NULL, NULL, NULL FROM live",

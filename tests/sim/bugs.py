@@ -55,14 +55,14 @@ from ironflow.protocol import ErrorInfo, FunctionDef, JobNackReason, RunRecord, 
 from ironflow.protocol.cron import CRON_EVENT, next_tick, tick_data
 from ironflow.store import Fence, JobOutcome, Reservation, StaleExecution, Store
 from ironflow.store.core import (
-    _FENCE_SQL,
-    _RUN_COLS,
+    FENCE_SQL,
+    RUN_COLS,
     Tx,
-    _run_record,
     dec,
     enc,
     new_run,
     placeholders,
+    run_record,
     token_hash,
 )
 from ironflow.store.cron import _SCHEDULE_COLS, _due
@@ -70,7 +70,7 @@ from ironflow.store.dispatch_flow import FlowPlan
 from ironflow.store.fence import _BEGUN_AND_ENDED
 from ironflow.store.records import CronFired
 from ironflow.store.sqlite import SqliteStore
-from ironflow.store.steps import _STEP_AUDITED_FUNCTION, _STEP_RESULT_UPSERT
+from ironflow.store.steps import _STEP_AUDITED_FUNCTION, STEP_RESULT_UPSERT
 from ironflow.store.transitions import TERMINAL_SQL, audit_if_enabled, resume, write_audit
 from ironflow.store.waits import park_locks
 from tests.sim.pg import SimPostgresStore
@@ -97,7 +97,7 @@ class UnfencedRecordStep(SqliteStore):
                 "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
                 " duration_ms, execution_seq, created_at, seq)"
                 " VALUES (?, ?, ?, 'run', ?, ?, ?, ?, ?, ironflow_now(), ?)"
-                + _STEP_RESULT_UPSERT,
+                + STEP_RESULT_UPSERT,
                 (
                     fence.run_id,
                     step_id,
@@ -342,7 +342,7 @@ class StrandedAck(SimPostgresStore):
                 " FROM q JOIN worker_sessions s ON s.id = q.session_id RETURNING run_id)"
                 " UPDATE runs r SET status = 'running', started_at = coalesce(r.started_at,"
                 " ironflow_now()), deadline_at = coalesce(r.deadline_at, ironflow_now() + r.timeout_s),"
-                f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {_RUN_COLS},"
+                f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {RUN_COLS},"
                 " (SELECT f.audit FROM functions f WHERE f.id = function_id)",
                 (*(value for row in rows for value in row), float(lease_expiry_s)),
             )
@@ -351,15 +351,15 @@ class StrandedAck(SimPostgresStore):
         for fence in fences:
             run = started.get(fence.run_id)
             if run is not None:
-                record = _run_record(run)
+                record = run_record(run)
                 if run[-1]:
                     write_audit(tx, "run.started", fence.run_id, record.function_id,
                                 {"execution_seq": fence.execution_seq})
                 results.append(outcome.Value(record))
             elif self._fence_alive(tx, fence):
-                again = tx.fetchone(f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,))
+                again = tx.fetchone(f"SELECT {RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,))
                 assert again is not None
-                results.append(outcome.Value(_run_record(again)))
+                results.append(outcome.Value(run_record(again)))
             else:
                 results.append(outcome.Error(StaleExecution(f"{fence.run_id}/{fence.execution_seq} refused")))
         return results
@@ -435,8 +435,8 @@ class FalseStale(SimPostgresStore):
                 " duration_ms, execution_seq, created_at, seq)"
                 " SELECT v.run_id, v.step_id, v.name, 'run', v.status, v.output, v.error,"
                 " v.duration_ms, ?, ironflow_now(), v.seq FROM v"
-                f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL})"
-                + _STEP_RESULT_UPSERT
+                f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {FENCE_SQL})"
+                + STEP_RESULT_UPSERT
                 + f" RETURNING run_id, step_id, status, {_STEP_AUDITED_FUNCTION}",
                 (*(value for row in mine for value in row), fence.execution_seq, *self._fence_params(fence)),
             )
