@@ -64,7 +64,7 @@ from ironflow.store.transitions import (
     resume,
     write_audit,
 )
-from ironflow.store.waits import WaitOps, park_locks
+from ironflow.store.waits import park_locks, park_wait
 
 # Whether the run's function records ordinary audit events, read in the same
 # statement that changes the run or its step: a hot-path transition costs no
@@ -84,7 +84,7 @@ _BEGUN_AND_ENDED = (
 )
 
 
-class FenceOps(StepResultOps, WaitOps):
+class FenceOps(StepResultOps):
     """The fence and a segment's life (see the module docstring)."""
 
     def _take_lease(self, tx: Tx, fence: Fence) -> tuple[float, str | None]:
@@ -639,7 +639,7 @@ class FenceOps(StepResultOps, WaitOps):
             kicked: list[str] = []
             wake_at: float | None
             if isinstance(info, WaitYield):
-                if self._park_wait(
+                if park_wait(
                     tx, fence, step_id, name, info,
                     began_at=began_at, began_snapshot=began_snapshot,
                 ):

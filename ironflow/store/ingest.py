@@ -32,7 +32,7 @@ from ironflow.store.filters import notes_text
 from ironflow.store.flow import FlowGroup, FlowOps, FlowResult, has_flow
 from ironflow.store.records import CancelNotice, CancelOutcome, IngestResult
 from ironflow.store.transitions import cancel
-from ironflow.store.waits import WaitOps, ingest_locks
+from ironflow.store.waits import ingest_locks, resolve_waits, wait_paths_sql
 
 R = TypeVar("R")
 
@@ -44,8 +44,12 @@ def _cancelled_ids(results: list[IngestResult]) -> list[str]:
     return [o.run_id for r in results for o in r.cancelled if not o.compensating]
 
 
-class IngestOps(WaitOps, FlowOps, CancelOnOps):
+class IngestOps(FlowOps, CancelOnOps):
     """Events in, runs created, waits resolved, invocations, cancellation."""
+
+    # The waits an ingest resolves (waits.py), reached through the class so a
+    # test subclass can plant a bug (tests/sim/bugs.py), as ``flow_plan_class``.
+    _resolve_waits = staticmethod(resolve_waits)
 
     def _ingest(
         self, tx: Tx, name: str, data: Any, idempotency_key: str | None, window_s: float
@@ -221,7 +225,7 @@ class IngestOps(WaitOps, FlowOps, CancelOnOps):
         )
         rows = tx.fetchall(
             f"{functions_sql} UNION ALL SELECT 1, w.wait_event, w.wait_match FROM"
-            f" ({self._wait_paths_sql(len(names))}) w UNION ALL SELECT 2, c.event_name,"
+            f" ({wait_paths_sql(len(names))}) w UNION ALL SELECT 2, c.event_name,"
             f" c.match_path FROM ({cancel_paths_sql(len(names))}) c ORDER BY 1, 2, 3",
             (*patterns, *names, *names),
         )
