@@ -24,7 +24,7 @@ from ironflow.store import Store
 from ironflow.store.core import Tx
 from ironflow.store.postgres import PostgresStore
 from ironflow.store.schema import pg_now_function
-from ironflow.store.sqlite import SqliteStore, _sqlite_path
+from ironflow.store.sqlite import SqliteStore, sqlite_path
 
 _SKEW_TABLE = (
     "CREATE TABLE IF NOT EXISTS test_clock_skew ("
@@ -73,7 +73,7 @@ def open_test_store(url: str, *, now: Callable[[], float] | None = None) -> Skew
     """:func:`ironflow.store.open_store`, with a clock a test can advance."""
     if url.startswith(("postgres://", "postgresql://")):
         return SkewedPostgresStore(url)
-    path = _sqlite_path(url)
+    path = sqlite_path(url)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return SkewedSqliteStore(path, now=now)
 

@@ -31,7 +31,7 @@ from ironflow.protocol.run_control import (
     RunPauseResponse,
 )
 from ironflow.store import retention
-from ironflow.store.base import ResumeOutcome
+from ironflow.store.records import ResumeOutcome
 
 log = logging.getLogger("ironflow.api")
 bp = Blueprint("runs", __name__)

@@ -1,4 +1,5 @@
-"""Engine state: one interface (:mod:`ironflow.store.base`), two backends."""
+"""Engine state: one interface (:mod:`ironflow.store.base`), its records
+(:mod:`ironflow.store.records`), two backends."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from ironflow.protocol import SessionRecord as SessionRecord
 from ironflow.protocol import StepRecord as StepRecord
 from ironflow.store.base import *  # noqa: F403
 from ironflow.store.base import Store
+from ironflow.store.records import *  # noqa: F403
 
 
 def open_store(
@@ -39,8 +41,8 @@ def open_store(
         from ironflow.store.postgres import PostgresStore
 
         return PostgresStore(url, timings=timings)
-    from ironflow.store.sqlite import SqliteStore, _sqlite_path
+    from ironflow.store.sqlite import SqliteStore, sqlite_path
 
-    path = _sqlite_path(url)
+    path = sqlite_path(url)
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return SqliteStore(path, now=now, auto_vacuum=sqlite_auto_vacuum)

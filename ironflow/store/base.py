@@ -1,7 +1,9 @@
 """The store interface: every read and write of engine state.
 
 One interface, two backends (``sqlite.py``, ``postgres.py``) sharing the SQL in
-``core.py``. Each public method is ONE transaction; its guards (fencing,
+``core.py`` and the modules ``sql.py`` assembles; the records it takes and
+returns are in ``records.py``, what a cancelled call does is stated once, on
+:class:`Store`. Each public method is ONE transaction; its guards (fencing,
 ``NOT EXISTS``, ``SKIP LOCKED``) are visible in its SQL. Expiry is decided by
 the database clock (the SQL function ``ironflow_now()``, epoch seconds), never
 by a node's wall clock. Timestamps in records are epoch seconds (float).
@@ -12,10 +14,9 @@ Nothing outside ``ironflow/store`` writes SQL.
 from __future__ import annotations
 
 import abc
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
-import msgspec
 import outcome
 import trio
 
@@ -28,10 +29,8 @@ from ironflow.protocol import (
     ErrorInfo,
     EventList,
     EventRecord,
-    FlowNote,
     FunctionDef,
     FunctionRecord,
-    JobAssignment,
     JobLeaseStatus,
     JobNackReason,
     LeaseRecord,
@@ -41,7 +40,6 @@ from ironflow.protocol import (
     RunRecord,
     RunResult,
     RunStats,
-    RunStatus,
     SessionRecord,
     YieldInfo,
 )
@@ -64,258 +62,53 @@ from ironflow.store.errors import (  # noqa: F401  (re-exported: the store's err
     StoreTimeout,
     StoreUnavailable,
 )
+from ironflow.store.records import (  # noqa: F401  (re-exported: the records the interface names)
+    CancelNotice,
+    CancelOutcome,
+    CapacityGauges,
+    CronFired,
+    Fence,
+    IngestResult,
+    JobOutcome,
+    PageRequest,
+    Principal,
+    PurgeCounts,
+    RecoveredSegment,
+    Reservation,
+    Reservations,
+    ResumeOutcome,
+    SessionInfo,
+    StepResult,
+    WakeOutcome,
+)
 
 # The records the store returns are the HTTP contract's (ironflow.protocol.http);
 # ``ironflow.store`` re-exports them for the store's callers.
 
-# ── records ─────────────────────────────────────────────────────────────────
-
-
-class PageRequest(msgspec.Struct, frozen=True):
-    """Which page of a list to read (ironflow/store/pages.py).
-
-    ``limit``: rows at most; ``cursor``: the ``next_cursor`` of the page
-    before (None: the first page); ``include_data``: payloads (event data,
-    run outputs, audit data) in the records, or left out and named in each
-    record's ``omitted``; ``max_bytes``: the JSON of the page's records at
-    most (None: no byte cap, for the store's own callers).
-    """
-
-    limit: int = 50
-    cursor: str | None = None
-    include_data: bool = False
-    max_bytes: int | None = None
-
-
-class Fence(msgspec.Struct, frozen=True):
-    """What a mutating worker message proves: it holds this segment's lease."""
-
-    session_id: str
-    run_id: str
-    execution_seq: int
-    lease_token: str
-
-
-class StepResult(msgspec.Struct, frozen=True):
-    """One ``step.run`` result to record (see :meth:`Store.record_steps`)."""
-
-    step_id: str
-    name: str
-    status: Literal["completed", "failed"]
-    output: Any = None
-    error: ErrorInfo | None = None
-    duration_ms: float = 0.0
-
-
-class Reservation(msgspec.Struct, frozen=True):
-    """A queued segment admitted to one session's free credit (not yet executing)."""
-
-    session_id: str
-    assignment: JobAssignment
-    # Set for the segment the waker queued when a step woke: the database
-    # clock now minus the step's wake time (negative when it is reserved ahead
-    # of it, to be held until then), for the wake-lateness metric.
-    wake_lateness_s: float | None = None
-    # The run's step outputs so far (characters of their JSON), counted by
-    # the session against ``limits.max_run_state_bytes``.
-    state_bytes: int = 0
-
-
-class Reservations(list[Reservation]):
-    """What :meth:`Store.reserve_segments` returns: its reservations, in order.
-
-    When the transaction made fewer than it was asked for (the queue ran dry
-    for the offers), ``next_eligible`` also holds what
-    :meth:`Store.seconds_until_next_eligible` answers just after its commit,
-    read by the same transaction (``next_eligible_known``): the dispatcher,
-    going idle, need not ask in a transaction of its own."""
-
-    def __init__(
-        self, reservations: Iterable[Reservation] = (), *, next_eligible: float | None = None,
-        known: bool = False,
-    ) -> None:
-        super().__init__(reservations)
-        self.next_eligible = next_eligible
-        self.next_eligible_known = known
-
-
-class RecoveredSegment(msgspec.Struct, frozen=True):
-    """A lease that was fenced and re-enqueued (or whose run hit the ceiling)."""
-
-    run_id: str
-    function_id: str
-    old_execution_seq: int
-    new_execution_seq: int | None  # None when the run failed with EXECUTION_RECOVERY_EXHAUSTED
-    session_id: str | None
-    recovery_count: int
-    eligible_at: float | None
-    exhausted: bool
-    # Set when the run failed here (exhausted): for the run-duration metric.
-    duration_s: float | None = None
-
-
-class JobOutcome(msgspec.Struct, frozen=True):
-    """What a terminal or yielding worker message did to the run."""
-
-    run_id: str
-    status: str  # the run's status afterwards
-    # Set when the run was requeued (retry, nack, woken yield) — for kicks/logging.
-    next_execution_seq: int | None = None
-    eligible_at: float | None = None
-    attempt: int | None = None
-    # Runs made runnable as a side effect (e.g. a parent resumed by a finished invoke).
-    kicked_run_ids: list[str] = []
-    # Set when the run ended here (completed or failed): for the run-duration metric.
-    function_id: str | None = None
-    duration_s: float | None = None
-    # The run's final failure began its compensation (store/compensation.py):
-    # its compensation segment is queued (next_execution_seq, eligible_at).
-    compensating: bool = False
-
-
-class WakeOutcome(msgspec.Struct, frozen=True):
-    """What :meth:`Store.resume_claimed_steps` did with one batch of claims."""
-
-    # Runs whose next segment was queued.
-    resumed: list[str]
-    # Claims taken away since they were made (the run was cancelled, or loop 2
-    # restored the step): nothing of ours to resume; skipped, not an error.
-    lost: list[tuple[str, str]]
-
-
-class CapacityGauges(msgspec.Struct, frozen=True):
-    """Counts behind the capacity gauges of ``/metrics`` (cluster-wide)."""
-
-    runnable: int
-    in_grace: int
-    delayed: int
-    leases: int
-    sessions_by_mode: dict[str, int]
-
-
-class CancelOutcome(msgspec.Struct, frozen=True):
-    run_id: str
-    # Who was executing it, so the node can send Cancel (None if nobody was).
-    session_id: str | None
-    node_id: str | None
-    job_id: str | None
-    # A parent run resumed because its invoked child was cancelled (the caller kicks).
-    kicked_run_ids: list[str] = []
-    # The ended run's function and duration: for the run-duration metric.
-    function_id: str | None = None
-    duration_s: float | None = None
-    # The run has undos (step.compensate): it did not end, its compensation
-    # segment is queued; it ends 'cancelled' once they ran (store/compensation.py).
-    compensating: bool = False
-
-
-class CancelNotice(msgspec.Struct, frozen=True):
-    """A job whose run was cancelled while a worker held it: the node serving
-    that session sends it ``Cancel`` (Store.on_jobs_cancelled)."""
-
-    run_id: str
-    session_id: str
-    job_id: str
-    reason: str
-
-
-# ── run control (resume a failed run, pause a run; docs/run-control.md) ──────────────
-
-
-class ResumeOutcome(msgspec.Struct, frozen=True):
-    """A run put back on the queue by :meth:`Store.resume_run`."""
-
-    run_id: str
-    function_id: str
-    # The segment now queued (the run's new current_execution_seq).
-    execution_seq: int
-    # The status the run was resumed from ('failed' or 'paused').
-    resumed_from: str
-    # The first step that runs again (its name), None when no step row went.
-    from_step: str | None = None
-    # Step rows deleted so they run again (the failed one and every later one).
-    steps_deleted: int = 0
-    # 'waiting_for_capacity' (queued), or 'waiting': back on a step still
-    # parked (a sleep not ended, a wait not answered), resumed when it settles.
-    status: RunStatus = "waiting_for_capacity"
-
-
-class IngestResult(msgspec.Struct, frozen=True):
-    event_id: str
-    run_ids: list[str]
-    duplicate: bool
-    # Parked runs whose wait_for_event this event matched (the caller kicks).
-    resumed_run_ids: list[str] = []
-    # Paused functions the event would have started (ironflow/store/cron.py).
-    paused_function_ids: list[str] = []
-    # Runs this event cancelled: by cancel_on (docs/triggers.md) or by a
-    # singleton's mode="cancel" (store/flow.py); the caller tells their workers.
-    cancelled: list[CancelOutcome] = []
-    # Ingest-side flow control (store/flow.py): what it did per function.
-    flow: list[FlowNote] = []
-
-
-class CronFired(msgspec.Struct, frozen=True):
-    """A tick claimed and its run started (ironflow/store/cron.py)."""
-
-    function_id: str
-    scheduled_at: float
-    run_id: str
-
-
-class SessionInfo(msgspec.Struct, frozen=True):
-    session_id: str
-    worker_id: str
-    node_id: str
-    mode: Literal["stream", "pull"]
-    max_concurrent_jobs: int
-    function_ids: list[str]
-    # Pull sessions only: the secret every later call must present (kept hashed).
-    secret: str | None = None
-
-
-class PurgeCounts(msgspec.Struct, frozen=True):
-    """Rows deleted by history retention, by kind.
-
-    ``locked_out`` is True when another node held the janitor lock
-    (PostgreSQL), so this node deleted nothing on purpose. ``more`` is True
-    when a batch limit was reached, so another batch may find more.
-    """
-
-    runs: int = 0
-    steps: int = 0
-    audit: int = 0  # the deleted runs' audit rows and audit rows of no run
-    events: int = 0
-    locked_out: bool = False
-    more: bool = False
-
-    @property
-    def total(self) -> int:
-        return self.runs + self.steps + self.audit + self.events
-
-    def plus(self, other: PurgeCounts) -> PurgeCounts:
-        """The sum of two counts (``locked_out`` and ``more`` from ``other``, the later batch)."""
-        return PurgeCounts(
-            self.runs + other.runs,
-            self.steps + other.steps,
-            self.audit + other.audit,
-            self.events + other.events,
-            other.locked_out,
-            other.more,
-        )
-
-
-class Principal(msgspec.Struct, frozen=True):
-    key_id: str
-    kind: Literal["org", "platform"]
-    role: str
-
-
-# ── the interface ───────────────────────────────────────────────────────────
-
-
 class Store(abc.ABC):
-    """Engine state. Async methods are safe to call from many Trio tasks at once."""
+    """Engine state. Async methods are safe to call from many Trio tasks at once.
+
+    **Cancellation.** Each call is one transaction, and a cancelled caller
+    never leaves it half done nor drops a result that committed:
+
+    - SQLite (``sqlite.py``): once a call is queued to the writer thread it
+      runs to its commit or rollback; the caller waits shielded, gets its
+      result, and the cancellation is delivered at its next checkpoint. A
+      read beside the writer likewise runs to its end (an uncancellable
+      thread call).
+    - PostgreSQL (``postgres.py``): a call still waiting in the queue when
+      its caller is cancelled is withdrawn (no actor will run it) and
+      ``trio.Cancelled`` propagates at once. Once an actor took it, it runs to
+      its commit or rollback and the caller waits shielded for the result, as
+      on SQLite. A call made under ``ANSWER_WHEN_DOWN`` (``availability.py``)
+      is not shielded: a cancel, or the store marked down, ends its wait
+      though an actor may still commit it.
+    - Calls chained into one transaction (``chain.in_order``) wait shielded
+      once queued, on both backends.
+
+    So a caller cancelled mid-call must assume the call may have committed;
+    only a PostgreSQL call withdrawn before any actor took it surely did not.
+    """
 
     # Whether the database answers (``ironflow/store/availability.py``); each
     # backend makes its own and marks it down when a call meets an outage.
@@ -373,16 +166,35 @@ class Store(abc.ABC):
     async def db_now(self) -> float:
         """The database clock, epoch seconds."""
 
+    # listeners (called in Trio after a commit) ------------------------------
+
     @abc.abstractmethod
-    async def ingest_traced_events(
-        self,
-        events: list[tuple[str, Any, str | None, str | None]],
-        *,
-        idempotency_window_s: float,
-    ) -> list[IngestResult]:
-        """:meth:`ingest_events` of ``(name, data, idempotency_key, traceparent)``:
-        each new event also records its W3C ``traceparent`` (None: none), which
-        every assignment of its runs carries (ironflow/store/traces.py)."""
+    def on_runs_ended(self, listener: Callable[[list[str]], None]) -> None:
+        """Call ``listener(run_ids)`` (in Trio, after commit) whenever a call on this
+        store object ended runs: completed, failed, cancelled, timed out, or
+        failed at the recovery ceiling. Runs ended by another node are not
+        announced here; waiters re-read the store as a backstop."""
+
+    @abc.abstractmethod
+    def on_run_results(self, listener: Callable[[list[RunResult]], None]) -> None:
+        """Call ``listener(results)`` (in Trio, after commit, before the
+        :meth:`on_runs_ended` listeners hear the same runs) whenever a call on
+        this store object completed runs, each with its result as that commit
+        wrote it: a result wait answers from it instead of reading the run
+        back. Other run ends are announced by id only."""
+
+    @abc.abstractmethod
+    def on_wake_scheduled(self, listener: Callable[[float], None]) -> Callable[[], None]:
+        """Call ``listener(wake_at)`` (in Trio, after commit) whenever a call on this
+        store object parked a step with a wake time, so the waker can wake for
+        it rather than at its next interval tick. Returns the call that
+        unregisters it (a restarted waker registers again)."""
+
+    @abc.abstractmethod
+    def on_jobs_cancelled(self, listener: Callable[[list[CancelNotice]], None]) -> None:
+        """Call ``listener(notices)`` on every node, after commit, for the jobs
+        of runs an event cancelled (cancel_on) while a worker held them: the
+        node serving the session tells its worker (ironflow/store/cancel_on.py)."""
 
     # ingest-side flow control (ironflow/store/flow.py) -----------------------
 
@@ -456,26 +268,11 @@ class Store(abc.ABC):
         seconds (ironflow/store/function_life.py; always True when None)."""
 
     @abc.abstractmethod
-    async def heartbeat(
-        self,
-        session_id: str,
-        jobs: list[ActiveJob] | None,
-        *,
-        session_expiry_s: float,
-        lease_expiry_s: float,
-    ) -> list[JobLeaseStatus]:
-        """Push the session's expiry and refresh leases.
-
-        With ``jobs``: refresh only the leases matching each job's
-        ``(run_id, execution_seq, sha256(lease_token), session)``; answer
-        REFRESHED for those, STALE for a known run whose lease is gone or
-        superseded, UNKNOWN for a run the engine has no record of. Held-back
-        credits (AT_CAPACITY) are released when the list shows free slots.
-        With ``jobs=None`` (compatibility fallback): refresh every lease of the
-        session and answer an empty list.
-
-        Raises SessionNotFound if the session expired or was closed.
-        """
+    async def delete_function(self, function_id: str, *, by: str) -> bool:
+        """No new run from its events or ticks (nor invoke, step.invoke,
+        rerun); runs in flight finish; its definition is kept. Audited; False
+        if deleted already; FunctionNotFound if never stored. A worker
+        registering it restores it (ironflow/store/function_life.py)."""
 
     @abc.abstractmethod
     async def close_session(
@@ -526,6 +323,17 @@ class Store(abc.ABC):
     ) -> list[IngestResult]:
         """:meth:`ingest_event` for each ``(name, data, idempotency_key)``, all in
         ONE transaction (all persisted, or none)."""
+
+    @abc.abstractmethod
+    async def ingest_traced_events(
+        self,
+        events: list[tuple[str, Any, str | None, str | None]],
+        *,
+        idempotency_window_s: float,
+    ) -> list[IngestResult]:
+        """:meth:`ingest_events` of ``(name, data, idempotency_key, traceparent)``:
+        each new event also records its W3C ``traceparent`` (None: none), which
+        every assignment of its runs carries (ironflow/store/traces.py)."""
 
     @abc.abstractmethod
     async def invoke_function(self, function_id: str, data: Any) -> str:
@@ -617,6 +425,17 @@ class Store(abc.ABC):
         now (they wait for a credit or a concurrency slot: a kick); None if
         no row is unreserved."""
 
+    @abc.abstractmethod
+    async def watch_kicks(
+        self,
+        on_kick: Callable[[], None],
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Until cancelled, call ``on_kick`` whenever ANOTHER node (or this one)
+        committed work that became claimable (PostgreSQL ``LISTEN/NOTIFY``; a
+        no-op on SQLite, which has one node)."""
+
     # execution (fenced) -------------------------------------------------------
 
     @abc.abstractmethod
@@ -693,6 +512,28 @@ class Store(abc.ABC):
             except StaleExecution as exc:
                 results.append(outcome.Error(exc))
         return results
+
+    @abc.abstractmethod
+    async def heartbeat(
+        self,
+        session_id: str,
+        jobs: list[ActiveJob] | None,
+        *,
+        session_expiry_s: float,
+        lease_expiry_s: float,
+    ) -> list[JobLeaseStatus]:
+        """Push the session's expiry and refresh leases.
+
+        With ``jobs``: refresh only the leases matching each job's
+        ``(run_id, execution_seq, sha256(lease_token), session)``; answer
+        REFRESHED for those, STALE for a known run whose lease is gone or
+        superseded, UNKNOWN for a run the engine has no record of. Held-back
+        credits (AT_CAPACITY) are released when the list shows free slots.
+        With ``jobs=None`` (compatibility fallback): refresh every lease of the
+        session and answer an empty list.
+
+        Raises SessionNotFound if the session expired or was closed.
+        """
 
     @abc.abstractmethod
     async def complete_job(self, fence: Fence, output: Any) -> JobOutcome:
@@ -789,6 +630,11 @@ class Store(abc.ABC):
         expire on their own clock)."""
 
     @abc.abstractmethod
+    async def expire_run_deadlines(self) -> list[CancelOutcome]:
+        """Fail every unended run past its function's timeout (``FUNCTION_TIMEOUT``),
+        counted from its first start by the database clock."""
+
+    @abc.abstractmethod
     async def seconds_until_next_capacity_expiry(self) -> float | None:
         """Earliest of reservation / lease / session expiry, seconds from now (DB clock)."""
 
@@ -849,39 +695,6 @@ class Store(abc.ABC):
         self, page: PageRequest, *, status: str | None = None, function_id: str | None = None
     ) -> RunList:
         """One page of runs, newest first (store/pages.py). InvalidCursor."""
-
-    @abc.abstractmethod
-    def on_wake_scheduled(self, listener: Callable[[float], None]) -> Callable[[], None]:
-        """Call ``listener(wake_at)`` (in Trio, after commit) whenever a call on this
-        store object parked a step with a wake time, so the waker can wake for
-        it rather than at its next interval tick. Returns the call that
-        unregisters it (a restarted waker registers again)."""
-
-    @abc.abstractmethod
-    def on_runs_ended(self, listener: Callable[[list[str]], None]) -> None:
-        """Call ``listener(run_ids)`` (in Trio, after commit) whenever a call on this
-        store object ended runs: completed, failed, cancelled, timed out, or
-        failed at the recovery ceiling. Runs ended by another node are not
-        announced here; waiters re-read the store as a backstop."""
-
-    @abc.abstractmethod
-    def on_run_results(self, listener: Callable[[list[RunResult]], None]) -> None:
-        """Call ``listener(results)`` (in Trio, after commit, before the
-        :meth:`on_runs_ended` listeners hear the same runs) whenever a call on
-        this store object completed runs, each with its result as that commit
-        wrote it: a result wait answers from it instead of reading the run
-        back. Other run ends are announced by id only."""
-
-    @abc.abstractmethod
-    def on_jobs_cancelled(self, listener: Callable[[list[CancelNotice]], None]) -> None:
-        """Call ``listener(notices)`` on every node, after commit, for the jobs
-        of runs an event cancelled (cancel_on) while a worker held them: the
-        node serving the session tells its worker (ironflow/store/cancel_on.py)."""
-
-    @abc.abstractmethod
-    async def expire_run_deadlines(self) -> list[CancelOutcome]:
-        """Fail every unended run past its function's timeout (``FUNCTION_TIMEOUT``),
-        counted from its first start by the database clock."""
 
     @abc.abstractmethod
     async def get_run_record(self, run_id: str) -> RunRecord:
@@ -993,18 +806,7 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def authenticate(self, key: str) -> Principal | None: ...
 
-    @abc.abstractmethod
-    async def watch_kicks(
-        self,
-        on_kick: Callable[[], None],
-        *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-    ) -> None:
-        """Until cancelled, call ``on_kick`` whenever ANOTHER node (or this one)
-        committed work that became claimable (PostgreSQL ``LISTEN/NOTIFY``; a
-        no-op on SQLite, which has one node)."""
-
-    # cron triggers and function pause/resume (ironflow/store/cron.py) -------
+    # cron triggers, function pause and resume (ironflow/store/cron.py) ---
 
     @abc.abstractmethod
     async def fire_due_ticks(
@@ -1024,13 +826,6 @@ class Store(abc.ABC):
     @abc.abstractmethod
     async def seconds_until_next_tick(self) -> float | None:
         """Seconds from the database clock to the earliest tick (None: no schedule)."""
-
-    @abc.abstractmethod
-    async def delete_function(self, function_id: str, *, by: str) -> bool:
-        """No new run from its events or ticks (nor invoke, step.invoke,
-        rerun); runs in flight finish; its definition is kept. Audited; False
-        if deleted already; FunctionNotFound if never stored. A worker
-        registering it restores it (ironflow/store/function_life.py)."""
 
     @abc.abstractmethod
     async def pause_function(self, function_id: str, *, by: str) -> bool:

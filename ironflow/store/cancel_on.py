@@ -16,7 +16,7 @@ cancels a run it starts itself): a row of a run that ended, or past its
 ``timeout_s`` (from the run's creation, by the database clock), is deleted;
 a row with an ``expression`` is cancelled only when it is true (``event`` =
 the run's triggering event, ``async`` = the incoming one; an evaluation
-error cancels nothing). Each remaining run is cancelled by :meth:`_cancel`,
+error cancels nothing). Each remaining run is cancelled by ``transitions.cancel``,
 the path of ``POST /v1/runs/{id}/cancel``.
 
 Ordering and locks (PostgreSQL, READ COMMITTED):
@@ -29,7 +29,7 @@ Ordering and locks (PostgreSQL, READ COMMITTED):
   has seen created is always cancelled by an event the client sends after.
   No named lock is needed for this: the rule is the snapshot's.
 * **A cancel racing the run's own end** (completion, failure, timeout, a
-  manual cancel, another cancelling event): :meth:`_cancel` locks the run's
+  manual cancel, another cancelling event): ``transitions.cancel`` locks the run's
   queue row, then its lease, then the run (``FOR UPDATE``, the order an
   activation and a completion take them) and re-reads its status after the
   lock: whoever commits first ends the run, the other finds it ended and does
@@ -59,10 +59,11 @@ import msgspec
 from ironflow.definitions import CANCEL_VARIABLES
 from ironflow.expressions import EvaluationError, ExpressionError, compile_expression
 from ironflow.protocol import TERMINAL_RUN_STATUSES, ErrorInfo, FunctionDef, lookup_path
-from ironflow.store.base import CancelNotice, CancelOutcome, Conflict, RunNotFound
-from ironflow.store.compensation import CompensationOps
-from ironflow.store.core import Tx, _dec, _marks
+from ironflow.store.base import Conflict, RunNotFound
+from ironflow.store.core import Tx, dec, placeholders
 from ironflow.store.filters import FilterOps
+from ironflow.store.records import CancelNotice, CancelOutcome
+from ironflow.store.transitions import cancel
 from ironflow.store.waits import wait_key
 
 # LISTEN/NOTIFY channel of the jobs whose runs an event cancelled (PostgreSQL).
@@ -91,7 +92,7 @@ def register_cancel_paths(tx: Tx, fd: FunctionDef) -> None:
 
 def cancel_paths_sql(names: int) -> str:
     """The cancel-on match paths per event name (params: the names)."""
-    return f"SELECT event_name, match_path FROM cancel_paths WHERE event_name IN ({_marks(names)})"
+    return f"SELECT event_name, match_path FROM cancel_paths WHERE event_name IN ({placeholders(names)})"
 
 
 def _event_keys(name: str, data: Any, paths: Sequence[str]) -> list[str]:
@@ -120,10 +121,20 @@ def _payloads(notices: list[CancelNotice]) -> list[str]:
     return out
 
 
-class CancelOnOps(FilterOps, CompensationOps):
+def notify_cancels(tx: Tx, notices: list[CancelNotice]) -> None:
+    """Where NOTIFY reaches every node (PostgreSQL): tell them, at this
+    transaction's commit, which jobs were taken from workers (SQLite's store
+    announces them after commit instead: ``_notifies_cancels``)."""
+    if notices and tx.notifies_nodes:
+        for payload in _payloads(notices):
+            tx.execute("SELECT pg_notify(?, ?)", (CANCEL_CHANNEL, payload))
+
+
+class CancelOnOps(FilterOps):
     """Subscriptions written with their run, judged by an ingest (module docstring)."""
 
-    # PostgreSQL sets it: cancel notices travel by NOTIFY, to every node.
+    # PostgreSQL sets it: cancel notices travel by NOTIFY, to every node (as
+    # its Tx's ``notifies_nodes`` says), so nothing is announced after commit.
     _notifies_cancels = False
 
     def __init__(self) -> None:
@@ -166,55 +177,6 @@ class CancelOnOps(FilterOps, CompensationOps):
                 rows,
             )
 
-    def _cancel(self, tx: Tx, run_id: str, error: ErrorInfo, audit: dict[str, Any]) -> CancelOutcome:
-        """End run ``run_id`` ``cancelled`` with ``error`` (locks: module
-        docstring); a run with undos (``step.compensate``) is not ended but
-        begins compensating, to end ``cancelled`` once its undos ran
-        (store/compensation.py; ``compensating`` in the outcome).
-
-        Raises:
-          RunNotFound: no such run.
-          Conflict: it already ended, or it is compensating.
-        """
-        # The run's queue row and lease first, then the run: the order in
-        # which an activation (queue row, lease, run) and a completion
-        # (lease, run) take them, so a cancel racing either waits for it
-        # rather than deadlocking with it; a step write holding the lease
-        # (FOR KEY SHARE) commits before the cancel, never after it.
-        tx.fetchone(f"SELECT 1 FROM dispatch_queue WHERE run_id = ? {tx.lock_wait()}", (run_id,))
-        tx.fetchone(f"SELECT 1 FROM concurrency_leases WHERE run_id = ? {tx.lock_wait()}", (run_id,))
-        run = tx.fetchone(
-            "SELECT status, current_execution_seq, parent_run_id, parent_step_id, compensation"
-            f" FROM runs WHERE id = ? {tx.lock_wait()}",
-            (run_id,),
-        )
-        if run is None:
-            raise RunNotFound(f"run {run_id} not found")
-        if run[0] in TERMINAL_RUN_STATUSES:
-            raise Conflict(f"run {run_id} already {run[0]}")
-        if run[4] is not None:
-            raise Conflict(
-                f"run {run_id} is compensating (its undos run after its {run[4]});"
-                " it ends when they have"
-            )
-        taken = self._take_segment(tx, run_id)
-        # After the lease went: a registration committed before is seen, one
-        # behind is refused by the fence (store/compensation.py: locks).
-        if self._has_undos(tx, run_id):
-            self._begin_compensation(tx, run_id, "cancel", error)
-            self._audit_if_enabled(tx, "run.cancelled", run_id, {**audit, "compensating": True})
-            return CancelOutcome(run_id, *taken, compensating=True)
-        outcome = self._end_run(tx, run_id, "cancelled", error, run[2], run[3], taken)
-        self._audit_if_enabled(tx, "run.cancelled", run_id, audit)
-        return outcome
-
-    def _notify_cancels(self, tx: Tx, notices: list[CancelNotice]) -> None:
-        """On PostgreSQL: tell every node, at this transaction's commit, which
-        jobs were taken from workers (SQLite announces after commit instead)."""
-        if notices and self._notifies_cancels:
-            for payload in _payloads(notices):
-                tx.execute("SELECT pg_notify(?, ?)", (CANCEL_CHANNEL, payload))
-
     def _cancel_on_events(
         self, tx: Tx, events: Sequence[tuple[str, str, Any]], paths: dict[str, list[str]]
     ) -> list[list[CancelOutcome]]:
@@ -235,7 +197,7 @@ class CancelOnOps(FilterOps, CompensationOps):
             " FROM cancel_subscriptions s LEFT JOIN runs r ON r.id = s.run_id"
             # The run's triggering event, only for a row with a condition.
             " LEFT JOIN events e ON s.condition IS NOT NULL AND e.id = r.event_id"
-            f" WHERE s.cancel_key IN ({_marks(len(keys))}) ORDER BY s.run_id, s.spec",
+            f" WHERE s.cancel_key IN ({placeholders(len(keys))}) ORDER BY s.run_id, s.spec",
             keys,
         )
         ended: set[str] = set()
@@ -249,7 +211,7 @@ class CancelOnOps(FilterOps, CompensationOps):
                 expired.append((key, run_id, spec))
                 continue
             place = keyed[key]
-            trigger = {"name": trigger_name, "data": _dec(trigger_data), "id": trigger_id}
+            trigger = {"name": trigger_name, "data": dec(trigger_data), "id": trigger_id}
             if condition is not None and not self._condition_holds(condition, trigger, events[place]):
                 continue
             victims[run_id] = min(place, victims.get(run_id, place))
@@ -261,7 +223,7 @@ class CancelOnOps(FilterOps, CompensationOps):
             )
             audit = {"cause": "cancel-on-event", "event_id": event_id, "event": name}
             try:
-                outcome = self._cancel(tx, run_id, error, audit)
+                outcome = cancel(tx, run_id, error, audit)
             except (RunNotFound, Conflict):
                 ended.add(run_id)  # it ended meanwhile (it was racing us): nothing to cancel
                 continue
@@ -271,10 +233,10 @@ class CancelOnOps(FilterOps, CompensationOps):
                     CancelNotice(run_id, outcome.session_id, outcome.job_id, cancel_reason(event_id))
                 )
             ended.add(run_id)
-        self._notify_cancels(tx, notices)
+        notify_cancels(tx, notices)
         if ended:
             gone = sorted(ended)
-            tx.execute(f"DELETE FROM cancel_subscriptions WHERE run_id IN ({_marks(len(gone))})", gone)
+            tx.execute(f"DELETE FROM cancel_subscriptions WHERE run_id IN ({placeholders(len(gone))})", gone)
         if expired:
             tx.executemany(
                 "DELETE FROM cancel_subscriptions WHERE cancel_key = ? AND run_id = ? AND spec = ?",

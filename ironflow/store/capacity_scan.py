@@ -8,147 +8,52 @@ Expiry is decided by the database clock.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ironflow.protocol import (
     ErrorInfo,
 )
-from ironflow.store.base import (
-    CancelOutcome,
-    RecoveredSegment,
-)
 from ironflow.store.core import (
-    _TERMINAL_SQL,
     FUNCTION_TIMEOUT,
-    RECOVERY_EXHAUSTED,
     SCAN_BATCH,
     SqlStoreBase,
     Tx,
-    _enc,
-    _exhausted,
-    _marks,
+    exhausted_runs,
+    placeholders,
 )
 from ironflow.store.function_life import forget_sessions
+from ironflow.store.records import CancelOutcome, RecoveredSegment
+from ironflow.store.transitions import TERMINAL_SQL, end_run, recover, write_audit
+
+
+def release_expired_reservations(tx: Tx) -> int:
+    """Release the reservations past their expiry (their queue rows unreserved,
+    their credits freed), at most SCAN_BATCH; how many. The capacity scanner
+    runs it, and so does every dispatcher round (store/dispatch.py)."""
+    rows = tx.fetchall(
+        "SELECT run_id, execution_seq, reservation_owner FROM dispatch_queue"
+        " WHERE reservation_owner IS NOT NULL AND reservation_expires_at <= ironflow_now()"
+        f" LIMIT {SCAN_BATCH} {tx.lock()}"
+    )
+    if rows:
+        tx.notify()
+        tx.executemany(
+            "UPDATE dispatch_queue SET reservation_owner = NULL,"
+            " reservation_expires_at = NULL, lease_token_hash = NULL"
+            " WHERE run_id = ? AND execution_seq = ?",
+            [(r[0], r[1]) for r in rows],
+        )
+        tx.executemany(
+            "UPDATE worker_credits SET claimed_run_id = NULL, claimed_execution_seq = NULL"
+            " WHERE session_id = ? AND claimed_run_id = ? AND claimed_execution_seq = ?",
+            [(r[2], r[0], r[1]) for r in rows],
+        )
+    return len(rows)
 
 
 class CapacityLoop(SqlStoreBase):
     """Loop 1: expired reservations, leases and sessions; recovery and its ceiling."""
 
-    def _recover(
-        self,
-        tx: Tx,
-        leases: list[tuple[Any, ...]],
-        *,
-        recovery_grace_s: float,
-        recovery_ceiling: int,
-        no_grace_first: bool,
-    ) -> list[RecoveredSegment]:
-        """Fence and requeue (or fail at the ceiling) each lease row
-        ``(run_id, execution_seq, function_id, session_id)``."""
-        out: list[RecoveredSegment] = []
-        for run_id, seq, function_id, session_id in leases:
-            if not tx.execute(
-                "DELETE FROM concurrency_leases WHERE run_id = ? AND execution_seq = ?",
-                (run_id, seq),
-            ):
-                continue
-            self._free_credit(tx, session_id, run_id, seq)
-            row = tx.fetchone(
-                "UPDATE runs SET current_execution_seq = current_execution_seq + 1,"
-                " recovery_count = recovery_count + 1, status = 'waiting',"
-                " updated_at = ironflow_now()"
-                f" WHERE id = ? AND current_execution_seq = ? AND status NOT IN {_TERMINAL_SQL}"
-                " RETURNING current_execution_seq, recovery_count, concurrency_key,"
-                " parent_run_id, parent_step_id",
-                (run_id, seq),
-            )
-            if row is None:
-                continue
-            new_seq, count, ckey, parent_run_id, parent_step_id = row
-            # The ceiling permits `recovery_ceiling` recoveries; a lease loss past
-            # it is not one of them, so the count (run and audit alike) stays there.
-            exhausted = count > recovery_ceiling
-            if exhausted:
-                count -= 1
-            self._audit(
-                tx,
-                "capacity.lease.expired",
-                run_id,
-                function_id,
-                {
-                    "execution_seq": seq,
-                    "session_id": session_id,
-                    "recovery_count": count,
-                    "ceiling_reached": exhausted,
-                },
-            )
-            if exhausted:
-                error = ErrorInfo(
-                    message=f"segment lost its lease after {count} consecutive recoveries;"
-                    f" recovery ceiling is {recovery_ceiling}",
-                    code=RECOVERY_EXHAUSTED,
-                    retryable=False,
-                )
-                ended = tx.fetchone(
-                    "UPDATE runs SET status = 'failed', error = ?, recovery_count = ?,"
-                    " ended_at = ironflow_now(), updated_at = ironflow_now() WHERE id = ?"
-                    " RETURNING ended_at - COALESCE(started_at, created_at)",
-                    (_enc(error), count, run_id),
-                )
-                self._audit_if_enabled(tx, "run.failed", run_id, {"error": error})
-                self._resolve_parent(tx, parent_run_id, parent_step_id, run_id, error=error)
-                out.append(
-                    RecoveredSegment(
-                        run_id, function_id, seq, None, session_id, count, None, True,
-                        duration_s=ended[0] if ended else None,
-                    )
-                )
-                continue
-            grace = 0.0 if (no_grace_first and count == 1) else recovery_grace_s
-            eligible_at = self._enqueue(tx, run_id, new_seq, function_id, ckey, grace, "recovery")
-            self._audit(
-                tx,
-                "capacity.segment.recovered",
-                run_id,
-                function_id,
-                {
-                    "old_execution_seq": seq,
-                    "new_execution_seq": new_seq,
-                    "session_id": session_id,
-                    "recovery_count": count,
-                    "eligible_at": eligible_at,
-                },
-            )
-            out.append(
-                RecoveredSegment(
-                    run_id, function_id, seq, new_seq, session_id, count, eligible_at, False
-                )
-            )
-        return out
-
-    def _expire_reservations(self, tx: Tx) -> int:
-        rows = tx.fetchall(
-            "SELECT run_id, execution_seq, reservation_owner FROM dispatch_queue"
-            " WHERE reservation_owner IS NOT NULL AND reservation_expires_at <= ironflow_now()"
-            f" LIMIT {SCAN_BATCH} {tx.lock()}"
-        )
-        if rows:
-            tx.notify()
-            tx.executemany(
-                "UPDATE dispatch_queue SET reservation_owner = NULL,"
-                " reservation_expires_at = NULL, lease_token_hash = NULL"
-                " WHERE run_id = ? AND execution_seq = ?",
-                [(r[0], r[1]) for r in rows],
-            )
-            tx.executemany(
-                "UPDATE worker_credits SET claimed_run_id = NULL, claimed_execution_seq = NULL"
-                " WHERE session_id = ? AND claimed_run_id = ? AND claimed_execution_seq = ?",
-                [(r[2], r[0], r[1]) for r in rows],
-            )
-        return len(rows)
-
     async def expire_reservations(self) -> int:
-        return await self._transact(self._expire_reservations)
+        return await self._transact(release_expired_reservations)
 
     async def expire_leases(
         self, *, recovery_grace_s: float, recovery_ceiling: int
@@ -159,7 +64,7 @@ class CapacityLoop(SqlStoreBase):
                 f" WHERE expires_at <= ironflow_now() ORDER BY expires_at LIMIT {SCAN_BATCH}"
                 f" {tx.lock()}"
             )
-            return self._recover(
+            return recover(
                 tx,
                 leases,
                 recovery_grace_s=recovery_grace_s,
@@ -167,7 +72,7 @@ class CapacityLoop(SqlStoreBase):
                 no_grace_first=False,
             )
 
-        return await self._transact_ending(work, _exhausted)
+        return await self._transact_ending(work, exhausted_runs)
 
     async def expire_sessions(self) -> int:
         def work(tx: Tx) -> int:
@@ -180,10 +85,10 @@ class CapacityLoop(SqlStoreBase):
             ]
             if ids:
                 tx.execute(
-                    f"DELETE FROM worker_credits WHERE session_id IN ({_marks(len(ids))})", ids
+                    f"DELETE FROM worker_credits WHERE session_id IN ({placeholders(len(ids))})", ids
                 )
                 forget_sessions(tx, ids, self._now(tx))  # their functions were last served now (function_life.py)
-                tx.execute(f"DELETE FROM worker_sessions WHERE id IN ({_marks(len(ids))})", ids)
+                tx.execute(f"DELETE FROM worker_sessions WHERE id IN ({placeholders(len(ids))})", ids)
             return len(ids)
 
         return await self._transact(work)
@@ -199,7 +104,7 @@ class CapacityLoop(SqlStoreBase):
         def work(tx: Tx) -> list[CancelOutcome]:
             rows = tx.fetchall(
                 "SELECT id, timeout_s, parent_run_id, parent_step_id FROM runs"
-                f" WHERE deadline_at IS NOT NULL AND status NOT IN {_TERMINAL_SQL}"
+                f" WHERE deadline_at IS NOT NULL AND status NOT IN {TERMINAL_SQL}"
                 f" AND deadline_at <= ironflow_now() ORDER BY deadline_at LIMIT {SCAN_BATCH}"
                 f" {tx.lock()}"
             )
@@ -210,8 +115,8 @@ class CapacityLoop(SqlStoreBase):
                     code=FUNCTION_TIMEOUT,
                     retryable=False,
                 )
-                out.append(self._end_run(tx, run_id, "failed", error, parent_run_id, parent_step_id))
-                self._audit(tx, "run.timed_out", run_id, None, {"timeout_s": timeout_s})
+                out.append(end_run(tx, run_id, "failed", error, parent_run_id, parent_step_id))
+                write_audit(tx, "run.timed_out", run_id, None, {"timeout_s": timeout_s})
             return out
 
         return await self._transact_ending(work, lambda ended: [o.run_id for o in ended])
@@ -225,7 +130,7 @@ class CapacityLoop(SqlStoreBase):
                 " UNION ALL SELECT min(expires_at) FROM concurrency_leases"
                 " UNION ALL SELECT min(expires_at) FROM worker_sessions"
                 " UNION ALL SELECT min(deadline_at) FROM runs WHERE deadline_at IS NOT NULL"
-                f" AND status NOT IN {_TERMINAL_SQL}) u"
+                f" AND status NOT IN {TERMINAL_SQL}) u"
             )
             return None if row is None or row[0] is None else max(0.0, float(row[0]))
 

@@ -8,11 +8,11 @@ SDK records one step row under the fence at the run's first
 nothing more anywhere.
 
 Compensation **begins** in the transaction that would otherwise end the run
-(:meth:`CompensationOps._begin_compensation`):
+(``transitions.begin_compensation``):
 
 * ``fail_job`` (fence.py) of the run's final failure — a non-retryable error,
   or a failure of its last attempt;
-* ``_cancel`` (cancel_on.py): ``runs cancel``, a cancel-on event, a
+* ``cancel`` (transitions.py): ``runs cancel``, a cancel-on event, a
   singleton's ``mode="cancel"``.
 
 A run timeout and the recovery ceiling are not among them: they end the run
@@ -31,7 +31,7 @@ ordinary recovery: the next segment replays again and runs only the undos not
 yet recorded.
 
 That segment's ``JobFailed`` **ends** the run
-(:meth:`CompensationOps._end_compensation`): ``failed`` or ``cancelled`` by
+(:func:`end_compensation`): ``failed`` or ``cancelled`` by
 the cause, with ``runs.error`` as it was set at the beginning, never retried;
 ``run.compensated`` is audited with the undos' counts.
 
@@ -45,112 +45,56 @@ is seen, one behind finds no lease and is refused. Nothing else writes it.
 
 from __future__ import annotations
 
-import time
-
 from ironflow.protocol import (
-    CompensationBegin,
     CompensationCause,
-    ErrorInfo,
     compensation_id_prefix,
     compensation_step_id,
 )
-from ironflow.store.base import JobOutcome
-from ironflow.store.core import RUN_END_FIGURES, SqlStoreBase, Tx, _dec_error, _enc
+from ironflow.store.core import Tx, dec_error
+from ironflow.store.records import JobOutcome
+from ironflow.store.transitions import RUN_END_FIGURES, resolve_parent, write_audit
 
 
-def has_undos_sql(run: str) -> str:
-    """An SQL condition: run ``run`` (a column or ``?``) recorded
-    ``compensate:registered``; its one parameter is
-    ``compensation_step_id(run_id, "registered")``. Read it after the run's
-    lease went in this transaction (module docstring: locks)."""
-    return f"EXISTS (SELECT 1 FROM steps s WHERE s.run_id = {run} AND s.step_id = ?)"
-
-
-class CompensationOps(SqlStoreBase):
-    """A run's compensation begun and ended (see the module docstring)."""
-
-    @staticmethod
-    def _has_undos(tx: Tx, run_id: str) -> bool:
-        """Whether the run recorded ``compensate:registered`` (:func:`has_undos_sql`)."""
-        row = tx.fetchone(
-            f"SELECT {has_undos_sql('?')}", (run_id, compensation_step_id(run_id, "registered"))
-        )
-        return row is not None and bool(row[0])
-
-    def _begin_compensation(
-        self, tx: Tx, run_id: str, cause: CompensationCause, error: ErrorInfo
-    ) -> tuple[int, float]:
-        """Begin the run's compensation (its lease and queue row already taken
-        by the caller): ``(execution_seq, eligible_at)`` of its compensation
-        segment, queued now."""
-        row = tx.fetchone(
-            # recovery_count starts again, as after a yield: the undos get the
-            # recovery ceiling's whole budget.
-            "UPDATE runs SET status = 'waiting', compensation = ?, error = ?, start_at = NULL,"
-            " recovery_count = 0, current_execution_seq = current_execution_seq + 1,"
-            " updated_at = ironflow_now()"
-            " WHERE id = ? RETURNING current_execution_seq, function_id, concurrency_key",
-            (cause, _enc(error), run_id),
-        )
-        assert row is not None
-        seq, function_id, ckey = row
-        tx.execute(
-            "INSERT INTO steps (run_id, step_id, name, kind, status, output, execution_seq,"
-            " created_at, seq) VALUES (?, ?, 'compensate:begin', 'run', 'completed', ?, ?,"
-            " ironflow_now(), ?) ON CONFLICT (run_id, step_id) DO UPDATE SET"
-            " status = 'completed', output = excluded.output, execution_seq = excluded.execution_seq",
+def end_compensation(
+    tx: Tx, run_id: str, cause: CompensationCause, stored_error: str,
+    parent: tuple[str | None, str | None], *, attempt: int, audit: bool,
+) -> JobOutcome:
+    """End a run whose compensation segment reported ``JobFailed`` (its
+    lease already taken): ``failed`` or ``cancelled`` by ``cause``, with the
+    original error as stored when it began (``stored_error``); ``parent``:
+    its parent run and invoke step, if any."""
+    status = "cancelled" if cause == "cancel" else "failed"
+    ended = tx.fetchone(
+        "UPDATE runs SET status = ?, ended_at = ironflow_now(), updated_at = ironflow_now()"
+        f" WHERE id = ? RETURNING {RUN_END_FIGURES}",
+        (status, run_id),
+    )
+    assert ended is not None
+    prefix = compensation_id_prefix(run_id)
+    counts = dict(
+        tx.fetchall(
+            "SELECT status, count(*) FROM steps WHERE run_id = ? AND substr(step_id, 1, CAST(? AS INTEGER)) = ?"
+            " AND step_id NOT IN (?, ?) GROUP BY status",
             (
-                run_id, compensation_step_id(run_id, "begin"), _enc(CompensationBegin(cause, error)),
-                seq, time.time_ns(),
+                run_id, len(prefix), prefix, compensation_step_id(run_id, "registered"),
+                compensation_step_id(run_id, "begin"),
             ),
         )
-        self._fail_parked_steps(tx, run_id)
-        eligible_at = self._enqueue(tx, run_id, seq, function_id, ckey, 0.0, "compensate")
-        # Always recorded, whatever the function's audit toggle: the undos
-        # change the world outside, and the run's story must say why they ran.
-        self._audit(tx, "run.compensating", run_id, function_id, {"cause": cause, "error": error.code})
-        return seq, eligible_at
-
-    def _end_compensation(
-        self, tx: Tx, run_id: str, cause: CompensationCause, stored_error: str,
-        parent: tuple[str | None, str | None], *, attempt: int, audit: bool,
-    ) -> JobOutcome:
-        """End a run whose compensation segment reported ``JobFailed`` (its
-        lease already taken): ``failed`` or ``cancelled`` by ``cause``, with the
-        original error as stored when it began (``stored_error``); ``parent``:
-        its parent run and invoke step, if any."""
-        status = "cancelled" if cause == "cancel" else "failed"
-        ended = tx.fetchone(
-            "UPDATE runs SET status = ?, ended_at = ironflow_now(), updated_at = ironflow_now()"
-            f" WHERE id = ? RETURNING {RUN_END_FIGURES}",
-            (status, run_id),
-        )
-        assert ended is not None
-        prefix = compensation_id_prefix(run_id)
-        counts = dict(
-            tx.fetchall(
-                "SELECT status, count(*) FROM steps WHERE run_id = ? AND substr(step_id, 1, CAST(? AS INTEGER)) = ?"
-                " AND step_id NOT IN (?, ?) GROUP BY status",
-                (
-                    run_id, len(prefix), prefix, compensation_step_id(run_id, "registered"),
-                    compensation_step_id(run_id, "begin"),
-                ),
-            )
-        )
-        error = _dec_error(stored_error)
-        assert error is not None  # set when the compensation began
-        self._audit(
-            tx, "run.compensated", run_id, ended[0],
-            {
-                "cause": cause,
-                "undos_completed": counts.get("completed", 0),
-                "undos_failed": counts.get("failed", 0),
-                "error": error.code,
-            },
-        )
-        if audit and status == "failed":
-            self._audit(tx, "run.failed", run_id, ended[0], {"error": error})
-        kicked = self._resolve_parent(tx, parent[0], parent[1], run_id, error=error)
-        return JobOutcome(
-            run_id, status, attempt=attempt, kicked_run_ids=kicked, function_id=ended[0], duration_s=ended[1]
-        )
+    )
+    error = dec_error(stored_error)
+    assert error is not None  # set when the compensation began
+    write_audit(
+        tx, "run.compensated", run_id, ended[0],
+        {
+            "cause": cause,
+            "undos_completed": counts.get("completed", 0),
+            "undos_failed": counts.get("failed", 0),
+            "error": error.code,
+        },
+    )
+    if audit and status == "failed":
+        write_audit(tx, "run.failed", run_id, ended[0], {"error": error})
+    kicked = resolve_parent(tx, parent[0], parent[1], run_id, error=error)
+    return JobOutcome(
+        run_id, status, attempt=attempt, kicked_run_ids=kicked, function_id=ended[0], duration_s=ended[1]
+    )

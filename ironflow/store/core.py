@@ -1,8 +1,9 @@
 """What every concern of the SQL store shares (assembled in ``sql.py``).
 
 The transaction surface :class:`Tx` (in ``tx.py``), the column lists, the fence clause, the
-row → record builders, and :class:`SqlStoreBase` (definition decoding, audit,
-credits, the queue, run creation and resumption). Every public method builds a synchronous ``work(tx)`` closure and hands it to
+row → record builders, and :class:`SqlStoreBase` (definition decoding, run
+creation; the shared transitions are functions in ``transitions.py``). Every
+public method builds a synchronous ``work(tx)`` closure and hands it to
 the backend's ``_transact``, which runs it as ONE transaction (SQLite: inside
 the group-commit writer thread under a SAVEPOINT; PostgreSQL: on a pooled
 connection in a worker thread). The SQL is written once with ``?``
@@ -10,10 +11,10 @@ placeholders; :class:`Tx` implementations translate for their driver. The
 only dialect differences are fragments from :meth:`Tx.lock` (``FOR UPDATE
 SKIP LOCKED`` on PostgreSQL, nothing on SQLite — its single writer already
 serialises), :meth:`Tx.advisory_lock` (PostgreSQL only), and, where
-:attr:`Tx.combined` is set (PostgreSQL), the hottest transitions (create a run,
-activate a segment, complete it) written as one statement with data-modifying
-``WITH`` clauses instead of one statement per table — same rows, same checks,
-one round trip.
+:attr:`Tx.modifying_with` is set (PostgreSQL), the hottest transitions (create a
+run, activate a segment, complete it) written as one statement with
+data-modifying ``WITH`` clauses instead of one statement per table — same rows,
+same checks, one round trip — each pair of forms side by side in one function.
 
 Fencing lives in the SQL: a worker message may only change a segment when a
 lease row with that ``(run_id, execution_seq, session_id, lease_token_hash)``
@@ -25,13 +26,12 @@ from __future__ import annotations
 import abc
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
 from ironflow.ids import new_id
 from ironflow.protocol import (
-    ErrorInfo,
     FunctionDef,
     LeaseRecord,
     QueueRecord,
@@ -39,22 +39,23 @@ from ironflow.protocol import (
     RunResult,
     StepRecord,
     concurrency_keyed,
-    job_id_for,
     lookup_path,
 )
-from ironflow.store.base import CancelOutcome, Fence, RecoveredSegment, Store
+from ironflow.store.base import Store
 from ironflow.store.dispatch_flow import priority_of, set_priorities
+from ironflow.store.records import Fence, RecoveredSegment
+from ironflow.store.transitions import enqueue
 from ironflow.store.tx import (  # re-exported: the store modules import them from here
     Tx as Tx,
 )
-from ironflow.store.tx import _dec as _dec
-from ironflow.store.tx import _dec_error as _dec_error
-from ironflow.store.tx import _enc as _enc
-from ironflow.store.tx import _error_decode as _error_decode
-from ironflow.store.tx import _iso as _iso
-from ironflow.store.tx import _json_decode as _json_decode
-from ironflow.store.tx import _json_encode as _json_encode
-from ironflow.store.tx import _marks as _marks
+from ironflow.store.tx import dec as dec
+from ironflow.store.tx import dec_error as dec_error
+from ironflow.store.tx import enc as enc
+from ironflow.store.tx import error_decode as error_decode
+from ironflow.store.tx import iso_time as iso_time
+from ironflow.store.tx import json_decode as json_decode
+from ironflow.store.tx import json_encode as json_encode
+from ironflow.store.tx import placeholders as placeholders
 
 T = TypeVar("T")
 
@@ -63,8 +64,6 @@ T = TypeVar("T")
 _INVALID_DEFINITION = "\x00invalid stored definition"
 # Name of the synthetic event behind a direct invocation or a step.invoke child.
 INVOKED_EVENT = "ironflow/function.invoked"
-# Error code of a run that was recovered more often than the recovery ceiling allows.
-RECOVERY_EXHAUSTED = "EXECUTION_RECOVERY_EXHAUSTED"
 # Error code of a run that outlived its function's timeout (from its first start).
 FUNCTION_TIMEOUT = "FUNCTION_TIMEOUT"
 # Upper bound of leases/reservations one scanner pass fences, so one
@@ -83,26 +82,22 @@ JANITOR_LOCK = "ironflow:janitor"
 # Audit type of one history purge pass.
 PURGE_AUDIT = "history.purged"
 
-_TERMINAL_SQL = "('completed', 'failed', 'cancelled')"
-# What an UPDATE that ends a run returns for ironflow_run_duration_seconds: its
-# function and its duration from first start (or creation) to end.
-RUN_END_FIGURES = "function_id, ended_at - COALESCE(started_at, created_at)"
-_RUN_COLS = (
+RUN_COLS = (
     "r.id, r.function_id, r.event_id, r.parent_run_id, r.status, r.attempt, r.max_attempts,"
     " r.recovery_count, r.current_execution_seq, r.output, r.error, r.created_at,"
     " r.started_at, r.ended_at, r.concurrency_key"
 )
-_STEP_COLS = (
+STEP_COLS = (
     "run_id, step_id, name, kind, status, output, error, duration_ms, execution_seq,"
     " created_at, wake_at"
 )
-_QUEUE_COLS = (
+QUEUE_COLS = (
     "run_id, function_id, execution_seq, eligible_at, reason, enqueued_at,"
     " reservation_owner, reservation_expires_at"
 )
-_LEASE_COLS = "run_id, function_id, execution_seq, session_id, node_id, expires_at, activated_at"
+LEASE_COLS = "run_id, function_id, execution_seq, session_id, node_id, expires_at, activated_at"
 # The lease half of every fence check; params: run_id, seq, session_id, token_hash, run_id, seq.
-_FENCE_SQL = (
+FENCE_SQL = (
     "run_id = ? AND execution_seq = ? AND session_id = ? AND lease_token_hash = ?"
     " AND EXISTS (SELECT 1 FROM runs WHERE id = ? AND current_execution_seq = ?)"
 )
@@ -114,7 +109,7 @@ NamedLock = tuple[str, bool]
 
 
 def fence_join(lease: str, fence: str) -> str:
-    """:data:`_FENCE_SQL` for many fences at once: lease rows ``lease`` (an alias
+    """:data:`FENCE_SQL` for many fences at once: lease rows ``lease`` (an alias
     of ``concurrency_leases``) matching the rows of ``fence`` (a VALUES alias
     with run_id, execution_seq, session_id, digest) whose run is still at that seq."""
     return (
@@ -131,7 +126,7 @@ _function_decode = msgspec.json.Decoder(FunctionDef).decode
 # ── small helpers ──────────────────────────────────────────────────────────
 
 
-def _exhausted(recovered: list[RecoveredSegment]) -> list[str]:
+def exhausted_runs(recovered: list[RecoveredSegment]) -> list[str]:
     """The runs a recovery ended (failed at the recovery ceiling)."""
     return [seg.run_id for seg in recovered if seg.exhausted]
 
@@ -163,10 +158,10 @@ def _concurrency_key(fd: FunctionDef, data: Any) -> str | None:
     value = lookup_path(data, keyed.key)
     if value is None:
         return None
-    return value if isinstance(value, str) else _enc(value)
+    return value if isinstance(value, str) else enc(value)
 
 
-def _triggered(fd: FunctionDef, name: str) -> bool:
+def triggered(fd: FunctionDef, name: str) -> bool:
     for trigger in fd.triggers:
         if trigger.event is None:  # a cron trigger (ironflow/store/cron.py)
             continue
@@ -177,13 +172,13 @@ def _triggered(fd: FunctionDef, name: str) -> bool:
     return False
 
 
-def _trigger_patterns(name: str) -> list[str]:
+def trigger_patterns(name: str) -> list[str]:
     """Every trigger pattern that matches event ``name``: the name itself and
     ``prefix.*`` for each dot in it (``a.b.c`` → ``a.b.c``, ``a.*``, ``a.b.*``)."""
     return [name] + [name[: i + 1] + "*" for i, ch in enumerate(name) if ch == "."]
 
 
-def _run_record(row: Sequence[Any]) -> RunRecord:
+def run_record(row: Sequence[Any]) -> RunRecord:
     return RunRecord(
         id=row[0],
         function_id=row[1],
@@ -194,8 +189,8 @@ def _run_record(row: Sequence[Any]) -> RunRecord:
         max_attempts=row[6],
         recovery_count=row[7],
         current_execution_seq=row[8],
-        output=_dec(row[9]),
-        error=_dec_error(row[10]),
+        output=dec(row[9]),
+        error=dec_error(row[10]),
         created_at=row[11],
         started_at=row[12],
         ended_at=row[13],
@@ -203,15 +198,15 @@ def _run_record(row: Sequence[Any]) -> RunRecord:
     )
 
 
-def _step_record(row: Sequence[Any]) -> StepRecord:
+def step_record(row: Sequence[Any]) -> StepRecord:
     return StepRecord(
         run_id=row[0],
         step_id=row[1],
         name=row[2],
         kind=row[3],
         status=row[4],
-        output=_dec(row[5]),
-        error=_dec_error(row[6]),
+        output=dec(row[5]),
+        error=dec_error(row[6]),
         duration_ms=row[7],
         execution_seq=row[8],
         created_at=row[9],
@@ -219,7 +214,7 @@ def _step_record(row: Sequence[Any]) -> StepRecord:
     )
 
 
-def _queue_record(row: Sequence[Any], now: float) -> QueueRecord:
+def queue_record(row: Sequence[Any], now: float) -> QueueRecord:
     return QueueRecord(
         run_id=row[0],
         function_id=row[1],
@@ -233,7 +228,7 @@ def _queue_record(row: Sequence[Any], now: float) -> QueueRecord:
     )
 
 
-def _lease_record(row: Sequence[Any], now: float) -> LeaseRecord:
+def lease_record(row: Sequence[Any], now: float) -> LeaseRecord:
     return LeaseRecord(
         run_id=row[0],
         function_id=row[1],
@@ -271,8 +266,8 @@ def new_run(fd: FunctionDef) -> NewRun:
 
 class SqlStoreBase(Store):
     """The machinery every concern shares: the transaction hook, definition
-    decoding, audit, credits, the queue, run creation and resumption.
-    Backends supply ``_transact`` and lifecycle."""
+    decoding, run creation, the fence check (the transitions they share are
+    functions in ``transitions.py``). Backends supply ``_transact`` and lifecycle."""
 
     def __init__(self) -> None:
         # Decoded FunctionDefs keyed by their stored JSON text (decode once per version).
@@ -289,10 +284,10 @@ class SqlStoreBase(Store):
         self._schedule_listeners: list[Callable[[], None]] = []
 
     def _fence_alive(self, tx: Tx, fence: Fence) -> bool:
-        """Whether ``fence`` is the live lease (:data:`_FENCE_SQL`)."""
+        """Whether ``fence`` is the live lease (:data:`FENCE_SQL`)."""
         return (
             tx.fetchone(
-                f"SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL}",
+                f"SELECT 1 FROM concurrency_leases WHERE {FENCE_SQL}",
                 self._fence_params(fence),
             )
             is not None
@@ -303,7 +298,7 @@ class SqlStoreBase(Store):
         """The runs of ``fences`` (different runs) whose fence is the live
         lease (:func:`fence_join`): one statement. It locks nothing: right for
         SQLite's single writer; on PostgreSQL a verdict that must still hold
-        at commit needs a lock (``steps._record_fenced``)."""
+        at commit needs a lock (``steps._record_live``)."""
         if not fences:
             return set()
         return {
@@ -321,7 +316,7 @@ class SqlStoreBase(Store):
 
     @staticmethod
     def _fence_params(fence: Fence) -> tuple[Any, ...]:
-        """The parameters of :data:`_FENCE_SQL` for ``fence``, in its order."""
+        """The parameters of :data:`FENCE_SQL` for ``fence``, in its order."""
         return (
             fence.run_id,
             fence.execution_seq,
@@ -439,7 +434,7 @@ class SqlStoreBase(Store):
             try:
                 fd = _function_decode(text)
             except msgspec.ValidationError:
-                raw = _json_decode(text)
+                raw = json_decode(text)
                 fid = raw.get("id") if isinstance(raw, dict) else None
                 fd = FunctionDef(id=str(fid or "?"), name=_INVALID_DEFINITION)
             self._defs[text] = fd
@@ -454,57 +449,6 @@ class SqlStoreBase(Store):
     @staticmethod
     def _now(tx: Tx) -> float:
         row = tx.fetchone("SELECT ironflow_now()")
-        assert row is not None
-        return float(row[0])
-
-    @staticmethod
-    def _audit(tx: Tx, kind: str, run_id: str | None, function_id: str | None, data: Any) -> None:
-        tx.execute(
-            "INSERT INTO audit_log (id, at, type, run_id, function_id, data)"
-            " VALUES (?, ironflow_now(), ?, ?, ?, ?)",
-            (new_id("aud"), kind, run_id, function_id, _enc(data)),
-        )
-
-    @staticmethod
-    def _audit_if_enabled(tx: Tx, kind: str, run_id: str, data: Any) -> None:
-        """Ordinary audit events: only for functions whose definition has ``audit: true``."""
-        tx.execute(
-            "INSERT INTO audit_log (id, at, type, run_id, function_id, data)"
-            " SELECT ?, ironflow_now(), ?, r.id, r.function_id, ? FROM runs r"
-            " JOIN functions f ON f.id = r.function_id WHERE r.id = ? AND f.audit = 1",
-            (new_id("aud"), kind, _enc(data), run_id),
-        )
-
-    @staticmethod
-    def _free_credit(tx: Tx, session_id: str, run_id: str, seq: int, *, hold: bool = False) -> None:
-        tx.execute(
-            "UPDATE worker_credits SET claimed_run_id = NULL, claimed_execution_seq = NULL,"
-            " held = ? WHERE session_id = ? AND claimed_run_id = ? AND claimed_execution_seq = ?",
-            (1 if hold else 0, session_id, run_id, seq),
-        )
-
-    @staticmethod
-    def _enqueue(
-        tx: Tx,
-        run_id: str,
-        seq: int,
-        function_id: str,
-        concurrency_key: str | None,
-        delay_s: float,
-        reason: str,
-    ) -> float:
-        """Put segment ``(run_id, seq)`` on the queue (replacing any older row of the run)."""
-        tx.notify()
-        row = tx.fetchone(
-            "INSERT INTO dispatch_queue (run_id, execution_seq, function_id, concurrency_key,"
-            " eligible_at, reason, enqueued_at) VALUES (?, ?, ?, ?, ironflow_now() + ?, ?,"
-            " ironflow_now()) ON CONFLICT (run_id) DO UPDATE SET"
-            " execution_seq = excluded.execution_seq, eligible_at = excluded.eligible_at,"
-            " reason = excluded.reason, enqueued_at = excluded.enqueued_at,"
-            " reservation_owner = NULL, reservation_expires_at = NULL, lease_token_hash = NULL"
-            " RETURNING eligible_at",
-            (run_id, seq, function_id, concurrency_key, float(delay_s), reason),
-        )
         assert row is not None
         return float(row[0])
 
@@ -543,7 +487,7 @@ class SqlStoreBase(Store):
                 1 if new.batch else None,
             ),
         )
-        self._enqueue(tx, run_id, 1, fd.id, ckey, new.delay_s, new.reason)
+        enqueue(tx, run_id, 1, fd.id, ckey, new.delay_s, new.reason)
         self._subscribe_cancels(tx, [(run_id, fd, data)])
         if fd.priority is not None:  # flow control : store/flow.py
             set_priorities(tx, [(run_id, priority_of(fd, event_name, data))])
@@ -558,73 +502,6 @@ class SqlStoreBase(Store):
     def _subscribe_cancels(self, tx: Tx, runs: list[tuple[str, FunctionDef, Any]]) -> None:
         """New runs ``(run_id, definition, event data)``: record their cancel-on subscriptions."""
 
-    def _take_segment(self, tx: Tx, run_id: str) -> tuple[str | None, str | None, str | None]:
-        """Take run ``run_id``'s lease and queue row away, their credits freed:
-        ``(session_id, node_id, job_id)`` of whoever held it (Nones if nobody),
-        so the caller can send ``Cancel``. Used by :meth:`_end_run` and a pause
-        (run_control.py)."""
-        session_id = node_id = job_id = None
-        lease = tx.fetchone(
-            "DELETE FROM concurrency_leases WHERE run_id = ?"
-            " RETURNING session_id, node_id, execution_seq",
-            (run_id,),
-        )
-        if lease is not None:
-            session_id, node_id = lease[0], lease[1]
-            job_id = job_id_for(run_id, lease[2])
-            self._free_credit(tx, lease[0], run_id, lease[2])
-        queued = tx.fetchone(
-            "DELETE FROM dispatch_queue WHERE run_id = ? RETURNING reservation_owner, execution_seq",
-            (run_id,),
-        )
-        if queued is not None and queued[0] is not None:
-            self._free_credit(tx, queued[0], run_id, queued[1])
-            if session_id is None:
-                session_id = queued[0]
-                job_id = job_id_for(run_id, queued[1])
-                owner = tx.fetchone("SELECT node_id FROM worker_sessions WHERE id = ?", (session_id,))
-                node_id = owner[0] if owner else None
-        return session_id, node_id, job_id
-
-    def _end_run(
-        self,
-        tx: Tx,
-        run_id: str,
-        status: Literal["cancelled", "failed"],
-        error: ErrorInfo,
-        parent_run_id: str | None,
-        parent_step_id: str | None,
-        taken: tuple[str | None, str | None, str | None] | None = None,
-    ) -> CancelOutcome:
-        """End a run that has not ended, wherever it is: its lease and queue row
-        go (their credits freed; ``taken``: :meth:`_take_segment`'s answer when
-        the caller took them already), its execution_seq moves on (so whatever
-        its worker still sends is refused), parked steps fail, a waiting parent
-        resumes. Returns who was executing it, so the caller can tell them."""
-        session_id, node_id, job_id = self._take_segment(tx, run_id) if taken is None else taken
-        ended = tx.fetchone(
-            "UPDATE runs SET status = ?, error = ?, current_execution_seq = current_execution_seq + 1,"
-            f" ended_at = ironflow_now(), updated_at = ironflow_now() WHERE id = ? RETURNING {RUN_END_FIGURES}",
-            (status, _enc(error), run_id),
-        )
-        self._fail_parked_steps(tx, run_id)
-        kicked = self._resolve_parent(tx, parent_run_id, parent_step_id, run_id, error=error)
-        return CancelOutcome(
-            run_id, session_id, node_id, job_id, kicked_run_ids=kicked,
-            function_id=ended[0] if ended else None, duration_s=ended[1] if ended else None,
-        )
-
-    @staticmethod
-    def _fail_parked_steps(tx: Tx, run_id: str) -> None:
-        """Fail the run's parked steps (sleeps, waits, invokes; claimed or not):
-        no wake or event resumes a run that ended or began compensating."""
-        tx.execute(
-            "UPDATE steps SET status = 'failed', wake_at = NULL, claimed_by = NULL,"
-            " claimed_at = NULL, pre_claim_status = NULL"
-            " WHERE run_id = ? AND status IN ('sleeping', 'waiting', 'waking')",
-            (run_id,),
-        )
-
     @staticmethod
     def _insert_event(
         tx: Tx, event_id: str, name: str, data: Any, key: str | None, run_ids: list[str],
@@ -637,62 +514,8 @@ class SqlStoreBase(Store):
         tx.execute(
             "INSERT INTO events (id, name, data, idempotency_key, received_at, run_ids, notes, flow, xid)"
             f" VALUES (?, ?, ?, ?, ironflow_now(), ?, ?, ?, {tx.xid_sql})",
-            (event_id, name, _enc(data), key, _enc(run_ids), notes, flow),
+            (event_id, name, enc(data), key, enc(run_ids), notes, flow),
         )
-
-    def _resume(self, tx: Tx, run_id: str) -> tuple[int, float] | None:
-        """Queue a parked run's next segment now (reason 'resume'); None if not resumable.
-        The segment may start at once: an earlier sleep's ``start_at`` is cleared."""
-        row = tx.fetchone(
-            "UPDATE runs SET current_execution_seq = current_execution_seq + 1,"
-            " status = 'waiting', start_at = NULL, updated_at = ironflow_now()"
-            f" WHERE id = ? AND status NOT IN {_TERMINAL_SQL}"
-            " AND status <> 'paused'"  # a paused run waits for resume_run (run_control.py)
-            " AND NOT EXISTS (SELECT 1 FROM concurrency_leases l WHERE l.run_id = runs.id)"
-            " AND NOT EXISTS (SELECT 1 FROM dispatch_queue q WHERE q.run_id = runs.id)"
-            " RETURNING current_execution_seq, function_id, concurrency_key",
-            (run_id,),
-        )
-        if row is None:
-            return None
-        eligible_at = self._enqueue(tx, run_id, row[0], row[1], row[2], 0.0, "resume")
-        return row[0], eligible_at
-
-    def _resolve_parent(
-        self,
-        tx: Tx,
-        parent_run_id: str | None,
-        parent_step_id: str | None,
-        child_id: str,
-        *,
-        output: Any = None,
-        error: ErrorInfo | None = None,
-    ) -> list[str]:
-        """A child run ended: settle the parent's invoke step and resume the parent."""
-        if parent_run_id is None or parent_step_id is None:
-            return []
-        if error is None:
-            n = tx.execute(
-                "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
-                " WHERE run_id = ? AND step_id = ? AND kind = 'invoke' AND status = 'waiting'"
-                " AND invoke_run_id = ?",
-                (_enc(output), parent_run_id, parent_step_id, child_id),
-            )
-        else:
-            failure = ErrorInfo(
-                message=f"invoked run {child_id} failed: {error.message}",
-                code="INVOKE_FAILED",
-                retryable=False,
-            )
-            n = tx.execute(
-                "UPDATE steps SET status = 'failed', error = ?, wake_at = NULL"
-                " WHERE run_id = ? AND step_id = ? AND kind = 'invoke' AND status = 'waiting'"
-                " AND invoke_run_id = ?",
-                (_enc(failure), parent_run_id, parent_step_id, child_id),
-            )
-        if n and self._resume(tx, parent_run_id) is not None:
-            return [parent_run_id]
-        return []
 
     async def db_now(self) -> float:
         return await self._transact(self._now)

@@ -49,9 +49,11 @@ from ironflow.protocol.cron import (
     tick_data,
     ticks_between,
 )
-from ironflow.store.base import CronFired, FunctionNotFound
+from ironflow.store.base import FunctionNotFound
 from ironflow.store.core import SqlStoreBase, Tx
 from ironflow.store.function_life import NO_LIVE_WORKER, live_function_ids
+from ironflow.store.records import CronFired
+from ironflow.store.transitions import write_audit
 
 # Ticks older than their catch-up window plus this are never fired again
 # (next_at is past them), so their claims may go.
@@ -188,14 +190,14 @@ class CronOps(SqlStoreBase):
                     if not due or due[0] > anchor:
                         # anchor is a tick, due and not fired: ticks passed with
                         # no node up (or no worker) to fire them. Say which.
-                        self._audit(tx, "cron.ticks.missed", None, fid, {
+                        write_audit(tx, "cron.ticks.missed", None, fid, {
                             "cron": cron, "timezone": tz, "catchup": catchup, "from": anchor,
                             "to": latest_tick(cron, tz, now), "fired": due,
                         })
                     if not due:
                         reason = MISSED
                 if reason == NO_LIVE_WORKER and since is None:
-                    self._audit(tx, "cron.ticks.skipped", None, fid, {
+                    write_audit(tx, "cron.ticks.skipped", None, fid, {
                         "cron": cron, "timezone": tz, "reason": reason, "from": next_at,
                         "live_within_s": live_within_s,
                     })
@@ -249,7 +251,7 @@ class CronOps(SqlStoreBase):
             if row[0] is not None:
                 return False
             tx.execute("UPDATE functions SET paused_at = ironflow_now() WHERE id = ?", (function_id,))
-            self._audit(tx, "function.paused", None, function_id, {"by": by})
+            write_audit(tx, "function.paused", None, function_id, {"by": by})
             return True
 
         return await self._transact(work)
@@ -269,7 +271,7 @@ class CronOps(SqlStoreBase):
                 return False, None
             tx.execute("UPDATE functions SET paused_at = NULL WHERE id = ?", (function_id,))
             run_id = self._catch_up(tx, function_id, text, paused_at, node_id) if catchup else None
-            self._audit(tx, "function.resumed", None, function_id, {
+            write_audit(tx, "function.resumed", None, function_id, {
                 "by": by, "catchup": catchup, "paused_at": paused_at, "run_id": run_id,
             })
             return True, run_id

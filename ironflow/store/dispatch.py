@@ -19,22 +19,21 @@ from ironflow.protocol import (
     concurrency_limits,
     job_id_for,
 )
-from ironflow.store.base import (
-    Reservation,
-    Reservations,
-)
-from ironflow.store.capacity_scan import CapacityLoop
+from ironflow.store.capacity_scan import release_expired_reservations
 from ironflow.store.core import (
     RESERVE_OVERSCAN,
     NamedLock,
+    SqlStoreBase,
     Tx,
-    _dec,
-    _dec_error,
-    _marks,
+    dec,
+    dec_error,
+    placeholders,
     token_hash,
 )
 from ironflow.store.dispatch_flow import CANDIDATE_COLS, ORDER_SQL, FlowPlan, conc_lock
 from ironflow.store.flow import batch_events
+from ironflow.store.records import Reservation, Reservations
+from ironflow.store.transitions import free_credit
 
 # What a segment's assignment needs of its run (``r``), its trigger event
 # (``e``) and its queue row (``q``), and the database clock.
@@ -66,7 +65,7 @@ def _credits_sql(tx: Tx, sessions: int) -> str:
     return (
         "SELECT c.session_id, c.slot FROM worker_credits c"
         " JOIN worker_sessions s ON s.id = c.session_id"
-        f" WHERE c.session_id IN ({_marks(sessions)}) AND s.draining = 0"
+        f" WHERE c.session_id IN ({placeholders(sessions)}) AND s.draining = 0"
         " AND s.expires_at > ironflow_now() AND c.claimed_run_id IS NULL AND c.held = 0"
         # The session rows are share-locked (waiting, not skipping): a
         # DRAINING nack committing meanwhile would otherwise requeue its
@@ -85,7 +84,7 @@ def _candidates_sql(tx: Tx, functions: int, limit: str = "?") -> str:
         " WHERE q.reservation_owner IS NULL AND q.eligible_at <= ironflow_now()"
         # A bound for the order index: priority is at most 600 s.
         f" AND (q.eligible_at - q.priority_s) <= ironflow_now() + {PRIORITY_MAX_S}"
-        f" AND q.function_id IN ({_marks(functions)})"
+        f" AND q.function_id IN ({placeholders(functions)})"
         f" ORDER BY {ORDER_SQL} LIMIT {limit} {tx.lock('q')}"
     )
 
@@ -95,15 +94,19 @@ def _read_candidates(tx: Tx, function_ids: list[str], n: int) -> list[tuple[Any,
     return tx.fetchall(_candidates_sql(tx, len(function_ids)), [*function_ids, n])
 
 
-def _read_credits_and_candidates(
+def _read_credits(
     tx: Tx, session_ids: list[str], function_ids: list[str], limit: int
-) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]]]:
-    """PostgreSQL: :func:`_credits_sql` and the first :func:`_candidates_sql`
-    read (``RESERVE_OVERSCAN`` rows per credit the round may fill) in one
-    statement, one round trip. The candidates' LIMIT counts the credits, so
-    the credits are read and locked first, as by two statements; the
-    candidates are read in the same snapshot (a DRAINING nack's requeued row,
-    committed while the session row was waited for, is not among them)."""
+) -> tuple[list[tuple[Any, ...]], list[tuple[Any, ...]] | None]:
+    """The free credits of ``session_ids`` (:func:`_credits_sql`, locked) and,
+    where statements are round trips (``tx.round_trips``), the first
+    :func:`_candidates_sql` read of ``function_ids`` with them in one
+    statement (``RESERVE_OVERSCAN`` rows per credit the round may fill;
+    otherwise None: the caller reads them). The candidates' LIMIT counts the
+    credits, so the credits are read and locked first, as by two statements;
+    the candidates are read in the same snapshot (a DRAINING nack's requeued
+    row, committed while the session row was waited for, is not among them)."""
+    if not tx.round_trips:
+        return tx.fetchall(_credits_sql(tx, len(session_ids)), session_ids), None
     rows = tx.fetchall(
         f"WITH c AS ({_credits_sql(tx, len(session_ids))}),"
         f" q AS ({_candidates_sql(tx, len(function_ids), f'least(?, (SELECT count(*) FROM c)) * {RESERVE_OVERSCAN}')})"
@@ -138,13 +141,22 @@ class ReservationRound:
             metrics.FLOW_FAIR_PASSES.inc(fair_passes)
 
 
-class DispatchOps(CapacityLoop):
+class DispatchOps(SqlStoreBase):
     """Reservations and assignments for sessions with free credits."""
 
     # What admits candidates in a reservation transaction: a class attribute,
     # as ``PostgresStore.tx_class`` is, so a test can inject a planted bug
     # (tests/sim/bugs.py) without a switch in the engine.
     flow_plan_class: type[FlowPlan] = FlowPlan
+
+    def __init__(self) -> None:
+        super().__init__()
+        # Function id → whether its usage is counted under :func:`conc_lock`
+        # (a concurrency limit), as last seen; the reservation transaction
+        # takes those locks at BEGIN (docs/isolation.md).
+        self._flow_limited: dict[str, bool] = {}
+        # Function id → the last concurrency key a fairness pass visited.
+        self._flow_cursors: dict[str, str | None] = {}
 
     async def reserve_segments(
         self,
@@ -192,20 +204,16 @@ class DispatchOps(CapacityLoop):
                 # next round locks only the limited ones: a function offered
                 # but never seen among candidates would otherwise keep every
                 # round (and every emit's) serialised on its lock.
-                self._limited_functions().update(
+                self._flow_limited.update(
                     (fid, bool(concurrency_limits(self._fdef(definition))))
                     for fid, definition in tx.fetchall(
-                        f"SELECT id, definition FROM functions WHERE id IN ({_marks(len(unknown))})",
+                        f"SELECT id, definition FROM functions WHERE id IN ({placeholders(len(unknown))})",
                         unknown,
                     )
                 )
             if not joined:
-                self._expire_reservations(tx)
-            # PostgreSQL reads the first candidates with the credits (one round trip).
-            credits, first = (
-                _read_credits_and_candidates(tx, session_ids, function_ids, limit) if tx.combined
-                else (tx.fetchall(_credits_sql(tx, len(session_ids)), session_ids), None)
-            )
+                release_expired_reservations(tx)
+            credits, first = _read_credits(tx, session_ids, function_ids, limit)
             if not credits:
                 return []
             free: dict[str, list[int]] = {}
@@ -267,14 +275,14 @@ class DispatchOps(CapacityLoop):
                 if len(chosen) >= limit or not any(free.values()):
                     break
                 fd = self._fdef(next(r[4] for r in candidates if r[2] == fid))
-                cursors = self._fair_cursors()
+                cursors = self._flow_cursors
                 rows, cursors[fid] = plan.fair_candidates(
                     fd, cursors.get(fid), limit - len(chosen), seen
                 )
                 plan.prepare(rows)
                 seen.update(row[0] for row in rows)
                 choose(rows)
-            self._limited_functions().update(plan.seen_limited)
+            self._flow_limited.update(plan.seen_limited)
             held[:] = [plan.held_by_limit, len(plan.bumps), plan.fair_passes]
             plan.finish()
             if plan.bumps:
@@ -284,22 +292,12 @@ class DispatchOps(CapacityLoop):
             runs = _write_reservations(tx, chosen, credit_rows, reservation_expiry_s)
             return self._assignments(tx, chosen, runs)
 
-        limited = self._limited_functions()
+        limited = self._flow_limited
         # Unknown: locked until a read shows otherwise (the round reads them).
         unknown = [fid for fid in function_ids if fid not in limited]
         locked = frozenset(fid for fid in function_ids if limited.get(fid, True))
         held = [0, 0, 0]  # of the committed attempt: refused by a limit, throttled, fair passes
         return ReservationRound(work, [(conc_lock(fid), True) for fid in sorted(locked)], held)
-
-    def _limited_functions(self) -> dict[str, bool]:
-        """Function id → whether its usage is counted under :func:`conc_lock`
-        (a concurrency limit), as last seen; the reservation transaction takes
-        those locks at BEGIN (docs/isolation.md)."""
-        return self.__dict__.setdefault("_flow_limited", {})
-
-    def _fair_cursors(self) -> dict[str, str | None]:
-        """Function id → the last concurrency key a fairness pass visited."""
-        return self.__dict__.setdefault("_flow_cursors", {})
 
     def _assignments(
         self, tx: Tx, chosen: list[tuple[str, int, str, str]], read: list[tuple[Any, ...]] | None
@@ -310,7 +308,7 @@ class DispatchOps(CapacityLoop):
         if read is None:
             read = tx.fetchall(
                 f"SELECT {_ASSIGNMENT_COLS} FROM runs r LEFT JOIN events e ON e.id = r.event_id"
-                f" LEFT JOIN dispatch_queue q ON q.run_id = r.id WHERE r.id IN ({_marks(len(run_ids))})",
+                f" LEFT JOIN dispatch_queue q ON q.run_id = r.id WHERE r.id IN ({placeholders(len(run_ids))})",
                 run_ids,
             )
         runs = {row[0]: row for row in read}
@@ -322,16 +320,16 @@ class DispatchOps(CapacityLoop):
         again = [c[0] for c in chosen if c[1] > 1]
         state: dict[str, int] = {}
         for run_id, step_id, name, kind, status, output, error, size in tx.fetchall(
-            f"{_MEMO_SELECT} WHERE run_id IN ({_marks(len(again))})"
+            f"{_MEMO_SELECT} WHERE run_id IN ({placeholders(len(again))})"
             " AND status IN ('completed', 'failed', 'timed_out') ORDER BY run_id, seq",
             (self.memo_inline_bytes, *again),
         ) if again else ():
             if size:
                 state[run_id] = state.get(run_id, 0) + size
             if output is None and size:  # past the inline budget: the worker fetches it
-                memo[run_id].append(MemoStep(step_id, name, kind, status, None, _dec_error(error), True))
+                memo[run_id].append(MemoStep(step_id, name, kind, status, None, dec_error(error), True))
             else:
-                memo[run_id].append(MemoStep(step_id, name, kind, status, _dec(output), _dec_error(error)))
+                memo[run_id].append(MemoStep(step_id, name, kind, status, dec(output), dec_error(error)))
         # A batch run's events (store/flow.py), only read when one is among them.
         batches = batch_events(tx, [rid for rid in run_ids if runs[rid][13]])
         out = []
@@ -340,7 +338,7 @@ class DispatchOps(CapacityLoop):
             event = EventInfo(
                 id=r[4] or "",
                 name=r[5] or "",
-                data=_dec(r[6]),
+                data=dec(r[6]),
                 received_at=r[7] or 0.0,
                 idempotency_key=r[8],
                 traceparent=r[12],
@@ -381,7 +379,7 @@ class DispatchOps(CapacityLoop):
                 " WHERE run_id = ? AND execution_seq = ? AND reservation_owner = ?",
                 (run_id, execution_seq, session_id),
             ):
-                self._free_credit(tx, session_id, run_id, execution_seq)
+                free_credit(tx, session_id, run_id, execution_seq)
 
         await self._transact(work)
 
@@ -408,7 +406,7 @@ def _write_reservations(
         f" reservation_snapshot = {tx.snapshot_sql}"
     )
     queue_rows = [(rid, seq, sid, token_hash(tok)) for rid, seq, sid, tok in chosen]
-    if tx.combined:
+    if tx.modifying_with:
         return tx.fetchall(
             "WITH v (run_id, execution_seq, session_id, digest) AS (VALUES "
             + ", ".join(["(?, ?, ?, ?)"] * len(queue_rows))

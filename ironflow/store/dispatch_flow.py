@@ -17,7 +17,7 @@ from typing import Any
 
 from ironflow.expressions import EvaluationError, compile_expression, compile_key, event_variables
 from ironflow.protocol import PRIORITY_MAX_S, FunctionDef, concurrency_limits
-from ironflow.store.tx import Tx, _dec, _iso, _marks
+from ironflow.store.tx import Tx, dec, iso_time, placeholders
 
 # The candidate columns every read of the queue returns (dispatch.py).
 CANDIDATE_COLS = (
@@ -114,14 +114,14 @@ class FlowPlan:
             for fid, ckey, n in self.tx.fetchall(
                 "SELECT function_id, concurrency_key, count(*) FROM ("
                 " SELECT function_id, concurrency_key FROM concurrency_leases"
-                f" WHERE function_id IN ({_marks(len(ids))})"
+                f" WHERE function_id IN ({placeholders(len(ids))})"
                 # Every reservation still on its row counts, expired or not:
                 # this transaction cleared the expired ones it could lock
-                # (_expire_reservations), and one it could not is locked by a
+                # (release_expired_reservations), and one it could not is locked by a
                 # JobAck that may yet make it a lease (SKIP LOCKED passed it).
                 " UNION ALL SELECT function_id, concurrency_key FROM dispatch_queue"
                 " WHERE reservation_owner IS NOT NULL"
-                f" AND function_id IN ({_marks(len(ids))})"
+                f" AND function_id IN ({placeholders(len(ids))})"
                 ") u GROUP BY function_id, concurrency_key",
                 [*ids, *ids],
             ):
@@ -135,7 +135,7 @@ class FlowPlan:
         rows = self.tx.fetchall(
             "SELECT r.id, f.definition, e.name, e.data, e.id FROM runs r"
             " JOIN functions f ON f.id = r.function_id LEFT JOIN events e ON e.id = r.event_id"
-            f" WHERE r.id IN ({_marks(len(run_ids))})",
+            f" WHERE r.id IN ({placeholders(len(run_ids))})",
             run_ids,
         )
         row = self.tx.fetchone("SELECT ironflow_now()")
@@ -143,7 +143,7 @@ class FlowPlan:
         wanted: set[tuple[str, str]] = set()
         for run_id, definition, name, data, event_id in rows:
             fd = self.decode(definition)
-            key = _throttle_key(fd, name or "", _dec(data), event_id or "")
+            key = _throttle_key(fd, name or "", dec(data), event_id or "")
             self.tkeys[run_id] = key
             if (fd.id, key) not in self.tat:
                 wanted.add((fd.id, key))
@@ -270,7 +270,7 @@ class FlowPlan:
             got = {
                 r[0]
                 for r in tx.fetchall(
-                    f"SELECT q.run_id FROM dispatch_queue q WHERE q.run_id IN ({_marks(len(ids))})"
+                    f"SELECT q.run_id FROM dispatch_queue q WHERE q.run_id IN ({placeholders(len(ids))})"
                     f" AND q.reservation_owner IS NULL {tx.lock('q')}",
                     ids,
                 )
@@ -302,7 +302,7 @@ def waiting_reason(tx: Tx, fd: FunctionDef, run_id: str, ckey: str | None,
     ("throttled until …", "concurrency key customer=42: 2/2 in use"); None
     when nothing of flow control does (``runs get``, store/reads.py)."""
     if fd.throttle is not None and reason == "new" and eligible_at > now:
-        return f"throttled until {_iso(eligible_at)} ({eligible_at - now:.1f}s)"
+        return f"throttled until {iso_time(eligible_at)} ({eligible_at - now:.1f}s)"
     for c in concurrency_limits(fd):
         params: list[Any] = []
         where, label = "1 = 1", "concurrency limit"

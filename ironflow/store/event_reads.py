@@ -12,10 +12,12 @@ from typing import Any
 import msgspec
 
 from ironflow.protocol import EventList, EventRecord, FlowNote
-from ironflow.store.base import FunctionNotFound, NotFound, PageRequest, RunNotFound
-from ironflow.store.core import SqlStoreBase, Tx, _dec, _enc
+from ironflow.store.base import FunctionNotFound, NotFound, RunNotFound
+from ironflow.store.core import SqlStoreBase, Tx, dec, enc
 from ironflow.store.filters import EventNotes, notes_decode
 from ironflow.store.pages import Keyset, PageQuery, read_page
+from ironflow.store.records import PageRequest
+from ironflow.store.transitions import audit_if_enabled
 
 _EVENT_COLS = "id, name, data, received_at, run_ids, idempotency_key, notes, flow"
 _flow_decode = msgspec.json.Decoder(list[FlowNote]).decode
@@ -30,7 +32,7 @@ def _event_record(row: Any) -> EventRecord:
     notes = EventNotes() if row[6] is None else notes_decode(row[6])
     flow = _flow_decode(row[7]) if row[7] else []  # store/flow.py: what flow control did
     return EventRecord(
-        row[0], row[1], _dec(row[2]), row[3], _dec(row[4]) or [], row[5],
+        row[0], row[1], dec(row[2]), row[3], dec(row[4]) or [], row[5],
         filtered=notes.filtered, cancelled_run_ids=notes.cancelled_run_ids, flow=flow,
     )
 
@@ -89,13 +91,13 @@ class EventReadOps(SqlStoreBase):
                     f"run {run_id}'s function has a stored definition this version refuses;"
                     " restart its worker to register it again"
                 )
-            new_run_id = self._create_run(tx, fd, event_id, _dec(data_text), event_name=event_name)
+            new_run_id = self._create_run(tx, fd, event_id, dec(data_text), event_name=event_name)
             row = tx.fetchone("SELECT run_ids FROM events WHERE id = ?", (event_id,))
-            run_ids = (_dec(row[0]) if row else None) or []
+            run_ids = (dec(row[0]) if row else None) or []
             tx.execute(
-                "UPDATE events SET run_ids = ? WHERE id = ?", (_enc([*run_ids, new_run_id]), event_id)
+                "UPDATE events SET run_ids = ? WHERE id = ?", (enc([*run_ids, new_run_id]), event_id)
             )
-            self._audit_if_enabled(tx, "run.rerun", new_run_id, {"rerun_of": run_id})
+            audit_if_enabled(tx, "run.rerun", new_run_id, {"rerun_of": run_id})
             return new_run_id, event_id
 
         return await self._transact(work)

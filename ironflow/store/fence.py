@@ -5,7 +5,7 @@ fail / yield / nack it, and heartbeat its lease (its step results:
 This is the fencing chokepoint: a worker message may change a segment only
 when a lease row with ``(run_id, execution_seq, session_id,
 lease_token_hash)`` exists AND ``runs.current_execution_seq`` still equals
-that seq (``_FENCE_SQL``; parameters in :meth:`FenceOps._fence_params`'s
+that seq (``FENCE_SQL``; parameters in :meth:`FenceOps._fence_params`'s
 order). A stale worker's write is refused with ``StaleExecution``, never
 applied.
 """
@@ -33,30 +33,38 @@ from ironflow.protocol import (
     compensation_step_id,
 )
 from ironflow.store.base import (
-    Fence,
     FunctionNotFound,
-    JobOutcome,
     KeyEvaluationFailed,
     SessionNotFound,
     StaleExecution,
-    StepResult,
 )
-from ironflow.store.compensation import CompensationOps, has_undos_sql
+from ironflow.store.compensation import end_compensation
 from ironflow.store.core import (
-    _FENCE_SQL,
-    _RUN_COLS,
-    _TERMINAL_SQL,
+    FENCE_SQL,
     INVOKED_EVENT,
     MAX_STATEMENT_PARAMS,
-    RUN_END_FIGURES,
+    RUN_COLS,
     Tx,
-    _enc,
-    _run_record,
+    enc,
     fence_join,
+    run_record,
     token_hash,
 )
-from ironflow.store.steps import _STEP_INSERT, _STEP_RESULT_UPSERT, _STEP_ROW_PARAMS, StepResultOps
-from ironflow.store.waits import WaitOps, park_locks
+from ironflow.store.records import Fence, JobOutcome, StepResult
+from ironflow.store.steps import STEP_INSERT, STEP_RESULT_UPSERT, STEP_ROW_PARAMS, StepResultOps
+from ironflow.store.transitions import (
+    RUN_END_FIGURES,
+    TERMINAL_SQL,
+    audit_if_enabled,
+    begin_compensation,
+    enqueue,
+    free_credit,
+    has_undos_sql,
+    resolve_parent,
+    resume,
+    write_audit,
+)
+from ironflow.store.waits import park_locks, park_wait
 
 # Whether the run's function records ordinary audit events, read in the same
 # statement that changes the run or its step: a hot-path transition costs no
@@ -76,7 +84,7 @@ _BEGUN_AND_ENDED = (
 )
 
 
-class FenceOps(StepResultOps, WaitOps, CompensationOps):
+class FenceOps(StepResultOps):
     """The fence and a segment's life (see the module docstring)."""
 
     def _take_lease(self, tx: Tx, fence: Fence) -> tuple[float, str | None]:
@@ -85,7 +93,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         wrote) and the snapshot of its reservation (PostgreSQL; waits.py).
         StaleExecution if it is not live."""
         row = tx.fetchone(
-            f"DELETE FROM concurrency_leases WHERE {_FENCE_SQL}"
+            f"DELETE FROM concurrency_leases WHERE {FENCE_SQL}"
             " RETURNING coalesce(began_at, activated_at), began_snapshot",
             self._fence_params(fence),
         )
@@ -93,7 +101,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             raise StaleExecution(
                 f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
             )
-        self._free_credit(tx, fence.session_id, fence.run_id, fence.execution_seq)
+        free_credit(tx, fence.session_id, fence.run_id, fence.execution_seq)
         return float(row[0]), row[1]
 
     async def activate_lease(self, fence: Fence, *, lease_expiry_s: float) -> RunRecord:
@@ -196,7 +204,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 " FROM q RETURNING run_id)"
                 " UPDATE runs r SET status = 'running', started_at = coalesce(r.started_at,"
                 " ironflow_now()), deadline_at = coalesce(r.deadline_at, ironflow_now() + r.timeout_s),"
-                f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {_RUN_COLS},"
+                f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {RUN_COLS},"
                 f" {_AUDIT_FLAG}",
                 (*flat, float(lease_expiry_s)),
             )
@@ -237,7 +245,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 " ironflow_now()), deadline_at = coalesce(deadline_at, ironflow_now() + timeout_s),"
                 " updated_at = ironflow_now() WHERE id IN ("
                 + ", ".join("?" * len(taken)) + ") RETURNING"
-                + _RUN_COLS.replace("r.", " ")
+                + RUN_COLS.replace("r.", " ")
                 + f", {_AUDIT_FLAG}",
                 tuple(row[0] for row in taken),
             )
@@ -245,23 +253,23 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         def work(tx: Tx) -> list[outcome.Outcome[RunRecord]]:
             started = {
                 row[0]: row
-                for row in (one_statement(tx) if tx.combined else statement_per_table(tx))
+                for row in (one_statement(tx) if tx.modifying_with else statement_per_table(tx))
             }
             results: list[outcome.Outcome[RunRecord]] = []
             for fence in fences:
                 run = started.get(fence.run_id)
                 if run is not None:
-                    record = _run_record(run)
+                    record = run_record(run)
                     if run[-1]:
-                        self._audit(
+                        write_audit(
                             tx, "run.started", fence.run_id, record.function_id,
                             {"execution_seq": fence.execution_seq},
                         )
                     results.append(outcome.Value(record))
                 elif self._fence_alive(tx, fence):  # a repeated JobAck: already active
-                    again = tx.fetchone(f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,))
+                    again = tx.fetchone(f"SELECT {RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,))
                     assert again is not None
-                    results.append(outcome.Value(_run_record(again)))
+                    results.append(outcome.Value(run_record(again)))
                 else:
                     results.append(
                         outcome.Error(
@@ -289,8 +297,8 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         """After the run's UPDATE: ``row`` = parent run, parent step, function,
         duration, audit flag."""
         if row[4]:
-            self._audit(tx, "run.completed", fence.run_id, row[2], {})
-        kicked = self._resolve_parent(tx, row[0], row[1], fence.run_id, output=output)
+            write_audit(tx, "run.completed", fence.run_id, row[2], {})
+        kicked = resolve_parent(tx, row[0], row[1], fence.run_id, output=output)
         return JobOutcome(
             fence.run_id, "completed", kicked_run_ids=kicked, function_id=row[2], duration_s=row[3]
         )
@@ -397,24 +405,18 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         if not items:
             return {}
         rows = [
-            (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), _enc(output))
+            (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), enc(output))
             for (f, _), (_, output, _) in items
         ]
         steps = self._step_rows([prepared for prepared, _ in items])
-        # PostgreSQL writes the unaudited runs' steps in the same statement
-        # when they fit one (no step twice: an upsert changes a row once).
-        folded = tx.combined and _one_statement(steps, len(rows) * 5 + len(steps) * _STEP_ROW_PARAMS)
-        begun = {
-            row[0]: row[1:]
-            for row in (
-                self._begin_ended(tx, rows, steps if folded else []) if tx.combined
-                else self._begin_ended_per_table(tx, rows)
-            )
-        }
+        # With data-modifying WITH the unaudited runs' steps go in the same
+        # statement when they fit one (no step twice: an upsert changes a row once).
+        folded = tx.modifying_with and _one_statement(steps, len(rows) * 5 + len(steps) * STEP_ROW_PARAMS)
+        begun = {row[0]: row[1:] for row in self._begin_ended(tx, rows, steps if folded else [])}
         fences = [(fence, fields) for (fence, fields), _ in items if fence.run_id in begun]
         for fence, _ in fences:
             if begun[fence.run_id][4]:
-                self._audit(
+                write_audit(
                     tx, "run.started", fence.run_id, begun[fence.run_id][2],
                     {"execution_seq": fence.execution_seq},
                 )
@@ -435,22 +437,32 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
     def _begin_ended(
         tx: Tx, rows: list[tuple[Any, ...]], steps: list[tuple[Any, ...]]
     ) -> list[tuple[Any, ...]]:
-        """PostgreSQL: :meth:`_begin_and_complete`'s statement over ``rows``
-        (run, seq, session, digest, output): the activation's DELETE
-        (:meth:`_activate`, same conditions and lock order: the queue row,
-        then the run row), the credit freed, the run completed with its start
-        figures; and ``steps`` (:meth:`_step_rows`) of the runs it began whose
-        functions record no audit events, written under the seq the DELETE
-        proved (after the run rows, as a step written alone would be). Per
-        run: its id, parent run, parent step, function, duration, audit flag."""
+        """:meth:`_begin_and_complete`'s writes over ``rows`` (run, seq,
+        session, digest, output): the activation's DELETE (:meth:`_activate`,
+        same conditions and lock order: the queue row, then the run row), the
+        credit freed, the run completed with its start figures. Per run: its
+        id, parent run, parent step, function, duration, audit flag.
+
+        With data-modifying WITH (``tx.modifying_with``), one statement, which
+        also writes ``steps`` (:meth:`_step_rows`) of the runs it began whose
+        functions record no audit events, under the seq the DELETE proved
+        (after the run rows, as a step written alone would be). Without (SQLite;
+        ``steps`` then empty), one statement per table, its single writer
+        making them one step."""
+        if not tx.modifying_with:
+            taken = tx.fetchall(
+                _take_reservations_per_table(len(rows), "run_id, execution_seq, reservation_owner"),
+                (*(row[0] for row in rows), *(value for row in rows for value in row[:4])),
+            )
+            return FenceOps._end_taken_per_table(tx, rows, taken, _BEGUN_AND_ENDED)
         written = (
             ", sv (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
             + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(steps))
-            + f"), i AS ({_STEP_INSERT} SELECT sv.run_id, sv.step_id, sv.name,"
+            + f"), i AS ({STEP_INSERT} SELECT sv.run_id, sv.step_id, sv.name,"
             " 'run', sv.status, sv.output, sv.error, sv.duration_ms, q.execution_seq,"
             " ironflow_now(), sv.seq FROM sv JOIN q ON q.run_id = sv.run_id"
             " JOIN r ON r.id = sv.run_id WHERE coalesce(r.audited, 0) = 0"
-            f"{_STEP_RESULT_UPSERT})"
+            f"{STEP_RESULT_UPSERT})"
         ) if steps else ""
         return tx.fetchall(
             "WITH v (run_id, execution_seq, session_id, digest, output) AS (VALUES "
@@ -468,41 +480,30 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         )
 
     @staticmethod
-    def _begin_ended_per_table(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """SQLite (no data-modifying WITH): :meth:`_begin_ended` in one
-        statement per table (its single writer makes them one step)."""
-        taken = tx.fetchall(
-            _take_reservations_per_table(len(rows), "run_id, execution_seq, reservation_owner"),
-            (*(row[0] for row in rows), *(value for row in rows for value in row[:4])),
-        )
-        return FenceOps._end_taken_per_table(tx, rows, taken, _BEGUN_AND_ENDED)
+    def _complete_rows(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """:meth:`_complete_many`'s rows (run, seq, session, digest, output):
+        the fenced leases out (the fence verdict), their credits freed, their
+        runs completed. Per run completed: its id, parent run, parent step,
+        function, duration, audit flag.
 
-    @staticmethod
-    def _complete_fenced(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """PostgreSQL: :meth:`_complete_many`'s rows (run, seq, session, digest,
-        output) in one statement; per run completed: its id, parent run,
-        parent step, function, duration, audit flag."""
-        return tx.fetchall(
-            "WITH v (run_id, execution_seq, session_id, digest, output) AS (VALUES "
-            + ", ".join(["(?, ?, ?, ?, ?)"] * len(rows))
-            + f"), l AS (DELETE FROM concurrency_leases c USING v WHERE {fence_join('c', 'v')}"
-            " RETURNING c.run_id, c.execution_seq, c.session_id, v.output),"
-            " k AS (UPDATE worker_credits w SET claimed_run_id = NULL,"
-            " claimed_execution_seq = NULL, held = 0 FROM l WHERE w.session_id = l.session_id"
-            " AND w.claimed_run_id = l.run_id AND w.claimed_execution_seq = l.execution_seq)"
-            f" UPDATE runs SET {_ENDED}, output = l.output FROM l"
-            f" WHERE runs.id = l.run_id RETURNING runs.id, parent_run_id, parent_step_id,"
-            f" {RUN_END_FIGURES}, {_AUDIT_FLAG}",
-            tuple(value for row in rows for value in row),
-        )
-
-    @staticmethod
-    def _complete_per_table(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
-        """SQLite (no data-modifying WITH): :meth:`_complete_fenced` in one
-        statement per table. The fenced leases out (the fence verdict), their
-        credits freed, their runs completed. ``run_id IN`` beside each row-value
-        list keeps SQLite on the primary key (a row-value list of several rows
-        alone makes it scan the table)."""
+        With data-modifying WITH (``tx.modifying_with``), one statement.
+        Without (SQLite), one statement per table: ``run_id IN`` beside each
+        row-value list keeps SQLite on the primary key (a row-value list of
+        several rows alone makes it scan the table)."""
+        if tx.modifying_with:
+            return tx.fetchall(
+                "WITH v (run_id, execution_seq, session_id, digest, output) AS (VALUES "
+                + ", ".join(["(?, ?, ?, ?, ?)"] * len(rows))
+                + f"), l AS (DELETE FROM concurrency_leases c USING v WHERE {fence_join('c', 'v')}"
+                " RETURNING c.run_id, c.execution_seq, c.session_id, v.output),"
+                " k AS (UPDATE worker_credits w SET claimed_run_id = NULL,"
+                " claimed_execution_seq = NULL, held = 0 FROM l WHERE w.session_id = l.session_id"
+                " AND w.claimed_run_id = l.run_id AND w.claimed_execution_seq = l.execution_seq)"
+                f" UPDATE runs SET {_ENDED}, output = l.output FROM l"
+                f" WHERE runs.id = l.run_id RETURNING runs.id, parent_run_id, parent_step_id,"
+                f" {RUN_END_FIGURES}, {_AUDIT_FLAG}",
+                tuple(value for row in rows for value in row),
+            )
         runs = ", ".join("?" * len(rows))
         run_ids = [row[0] for row in rows]
         taken = tx.fetchall(
@@ -550,10 +551,10 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
         if not items:
             return {}
         rows = [
-            (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), _enc(output))
+            (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), enc(output))
             for f, output in items
         ]
-        ended = self._complete_fenced(tx, rows) if tx.combined else self._complete_per_table(tx, rows)
+        ended = self._complete_rows(tx, rows)
         by_run = {row[0]: row[1:] for row in ended}
         return {
             fence.run_id: self._completed(tx, fence, output, by_run[fence.run_id])
@@ -577,7 +578,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             attempt, max_attempts, ckey, parent_run_id, parent_step_id, definition, audit = run[:7]
             compensation, stored_error, has_undos = run[7:]
             if compensation is not None:  # the compensation segment's end
-                return self._end_compensation(
+                return end_compensation(
                     tx, fence.run_id, compensation, stored_error, (parent_run_id, parent_step_id),
                     attempt=attempt, audit=bool(audit),
                 )
@@ -588,13 +589,13 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                     " current_execution_seq = current_execution_seq + 1, error = ?,"
                     " updated_at = ironflow_now() WHERE id = ?"
                     " RETURNING current_execution_seq, attempt",
-                    (_enc(error), fence.run_id),
+                    (enc(error), fence.run_id),
                 )
                 assert row is not None
-                eligible_at = self._enqueue(
+                eligible_at = enqueue(
                     tx, fence.run_id, row[0], fd.id, ckey, fd.retries.delay_after(attempt), "retry"
                 )
-                self._audit_if_enabled(
+                audit_if_enabled(
                     tx,
                     "run.attempt.failed",
                     fence.run_id,
@@ -602,17 +603,17 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 )
                 return JobOutcome(fence.run_id, "waiting", row[0], eligible_at, row[1])
             if has_undos:  # the run's final failure: its undos run first
-                seq, eligible_at = self._begin_compensation(tx, fence.run_id, "failure", error)
+                seq, eligible_at = begin_compensation(tx, fence.run_id, "failure", error)
                 return JobOutcome(fence.run_id, "waiting", seq, eligible_at, attempt, compensating=True)
             ended = tx.fetchone(
                 "UPDATE runs SET status = 'failed', error = ?, ended_at = ironflow_now(),"
                 f" updated_at = ironflow_now() WHERE id = ? RETURNING {RUN_END_FIGURES}",
-                (_enc(error), fence.run_id),
+                (enc(error), fence.run_id),
             )
             assert ended is not None
             if audit:
-                self._audit(tx, "run.failed", fence.run_id, ended[0], {"error": error})
-            kicked = self._resolve_parent(
+                write_audit(tx, "run.failed", fence.run_id, ended[0], {"error": error})
+            kicked = resolve_parent(
                 tx, parent_run_id, parent_step_id, fence.run_id, error=error
             )
             return JobOutcome(
@@ -638,11 +639,11 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
             kicked: list[str] = []
             wake_at: float | None
             if isinstance(info, WaitYield):
-                if self._park_wait(
+                if park_wait(
                     tx, fence, step_id, name, info,
                     began_at=began_at, began_snapshot=began_snapshot,
                 ):
-                    resumed = self._resume(tx, fence.run_id)
+                    resumed = resume(tx, fence.run_id)
                     if resumed is not None:
                         return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
                 return JobOutcome(fence.run_id, "waiting")
@@ -663,9 +664,9 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                         retryable=False,
                     )
                     self._park_step(
-                        tx, fence, step_id, name, kind, "failed", None, error=_enc(error)
+                        tx, fence, step_id, name, kind, "failed", None, error=enc(error)
                     )
-                    resumed = self._resume(tx, fence.run_id)
+                    resumed = resume(tx, fence.run_id)
                     assert resumed is not None
                     return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
                 event_id = new_id("evt")
@@ -683,9 +684,9 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                     # no child; the invoke step fails, not retried.
                     error = ErrorInfo(message=str(exc), code=exc.code, retryable=False)
                     self._park_step(
-                        tx, fence, step_id, name, kind, "failed", None, error=_enc(error)
+                        tx, fence, step_id, name, kind, "failed", None, error=enc(error)
                     )
-                    resumed = self._resume(tx, fence.run_id)
+                    resumed = resume(tx, fence.run_id)
                     assert resumed is not None
                     return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
                 self._insert_event(tx, event_id, INVOKED_EVENT, info.input, None, [invoke_run_id])
@@ -696,7 +697,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 # The step settled after this segment read it (a replay of a
                 # parked step the waker completed meanwhile): nothing to wait
                 # for, so the run goes on rather than waiting on nothing.
-                resumed = self._resume(tx, fence.run_id)
+                resumed = resume(tx, fence.run_id)
                 if resumed is not None:
                     return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1], kicked_run_ids=kicked)
             return JobOutcome(fence.run_id, "waiting", kicked_run_ids=kicked)
@@ -743,7 +744,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
 
         def work(tx: Tx) -> JobOutcome:
             lease = tx.fetchone(
-                f"DELETE FROM concurrency_leases WHERE {_FENCE_SQL} RETURNING run_id",
+                f"DELETE FROM concurrency_leases WHERE {FENCE_SQL} RETURNING run_id",
                 self._fence_params(fence),
             )
             if (
@@ -761,7 +762,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                     f"segment {fence.run_id}/{fence.execution_seq} is neither reserved nor"
                     " leased with this token"
                 )
-            self._free_credit(
+            free_credit(
                 tx,
                 fence.session_id,
                 fence.run_id,
@@ -779,10 +780,10 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 (fence.run_id,),
             )
             assert row is not None
-            eligible_at = self._enqueue(tx, fence.run_id, row[0], row[1], row[2], 0.0, "nack")
+            eligible_at = enqueue(tx, fence.run_id, row[0], row[1], row[2], 0.0, "nack")
             # Always recorded, whatever the function's audit toggle, like every
             # capacity.* event: a run's story includes the assignments refused.
-            self._audit(
+            write_audit(
                 tx,
                 "capacity.job.nacked",
                 fence.run_id,
@@ -864,7 +865,7 @@ class FenceOps(StepResultOps, WaitOps, CompensationOps):
                 if job.run_id in refreshed or tx.fetchone(
                     # Live but locked by another transaction (skipped above),
                     # or assigned but not yet activated: the reservation is still ours.
-                    f"SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL}"
+                    f"SELECT 1 FROM concurrency_leases WHERE {FENCE_SQL}"
                     " AND expires_at > ironflow_now()",
                     (job.run_id, job.execution_seq, session_id, digest, job.run_id, job.execution_seq),
                 ) or tx.fetchone(
@@ -922,7 +923,7 @@ def _taken_reservations(returning: str) -> str:
         " AND d.execution_seq = v.execution_seq AND d.reservation_owner = v.session_id"
         " AND d.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
         " WHERE id = v.run_id AND current_execution_seq = v.execution_seq"
-        f" AND status NOT IN {_TERMINAL_SQL}) RETURNING {returning})"
+        f" AND status NOT IN {TERMINAL_SQL}) RETURNING {returning})"
     )
 
 
@@ -937,7 +938,7 @@ def _take_reservations_per_table(n: int, returning: str) -> str:
         + ", ".join(["(?, ?, ?, ?)"] * n) + ")"
         " AND EXISTS (SELECT 1 FROM runs WHERE id = dispatch_queue.run_id"
         " AND current_execution_seq = dispatch_queue.execution_seq"
-        f" AND status NOT IN {_TERMINAL_SQL})"
+        f" AND status NOT IN {TERMINAL_SQL})"
         # A gone session's acks are refused: its queue rows stay.
         " AND EXISTS (SELECT 1 FROM worker_sessions WHERE id = dispatch_queue.reservation_owner)"
         f" RETURNING {returning}"

@@ -1,6 +1,6 @@
 """Trigger filters and expression keys at ingest (docs/triggers.md).
 
-A function an event triggers (the trigger index, ``core._trigger_patterns``)
+A function an event triggers (the trigger index, ``core.trigger_patterns``)
 starts a run only when one of its triggers covering the event's name has no
 filter or a true one, and its concurrency key can be computed
 (ironflow/definitions.py ``start_verdict``). The rest are recorded on the

@@ -71,10 +71,12 @@ from ironflow.protocol import (
     concurrency_limits,
 )
 from ironflow.protocol.flow import FlowMechanism
-from ironflow.store.base import CancelNotice, CancelOutcome, Conflict, RunNotFound
-from ironflow.store.cancel_on import CancelOnOps
-from ironflow.store.core import _TERMINAL_SQL, NewRun, Tx, _dec, _enc, _iso, _marks, new_run
+from ironflow.store.base import Conflict, RunNotFound
+from ironflow.store.cancel_on import notify_cancels
+from ironflow.store.core import NewRun, SqlStoreBase, Tx, dec, enc, iso_time, new_run, placeholders
 from ironflow.store.errors import KeyEvaluationFailed
+from ironflow.store.records import CancelNotice, CancelOutcome
+from ironflow.store.transitions import TERMINAL_SQL, cancel
 
 # Slack on the rate limit's comparison: period/limit * limit may round above period.
 _GCRA_EPSILON = 1e-6
@@ -94,7 +96,7 @@ class FlowResult(msgspec.Struct):
 
     def flow_json(self) -> str | None:
         """The event's ``events.flow`` column: its notes, or None."""
-        return _enc(self.notes) if self.notes else None
+        return enc(self.notes) if self.notes else None
 
 
 # A flow-control key an ingest's decision reads runs of: (function id,
@@ -109,7 +111,7 @@ _SINGLETON_UPSERT = (
     "INSERT INTO singletons (function_id, key, run_id) VALUES {values}"
     " ON CONFLICT (function_id, key) DO UPDATE SET run_id = CASE WHEN EXISTS"
     " (SELECT 1 FROM runs r WHERE r.id = singletons.run_id"
-    f" AND r.status IN {_TERMINAL_SQL}) THEN excluded.run_id ELSE singletons.run_id END"
+    f" AND r.status IN {TERMINAL_SQL}) THEN excluded.run_id ELSE singletons.run_id END"
     " RETURNING function_id, key, run_id"
 )
 _BATCH_UPSERT = (
@@ -175,11 +177,11 @@ def batch_events(tx: Tx, run_ids: list[str]) -> dict[str, list[EventInfo]]:
     for run_id, eid, name, data, received_at, key, traceparent in tx.fetchall(
         "SELECT b.run_id, e.id, e.name, e.data, e.received_at, e.idempotency_key, e.traceparent"
         " FROM batch_events b JOIN events e ON e.id = b.event_id"
-        f" WHERE b.run_id IN ({_marks(len(run_ids))}) ORDER BY b.run_id, b.position",
+        f" WHERE b.run_id IN ({placeholders(len(run_ids))}) ORDER BY b.run_id, b.position",
         run_ids,
     ):
         out.setdefault(run_id, []).append(
-            EventInfo(eid, name, _dec(data), received_at, key, traceparent)
+            EventInfo(eid, name, dec(data), received_at, key, traceparent)
         )
     return out
 
@@ -191,7 +193,7 @@ def _key(source: str | None, name: str, data: Any, event_id: str) -> str:
     return _NO_KEY if text is None else text
 
 
-class FlowOps(CancelOnOps):
+class FlowOps(SqlStoreBase):
     """Rate limit, debounce, singleton and batch decisions of an ingest."""
 
     def _flow(
@@ -384,17 +386,17 @@ class FlowOps(CancelOnOps):
     def _cancel_in(
         self, tx: Tx, run_id: str, reason: str, cause: FlowMechanism = "singleton"
     ) -> CancelOutcome | None:
-        """Cancel ``run_id`` in this transaction (cancel_on.py ``_cancel``: the
+        """Cancel ``run_id`` in this transaction (transitions.py ``cancel``: the
         lock order of ``cancel_run``, queue row, lease, run); None if it ended
         meanwhile. The worker holding it is told like a cancel-on's; the audit
         names ``cause``."""
         error = ErrorInfo(message=reason, code="CANCELLED", retryable=False)
         try:
-            outcome = self._cancel(tx, run_id, error, {"reason": reason, "cause": cause})
+            outcome = cancel(tx, run_id, error, {"reason": reason, "cause": cause})
         except (Conflict, RunNotFound):
             return None
         if outcome.session_id is not None and outcome.job_id is not None:
-            self._notify_cancels(tx, [CancelNotice(run_id, outcome.session_id, outcome.job_id, reason)])
+            notify_cancels(tx, [CancelNotice(run_id, outcome.session_id, outcome.job_id, reason)])
         return outcome
 
     # ── concurrency on_limit: skip or cancel_in_progress ────────────────────
@@ -418,7 +420,7 @@ class FlowOps(CancelOnOps):
         where, params = "", [fd.id]
         if c.key is not None:
             texts = [k[2:] for k in lock_keys if k != _NO_KEY]
-            parts = [f"concurrency_key IN ({_marks(len(texts))})"] if texts else []
+            parts = [f"concurrency_key IN ({placeholders(len(texts))})"] if texts else []
             if _NO_KEY in lock_keys:
                 parts.append("concurrency_key IS NULL")
             where, params = " AND (" + " OR ".join(parts) + ")", [fd.id, *texts]
@@ -535,7 +537,7 @@ class FlowOps(CancelOnOps):
     def _debounce_note(fd: FunctionDef, key: str, run_id: str, until: float) -> FlowNote:
         keyed = f" of key {key!r}" if fd.debounce is not None and fd.debounce.key is not None else ""
         return FlowNote(
-            fd.id, "debounce", "debounced", f"debounced{keyed} until {_iso(until)}", run_id=run_id, until=until
+            fd.id, "debounce", "debounced", f"debounced{keyed} until {iso_time(until)}", run_id=run_id, until=until
         )
 
     def _batch(
@@ -559,7 +561,7 @@ class FlowOps(CancelOnOps):
                     self._join_batch(tx, fd, key, filling, size, event_id)
                     result.notes.append(FlowNote(
                         fd.id, "batch", "batched", f"batch of run {filling}: {size + 1} of {batch.max_size}"
-                        + (" (full, due now)" if full else f" until {_iso(until)}"),
+                        + (" (full, due now)" if full else f" until {iso_time(until)}"),
                         run_id=filling, until=until, size=size + 1,
                     ))
                     return
@@ -574,7 +576,7 @@ class FlowOps(CancelOnOps):
         result.runs.append(new)
         until = first_at + delay
         result.notes.append(FlowNote(
-            fd.id, "batch", "batched", f"batch of run {new.run_id}: 1 of {batch.max_size} until {_iso(until)}",
+            fd.id, "batch", "batched", f"batch of run {new.run_id}: 1 of {batch.max_size} until {iso_time(until)}",
             run_id=new.run_id, until=until, size=1,
         ))
 

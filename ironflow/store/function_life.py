@@ -45,7 +45,8 @@ next tick: nothing is replayed for the time it was deleted), audited
 from __future__ import annotations
 
 from ironflow.store.base import FunctionNotFound
-from ironflow.store.core import SqlStoreBase, Tx, _marks
+from ironflow.store.core import SqlStoreBase, Tx, placeholders
+from ironflow.store.transitions import write_audit
 
 # Whether function ``f`` (the alias) is live; the parameters: the cutoff
 # (now - function_live_s), twice. A function never seen (last_seen_at NULL,
@@ -69,7 +70,7 @@ def live_function_ids(tx: Tx, function_ids: list[str], now: float, live_within_s
         return set()
     ids = sorted(set(function_ids))
     rows = tx.fetchall(
-        f"SELECT f.id FROM functions f WHERE f.id IN ({_marks(len(ids))}) AND {LIVE_SQL}",
+        f"SELECT f.id FROM functions f WHERE f.id IN ({placeholders(len(ids))}) AND {LIVE_SQL}",
         (*ids, *live_params(now, live_within_s)),
     )
     return {fid for (fid,) in rows}
@@ -90,7 +91,7 @@ def forget_sessions(tx: Tx, session_ids: list[str], now: float) -> None:
     seen now)."""
     if not session_ids:
         return
-    marks = _marks(len(session_ids))
+    marks = placeholders(len(session_ids))
     seen = tx.fetchall(
         "SELECT sf.function_id, max(w.expires_at) FROM session_functions sf"
         f" JOIN worker_sessions w ON w.id = sf.session_id WHERE sf.session_id IN ({marks})"
@@ -111,7 +112,7 @@ def lock_registered(tx: Tx, function_ids: list[str]) -> set[str]:
         return set()
     ids = sorted(function_ids)
     rows = tx.fetchall(
-        f"SELECT id, deleted_at FROM functions WHERE id IN ({_marks(len(ids))}) ORDER BY id"
+        f"SELECT id, deleted_at FROM functions WHERE id IN ({placeholders(len(ids))}) ORDER BY id"
         f" {tx.lock_wait()}",
         ids,
     )
@@ -126,7 +127,7 @@ def rewind_skipped(tx: Tx, function_ids: list[str], now: float) -> None:
     if function_ids:
         tx.execute(
             "UPDATE cron_schedules SET next_at = CASE WHEN skipped_since IS NOT NULL AND next_at > ?"
-            f" THEN ? ELSE next_at END WHERE function_id IN ({_marks(len(function_ids))})",
+            f" THEN ? ELSE next_at END WHERE function_id IN ({placeholders(len(function_ids))})",
             (now, now, *sorted(function_ids)),
         )
 
@@ -146,7 +147,7 @@ class FunctionLifeOps(SqlStoreBase):
             tx.execute("UPDATE functions SET deleted_at = ironflow_now() WHERE id = ?", (function_id,))
             tx.execute("DELETE FROM function_triggers WHERE function_id = ?", (function_id,))
             tx.execute("DELETE FROM cron_schedules WHERE function_id = ?", (function_id,))
-            self._audit(tx, "function.deleted", None, function_id, {"by": by})
+            write_audit(tx, "function.deleted", None, function_id, {"by": by})
             return True
 
         return await self._transact(work)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ironflow.store.base import CapacityGauges
 from ironflow.store.core import SqlStoreBase, Tx
+from ironflow.store.records import CapacityGauges
 
 
 class GaugeOps(SqlStoreBase):

@@ -8,18 +8,16 @@ from __future__ import annotations
 from ironflow.protocol import (
     TERMINAL_RUN_STATUSES,
 )
-from ironflow.store.base import (
-    PurgeCounts,
-    StoreError,
-)
+from ironflow.store.base import StoreError
 from ironflow.store.core import (
-    _TERMINAL_SQL,
     JANITOR_LOCK,
     PURGE_AUDIT,
     SqlStoreBase,
     Tx,
-    _marks,
+    placeholders,
 )
+from ironflow.store.records import PurgeCounts
+from ironflow.store.transitions import TERMINAL_SQL, write_audit
 
 
 class RetentionOps(SqlStoreBase):
@@ -51,7 +49,7 @@ class RetentionOps(SqlStoreBase):
                     # run exactly at the boundary. A child goes only once its
                     # parent is gone, so no kept run loses a child.
                     "SELECT r.id FROM runs r"
-                    f" WHERE r.status IN {_TERMINAL_SQL} AND r.status IN ({_marks(len(wanted))})"
+                    f" WHERE r.status IN {TERMINAL_SQL} AND r.status IN ({placeholders(len(wanted))})"
                     " AND r.ended_at < ironflow_now() - ?"
                     " AND NOT EXISTS (SELECT 1 FROM runs p WHERE p.id = r.parent_run_id)"
                     " AND NOT EXISTS (SELECT 1 FROM concurrency_leases l WHERE l.run_id = r.id)"
@@ -62,7 +60,7 @@ class RetentionOps(SqlStoreBase):
             ]
             steps = audit = runs = 0
             if run_ids:
-                marks = _marks(len(run_ids))
+                marks = placeholders(len(run_ids))
                 steps = tx.execute(f"DELETE FROM steps WHERE run_id IN ({marks})", run_ids)
                 audit = tx.execute(f"DELETE FROM audit_log WHERE run_id IN ({marks})", run_ids)
                 # Cancel-on subscriptions no event came to clean up (cancel_on.py).
@@ -101,7 +99,7 @@ class RetentionOps(SqlStoreBase):
     async def oldest_finished_run_age(self) -> float | None:
         def work(tx: Tx) -> float | None:
             row = tx.fetchone(
-                f"SELECT ironflow_now() - min(ended_at) FROM runs WHERE status IN {_TERMINAL_SQL}"
+                f"SELECT ironflow_now() - min(ended_at) FROM runs WHERE status IN {TERMINAL_SQL}"
             )
             return None if row is None or row[0] is None else float(row[0])
 
@@ -116,4 +114,4 @@ class RetentionOps(SqlStoreBase):
             "older_than_s": older_than_s,
             "by": by,
         }
-        await self._transact(lambda tx: self._audit(tx, PURGE_AUDIT, None, None, data))
+        await self._transact(lambda tx: write_audit(tx, PURGE_AUDIT, None, None, data))

@@ -13,29 +13,26 @@ from ironflow.protocol import (
     ErrorInfo,
     FunctionDef,
 )
-from ironflow.store.base import (
-    CancelNotice,
-    CancelOutcome,
-    FunctionNotFound,
-    IngestResult,
-)
-from ironflow.store.cancel_on import cancel_paths_sql, cancel_reason
+from ironflow.store.base import FunctionNotFound
+from ironflow.store.cancel_on import CancelOnOps, cancel_paths_sql, cancel_reason
 from ironflow.store.core import (
     INVOKED_EVENT,
     MAX_STATEMENT_PARAMS,
     NamedLock,
     NewRun,
     Tx,
-    _dec,
-    _enc,
-    _marks,
-    _trigger_patterns,
-    _triggered,
+    dec,
+    enc,
     new_run,
+    placeholders,
+    trigger_patterns,
+    triggered,
 )
 from ironflow.store.filters import notes_text
 from ironflow.store.flow import FlowGroup, FlowOps, FlowResult, has_flow
-from ironflow.store.waits import WaitOps, ingest_locks
+from ironflow.store.records import CancelNotice, CancelOutcome, IngestResult
+from ironflow.store.transitions import cancel
+from ironflow.store.waits import ingest_locks, resolve_waits, wait_paths_sql
 
 R = TypeVar("R")
 
@@ -47,8 +44,12 @@ def _cancelled_ids(results: list[IngestResult]) -> list[str]:
     return [o.run_id for r in results for o in r.cancelled if not o.compensating]
 
 
-class IngestOps(WaitOps, FlowOps):
+class IngestOps(FlowOps, CancelOnOps):
     """Events in, runs created, waits resolved, invocations, cancellation."""
+
+    # The waits an ingest resolves (waits.py), reached through the class so a
+    # test subclass can plant a bug (tests/sim/bugs.py), as ``flow_plan_class``.
+    _resolve_waits = staticmethod(resolve_waits)
 
     def _ingest(
         self, tx: Tx, name: str, data: Any, idempotency_key: str | None, window_s: float
@@ -61,7 +62,7 @@ class IngestOps(WaitOps, FlowOps):
                 (idempotency_key, float(window_s)),
             )
             if seen is not None:
-                return IngestResult(seen[0], _dec(seen[1]), True)
+                return IngestResult(seen[0], dec(seen[1]), True)
         fds, paths, cancel_paths, paused = self._triggered_and_waited(tx, [name])
         return self._ingest_new(tx, name, data, idempotency_key, fds, paths, cancel_paths, paused)
 
@@ -77,7 +78,7 @@ class IngestOps(WaitOps, FlowOps):
         # Cancel first: the event never cancels a run it starts (cancel_on.py).
         cancelled = self._cancel_on_events(tx, [(event_id, name, data)], cancel_paths)[0]
         # A paused function starts nothing; the answer names it (ironflow/store/cron.py).
-        live = [fd for fd in functions if fd.id not in paused and _triggered(fd, name)]
+        live = [fd for fd in functions if fd.id not in paused and triggered(fd, name)]
         # Trigger filters and key expressions (filters.py), then ingest-side flow
         # control (store/flow.py) for the functions declaring it.
         fds, filtered = self._judge(live, event_id, name, data)
@@ -95,7 +96,7 @@ class IngestOps(WaitOps, FlowOps):
             event_id, run_ids, False,
             resumed_run_ids=[*resumed, *(r for o in cancelled for r in o.kicked_run_ids)],
             cancelled=cancelled,
-            paused_function_ids=[fd.id for fd in functions if fd.id in paused and _triggered(fd, name)],
+            paused_function_ids=[fd.id for fd in functions if fd.id in paused and triggered(fd, name)],
             flow=[] if flow is None else flow.notes,
         )
 
@@ -155,7 +156,7 @@ class IngestOps(WaitOps, FlowOps):
 
                     prioritised.append((run_id, priority_of(fd, name, data)))
             event_rows += [
-                event_id, name, _enc(data), key, _enc(run_ids), (notes or {}).get(event_id),
+                event_id, name, enc(data), key, enc(run_ids), (notes or {}).get(event_id),
                 (flows or {}).get(event_id),
             ]
             all_run_ids.append(run_ids)
@@ -180,7 +181,7 @@ class IngestOps(WaitOps, FlowOps):
             " eligible_at, reason, enqueued_at) VALUES "
             + ", ".join(["(?, 1, ?, ?, ironflow_now() + ?, ?, ironflow_now())"] * runs_n)
         )
-        if tx.combined:
+        if tx.modifying_with:
             tx.execute(
                 f"WITH e AS ({events_sql}), r AS ({runs_sql}) {queue_sql}",
                 (*event_rows, *run_rows, *queue_rows),
@@ -215,16 +216,16 @@ class IngestOps(WaitOps, FlowOps):
         (cancel_on.py), and which of the functions are paused
         (ironflow/store/cron.py): one statement."""
         names = sorted(set(names))
-        patterns = sorted({pattern for name in names for pattern in _trigger_patterns(name)})
+        patterns = sorted({pattern for name in names for pattern in trigger_patterns(name)})
         # The third column says whether the function is paused (ironflow/store/cron.py).
         functions_sql = (
             "SELECT 0, f.definition, CASE WHEN f.paused_at IS NULL THEN NULL ELSE 'paused' END"
             " FROM functions f WHERE f.id IN (SELECT t.function_id"
-            f" FROM function_triggers t WHERE t.pattern IN ({_marks(len(patterns))}))"
+            f" FROM function_triggers t WHERE t.pattern IN ({placeholders(len(patterns))}))"
         )
         rows = tx.fetchall(
             f"{functions_sql} UNION ALL SELECT 1, w.wait_event, w.wait_match FROM"
-            f" ({self._wait_paths_sql(len(names))}) w UNION ALL SELECT 2, c.event_name,"
+            f" ({wait_paths_sql(len(names))}) w UNION ALL SELECT 2, c.event_name,"
             f" c.match_path FROM ({cancel_paths_sql(len(names))}) c ORDER BY 1, 2, 3",
             (*patterns, *names, *names),
         )
@@ -350,7 +351,7 @@ class IngestOps(WaitOps, FlowOps):
             )
             flows.append(flow)
             if flow is not None and flow.notes:
-                flow_notes[event_id] = _enc(flow.notes)
+                flow_notes[event_id] = enc(flow.notes)
             planned.append((event_id, name, data, None, [*(starting if flow is None else flow.runs)]))
         create_planned()
         resumed = self._resolve_waits(
@@ -361,7 +362,7 @@ class IngestOps(WaitOps, FlowOps):
                 event_id, run_ids, False,
                 resumed_run_ids=[*resumed_ids, *(r for o in cancelled for r in o.kicked_run_ids)],
                 cancelled=cancelled,
-                paused_function_ids=[fd.id for fd in functions if fd.id in paused and _triggered(fd, name)],
+                paused_function_ids=[fd.id for fd in functions if fd.id in paused and triggered(fd, name)],
                 flow=[] if flow is None else flow.notes,
             )
             for (event_id, name, _, _, _), run_ids, resumed_ids, flow, cancelled in zip(
@@ -396,6 +397,6 @@ class IngestOps(WaitOps, FlowOps):
     async def cancel_run(self, run_id: str, reason: str) -> CancelOutcome:
         def work(tx: Tx) -> CancelOutcome:
             error = ErrorInfo(message=reason, code="CANCELLED", retryable=False)
-            return self._cancel(tx, run_id, error, {"reason": reason})
+            return cancel(tx, run_id, error, {"reason": reason})
 
         return await self._transact_ending(work, lambda o: [] if o.compensating else [run_id])

@@ -7,15 +7,13 @@ import secrets
 from typing import Literal
 
 from ironflow.ids import new_id
-from ironflow.store.base import (
-    Principal,
-    StoreError,
-)
+from ironflow.store.base import StoreError
 from ironflow.store.core import (
     SqlStoreBase,
     Tx,
     token_hash,
 )
+from ironflow.store.records import Principal
 
 
 class KeyOps(SqlStoreBase):

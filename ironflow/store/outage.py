@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from ironflow.store.core import SqlStoreBase, Tx
+from ironflow.store.transitions import write_audit
 
 T = TypeVar("T")
 
@@ -93,7 +94,7 @@ class OutageOps(SqlStoreBase):
                 "UPDATE worker_sessions SET expires_at = expires_at + ? WHERE expires_at > ?",
                 (extend, start),
             )
-            self._audit(
+            write_audit(
                 tx, "store.outage.blind_time_given_back", None, None,
                 {"node_id": node_id, "blind_s": round(blind_s, 3), "given_s": round(extend, 3),
                  "leases": leases},

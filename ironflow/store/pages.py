@@ -42,7 +42,8 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from ironflow.protocol import encoder
-from ironflow.store.base import InvalidCursor, PageRequest
+from ironflow.store.base import InvalidCursor
+from ironflow.store.records import PageRequest
 from ironflow.store.tx import Tx
 
 T = TypeVar("T")

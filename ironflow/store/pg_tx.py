@@ -212,7 +212,9 @@ class PgTx:
     statement names on this connection (the caller keeps it per connection).
     """
 
-    combined = True
+    modifying_with = True
+    round_trips = True
+    notifies_nodes = True
     streams_rows = False
     # Whether statements go straight to libpq; False: every statement through
     # psycopg's cursor, prepared by psycopg. Per class, so the store (a refused

@@ -77,13 +77,7 @@ from ironflow.store.core import NamedLock, Tx
 from ironflow.store.handback import hand_back
 from ironflow.store.pg_connect import connect, refuse_read_only, session_bounds, unavailable
 from ironflow.store.pg_tx import PREPARED_MAX, PgTx, fast_path_refusal, in_transaction
-from ironflow.store.schema import (
-    SCHEMA_LOCK_KEY,
-    added_columns,
-    backfill_statements,
-    fingerprint,
-    statements,
-)
+from ironflow.store.schema import SCHEMA_LOCK_KEY, migrate
 from ironflow.store.sql import SqlStore
 
 __all__ = ["PostgresStore"]
@@ -517,36 +511,23 @@ class PostgresStore(SqlStore):
             actor.thread.start()
 
     def _create_schema(self) -> None:
-        """Apply the schema unless ``schema_state`` shows it current.
+        """Apply the migrations the database lacks (``ironflow/store/schema.py``).
 
-        Applying it takes table locks one statement after another (CREATE
+        Applying one takes table locks one statement after another (CREATE
         INDEX, ALTER TABLE) in one transaction; beside running nodes, whose
         transactions hold some of those tables and wait for others, that can
-        deadlock. A restart of the same version therefore reads one row and
-        locks nothing; an upgrade applies it, retried if PostgreSQL picks it as
-        a deadlock's victim.
+        deadlock. A restart of the same version therefore reads the applied
+        versions and locks no table; an upgrade applies what is missing,
+        retried if PostgreSQL picks it as a deadlock's victim.
         """
-        want = fingerprint("postgres")
         for attempt in range(1, SCHEMA_ATTEMPTS + 1):
             try:
                 with connect(self.url) as conn:
                     refuse_read_only(conn, self.url)
                     with conn.transaction(), conn.cursor() as cur:
-                        # Two nodes starting together must not race on CREATE … IF NOT EXISTS.
+                        # Two nodes starting together take turns; the second finds nothing to do.
                         cur.execute("SELECT pg_advisory_xact_lock(%s)", (SCHEMA_LOCK_KEY,))
-                        if self._schema_fingerprint(cur) == want:
-                            return
-                        for stmt in statements("postgres"):
-                            cur.execute(stmt)
-                        for table, column, kind in added_columns("postgres"):
-                            cur.execute(f"ALTER TABLE {table} ADD COLUMN IF NOT EXISTS {column} {kind}")
-                        for stmt in backfill_statements("postgres"):
-                            cur.execute(stmt)
-                        cur.execute(
-                            "INSERT INTO schema_state (id, fingerprint) VALUES (1, %s)"
-                            " ON CONFLICT (id) DO UPDATE SET fingerprint = excluded.fingerprint",
-                            (want,),
-                        )
+                        migrate(cur, "postgres")
                 return
             except psycopg.errors.DeadlockDetected:
                 if attempt == SCHEMA_ATTEMPTS:
@@ -580,17 +561,6 @@ class PostgresStore(SqlStore):
         # bounds the thread, and its connection is its own.
         result = await outcome.acapture(partial(trio.to_thread.run_sync, run, abandon_on_cancel=True))
         return settle(self.availability, result, unavailable)
-
-    @staticmethod
-    def _schema_fingerprint(cur: psycopg.Cursor[Any]) -> str | None:
-        """The fingerprint recorded by the last schema applied, None before any."""
-        cur.execute("SELECT to_regclass('schema_state') IS NOT NULL")
-        row = cur.fetchone()
-        if row is None or not row[0]:
-            return None
-        cur.execute("SELECT fingerprint FROM schema_state WHERE id = 1")
-        found = cur.fetchone()
-        return None if found is None else str(found[0])
 
     def abandon_calls(self) -> None:
         self._abandoning = True

@@ -19,23 +19,24 @@ from ironflow.protocol import (
     RunRecord,
     SessionRecord,
 )
-from ironflow.store.base import PageRequest, RunNotFound
+from ironflow.store.base import RunNotFound
 from ironflow.store.core import (
-    _LEASE_COLS,
-    _QUEUE_COLS,
-    _RUN_COLS,
-    _STEP_COLS,
+    LEASE_COLS,
+    QUEUE_COLS,
+    RUN_COLS,
+    STEP_COLS,
     SqlStoreBase,
     Tx,
-    _dec,
-    _iso,
-    _lease_record,
-    _queue_record,
-    _run_record,
-    _step_record,
+    dec,
+    iso_time,
+    lease_record,
+    queue_record,
+    run_record,
+    step_record,
 )
 from ironflow.store.dispatch_flow import waiting_reason
 from ironflow.store.pages import Keyset, PageQuery, read_page
+from ironflow.store.records import PageRequest
 
 # Runs newest first, by creation (indexes runs_page, runs_status_page, runs_function_page).
 RUNS_ORDER = Keyset("runs", "r.created_at", "r.id", descending=True)
@@ -51,7 +52,7 @@ def _run_key(run: RunRecord) -> tuple[float, str]:
 def _listed_run(row: tuple[Any, ...]) -> RunRecord:
     """A run as a list shows it without ``?include=data``: row[9] says whether
     it has an output (left out); the error without its traceback."""
-    run = _run_record((*row[:9], None, *row[10:]))
+    run = run_record((*row[:9], None, *row[10:]))
     omitted = ["output"] if row[9] else []
     error = run.error
     if error is not None and error.traceback is not None:
@@ -61,7 +62,7 @@ def _listed_run(row: tuple[Any, ...]) -> RunRecord:
 
 
 def _audit_record(row: tuple[Any, ...]) -> AuditRecord:
-    return AuditRecord(row[0], row[1], row[2], row[3], row[4], _dec(row[5]))
+    return AuditRecord(row[0], row[1], row[2], row[3], row[4], dec(row[5]))
 
 
 def _listed_audit(row: tuple[Any, ...]) -> AuditRecord:
@@ -74,30 +75,30 @@ class ReadOps(SqlStoreBase):
     async def get_run(self, run_id: str) -> RunDetail:
         def work(tx: Tx) -> RunDetail:
             now = self._now(tx)
-            row = tx.fetchone(f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (run_id,))
+            row = tx.fetchone(f"SELECT {RUN_COLS} FROM runs r WHERE r.id = ?", (run_id,))
             if row is None:
                 raise RunNotFound(f"run {run_id} not found")
-            run = _run_record(row)
+            run = run_record(row)
             step_rows = tx.fetchall(
-                f"SELECT {_STEP_COLS}, wait_event, invoke_run_id FROM steps WHERE run_id = ?"
+                f"SELECT {STEP_COLS}, wait_event, invoke_run_id FROM steps WHERE run_id = ?"
                 " ORDER BY seq",
                 (run_id,),
             )
-            q = tx.fetchone(f"SELECT {_QUEUE_COLS} FROM dispatch_queue WHERE run_id = ?", (run_id,))
+            q = tx.fetchone(f"SELECT {QUEUE_COLS} FROM dispatch_queue WHERE run_id = ?", (run_id,))
             lease = tx.fetchone(
-                f"SELECT {_LEASE_COLS} FROM concurrency_leases WHERE run_id = ?", (run_id,)
+                f"SELECT {LEASE_COLS} FROM concurrency_leases WHERE run_id = ?", (run_id,)
             )
-            queue = None if q is None else _queue_record(q, now)
+            queue = None if q is None else queue_record(q, now)
             reason = None
             if queue is not None:
                 if queue.reason == "recovery" and queue.eligible_at > now:
-                    reason = f"recovery grace until {_iso(queue.eligible_at)}"
+                    reason = f"recovery grace until {iso_time(queue.eligible_at)}"
                 elif queue.reason == "retry" and queue.eligible_at > now:
-                    reason = f"retry delay until {_iso(queue.eligible_at)}"
+                    reason = f"retry delay until {iso_time(queue.eligible_at)}"
                 elif queue.reason == "debounce" and queue.eligible_at > now:  # store/flow.py
-                    reason = f"debounced until {_iso(queue.eligible_at)}"
+                    reason = f"debounced until {iso_time(queue.eligible_at)}"
                 elif queue.reason == "batch" and queue.eligible_at > now:
-                    reason = f"batch filling until {_iso(queue.eligible_at)}"
+                    reason = f"batch filling until {iso_time(queue.eligible_at)}"
                 elif queue.reason == "nack":
                     reason = "requeued after nack"
                 else:
@@ -114,10 +115,10 @@ class ReadOps(SqlStoreBase):
                 for s in step_rows:
                     kind, status, wake_at, wait_event, child = s[3], s[4], s[10], s[11], s[12]
                     if status == "sleeping":
-                        reason = f"sleeping until {_iso(wake_at)}"
+                        reason = f"sleeping until {iso_time(wake_at)}"
                     elif status == "waiting" and kind == "wait":
                         reason = f"waiting for event {wait_event}" + (
-                            f" until {_iso(wake_at)}" if wake_at is not None else ""
+                            f" until {iso_time(wake_at)}" if wake_at is not None else ""
                         )
                     elif status == "waiting" and kind == "invoke":
                         reason = f"waiting for invoked run {child}"
@@ -125,9 +126,9 @@ class ReadOps(SqlStoreBase):
                         reason = "waking"
             return RunDetail(
                 run=run,
-                steps=[_step_record(s) for s in step_rows],
+                steps=[step_record(s) for s in step_rows],
                 queue=queue,
-                lease=None if lease is None else _lease_record(lease, now),
+                lease=None if lease is None else lease_record(lease, now),
                 waiting_reason=reason,
                 db_now=now,
             )
@@ -145,11 +146,11 @@ class ReadOps(SqlStoreBase):
     ) -> RunList:
         query = PageQuery(
             RUNS_ORDER,
-            _RUN_COLS if page.include_data else _RUN_COLS.replace("r.output", "r.output IS NOT NULL"),
+            RUN_COLS if page.include_data else RUN_COLS.replace("r.output", "r.output IS NOT NULL"),
             "runs r",
             {"r.status": status, "r.function_id": function_id},
             ("r.output", "r.error") if page.include_data else ("r.error",),
-            _run_record if page.include_data else _listed_run,
+            run_record if page.include_data else _listed_run,
             _run_key,
         )
         runs, cursor = await self._read(lambda tx: read_page(tx, query, page))
@@ -157,10 +158,10 @@ class ReadOps(SqlStoreBase):
 
     async def get_run_record(self, run_id: str) -> RunRecord:
         def work(tx: Tx) -> RunRecord:
-            row = tx.fetchone(f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (run_id,))
+            row = tx.fetchone(f"SELECT {RUN_COLS} FROM runs r WHERE r.id = ?", (run_id,))
             if row is None:
                 raise RunNotFound(f"run {run_id} not found")
-            return _run_record(row)
+            return run_record(row)
 
         return await self._read(work)
 
@@ -171,10 +172,10 @@ class ReadOps(SqlStoreBase):
             # active (a heartbeat can no longer revive them), shown only on request.
             only_active = "" if include_expired else " WHERE expires_at > ?"
             rows = tx.fetchall(
-                f"SELECT {_LEASE_COLS} FROM concurrency_leases{only_active} ORDER BY expires_at",
+                f"SELECT {LEASE_COLS} FROM concurrency_leases{only_active} ORDER BY expires_at",
                 () if include_expired else (now,),
             )
-            return [_lease_record(r, now) for r in rows]
+            return [lease_record(r, now) for r in rows]
 
         return await self._read(work)
 
@@ -200,7 +201,7 @@ class ReadOps(SqlStoreBase):
                     r[7],
                     int(r[8]),
                     int(r[9]),
-                    _dec(r[10]),
+                    dec(r[10]),
                 )
                 for r in rows
             ]
@@ -211,9 +212,9 @@ class ReadOps(SqlStoreBase):
         def work(tx: Tx) -> list[QueueRecord]:
             now = self._now(tx)
             rows = tx.fetchall(
-                f"SELECT {_QUEUE_COLS} FROM dispatch_queue ORDER BY eligible_at, enqueued_at"
+                f"SELECT {QUEUE_COLS} FROM dispatch_queue ORDER BY eligible_at, enqueued_at"
             )
-            return [_queue_record(r, now) for r in rows]
+            return [queue_record(r, now) for r in rows]
 
         return await self._read(work)
 

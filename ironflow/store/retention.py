@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from ironflow.engine import metrics
 from ironflow.protocol import TERMINAL_RUN_STATUSES
-from ironflow.store.base import PurgeCounts, Store
+from ironflow.store.base import Store
+from ironflow.store.records import PurgeCounts
 
 __all__ = ["purge_pass", "BATCH", "VACUUM_PAGES"]
 

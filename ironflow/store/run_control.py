@@ -17,8 +17,10 @@ same run at once serialise and the second sees it queued: Conflict
 
 from __future__ import annotations
 
-from ironflow.store.base import CancelOutcome, Conflict, NotFound, ResumeOutcome, RunNotFound
+from ironflow.store.base import Conflict, NotFound, RunNotFound
 from ironflow.store.core import SqlStoreBase, Tx
+from ironflow.store.records import CancelOutcome, ResumeOutcome
+from ironflow.store.transitions import enqueue, take_segment, write_audit
 
 # Most runs one bulk resume call puts back (each in its own transaction).
 MAX_BULK_RESUME = 500
@@ -124,7 +126,7 @@ class RunControlOps(SqlStoreBase):
                 (run_id,),
             )
             assert row is not None
-            self._audit(tx, "run.resumed", run_id, function_id, {**audit, "parked": True})
+            write_audit(tx, "run.resumed", run_id, function_id, {**audit, "parked": True})
             return ResumeOutcome(run_id, function_id, row[0], status, step_name, deleted, "waiting")
         # A sleep the waker settled while the run was paused, or is settling
         # now (claimed up to the lookahead early), still holds the run back.
@@ -140,8 +142,8 @@ class RunControlOps(SqlStoreBase):
             (run_id,),
         )
         assert row is not None
-        self._enqueue(tx, run_id, row[0], function_id, ckey, 0.0, "resume")
-        self._audit(tx, "run.resumed", run_id, function_id, audit)
+        enqueue(tx, run_id, row[0], function_id, ckey, 0.0, "resume")
+        write_audit(tx, "run.resumed", run_id, function_id, audit)
         return ResumeOutcome(run_id, function_id, row[0], status, step_name, deleted)
 
     async def resume_run(self, run_id: str, from_step: str | None = None) -> ResumeOutcome:
@@ -189,15 +191,15 @@ class RunControlOps(SqlStoreBase):
             status, function_id, _, _ = run
             if status in ("completed", "failed", "cancelled", "paused"):
                 raise Conflict(f"run {run_id} is {status}: only a run that has not ended pauses")
-            session_id, node_id, job_id = self._take_segment(tx, run_id)
+            session_id, node_id, job_id = take_segment(tx, run_id)
             # Parked steps (sleeps, waits) stay parked: their wake or event
-            # settles them while paused, and ``_resume`` leaves a paused run be.
+            # settles them while paused, and ``transitions.resume`` leaves a paused run be.
             tx.execute(
                 "UPDATE runs SET status = 'paused', current_execution_seq = current_execution_seq + 1,"
                 " updated_at = ironflow_now() WHERE id = ?",
                 (run_id,),
             )
-            self._audit(tx, "run.paused", run_id, function_id, {"from_status": status})
+            write_audit(tx, "run.paused", run_id, function_id, {"from_status": status})
             return CancelOutcome(run_id, session_id, node_id, job_id, function_id=function_id)
 
         return await self._transact(work)

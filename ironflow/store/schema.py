@@ -1,21 +1,40 @@
-"""DDL of the whole data model (DESIGN §3) for SQLite and PostgreSQL.
+"""The data model (DESIGN §3) for SQLite and PostgreSQL, as numbered migrations.
 
 One text, two dialects: ``{REAL}`` becomes ``REAL`` (SQLite) or
 ``DOUBLE PRECISION`` (PostgreSQL). Timestamps are epoch seconds from the
 database clock ``ironflow_now()``; JSON payloads are stored as text (msgspec
 encodes them), booleans as 0/1 integers so the shared SQL reads the same on
 both backends.
+
+A schema change is a new entry at the end of :data:`MIGRATIONS`, never an
+edit of an applied one. ``schema_migrations`` records the versions applied; a
+start applies the missing ones, in order, in one transaction (under
+:data:`SCHEMA_LOCK_KEY` on PostgreSQL, under ``BEGIN IMMEDIATE`` on SQLite),
+and a start that finds every version applied reads one row and changes
+nothing. A database made before the versions table existed (every start then
+applied the whole DDL, idempotent) is recognised by its tables: it may be
+anywhere in the history of migrations 1 to :data:`BASELINE`, so those are
+written to be idempotent and all of them are run on it; later migrations run
+exactly once.
 """
 
 from __future__ import annotations
 
-import hashlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ironflow import logs
 
 __all__ = [
-    "statements", "added_columns", "fingerprint", "PG_NOW_FUNCTION", "pg_now_function", "SCHEMA_LOCK_KEY",
+    "MIGRATIONS", "Migration", "AddColumn", "migrate", "latest_version",
+    "PG_NOW_FUNCTION", "pg_now_function", "SCHEMA_LOCK_KEY",
 ]
 
-# Arbitrary constant: the advisory lock that serialises schema creation when
+log = logging.getLogger(__name__)
+
+# Arbitrary constant: the advisory lock that serialises schema migrations when
 # several nodes start against one PostgreSQL at once.
 SCHEMA_LOCK_KEY = 0x1F0F10
 
@@ -48,9 +67,8 @@ CREATE TABLE IF NOT EXISTS events (
 );
 CREATE INDEX IF NOT EXISTS events_idempotency ON events (idempotency_key, received_at)
     WHERE idempotency_key IS NOT NULL;
--- The janitor finds events past the idempotency window by age, and GET
--- /v1/events pages newest first by (received_at, id) (store/pages.py).
-CREATE INDEX IF NOT EXISTS events_page ON events (received_at, id);
+-- The janitor finds events past the idempotency window by age.
+CREATE INDEX IF NOT EXISTS events_received ON events (received_at);
 
 CREATE TABLE IF NOT EXISTS runs (
     id                    TEXT PRIMARY KEY,
@@ -76,12 +94,8 @@ CREATE TABLE IF NOT EXISTS runs (
     ended_at              {REAL},
     updated_at            {REAL} NOT NULL
 );
--- GET /v1/runs pages newest first by (created_at, id), all runs or one
--- status or one function's (store/pages.py). The status index serves the
--- bulk resume and the janitor as well.
-CREATE INDEX IF NOT EXISTS runs_page ON runs (created_at, id);
-CREATE INDEX IF NOT EXISTS runs_status_page ON runs (status, created_at, id);
-CREATE INDEX IF NOT EXISTS runs_function_page ON runs (function_id, created_at, id);
+CREATE INDEX IF NOT EXISTS runs_status ON runs (status, created_at);
+CREATE INDEX IF NOT EXISTS runs_function ON runs (function_id, created_at);
 CREATE INDEX IF NOT EXISTS runs_parent ON runs (parent_run_id) WHERE parent_run_id IS NOT NULL;
 -- The janitor keeps an event while any run references it, and finds finished
 -- runs past retention by their end time (only finished runs are indexed).
@@ -211,11 +225,8 @@ CREATE TABLE IF NOT EXISTS audit_log (
     function_id  TEXT,
     data         TEXT NOT NULL
 );
--- GET /v1/audit pages oldest first by (at, id): all of it, one run's or one
--- type's (store/pages.py).
-CREATE INDEX IF NOT EXISTS audit_page ON audit_log (at, id);
-CREATE INDEX IF NOT EXISTS audit_run_page ON audit_log (run_id, at, id);
-CREATE INDEX IF NOT EXISTS audit_type_page ON audit_log (type, at, id);
+CREATE INDEX IF NOT EXISTS audit_run ON audit_log (run_id, at);
+CREATE INDEX IF NOT EXISTS audit_type ON audit_log (type, at);
 
 -- One row at most, inserted and deleted in one transaction by the outage
 -- probe (ironflow/store/outage.py): proves the database can grow again.
@@ -356,15 +367,6 @@ CREATE TABLE IF NOT EXISTS on_limit_keys (
 );
 """
 
-_PG_EXTRA = """
--- The fingerprint of the schema last applied: a node (re)starting beside
--- running ones finds it current and takes no table lock at all.
-CREATE TABLE IF NOT EXISTS schema_state (
-    id           INTEGER PRIMARY KEY CHECK (id = 1),
-    fingerprint  TEXT NOT NULL
-);
-"""
-
 # The database clock on PostgreSQL: transaction time, plus a skew that only
 # tests set (``tests/clock.py`` re-creates the function with the skew as a
 # literal; production creates it with 0). A literal, not a read of a table: a
@@ -398,9 +400,9 @@ PG_CLOCK_FUNCTION = (
 )
 
 
-# Columns added after a table was first shipped: (table, column, type). A
-# database created by an older version gets them on start (CREATE TABLE IF NOT
-# EXISTS leaves an existing table as it was).
+# Columns added after a table was first shipped: (table, column, type), added
+# by migration 2 to a database whose tables migration 1 found already there
+# (CREATE TABLE IF NOT EXISTS leaves an existing table as it was).
 _ADDED_COLUMNS = [
     ("functions", "last_seen_at", "{REAL}"),
     ("worker_sessions", "secret_hash", "TEXT"),
@@ -450,7 +452,7 @@ _ADDED_COLUMNS = [
 
 # Fills the trigger index from stored definitions, for a database whose
 # functions were registered before the index existed. Idempotent.
-_BACKFILL_TRIGGERS = {
+BACKFILL_TRIGGERS = {
     "sqlite": "INSERT OR IGNORE INTO function_triggers (pattern, function_id)"
     " SELECT json_extract(t.value, '$.event'), f.id"
     " FROM functions f, json_each(f.definition, '$.triggers') t"
@@ -462,12 +464,6 @@ _BACKFILL_TRIGGERS = {
 }
 
 
-def added_columns(dialect: str) -> list[tuple[str, str, str]]:
-    """``(table, column, type)`` for each column a pre-existing table may lack."""
-    real = "DOUBLE PRECISION" if dialect == "postgres" else "REAL"
-    return [(t, c, kind.replace("{REAL}", real)) for t, c, kind in _ADDED_COLUMNS]
-
-
 # Indexes on added columns: created after the columns exist (an old database gets
 # the columns first). Runs past their function's timeout, among unended runs.
 _LATE_INDEXES = [
@@ -477,13 +473,6 @@ _LATE_INDEXES = [
     "CREATE INDEX IF NOT EXISTS steps_wait_key ON steps (wait_key)"
     " WHERE status = 'waiting' AND kind = 'wait'",
     "DROP INDEX IF EXISTS steps_wait_event",
-    # Each extended by the id (store/pages.py: the keyset order): the *_page
-    # index with the same leading columns replaces it.
-    "DROP INDEX IF EXISTS events_received",
-    "DROP INDEX IF EXISTS runs_status",
-    "DROP INDEX IF EXISTS runs_function",
-    "DROP INDEX IF EXISTS audit_run",
-    "DROP INDEX IF EXISTS audit_type",
     # Flow control, dispatch side (store/flow.py): the queue in
     # dispatch order (priority), and per function and concurrency key, for the
     # round robin across keys (a skip scan of the keys, then each key's head).
@@ -505,14 +494,11 @@ _FUNCTION_ORDER_INDEX = {
     "postgres": [],
 }
 # A wait's look-back: the events of its name committed after its segment began
-# (PostgreSQL: by transaction id; SQLite: by arrival, its commit order). The
-# events of one name newest first, paged by (received_at, id) (store/pages.py):
-# on SQLite the same index.
+# (PostgreSQL: by transaction id; SQLite: by arrival, its commit order).
 _LOOKBACK_INDEX = {
-    "sqlite": ["CREATE INDEX IF NOT EXISTS events_name_page ON events (name, received_at, id)",
-               "DROP INDEX IF EXISTS events_name_received"],
-    "postgres": ["CREATE INDEX IF NOT EXISTS events_name_xid ON events (name, xid) WHERE xid IS NOT NULL",
-                 "CREATE INDEX IF NOT EXISTS events_name_page ON events (name, received_at, id)"],
+    "sqlite": "CREATE INDEX IF NOT EXISTS events_name_received ON events (name, received_at)",
+    "postgres": "CREATE INDEX IF NOT EXISTS events_name_xid ON events (name, xid)"
+    " WHERE xid IS NOT NULL",
 }
 # What the backfill of an older database computes for a wait parked before
 # wait keys existed (the value text as it was stored, "null" for a missing one).
@@ -532,11 +518,6 @@ WAIT_PATHS_BACKFILL = {
     " SELECT DISTINCT wait_event, coalesce(wait_match, '') FROM steps"
     " WHERE status = 'waiting' AND kind = 'wait' ON CONFLICT DO NOTHING",
 }
-
-
-
-
-
 # The functions of sessions opened before session_functions existed. Idempotent.
 SESSION_FUNCTIONS_BACKFILL = {
     "sqlite": "INSERT OR IGNORE INTO session_functions (function_id, session_id)"
@@ -547,33 +528,165 @@ SESSION_FUNCTIONS_BACKFILL = {
 }
 
 
-def backfill_statements(dialect: str) -> list[str]:
-    """Statements run after the DDL and column additions, on every start."""
-    return [
-        *_LATE_INDEXES, *_FUNCTION_ORDER_INDEX[dialect], *_LOOKBACK_INDEX[dialect], _BACKFILL_TRIGGERS[dialect],
-        WAIT_KEY_BACKFILL[dialect], WAIT_PATHS_BACKFILL[dialect], SESSION_FUNCTIONS_BACKFILL[dialect],
-    ]
 
 
-def statements(dialect: str) -> list[str]:
-    """The DDL statements for ``dialect`` (``"sqlite"`` or ``"postgres"``), in order."""
+@dataclass(frozen=True)
+class AddColumn:
+    """``ALTER TABLE table ADD COLUMN column kind`` unless the column exists
+    (SQLite has no ``ADD COLUMN IF NOT EXISTS``)."""
+
+    table: str
+    column: str
+    kind: str
+
+
+Step = str | AddColumn
+
+
+@dataclass(frozen=True)
+class Migration:
+    """One numbered schema change: its steps for each dialect, run in order."""
+
+    version: int
+    name: str
+    sqlite: Sequence[Step]
+    postgres: Sequence[Step]
+
+    def steps(self, dialect: str) -> Sequence[Step]:
+        """The steps for ``dialect`` (``"sqlite"`` or ``"postgres"``)."""
+        return self.sqlite if dialect == "sqlite" else self.postgres
+
+
+def _ddl(dialect: str) -> list[str]:
     real = "DOUBLE PRECISION" if dialect == "postgres" else "REAL"
-    text = _DDL.replace("{REAL}", real)
+    out = [s.strip() for s in _DDL.replace("{REAL}", real).split(";") if s.strip()]
     if dialect == "postgres":
-        text += _PG_EXTRA
-    out = [s.strip() for s in text.split(";") if s.strip()]
-    if dialect == "postgres":
-        out.append(PG_NOW_FUNCTION.strip())
-        out.append(PG_CLOCK_FUNCTION)
+        out += [PG_NOW_FUNCTION.strip(), PG_CLOCK_FUNCTION]
     return out
 
 
-def fingerprint(dialect: str) -> str:
-    """A digest of everything a start applies for ``dialect``: equal digests,
-    nothing to apply (what the PostgreSQL store records in ``schema_state``)."""
-    parts = [
-        *statements(dialect),
-        *(f"{t}.{c} {k}" for t, c, k in added_columns(dialect)),
-        *backfill_statements(dialect),
-    ]
-    return hashlib.sha256("\n;\n".join(parts).encode()).hexdigest()
+def _added_columns(dialect: str) -> list[Step]:
+    real = "DOUBLE PRECISION" if dialect == "postgres" else "REAL"
+    return [AddColumn(t, c, kind.replace("{REAL}", real)) for t, c, kind in _ADDED_COLUMNS]
+
+
+def _both(make: Any) -> dict[str, Sequence[Step]]:
+    return {"sqlite": make("sqlite"), "postgres": make("postgres")}
+
+
+MIGRATIONS: tuple[Migration, ...] = (
+    Migration(1, "tables", **_both(_ddl)),
+    Migration(2, "added columns", **_both(_added_columns)),
+    Migration(3, "indexes on added columns", **_both(
+        lambda d: [*_LATE_INDEXES, *_FUNCTION_ORDER_INDEX[d], _LOOKBACK_INDEX[d]]
+    )),
+    Migration(4, "backfills", **_both(
+        lambda d: [BACKFILL_TRIGGERS[d], WAIT_KEY_BACKFILL[d], WAIT_PATHS_BACKFILL[d],
+                   SESSION_FUNCTIONS_BACKFILL[d]]
+    )),
+    # The fingerprint of the whole DDL that a PostgreSQL start compared before
+    # the versions table replaced it.
+    Migration(5, "schema_state dropped", sqlite=[], postgres=["DROP TABLE IF EXISTS schema_state"]),
+    # The list routes page by a keyset (timestamp, id) (store/pages.py): each
+    # *_page index replaces the one it extends by the id. On SQLite the events
+    # of one name by (received_at, id) serve a wait's look-back as well.
+    Migration(6, "page indexes", **_both(lambda d: [
+        "CREATE INDEX IF NOT EXISTS events_page ON events (received_at, id)",
+        "CREATE INDEX IF NOT EXISTS runs_page ON runs (created_at, id)",
+        "CREATE INDEX IF NOT EXISTS runs_status_page ON runs (status, created_at, id)",
+        "CREATE INDEX IF NOT EXISTS runs_function_page ON runs (function_id, created_at, id)",
+        "CREATE INDEX IF NOT EXISTS audit_page ON audit_log (at, id)",
+        "CREATE INDEX IF NOT EXISTS audit_run_page ON audit_log (run_id, at, id)",
+        "CREATE INDEX IF NOT EXISTS audit_type_page ON audit_log (type, at, id)",
+        "CREATE INDEX IF NOT EXISTS events_name_page ON events (name, received_at, id)",
+        "DROP INDEX IF EXISTS events_received",
+        "DROP INDEX IF EXISTS runs_status",
+        "DROP INDEX IF EXISTS runs_function",
+        "DROP INDEX IF EXISTS audit_run",
+        "DROP INDEX IF EXISTS audit_type",
+        *(["DROP INDEX IF EXISTS events_name_received"] if d == "sqlite" else []),
+    ])),
+)
+# The last migration a database from before schema_migrations may already
+# hold part of (so every migration up to it is idempotent): the page indexes
+# were the last change made without the versions table.
+BASELINE = 6
+
+
+def latest_version() -> int:
+    """The version a database is at once every migration is applied."""
+    return MIGRATIONS[-1].version
+
+
+class Cursor(Protocol):
+    """What :func:`migrate` needs of a connection: ``sqlite3.Cursor`` or a psycopg cursor."""
+
+    def execute(self, sql: str, params: Sequence[Any] = ..., /) -> Any: ...
+
+    def fetchall(self) -> list[Any]: ...
+
+
+def _rows(cur: Cursor, sql: str, params: Sequence[Any] = ()) -> list[Any]:
+    cur.execute(sql, params)
+    return cur.fetchall()
+
+
+def _has_table(cur: Cursor, dialect: str, table: str) -> bool:
+    if dialect == "sqlite":
+        return bool(_rows(cur, "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (table,)))
+    return bool(_rows(cur, "SELECT to_regclass(%s) IS NOT NULL", (table,))[0][0])
+
+
+def _run(cur: Cursor, dialect: str, step: Step) -> None:
+    if isinstance(step, str):
+        cur.execute(step)
+    elif dialect == "postgres":
+        cur.execute(f"ALTER TABLE {step.table} ADD COLUMN IF NOT EXISTS {step.column} {step.kind}")
+    elif step.column not in {row[1] for row in _rows(cur, f"PRAGMA table_info({step.table})")}:
+        cur.execute(f"ALTER TABLE {step.table} ADD COLUMN {step.column} {step.kind}")
+
+
+def applied_versions(cur: Cursor, dialect: str) -> set[int]:
+    """The versions ``schema_migrations`` records, empty before the table exists."""
+    if not _has_table(cur, dialect, "schema_migrations"):
+        return set()
+    return {int(row[0]) for row in _rows(cur, "SELECT version FROM schema_migrations")}
+
+
+def migrate(cur: Cursor, dialect: str) -> list[int]:
+    """Apply the migrations ``cur``'s database lacks; return their versions.
+
+    Args:
+        cur: a cursor inside the caller's transaction, which holds the
+            schema lock (PostgreSQL's advisory lock, SQLite's write lock) and
+            commits; every step and its ``schema_migrations`` row are in it,
+            so a failed start leaves the database as it found it.
+        dialect: ``"sqlite"`` or ``"postgres"``.
+
+    A database without ``schema_migrations`` but with tables was made before
+    numbered migrations: migrations 1 to :data:`BASELINE` are idempotent and
+    all run on it, which brings it to the baseline whatever its age.
+    """
+    applied = applied_versions(cur, dialect)
+    pending = [m for m in MIGRATIONS if m.version not in applied]
+    if not pending:
+        return []
+    if not applied:
+        if _has_table(cur, dialect, "runs"):
+            logs.event(log, logging.INFO, "schema: a database from before numbered migrations, brought forward")
+        real = "DOUBLE PRECISION" if dialect == "postgres" else "REAL"
+        cur.execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations ("
+            " version INTEGER PRIMARY KEY, name TEXT NOT NULL,"
+            f" applied_at {real} NOT NULL)"
+        )
+    mark = "?" if dialect == "sqlite" else "%s"
+    for migration in pending:
+        for step in migration.steps(dialect):
+            _run(cur, dialect, step)
+        logs.event(log, logging.INFO, "schema: migration applied", version=migration.version, name=migration.name)
+        cur.execute(
+            f"INSERT INTO schema_migrations (version, name, applied_at) VALUES ({mark}, {mark}, ironflow_now())",
+            (migration.version, migration.name),
+        )
+    return [m.version for m in pending]

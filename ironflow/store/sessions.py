@@ -13,19 +13,15 @@ from ironflow.protocol import (
     FunctionDef,
     FunctionRecord,
 )
-from ironflow.store.base import (
-    LimitExceeded,
-    RecoveredSegment,
-    SessionInfo,
-)
+from ironflow.store.base import LimitExceeded
 from ironflow.store.cancel_on import register_cancel_paths
-from ironflow.store.capacity_scan import CapacityLoop
 from ironflow.store.core import (
+    SqlStoreBase,
     Tx,
-    _dec,
-    _enc,
-    _exhausted,
-    _marks,
+    dec,
+    enc,
+    exhausted_runs,
+    placeholders,
     token_hash,
 )
 from ironflow.store.cron import read_schedules, sync_schedules
@@ -37,13 +33,15 @@ from ironflow.store.function_life import (
     lock_registered,
     rewind_skipped,
 )
+from ironflow.store.records import RecoveredSegment, SessionInfo
+from ironflow.store.transitions import recover, write_audit
 
 
 def _has_cron(fd: FunctionDef) -> bool:
     return any(t.cron is not None for t in fd.triggers)
 
 
-class SessionOps(CapacityLoop):
+class SessionOps(SqlStoreBase):
     """Worker sessions and their functions (see the module docstring)."""
 
     async def register_worker(
@@ -68,7 +66,7 @@ class SessionOps(CapacityLoop):
             if function_ids:
                 tx.execute(
                     "UPDATE functions SET last_seen_at = ironflow_now()"
-                    f" WHERE id IN ({_marks(len(function_ids))})",
+                    f" WHERE id IN ({placeholders(len(function_ids))})",
                     function_ids,
                 )
             session_id = new_id("ses")
@@ -82,7 +80,7 @@ class SessionOps(CapacityLoop):
                     node_id,
                     mode,
                     max_concurrent_jobs,
-                    _enc(function_ids),
+                    enc(function_ids),
                     hostname,
                     float(session_expiry_s),
                     None if secret is None else token_hash(secret),
@@ -97,7 +95,7 @@ class SessionOps(CapacityLoop):
             add_session(tx, session_id, function_ids)
             rewind_skipped(tx, [fd.id for fd in functions if _has_cron(fd)], self._now(tx))
             for fid in sorted(deleted):
-                self._audit(tx, "function.restored", None, fid, {
+                write_audit(tx, "function.restored", None, fid, {
                     "worker_id": worker_id, "session_id": session_id, "node_id": node_id,
                 })
             return SessionInfo(
@@ -122,7 +120,7 @@ class SessionOps(CapacityLoop):
             " updated_at = excluded.updated_at, deleted_at = NULL"
             " WHERE functions.definition <> excluded.definition OR functions.deleted_at IS NOT NULL"
             " RETURNING id",
-            (fd.id, _enc(fd), 1 if fd.audit else 0),
+            (fd.id, enc(fd), 1 if fd.audit else 0),
         )
         if changed is None:
             return
@@ -132,7 +130,7 @@ class SessionOps(CapacityLoop):
         if patterns and max_per_trigger is not None:
             crowded = tx.fetchone(
                 "SELECT pattern, count(*) FROM function_triggers"
-                f" WHERE pattern IN ({_marks(len(patterns))}) AND function_id <> ?"
+                f" WHERE pattern IN ({placeholders(len(patterns))}) AND function_id <> ?"
                 " GROUP BY pattern HAVING count(*) >= ? LIMIT 1",
                 [*patterns, fd.id, max_per_trigger],
             )
@@ -157,7 +155,7 @@ class SessionOps(CapacityLoop):
             )
             if row is None:
                 return None
-            return SessionInfo(session_id, row[0], row[1], "pull", row[2], _dec(row[3]))
+            return SessionInfo(session_id, row[0], row[1], "pull", row[2], dec(row[3]))
 
         return await self._transact(work)
 
@@ -190,7 +188,7 @@ class SessionOps(CapacityLoop):
             if run_id is not None:
                 row = tx.fetchone("SELECT function_id FROM runs WHERE id = ?", (run_id,))
                 function_id = row[0] if row is not None else None
-            self._audit(tx, kind, run_id, function_id, data)
+            write_audit(tx, kind, run_id, function_id, data)
 
         await self._transact(work)
 
@@ -217,7 +215,7 @@ class SessionOps(CapacityLoop):
                     f" FROM concurrency_leases WHERE session_id = ? {tx.lock_wait()}",
                     (session_id,),
                 )
-                recovered = self._recover(
+                recovered = recover(
                     tx,
                     leases,
                     recovery_grace_s=recovery_grace_s,
@@ -229,4 +227,4 @@ class SessionOps(CapacityLoop):
             tx.execute("DELETE FROM worker_sessions WHERE id = ?", (session_id,))
             return recovered
 
-        return await self._transact_ending(work, _exhausted)
+        return await self._transact_ending(work, exhausted_runs)

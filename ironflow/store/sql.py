@@ -2,8 +2,11 @@
 from one module per concern so each seed mechanism reads on its own:
 
 - ``tx``: the transaction surface (``Tx``) and the value codecs;
-- ``core``: shared helpers and machinery (``SqlStoreBase``: audit, credits,
-  the queue, run creation and resumption);
+- ``transitions``: the shared transitions every operation calls as functions
+  of its ``Tx`` (enqueue, take a segment, end, resume, cancel, recover; the
+  audit rows and credits they write);
+- ``core``: shared machinery (``SqlStoreBase``: the transaction hook,
+  definition decoding, run creation, the fence check);
 - ``fence``: the fence and a segment's life (ack, complete/fail/yield,
   nack, heartbeat); ``steps``: a segment's step results, under its fence;
 - ``waits``: ``wait_for_event`` parked, looked back, resolved, and its lock order;
@@ -24,7 +27,7 @@ from one module per concern so each seed mechanism reads on its own:
   ``stats`` (the dashboard's counts), ``history`` (retention), ``keys``.
 
 The backends (``sqlite.py``, ``postgres.py`` with ``pg_tx.py``) add
-``_transact`` and their lifecycle; ``schema.py`` holds the DDL.
+``_transact`` and their lifecycle; ``schema.py`` holds the numbered migrations.
 """
 
 from __future__ import annotations
@@ -34,7 +37,6 @@ from typing import Any
 
 import outcome
 
-from ironflow.store.base import Fence, IngestResult, JobOutcome, Reservations, StepResult
 from ironflow.store.capacity_scan import CapacityLoop
 from ironflow.store.core import Tx
 from ironflow.store.cron import CronOps
@@ -48,6 +50,7 @@ from ironflow.store.ingest import IngestOps
 from ironflow.store.keys import KeyOps
 from ironflow.store.outage import OutageOps
 from ironflow.store.reads import ReadOps
+from ironflow.store.records import Fence, IngestResult, JobOutcome, Reservations, StepResult
 from ironflow.store.run_control import RunControlOps
 from ironflow.store.sessions import SessionOps
 from ironflow.store.stats import StatsOps

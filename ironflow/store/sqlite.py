@@ -29,7 +29,7 @@ from ironflow.store.availability import Availability, settle
 from ironflow.store.base import StorageFull, StoreUnavailable
 from ironflow.store.core import NamedLock, Tx
 from ironflow.store.handback import hand_back
-from ironflow.store.schema import added_columns, backfill_statements, statements
+from ironflow.store.schema import migrate
 from ironflow.store.sql import SqlStore
 
 __all__ = ["SqliteStore"]
@@ -81,7 +81,9 @@ def _unavailable(exc: BaseException) -> StoreUnavailable | None:
 class _SqliteTx:
     """:class:`~ironflow.store.core.Tx` over the writer thread's connection."""
 
-    combined = False
+    modifying_with = False
+    round_trips = False
+    notifies_nodes = False
     streams_rows = True
 
     def __init__(self, conn: sqlite3.Connection) -> None:
@@ -148,7 +150,7 @@ class _SqliteTx:
 _TEMPORARY_FILES: set[str] = set()
 
 
-def _sqlite_path(url: str) -> str:
+def sqlite_path(url: str) -> str:
     for prefix in ("sqlite:///", "sqlite://", "sqlite:"):
         if url.startswith(prefix):
             url = url[len(prefix) :]
@@ -200,7 +202,7 @@ class SqliteStore(SqlStore):
         # write, measured with bench.py): opt-in. Without it purged pages are
         # reused, so a database under retention stops growing but never shrinks.
         self._auto_vacuum = auto_vacuum
-        self.path = _sqlite_path(path)
+        self.path = sqlite_path(path)
         # A `:memory:` store lives in a temp file of ours: deleted on close.
         self._temporary = self.path in _TEMPORARY_FILES
         self._clock = now or time.time
@@ -304,15 +306,10 @@ class SqliteStore(SqlStore):
         conn.execute("PRAGMA busy_timeout=5000")
         conn.create_function("ironflow_now", 0, self._db_clock)
         conn.create_function("ironflow_clock", 0, self._db_clock)  # see schema.PG_CLOCK_FUNCTION
+        # The write lock first: a second store opening the file waits (busy_timeout)
+        # and then finds every migration applied.
         conn.execute("BEGIN IMMEDIATE")
-        for stmt in statements("sqlite"):
-            conn.execute(stmt)
-        for table, column, kind in added_columns("sqlite"):
-            have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
-        for stmt in backfill_statements("sqlite"):
-            conn.execute(stmt)
+        migrate(conn.cursor(), "sqlite")
         conn.execute("COMMIT")
         return conn
 

@@ -16,8 +16,10 @@ from typing import Any, Literal
 import outcome
 
 from ironflow.protocol import ErrorInfo
-from ironflow.store.base import Fence, StaleExecution, StepNotFound, StepResult
-from ironflow.store.core import MAX_STATEMENT_PARAMS, SqlStoreBase, Tx, _enc, fence_join, token_hash
+from ironflow.store.base import StaleExecution, StepNotFound
+from ironflow.store.core import MAX_STATEMENT_PARAMS, SqlStoreBase, Tx, enc, fence_join, token_hash
+from ironflow.store.records import Fence, StepResult
+from ironflow.store.transitions import write_audit
 
 # A step's run's function id when that function records ordinary audit
 # events, else NULL: read in the statement that writes the step.
@@ -26,12 +28,12 @@ _STEP_AUDITED_FUNCTION = (
     " WHERE r.id = steps.run_id AND f.audit = 1)"
 )
 # The columns a step result's row is written with (step.run's kind).
-_STEP_INSERT = (
+STEP_INSERT = (
     "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
     " duration_ms, execution_seq, created_at, seq)"
 )
 # Bind parameters of one step row in the step-result INSERT.
-_STEP_ROW_PARAMS = 8
+STEP_ROW_PARAMS = 8
 
 
 def _statement_chunks(rows: list[tuple[Any, ...]], per_row: int) -> list[list[tuple[Any, ...]]]:
@@ -54,7 +56,7 @@ def _statement_chunks(rows: list[tuple[Any, ...]], per_row: int) -> list[list[tu
 
 # How a step result is written: a completed row is never overwritten (a
 # replayed result leaves it as it was); a failed one may be retried over.
-_STEP_RESULT_UPSERT = (
+STEP_RESULT_UPSERT = (
     " ON CONFLICT (run_id, step_id) DO UPDATE SET status = excluded.status,"
     " output = excluded.output, error = excluded.error,"
     " duration_ms = excluded.duration_ms, execution_seq = excluded.execution_seq"
@@ -99,8 +101,8 @@ class StepResultOps(SqlStoreBase):
                 s.step_id,
                 s.name,
                 s.status,
-                _enc(s.output) if s.status == "completed" else None,
-                None if s.error is None else _enc(s.error),
+                enc(s.output) if s.status == "completed" else None,
+                None if s.error is None else enc(s.error),
                 float(s.duration_ms),
             )
             for s in steps
@@ -133,10 +135,7 @@ class StepResultOps(SqlStoreBase):
         nothing of it written, for a segment whose fence is not live."""
         rows = self._step_rows(prepared)
         fences = {fence.run_id: fence for fence, _ in prepared}
-        live = (
-            self._record_fenced(tx, fences, rows) if tx.combined
-            else self._record_checked(tx, fences, rows)
-        )
+        live = self._record_live(tx, fences, rows)
         return [
             outcome.Value(None) if fence.run_id in live or not fields else outcome.Error(StaleExecution(
                 f"segment {fence.run_id}/{fence.execution_seq} is not the live lease"
@@ -155,28 +154,18 @@ class StepResultOps(SqlStoreBase):
             rows += [(fence.run_id, *row, first + len(rows) + i) for i, row in enumerate(fields)]
         return rows
 
-    def _record_checked(
-        self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]
-    ) -> set[str]:
-        """SQLite: the fences checked (one statement), then the live ones' rows
-        written (its single writer makes the check and the write one step).
-        The runs whose fence was live."""
-        live = self._fences_alive(tx, list(fences.values()))
-        self._write_steps(tx, [row for row in rows if row[0] in live])
-        return live
-
     def _write_steps(self, tx: Tx, rows: list[tuple[Any, ...]]) -> None:
         """Write step rows (:meth:`_step_rows`) whose segments' fences the
         caller has proven in this transaction, and audit them."""
-        for chunk in _statement_chunks(rows, _STEP_ROW_PARAMS):
+        for chunk in _statement_chunks(rows, STEP_ROW_PARAMS):
             written = tx.fetchall(
                 "WITH v (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
                 + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
-                + f") {_STEP_INSERT}"
+                + f") {STEP_INSERT}"
                 " SELECT v.run_id, v.step_id, v.name, 'run', v.status, v.output, v.error,"
                 " v.duration_ms, (SELECT current_execution_seq FROM runs WHERE id = v.run_id),"
                 " ironflow_now(), v.seq FROM v WHERE true"
-                + _STEP_RESULT_UPSERT
+                + STEP_RESULT_UPSERT
                 + f" RETURNING run_id, step_id, status, {_STEP_AUDITED_FUNCTION}",
                 tuple(value for row in chunk for value in row),
             )
@@ -187,28 +176,40 @@ class StepResultOps(SqlStoreBase):
         """:meth:`_write_steps` for segments whose functions record no audit
         events and whose execution seqs the caller knows (``seqs``: run →
         seq): the same rows, no per-row reads of the run and its function."""
-        for chunk in _statement_chunks(rows, _STEP_ROW_PARAMS + 1):
+        for chunk in _statement_chunks(rows, STEP_ROW_PARAMS + 1):
             tx.execute(
-                f"{_STEP_INSERT} VALUES "
+                f"{STEP_INSERT} VALUES "
                 + ", ".join(["(?, ?, ?, 'run', ?, ?, ?, ?, ?, ironflow_now(), ?)"] * len(chunk))
-                + _STEP_RESULT_UPSERT,
+                + STEP_RESULT_UPSERT,
                 tuple(value for row in chunk for value in (*row[:7], seqs[row[0]], row[7])),
             )
 
-    def _record_fenced(
+    def _record_live(
         self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]
     ) -> set[str]:
-        """PostgreSQL: every segment's rows in one statement per chunk, each row
-        written only if its fence is live, and the verdict of each fence from
-        that same statement (a verdict read by a later statement could call a
-        written row stale: docs/isolation.md, race 4). The fence's lease row is locked
-        ``FOR KEY SHARE`` until commit: whatever ends the fence (cancel, loop 1,
-        the run's end — each deletes the lease) waits for this write to commit,
-        and a write behind such an end finds the lease gone (race 5: a step row
-        committed after its run's cancel). A heartbeat's UPDATE of the lease
-        does not wait for it. The runs whose fence was live."""
+        """Write the rows (:meth:`_step_rows`) of the segments whose fence is
+        live, and audit them; the runs whose fence was live.
+
+        With data-modifying WITH (``tx.modifying_with``): every segment's rows
+        in one statement per chunk, each row written only if its fence is
+        live, and the verdict of each fence from that same statement (a
+        verdict read by a later statement could call a written row stale:
+        docs/isolation.md, race 4). The fence's lease row is locked ``FOR KEY
+        SHARE`` until commit: whatever ends the fence (cancel, loop 1, the
+        run's end — each deletes the lease) waits for this write to commit,
+        and a write behind such an end finds the lease gone (race 5: a step
+        row committed after its run's cancel). A heartbeat's UPDATE of the
+        lease does not wait for it.
+
+        Without (SQLite): the fences checked (one statement), then the live
+        ones' rows written; its single writer makes the check and the write
+        one step, so no later transaction comes between them."""
+        if not tx.modifying_with:
+            checked = self._fences_alive(tx, list(fences.values()))
+            self._write_steps(tx, [row for row in rows if row[0] in checked])
+            return checked
         live: set[str] = set()
-        for chunk in _statement_chunks(rows, _STEP_ROW_PARAMS + 4):
+        for chunk in _statement_chunks(rows, STEP_ROW_PARAMS + 4):
             in_chunk = sorted({row[0] for row in chunk})
             heads = [
                 (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token))
@@ -221,11 +222,11 @@ class StepResultOps(SqlStoreBase):
                 f" WHERE {fence_join('c', 'f')} ORDER BY c.run_id {tx.key_share_lock('c')}),"
                 " v (run_id, step_id, name, status, output, error, duration_ms, seq) AS (VALUES "
                 + ", ".join(["(?, ?, ?, ?, ?, ?, ?, ?)"] * len(chunk))
-                + f"), i AS ({_STEP_INSERT}"
+                + f"), i AS ({STEP_INSERT}"
                 " SELECT v.run_id, v.step_id, v.name, 'run', v.status, v.output, v.error,"
                 " v.duration_ms, live.execution_seq, ironflow_now(), v.seq FROM v, live"
                 " WHERE live.run_id = v.run_id"
-                + _STEP_RESULT_UPSERT
+                + STEP_RESULT_UPSERT
                 + f" RETURNING run_id, step_id, status, {_STEP_AUDITED_FUNCTION} AS audited)"
                 " SELECT 0, run_id, step_id, status, audited FROM i"
                 " UNION ALL SELECT 1, run_id, NULL, NULL, NULL FROM live",
@@ -247,7 +248,7 @@ class StepResultOps(SqlStoreBase):
         names = {(row[0], row[1]): row[2] for row in chunk}
         for run_id, step_id, status, audited in written:
             if status == "completed" and audited is not None:
-                self._audit(
+                write_audit(
                     tx, "step.completed", run_id, audited,
                     {"step_id": step_id, "name": names[(run_id, step_id)]},
                 )

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ironflow.store.base import IngestResult
 from ironflow.store.core import Tx
 from ironflow.store.ingest import IngestOps
+from ironflow.store.records import IngestResult
 
 
 class TraceOps(IngestOps):

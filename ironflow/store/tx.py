@@ -16,19 +16,29 @@ import msgspec
 
 from ironflow.protocol import ErrorInfo
 
-_json_encode = msgspec.json.Encoder().encode
-_json_decode = msgspec.json.Decoder().decode
-_error_decode = msgspec.json.Decoder(ErrorInfo).decode
+json_encode = msgspec.json.Encoder().encode
+json_decode = msgspec.json.Decoder().decode
+error_decode = msgspec.json.Decoder(ErrorInfo).decode
 
 
 class Tx(Protocol):
     """The tiny transaction surface the shared SQL is written against."""
 
-    # True where every statement is a round trip to a server (PostgreSQL): the
-    # hottest transitions then use its combined forms (data-modifying WITH,
-    # multi-row VALUES), one statement instead of one per table or row. SQLite
-    # runs in-process and has no round trips to save.
-    combined: bool
+    # The dialect differences the shared SQL asks about, each a capability
+    # named for its question; where a function has two forms, both are written
+    # side by side in it (tests/store/test_statement_forms.py: the same rows).
+    #
+    # Whether INSERT/UPDATE/DELETE may stand inside WITH (PostgreSQL): a
+    # transition over several tables is then one statement, its later parts
+    # seeing what the earlier ones returned. SQLite has no data-modifying
+    # WITH: one statement per table, its single writer making them one step.
+    modifying_with: bool
+    # Whether every statement is a round trip to a server (PostgreSQL): reads
+    # that could be two statements are folded into one. SQLite runs
+    # in-process and has no round trips to save.
+    round_trips: bool
+    # Whether a NOTIFY reaches every node at commit (PostgreSQL); SQLite has one node.
+    notifies_nodes: bool
     # True where a SELECT's rows are read from the database as they are
     # iterated (SQLite: one step of the statement each), False where a result
     # arrives whole at execute (PostgreSQL). A page capped in bytes
@@ -92,21 +102,21 @@ class Tx(Protocol):
     snapshot_sql: str
 
 
-def _enc(value: Any) -> str:
-    return _json_encode(value).decode()
+def enc(value: Any) -> str:
+    return json_encode(value).decode()
 
 
-def _dec(text: str | None) -> Any:
-    return None if text is None else _json_decode(text)
+def dec(text: str | None) -> Any:
+    return None if text is None else json_decode(text)
 
 
-def _dec_error(text: str | None) -> ErrorInfo | None:
-    return None if text is None else _error_decode(text)
+def dec_error(text: str | None) -> ErrorInfo | None:
+    return None if text is None else error_decode(text)
 
 
-def _iso(ts: float) -> str:
+def iso_time(ts: float) -> str:
     return datetime.fromtimestamp(ts, UTC).isoformat(timespec="milliseconds")
 
 
-def _marks(n: int) -> str:
+def placeholders(n: int) -> str:
     return ", ".join("?" * n)

@@ -32,7 +32,7 @@ Locks, in the order they are taken:
    matching event passes it by (race 2). ``SKIP LOCKED`` stays where any free
    row will do: the waker's claim of elapsed waits (``wake_claims.py``), whose
    skipped rows are claimed on its next pass.
-3. The run row, by :meth:`SqlStoreBase._resume` (an UPDATE), after its step.
+3. The run row, by ``transitions.resume`` (an UPDATE), after its step.
 
 The **look-back** of a park finds an event that arrived while the segment
 ran, before the wait existed. The segment began when it was *reserved*: the
@@ -58,7 +58,7 @@ The **timeout** is the waker's: ``wake_claims.py`` claims waits whose ``wake_at`
 passed (``waking``) and resolves them ``timed_out``; an ingest that locks the
 row after such a claim sees its status changed and leaves it. A wait is
 therefore resolved exactly once: by one event, or by its timeout, or failed
-by its run's end (``core._end_run``).
+by its run's end (``transitions.end_run``).
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ from typing import Any
 import msgspec
 
 from ironflow.protocol import WaitYield, lookup_path
-from ironflow.store.base import Fence
-from ironflow.store.core import NamedLock, SqlStoreBase, Tx, _dec, _enc, _marks
+from ironflow.store.core import NamedLock, Tx, dec, enc, placeholders
+from ironflow.store.records import Fence
+from ironflow.store.transitions import resume
 
 # Events of the awaited name read per page when a wait parks and looks back.
 LOOKBACK_PAGE = 100
@@ -129,154 +130,153 @@ def ingest_locks(names: Iterable[str]) -> list[NamedLock]:
     return [(_name_lock(name), False) for name in sorted(set(names))]
 
 
-class WaitOps(SqlStoreBase):
-    """Park, look back and resolve waits (see the module docstring)."""
+# ── park ──
 
-    # park ------------------------------------------------------------------------
 
-    def _park_wait(
-        self,
-        tx: Tx,
-        fence: Fence,
-        step_id: str,
-        name: str,
-        info: WaitYield,
-        *,
-        began_at: float,
-        began_snapshot: str | None,
-    ) -> bool:
-        """Park a wait (under :func:`park_locks`, taken by the caller's
-        transaction) and look back for an event that came while its segment ran:
-        True if one resolved it at once."""
-        tx.execute(
-            "INSERT INTO wait_paths (wait_event, wait_match) VALUES (?, ?) ON CONFLICT DO NOTHING",
-            (info.event, info.match or ""),
+def park_wait(
+    tx: Tx,
+    fence: Fence,
+    step_id: str,
+    name: str,
+    info: WaitYield,
+    *,
+    began_at: float,
+    began_snapshot: str | None,
+) -> bool:
+    """Park a wait (under :func:`park_locks`, taken by the caller's
+    transaction) and look back for an event that came while its segment ran:
+    True if one resolved it at once."""
+    tx.execute(
+        "INSERT INTO wait_paths (wait_event, wait_match) VALUES (?, ?) ON CONFLICT DO NOTHING",
+        (info.event, info.match or ""),
+    )
+    tx.execute(
+        "INSERT INTO steps (run_id, step_id, name, kind, status, execution_seq, created_at, seq,"
+        " wake_at, wait_event, wait_match, wait_match_value, wait_key)"
+        " VALUES (?, ?, ?, 'wait', 'waiting', ?, ironflow_now(), ?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT (run_id, step_id) DO UPDATE SET kind = excluded.kind,"
+        " status = excluded.status, error = NULL, execution_seq = excluded.execution_seq,"
+        " wake_at = excluded.wake_at, wait_event = excluded.wait_event,"
+        " wait_match = excluded.wait_match, wait_match_value = excluded.wait_match_value,"
+        " wait_key = excluded.wait_key, invoke_run_id = NULL, claimed_by = NULL,"
+        " claimed_at = NULL, pre_claim_status = NULL WHERE steps.status <> 'completed'",
+        (
+            fence.run_id, step_id, name, fence.execution_seq, time.time_ns(), info.timeout_at,
+            info.event, info.match, enc(info.match_value),
+            wait_key(info.event, info.match, info.match_value),
+        ),
+    )
+    return look_back(tx, fence.run_id, step_id, info, began_at, began_snapshot)
+
+
+def look_back(
+    tx: Tx, run_id: str, step_id: str, info: WaitYield,
+    began_at: float, began_snapshot: str | None,
+) -> bool:
+    """Complete a wait just parked with the first matching event committed
+    after its segment began (see the module docstring)."""
+    want = None if info.match is None else match_text(info.match_value)
+    after: tuple[Any, str] | None = None
+    # The run's own events (its trigger; a batch's events) never resolve its
+    # waits: they came before it. Its first segment may be reserved in the
+    # very transaction that ingested them (SqlStore.ingest_and_reserve),
+    # whose snapshot does not count its own writes as seen.
+    own = {
+        row[0] for row in tx.fetchall(
+            "SELECT event_id FROM runs WHERE id = ? UNION ALL"
+            " SELECT event_id FROM batch_events WHERE run_id = ?",
+            (run_id, run_id),
         )
-        tx.execute(
-            "INSERT INTO steps (run_id, step_id, name, kind, status, execution_seq, created_at, seq,"
-            " wake_at, wait_event, wait_match, wait_match_value, wait_key)"
-            " VALUES (?, ?, ?, 'wait', 'waiting', ?, ironflow_now(), ?, ?, ?, ?, ?, ?)"
-            " ON CONFLICT (run_id, step_id) DO UPDATE SET kind = excluded.kind,"
-            " status = excluded.status, error = NULL, execution_seq = excluded.execution_seq,"
-            " wake_at = excluded.wake_at, wait_event = excluded.wait_event,"
-            " wait_match = excluded.wait_match, wait_match_value = excluded.wait_match_value,"
-            " wait_key = excluded.wait_key, invoke_run_id = NULL, claimed_by = NULL,"
-            " claimed_at = NULL, pre_claim_status = NULL WHERE steps.status <> 'completed'",
-            (
-                fence.run_id, step_id, name, fence.execution_seq, time.time_ns(), info.timeout_at,
-                info.event, info.match, _enc(info.match_value),
-                wait_key(info.event, info.match, info.match_value),
-            ),
-        )
-        return self._look_back(tx, fence.run_id, step_id, info, began_at, began_snapshot)
-
-    def _look_back(
-        self, tx: Tx, run_id: str, step_id: str, info: WaitYield,
-        began_at: float, began_snapshot: str | None,
-    ) -> bool:
-        """Complete a wait just parked with the first matching event committed
-        after its segment began (see the module docstring)."""
-        want = None if info.match is None else match_text(info.match_value)
-        after: tuple[Any, str] | None = None
-        # The run's own events (its trigger; a batch's events) never resolve its
-        # waits: they came before it. Its first segment may be reserved in the
-        # very transaction that ingested them (SqlStore.ingest_and_reserve),
-        # whose snapshot does not count its own writes as seen.
-        own = {
-            row[0] for row in tx.fetchall(
-                "SELECT event_id FROM runs WHERE id = ? UNION ALL"
-                " SELECT event_id FROM batch_events WHERE run_id = ?",
-                (run_id, run_id),
+    }
+    while True:
+        if began_snapshot is not None:
+            # PostgreSQL: the events the activation's snapshot did not see.
+            page = tx.fetchall(
+                "SELECT id, data, received_at, xid FROM events WHERE name = ?"
+                " AND xid >= pg_snapshot_xmin(?::pg_snapshot)::text::bigint"
+                " AND NOT pg_visible_in_snapshot(xid::text::xid8, ?::pg_snapshot)"
+                + ("" if after is None else " AND (xid, id) > (?, ?)")
+                + f" ORDER BY xid, id LIMIT {LOOKBACK_PAGE}",
+                (info.event, began_snapshot, began_snapshot, *(after or ())),
             )
-        }
-        while True:
-            if began_snapshot is not None:
-                # PostgreSQL: the events the activation's snapshot did not see.
-                page = tx.fetchall(
-                    "SELECT id, data, received_at, xid FROM events WHERE name = ?"
-                    " AND xid >= pg_snapshot_xmin(?::pg_snapshot)::text::bigint"
-                    " AND NOT pg_visible_in_snapshot(xid::text::xid8, ?::pg_snapshot)"
-                    + ("" if after is None else " AND (xid, id) > (?, ?)")
-                    + f" ORDER BY xid, id LIMIT {LOOKBACK_PAGE}",
-                    (info.event, began_snapshot, began_snapshot, *(after or ())),
-                )
-            else:
-                page = tx.fetchall(
-                    "SELECT id, data, received_at, received_at FROM events WHERE name = ?"
-                    " AND received_at >= ?"
-                    + ("" if after is None else " AND (received_at, id) > (?, ?)")
-                    + f" ORDER BY received_at, id LIMIT {LOOKBACK_PAGE}",
-                    (info.event, began_at, *(after or ())),
-                )
-            matching = [
-                row for row in page
-                if row[0] not in own
-                and (want is None or match_text(lookup_path(_dec(row[1]), info.match or "")) == want)
-            ]
-            if matching:
-                event_id, data_text, received_at, _ = min(matching, key=lambda row: (row[2], row[0]))
-                event = _enc({
-                    "id": event_id, "name": info.event, "data": _dec(data_text),
-                    "received_at": received_at,
-                })
-                return bool(tx.execute(
-                    "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
-                    " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
-                    (event, run_id, step_id),
-                ))
-            if len(page) < LOOKBACK_PAGE:
-                return False
-            after = (page[-1][3], page[-1][0])
+        else:
+            page = tx.fetchall(
+                "SELECT id, data, received_at, received_at FROM events WHERE name = ?"
+                " AND received_at >= ?"
+                + ("" if after is None else " AND (received_at, id) > (?, ?)")
+                + f" ORDER BY received_at, id LIMIT {LOOKBACK_PAGE}",
+                (info.event, began_at, *(after or ())),
+            )
+        matching = [
+            row for row in page
+            if row[0] not in own
+            and (want is None or match_text(lookup_path(dec(row[1]), info.match or "")) == want)
+        ]
+        if matching:
+            event_id, data_text, received_at, _ = min(matching, key=lambda row: (row[2], row[0]))
+            event = enc({
+                "id": event_id, "name": info.event, "data": dec(data_text),
+                "received_at": received_at,
+            })
+            return bool(tx.execute(
+                "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
+                " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
+                (event, run_id, step_id),
+            ))
+        if len(page) < LOOKBACK_PAGE:
+            return False
+        after = (page[-1][3], page[-1][0])
 
-    # resolve on ingest -----------------------------------------------------------
 
-    @staticmethod
-    def _wait_paths_sql(names: int) -> str:
-        """The match paths waited on for ``names`` event names (params: the names)."""
-        return f"SELECT wait_event, wait_match FROM wait_paths WHERE wait_event IN ({_marks(names)})"
+# ── resolve on ingest ──
 
-    def _resolve_waits(
-        self,
-        tx: Tx,
-        events: Sequence[tuple[str, str, Any]],
-        paths: dict[str, list[str]],
-    ) -> list[list[str]]:
-        """Complete every parked wait these events (``(event_id, name, data)``,
-        in arrival order, committed by this transaction) satisfy, each wait by
-        the first of them that matches it; the runs each event resumed.
-        ``paths``: the match paths waited on per name (:meth:`_wait_paths_sql`)."""
-        resumed: list[list[str]] = [[] for _ in events]
-        keyed: dict[str, int] = {}  # wait key -> the first event that satisfies it
-        for place, (_, name, data) in enumerate(events):
-            for key in event_keys(name, data, paths.get(name, ())):
-                keyed.setdefault(key, place)
-        if not keyed:
-            return resumed
-        keys = sorted(keyed)
-        # The matching waits only, locked in one order, status re-checked after
-        # each lock (PostgreSQL re-reads a row it waited for): module docstring.
-        waits = tx.fetchall(
-            "SELECT run_id, step_id, wait_key FROM steps WHERE status = 'waiting' AND kind = 'wait'"
-            f" AND wait_key IN ({_marks(len(keys))}) ORDER BY run_id, step_id {tx.lock_wait()}",
-            keys,
-        )
-        outputs: dict[int, str] = {}
-        for run_id, step_id, key in waits:
-            place = keyed[key]
-            if place not in outputs:
-                event_id, name, data = events[place]
-                row = tx.fetchone("SELECT received_at FROM events WHERE id = ?", (event_id,))
-                outputs[place] = _enc({
-                    "id": event_id, "name": name, "data": data,
-                    "received_at": row[0] if row else None,
-                })
-            if (
-                tx.execute(
-                    "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
-                    " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
-                    (outputs[place], run_id, step_id),
-                )
-                and self._resume(tx, run_id) is not None
-            ):
-                resumed[place].append(run_id)
+
+def wait_paths_sql(names: int) -> str:
+    """The match paths waited on for ``names`` event names (params: the names)."""
+    return f"SELECT wait_event, wait_match FROM wait_paths WHERE wait_event IN ({placeholders(names)})"
+
+
+def resolve_waits(
+    tx: Tx,
+    events: Sequence[tuple[str, str, Any]],
+    paths: dict[str, list[str]],
+) -> list[list[str]]:
+    """Complete every parked wait these events (``(event_id, name, data)``,
+    in arrival order, committed by this transaction) satisfy, each wait by
+    the first of them that matches it; the runs each event resumed.
+    ``paths``: the match paths waited on per name (:func:`wait_paths_sql`)."""
+    resumed: list[list[str]] = [[] for _ in events]
+    keyed: dict[str, int] = {}  # wait key -> the first event that satisfies it
+    for place, (_, name, data) in enumerate(events):
+        for key in event_keys(name, data, paths.get(name, ())):
+            keyed.setdefault(key, place)
+    if not keyed:
         return resumed
+    keys = sorted(keyed)
+    # The matching waits only, locked in one order, status re-checked after
+    # each lock (PostgreSQL re-reads a row it waited for): module docstring.
+    waits = tx.fetchall(
+        "SELECT run_id, step_id, wait_key FROM steps WHERE status = 'waiting' AND kind = 'wait'"
+        f" AND wait_key IN ({placeholders(len(keys))}) ORDER BY run_id, step_id {tx.lock_wait()}",
+        keys,
+    )
+    outputs: dict[int, str] = {}
+    for run_id, step_id, key in waits:
+        place = keyed[key]
+        if place not in outputs:
+            event_id, name, data = events[place]
+            row = tx.fetchone("SELECT received_at FROM events WHERE id = ?", (event_id,))
+            outputs[place] = enc({
+                "id": event_id, "name": name, "data": data,
+                "received_at": row[0] if row else None,
+            })
+        if (
+            tx.execute(
+                "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
+                " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
+                (outputs[place], run_id, step_id),
+            )
+            and resume(tx, run_id) is not None
+        ):
+            resumed[place].append(run_id)
+    return resumed

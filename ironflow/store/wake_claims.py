@@ -12,16 +12,14 @@ from ironflow.ids import new_id
 from ironflow.protocol import (
     ErrorInfo,
 )
-from ironflow.store.base import (
-    WakeOutcome,
-)
 from ironflow.store.core import (
-    _TERMINAL_SQL,
     SqlStoreBase,
     Tx,
-    _enc,
-    _marks,
+    enc,
+    placeholders,
 )
+from ironflow.store.records import WakeOutcome
+from ironflow.store.transitions import TERMINAL_SQL, audit_if_enabled
 
 
 def _pairs(n: int) -> str:
@@ -31,7 +29,7 @@ def _pairs(n: int) -> str:
 
 def _invoke_timeout(child_run_id: str | None) -> str:
     """The stored error of an invoke step whose child did not finish in time."""
-    return _enc(
+    return enc(
         ErrorInfo(
             message=f"invoked run {child_run_id} did not finish before the timeout",
             code="INVOKE_TIMEOUT",
@@ -90,7 +88,7 @@ class WakeLoop(SqlStoreBase):
             lost = [pair for pair in steps if pair not in kept]
             if not mine:
                 return WakeOutcome([], lost)
-            run_marks = _marks(len(mine))
+            run_marks = placeholders(len(mine))
             run_ids = [row[0] for row in mine]
             # Runs first, while their steps are still claimed: the next segment
             # may start at the step's wake time, not before (runs.start_at).
@@ -99,7 +97,7 @@ class WakeLoop(SqlStoreBase):
                 " status = 'waiting', updated_at = ironflow_now(),"
                 " start_at = (SELECT max(s.wake_at) FROM steps s WHERE s.run_id = runs.id"
                 " AND s.status = 'waking' AND s.claimed_by = ?)"
-                f" WHERE id IN ({run_marks}) AND status NOT IN {_TERMINAL_SQL}"
+                f" WHERE id IN ({run_marks}) AND status NOT IN {TERMINAL_SQL}"
                 " AND status <> 'paused'"  # resume_run puts it back (run_control.py)
                 " AND NOT EXISTS (SELECT 1 FROM concurrency_leases l WHERE l.run_id = runs.id)"
                 " AND NOT EXISTS (SELECT 1 FROM dispatch_queue q WHERE q.run_id = runs.id)"
@@ -132,7 +130,7 @@ class WakeLoop(SqlStoreBase):
                     "INSERT INTO audit_log (id, at, type, run_id, function_id, data)"
                     " VALUES (?, ironflow_now(), 'step.woke', ?, NULL, ?)",
                     [
-                        (new_id("aud"), row[0], _enc({
+                        (new_id("aud"), row[0], enc({
                             "step_id": row[1], "node_id": node_id, "from": row[5],
                             "claimed_at": float(row[4]),
                         }))
@@ -147,7 +145,7 @@ class WakeLoop(SqlStoreBase):
                     " concurrency_key, eligible_at, reason, enqueued_at)"
                     " SELECT id, current_execution_seq, function_id, concurrency_key,"
                     " ironflow_now(), 'resume', ironflow_now() FROM runs"
-                    f" WHERE id IN ({_marks(len(resumed_ids))})"
+                    f" WHERE id IN ({placeholders(len(resumed_ids))})"
                     " ON CONFLICT (run_id) DO UPDATE SET"
                     " execution_seq = excluded.execution_seq, eligible_at = excluded.eligible_at,"
                     " reason = excluded.reason, enqueued_at = excluded.enqueued_at,"
@@ -180,7 +178,7 @@ class WakeLoop(SqlStoreBase):
                 )
                 if n:
                     restored += 1
-                    self._audit_if_enabled(tx, "step.claim.restored", run_id, {
+                    audit_if_enabled(tx, "step.claim.restored", run_id, {
                         "step_id": step_id, "claimed_by": claimed_by, "claimed_at": float(claimed_at),
                     })
             return restored

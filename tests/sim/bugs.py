@@ -54,24 +54,24 @@ from ironflow.ids import new_id
 from ironflow.protocol import ErrorInfo, FunctionDef, JobNackReason, RunRecord, lookup_path
 from ironflow.protocol.cron import CRON_EVENT, next_tick, tick_data
 from ironflow.store import Fence, JobOutcome, Reservation, StaleExecution, Store
-from ironflow.store.base import CronFired
 from ironflow.store.core import (
-    _FENCE_SQL,
-    _RUN_COLS,
-    _TERMINAL_SQL,
+    FENCE_SQL,
+    RUN_COLS,
     Tx,
-    _dec,
-    _enc,
-    _marks,
-    _run_record,
+    dec,
+    enc,
     new_run,
+    placeholders,
+    run_record,
     token_hash,
 )
 from ironflow.store.cron import _SCHEDULE_COLS, _due
 from ironflow.store.dispatch_flow import FlowPlan
 from ironflow.store.fence import _BEGUN_AND_ENDED
+from ironflow.store.records import CronFired
 from ironflow.store.sqlite import SqliteStore
-from ironflow.store.steps import _STEP_AUDITED_FUNCTION, _STEP_RESULT_UPSERT
+from ironflow.store.steps import _STEP_AUDITED_FUNCTION, STEP_RESULT_UPSERT
+from ironflow.store.transitions import TERMINAL_SQL, audit_if_enabled, resume, write_audit
 from ironflow.store.waits import park_locks
 from tests.sim.pg import SimPostgresStore
 
@@ -88,8 +88,8 @@ class UnfencedRecordStep(SqliteStore):
         error: ErrorInfo | None = None,
         duration_ms: float = 0.0,
     ) -> None:
-        out_text = _enc(output) if status == "completed" else None
-        err_text = None if error is None else _enc(error)
+        out_text = enc(output) if status == "completed" else None
+        err_text = None if error is None else enc(error)
 
         def work(tx: Tx) -> None:
             # The real statement, minus its `WHERE EXISTS (… the fence …)`.
@@ -97,7 +97,7 @@ class UnfencedRecordStep(SqliteStore):
                 "INSERT INTO steps (run_id, step_id, name, kind, status, output, error,"
                 " duration_ms, execution_seq, created_at, seq)"
                 " VALUES (?, ?, ?, 'run', ?, ?, ?, ?, ?, ironflow_now(), ?)"
-                + _STEP_RESULT_UPSERT,
+                + STEP_RESULT_UPSERT,
                 (
                     fence.run_id,
                     step_id,
@@ -111,7 +111,7 @@ class UnfencedRecordStep(SqliteStore):
                 ),
             )
             if written and status == "completed":
-                self._audit_if_enabled(
+                audit_if_enabled(
                     tx, "step.completed", fence.run_id, {"step_id": step_id, "name": name}
                 )
 
@@ -272,7 +272,9 @@ class UnfencedBegunSegment(SqliteStore):
     session still complete the run."""
 
     @staticmethod
-    def _begin_ended_per_table(tx: Tx, rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+    def _begin_ended(
+        tx: Tx, rows: list[tuple[Any, ...]], steps: list[tuple[Any, ...]]
+    ) -> list[tuple[Any, ...]]:
         taken = [
             row for run_id, seq, *_ in rows
             for row in tx.fetchall(
@@ -316,7 +318,7 @@ class StrandedAck(SimPostgresStore):
     the queue row and writes no lease: the run is stranded."""
 
     def _activate(self, tx: Tx, fences: Sequence[Fence], lease_expiry_s: float) -> list[outcome.Outcome[RunRecord]]:
-        if not tx.combined:
+        if not tx.modifying_with:
             return super()._activate(tx, fences, lease_expiry_s)
         rows = [(f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token)) for f in fences]
         values = ", ".join(["(?, ?, ?, ?)"] * len(rows))
@@ -329,7 +331,7 @@ class StrandedAck(SimPostgresStore):
                 " AND d.execution_seq = v.execution_seq AND d.reservation_owner = v.session_id"
                 " AND d.lease_token_hash = v.digest AND EXISTS (SELECT 1 FROM runs"
                 " WHERE id = v.run_id AND current_execution_seq = v.execution_seq"
-                f" AND status NOT IN {_TERMINAL_SQL}) RETURNING d.run_id, d.execution_seq,"
+                f" AND status NOT IN {TERMINAL_SQL}) RETURNING d.run_id, d.execution_seq,"
                 " d.function_id, d.concurrency_key, v.session_id, v.digest,"
                 " d.reserved_at, d.reservation_snapshot),"
                 " l AS (INSERT INTO concurrency_leases (run_id, execution_seq, function_id,"
@@ -340,7 +342,7 @@ class StrandedAck(SimPostgresStore):
                 " FROM q JOIN worker_sessions s ON s.id = q.session_id RETURNING run_id)"
                 " UPDATE runs r SET status = 'running', started_at = coalesce(r.started_at,"
                 " ironflow_now()), deadline_at = coalesce(r.deadline_at, ironflow_now() + r.timeout_s),"
-                f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {_RUN_COLS},"
+                f" updated_at = ironflow_now() FROM l WHERE r.id = l.run_id RETURNING {RUN_COLS},"
                 " (SELECT f.audit FROM functions f WHERE f.id = function_id)",
                 (*(value for row in rows for value in row), float(lease_expiry_s)),
             )
@@ -349,15 +351,15 @@ class StrandedAck(SimPostgresStore):
         for fence in fences:
             run = started.get(fence.run_id)
             if run is not None:
-                record = _run_record(run)
+                record = run_record(run)
                 if run[-1]:
-                    self._audit(tx, "run.started", fence.run_id, record.function_id,
+                    write_audit(tx, "run.started", fence.run_id, record.function_id,
                                 {"execution_seq": fence.execution_seq})
                 results.append(outcome.Value(record))
             elif self._fence_alive(tx, fence):
-                again = tx.fetchone(f"SELECT {_RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,))
+                again = tx.fetchone(f"SELECT {RUN_COLS} FROM runs r WHERE r.id = ?", (fence.run_id,))
                 assert again is not None
-                results.append(outcome.Value(_run_record(again)))
+                results.append(outcome.Value(run_record(again)))
             else:
                 results.append(outcome.Error(StaleExecution(f"{fence.run_id}/{fence.execution_seq} refused")))
         return results
@@ -375,22 +377,22 @@ class WaitRowSkipped(SimPostgresStore):
         names = sorted({name for _, name, _ in events})
         waiting = tx.fetchall(
             "SELECT run_id, step_id, wait_event, wait_match, wait_match_value FROM steps"
-            f" WHERE status = 'waiting' AND kind = 'wait' AND wait_event IN ({_marks(len(names))})"
+            f" WHERE status = 'waiting' AND kind = 'wait' AND wait_event IN ({placeholders(len(names))})"
             f" {tx.lock()}",
             names,
         )
         for place, (event_id, name, data) in enumerate(events):
             for run_id, step_id, event, match, value in waiting:
-                if event != name or (match is not None and lookup_path(data, match) != _dec(value)):
+                if event != name or (match is not None and lookup_path(data, match) != dec(value)):
                     continue
                 received = tx.fetchone("SELECT received_at FROM events WHERE id = ?", (event_id,))
-                output = _enc({"id": event_id, "name": name, "data": data,
+                output = enc({"id": event_id, "name": name, "data": data,
                                "received_at": received[0] if received else None})
                 if tx.execute(
                     "UPDATE steps SET status = 'completed', output = ?, wake_at = NULL"
                     " WHERE run_id = ? AND step_id = ? AND status = 'waiting'",
                     (output, run_id, step_id),
-                ) and self._resume(tx, run_id) is not None:
+                ) and resume(tx, run_id) is not None:
                     resumed[place].append(run_id)
         return resumed
 
@@ -420,7 +422,7 @@ class FalseStale(SimPostgresStore):
     again by a later statement, as it was: a lease ended in between turns
     rows already written into a StaleExecution."""
 
-    def _record_fenced(self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]) -> set[str]:
+    def _record_live(self, tx: Tx, fences: dict[str, Fence], rows: list[tuple[Any, ...]]) -> set[str]:
         live: set[str] = set()
         for run_id, fence in fences.items():
             mine = [row for row in rows if row[0] == run_id]
@@ -433,8 +435,8 @@ class FalseStale(SimPostgresStore):
                 " duration_ms, execution_seq, created_at, seq)"
                 " SELECT v.run_id, v.step_id, v.name, 'run', v.status, v.output, v.error,"
                 " v.duration_ms, ?, ironflow_now(), v.seq FROM v"
-                f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {_FENCE_SQL})"
-                + _STEP_RESULT_UPSERT
+                f" WHERE EXISTS (SELECT 1 FROM concurrency_leases WHERE {FENCE_SQL})"
+                + STEP_RESULT_UPSERT
                 + f" RETURNING run_id, step_id, status, {_STEP_AUDITED_FUNCTION}",
                 (*(value for row in mine for value in row), fence.execution_seq, *self._fence_params(fence)),
             )

@@ -15,7 +15,7 @@ from ironflow.protocol import FunctionDef, FunctionSchedule, Trigger
 from ironflow.protocol.cron import CRON_EVENT, MAX_CATCHUP_TICKS, next_tick
 from ironflow.store import FunctionNotFound, Store
 from ironflow.store.core import Tx
-from ironflow.store.schema import _BACKFILL_TRIGGERS
+from ironflow.store.schema import BACKFILL_TRIGGERS
 from tests.clock import SkewedStore, open_test_store
 from tests.store.pg_holds import lock_waiters, wait_until
 
@@ -161,7 +161,7 @@ async def test_the_trigger_index_ignores_cron_triggers(store: SkewedStore) -> No
 
     def backfill(tx: Tx) -> list[tuple]:
         tx.execute("DELETE FROM function_triggers")
-        tx.execute(_BACKFILL_TRIGGERS[dialect])
+        tx.execute(BACKFILL_TRIGGERS[dialect])
         return tx.fetchall("SELECT pattern, function_id FROM function_triggers ORDER BY 1, 2")
 
     assert await store._transact(backfill) == [("order.created", "mixed")]  # type: ignore[attr-defined]

@@ -11,7 +11,7 @@ import trio
 
 from ironflow.protocol import FunctionDef, Trigger
 from ironflow.store import StaleExecution, open_store
-from ironflow.store.base import Fence
+from ironflow.store.records import Fence
 from ironflow.store.sqlite import SqliteStore
 from tests.clock import SkewedSqliteStore
 
