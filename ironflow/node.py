@@ -208,6 +208,10 @@ class Node:
                     else f"{config.host}:{config.port}"
                 ]
                 hcfg.websocket_max_message_size = config.max_frame_bytes
+                # The listen queue holds a burst as large as the connection cap
+                # (hypercorn's default of 100 drops the SYNs past it: a client
+                # then waits the kernel's 1 s retransmit to connect).
+                hcfg.backlog = max(hcfg.backlog, config.limits.max_connections)
                 hcfg.graceful_timeout = 1.0
                 hcfg.keep_alive_timeout = config.timings.http_keep_alive_s
                 hcfg.accesslog = None

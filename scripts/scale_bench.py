@@ -146,7 +146,13 @@ def _fill(http: httpx.Client, counter: Counter, name: str, n: int, function_id: 
     t0 = time.monotonic()
     for first in range(0, n, BATCH):
         events = [{"name": name, "data": {"k": i}} for i in range(first, min(n, first + BATCH))]
-        http.post("/v1/events/batch", json={"events": events}).raise_for_status()
+        for _attempt in range(10):  # a 503 (Retry-After) is retried, as a client would
+            resp = http.post("/v1/events/batch", json={"events": events})
+            if resp.status_code != 503:
+                break
+            print(f"    batch answered 503 ({resp.json().get('code')}), retrying", flush=True)
+            time.sleep(float(resp.headers.get("retry-after", "1")))
+        resp.raise_for_status()
         # Keep the queue short so the worker never holds the node's writer for long.
         counter.wait_for(function_id, status, min(n, first + BATCH) - BATCH // 2, 600)
     counter.wait_for(function_id, status, n, 1800)
