@@ -83,6 +83,10 @@ from ironflow.store.sql import SqlStore
 __all__ = ["PostgresStore"]
 
 log = logging.getLogger("ironflow.store")
+# How long close() waits for an actor's thread once the node stopped while the
+# database was silent (abandon_calls): a thread on a dead connection is left
+# to the TCP bounds, the node does not wait for them.
+ABANDONED_CLOSE_S = 1.0
 T = TypeVar("T")
 
 # A call PostgreSQL aborted as a deadlock victim (or serialization failure) is
@@ -587,9 +591,7 @@ class PostgresStore(SqlStore):
         # An actor stuck on a connection that went silent (a partition) ends
         # at the TCP bound; past it the node stops without it (its thread is a
         # daemon, its transaction the server's to end).
-        # Stopping while the database is silent (abandon_calls), a thread on a
-        # dead connection is not waited for beyond a second.
-        bound_s = 1.0 if self._abandoning else self.timings.pg_tcp_timeout_s + 1.0
+        bound_s = ABANDONED_CLOSE_S if self._abandoning else self.timings.pg_tcp_timeout_s + 1.0
 
         def join() -> int:
             deadline = time.monotonic() + bound_s
