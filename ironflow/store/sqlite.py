@@ -172,6 +172,26 @@ class _Inline:
         deliver(result)
 
 
+# How long a store opening the file retries the switch to WAL (sqlite3's own
+# busy timeout, which that switch does not wait out).
+_WAL_SWITCH_S = 5.0
+
+
+def _to_wal(conn: sqlite3.Connection) -> None:
+    """``PRAGMA journal_mode=WAL``, retried while another store opening the
+    same new file holds its lock: SQLite answers that switch "database is
+    locked" at once instead of calling the busy handler."""
+    deadline = time.monotonic() + _WAL_SWITCH_S
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
+
+
 class SqliteStore(SqlStore):
     """Engine state in one SQLite file.
 
@@ -300,7 +320,7 @@ class SqliteStore(SqlStore):
             # Only takes effect on a file that has no tables yet, so it must
             # come before the DDL; an older file keeps auto_vacuum off (docs/operations.md).
             conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
-        conn.execute("PRAGMA journal_mode=WAL")
+        _to_wal(conn)
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
         conn.execute("PRAGMA busy_timeout=5000")
