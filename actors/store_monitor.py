@@ -5,8 +5,11 @@ an idle node writes nothing), so an outage nobody's call has met yet still
 turns ``/readyz`` to 503 within about that; a probe that has not answered
 within ``store_probe_timeout_s`` (a database gone silent: a partition holds
 packets and closes nothing) marks the store down too, unless other calls
-reached the database meanwhile (the probe queued behind a loaded node's work). Any store call that meets an
-outage marks the store down itself (``ironflow/store/availability.py``).
+reached the database meanwhile (the probe queued behind a loaded node's
+work). Past half its timeout a direct probe, on a connection of its own,
+races the queued one: calls of this node that all wait on locks are no
+outage. Any store call that meets an outage marks the store down itself
+(``ironflow/store/availability.py``).
 
 While the store is down it tries a *write* every ``store_probe_s`` (a full
 disk still reads). Once one goes through, and before anything else resumes,
@@ -33,15 +36,26 @@ log = logging.getLogger("ironflow.store")
 
 
 
+# Share of the probe timeout after which a read probe still queued behind
+# this node's calls is joined by a direct one (its own connection): calls that
+# wait on locks (a deadlock PostgreSQL breaks after its 1 s deadlock_timeout)
+# hold every connection of the node without the database being silent.
+DIRECT_AFTER = 0.5
+
+
 async def _probe(store: Store, timeout_s: float, *, write: bool) -> bool:
     """Whether one probe went through within ``timeout_s``. A hung one is
     given up on at the timeout (even one the database took: the probe is
     ANSWER_WHEN_DOWN) and marks the store down, which answers every API call
-    still waiting on the database at once."""
+    still waiting on the database at once. A read probe is first queued like
+    any call; past ``DIRECT_AFTER`` of the timeout a direct one races it."""
     started = trio.current_time()
     with trio.move_on_after(timeout_s), answered_when_down():
         try:
-            await store.probe(write=write)
+            if write:
+                await store.probe(write=True)
+            else:
+                await _read_probe(store, timeout_s * DIRECT_AFTER)
         except StoreUnavailable:
             return False
         return True
@@ -55,6 +69,27 @@ async def _probe(store: Store, timeout_s: float, *, write: bool) -> bool:
             f"the database did not answer a probe within {timeout_s:g} s (timings.store_probe_timeout_s)",
         )
     return False
+
+
+async def _read_probe(store: Store, direct_after_s: float) -> None:
+    """The queued read probe, raced after ``direct_after_s`` by a direct one:
+    returns when either answers, raises StoreUnavailable if one does."""
+    failed: list[StoreUnavailable] = []
+    async with trio.open_nursery() as nursery:
+
+        async def ask(direct: bool) -> None:
+            if direct:
+                await trio.sleep(direct_after_s)
+            try:
+                await store.probe(write=False, direct=direct)
+            except StoreUnavailable as exc:
+                failed.append(exc)
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(ask, False)
+        nursery.start_soon(ask, True)
+    if failed:
+        raise failed[0]
 
 
 async def run(

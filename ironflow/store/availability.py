@@ -152,6 +152,10 @@ def settle(
     other store error it names if any (a timeout: the database is up)."""
     if isinstance(result, outcome.Error):
         error = result.error
+        if not isinstance(error, Exception):
+            # Cancelled (a probe given up on, its thread abandoned): nothing
+            # was heard from the database, so it is not marked reached.
+            return result.unwrap()
         gone = _outage(error, classify)
         if gone is not None:
             if isinstance(gone, StoreUnavailable):

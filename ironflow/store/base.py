@@ -207,9 +207,12 @@ class Store(abc.ABC):
     # outages (ironflow/store/outage.py) ---------------------------------------
 
     @abc.abstractmethod
-    async def probe(self, *, write: bool) -> None:
-        """Reach the database; ``write``: prove it can also grow and commit.
-        Raises StoreUnavailable (or StorageFull) if it cannot."""
+    async def probe(self, *, write: bool, direct: bool = False) -> None:
+        """Reach the database; ``write``: prove it can also grow and commit;
+        ``direct``: not queued behind this node's other calls (PostgreSQL: on
+        a connection of its own), so that it answers while they wait on
+        locks. A write probe is always direct. Raises StoreUnavailable (or
+        StorageFull) if it cannot."""
 
     @abc.abstractmethod
     async def give_back_blind_time(self, node_id: str, blind_s: float) -> int:

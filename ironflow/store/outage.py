@@ -48,7 +48,7 @@ class OutageOps(SqlStoreBase):
         is not queued behind the groups of a recovering node's backlog."""
         return await self._transact(work)
 
-    async def probe(self, *, write: bool) -> None:
+    async def probe(self, *, write: bool, direct: bool = False) -> None:
         def work(tx: Tx) -> None:
             if not write:
                 tx.fetchone("SELECT 1")
@@ -56,7 +56,7 @@ class OutageOps(SqlStoreBase):
             tx.execute("INSERT INTO store_probe (id, pad) VALUES (1, ?)", ("x" * PROBE_BYTES,))
             tx.execute("DELETE FROM store_probe WHERE id = 1")
 
-        if write:
+        if write or direct:
             await self._outage_transact(work)
         else:
             await self._transact(work)

@@ -377,7 +377,9 @@ async def test_a_cancel_at_the_last_step_ends_the_run_once_and_no_step_commits_a
         seen = None
         if resp.status_code == 200:
             # Read at once, after the cancel committed: what the run's history is.
-            detail = (await http.get(f"{url}/v1/runs/{run_id}")).json()
+            got = await http.get(f"{url}/v1/runs/{run_id}")
+            assert got.status_code == 200, (got.status_code, got.text[:500])
+            detail = got.json()
             seen = {s["step_id"]: s["status"] for s in detail["steps"]}
             seen["(run)"] = detail["run"]["status"]
         cancels[run_id] = (resp.status_code, seen)
