@@ -336,7 +336,7 @@ class Store(abc.ABC):
     ) -> list[IngestResult]:
         """:meth:`ingest_events` of ``(name, data, idempotency_key, traceparent)``:
         each new event also records its W3C ``traceparent`` (None: none), which
-        every assignment of its runs carries (ironflow/store/traces.py)."""
+        every assignment of its runs carries (ironflow/store/ingest.py)."""
 
     @abc.abstractmethod
     async def invoke_function(self, function_id: str, data: Any) -> str:

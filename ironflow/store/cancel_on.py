@@ -51,7 +51,7 @@ the worker: its next heartbeat is answered STALE and every write refused.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -61,7 +61,6 @@ from ironflow.expressions import EvaluationError, ExpressionError, compile_expre
 from ironflow.protocol import TERMINAL_RUN_STATUSES, ErrorInfo, FunctionDef, lookup_path
 from ironflow.store.base import Conflict, RunNotFound
 from ironflow.store.core import Tx, dec, placeholders
-from ironflow.store.filters import FilterOps
 from ironflow.store.records import CancelNotice, CancelOutcome
 from ironflow.store.transitions import cancel
 from ironflow.store.waits import wait_key
@@ -130,127 +129,105 @@ def notify_cancels(tx: Tx, notices: list[CancelNotice]) -> None:
             tx.execute("SELECT pg_notify(?, ?)", (CANCEL_CHANNEL, payload))
 
 
-class CancelOnOps(FilterOps):
-    """Subscriptions written with their run, judged by an ingest (module docstring)."""
-
-    # PostgreSQL sets it: cancel notices travel by NOTIFY, to every node (as
-    # its Tx's ``notifies_nodes`` says), so nothing is announced after commit.
-    _notifies_cancels = False
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._cancel_listeners: list[Callable[[list[CancelNotice]], None]] = []
-
-    def on_jobs_cancelled(self, listener: Callable[[list[CancelNotice]], None]) -> None:
-        self._cancel_listeners.append(listener)
-
-    def _announce_cancels(self, notices: list[CancelNotice]) -> None:
-        if notices:
-            for listener in self._cancel_listeners:
-                listener(notices)
-
-    def _announce_cancel_payload(self, payload: str) -> None:
-        """A NOTIFY from :data:`CANCEL_CHANNEL` (postgres.py's listener)."""
-        try:
-            notices = notices_decode(payload)
-        except msgspec.DecodeError:
-            return  # not ours
-        self._announce_cancels(notices)
-
-    def _subscribe_cancels(self, tx: Tx, runs: list[tuple[str, FunctionDef, Any]]) -> None:
-        rows: list[Any] = []
-        for run_id, fd, data in runs:
-            for spec_no, spec in enumerate(fd.cancel_on):
-                if spec.match is None:
-                    key = wait_key(spec.event, None, None)
-                else:
-                    value = lookup_path(data, spec.match)
-                    if value is None:
-                        continue  # nothing to match: this entry never cancels the run
-                    key = wait_key(spec.event, spec.match, value)
-                timeout = None if spec.timeout_s is None else float(spec.timeout_s)
-                rows += [key, run_id, spec_no, spec.expression, timeout]
-        if rows:
-            tx.execute(
-                "INSERT INTO cancel_subscriptions (cancel_key, run_id, spec, condition, expires_at)"
-                " VALUES " + ", ".join(["(?, ?, ?, ?, ironflow_now() + ?)"] * (len(rows) // 5)),
-                rows,
-            )
-
-    def _cancel_on_events(
-        self, tx: Tx, events: Sequence[tuple[str, str, Any]], paths: dict[str, list[str]]
-    ) -> list[list[CancelOutcome]]:
-        """Cancel the runs these events (``(event_id, name, data)``, in order)
-        cancel (module docstring): per event, the runs it cancelled."""
-        cancelled: list[list[CancelOutcome]] = [[] for _ in events]
-        keyed: dict[str, int] = {}
-        for place, (_, name, data) in enumerate(events):
-            for key in _event_keys(name, data, paths.get(name, ())):
-                keyed.setdefault(key, place)
-        if not keyed:
-            return cancelled
-        keys = sorted(keyed)
-        rows = tx.fetchall(
-            "SELECT s.cancel_key, s.run_id, s.spec, s.condition,"
-            " CASE WHEN s.expires_at IS NULL OR s.expires_at > ironflow_now() THEN 1 ELSE 0 END,"
-            " r.status, r.event_id, e.name, e.data"
-            " FROM cancel_subscriptions s LEFT JOIN runs r ON r.id = s.run_id"
-            # The run's triggering event, only for a row with a condition.
-            " LEFT JOIN events e ON s.condition IS NOT NULL AND e.id = r.event_id"
-            f" WHERE s.cancel_key IN ({placeholders(len(keys))}) ORDER BY s.run_id, s.spec",
-            keys,
+def subscribe_cancels(tx: Tx, runs: list[tuple[str, FunctionDef, Any]]) -> None:
+    """New runs ``(run_id, definition, event data)``: record their cancel-on
+    subscriptions (module docstring), in the transaction that creates them."""
+    rows: list[Any] = []
+    for run_id, fd, data in runs:
+        for spec_no, spec in enumerate(fd.cancel_on):
+            if spec.match is None:
+                key = wait_key(spec.event, None, None)
+            else:
+                value = lookup_path(data, spec.match)
+                if value is None:
+                    continue  # nothing to match: this entry never cancels the run
+                key = wait_key(spec.event, spec.match, value)
+            timeout = None if spec.timeout_s is None else float(spec.timeout_s)
+            rows += [key, run_id, spec_no, spec.expression, timeout]
+    if rows:
+        tx.execute(
+            "INSERT INTO cancel_subscriptions (cancel_key, run_id, spec, condition, expires_at)"
+            " VALUES " + ", ".join(["(?, ?, ?, ?, ironflow_now() + ?)"] * (len(rows) // 5)),
+            rows,
         )
-        ended: set[str] = set()
-        expired: list[tuple[str, str, int]] = []
-        victims: dict[str, int] = {}  # run id -> the first event that cancels it
-        for key, run_id, spec, condition, live, status, trigger_id, trigger_name, trigger_data in rows:
-            if status is None or status in TERMINAL_RUN_STATUSES:
-                ended.add(run_id)
-                continue
-            if not live:
-                expired.append((key, run_id, spec))
-                continue
-            place = keyed[key]
-            trigger = {"name": trigger_name, "data": dec(trigger_data), "id": trigger_id}
-            if condition is not None and not self._condition_holds(condition, trigger, events[place]):
-                continue
-            victims[run_id] = min(place, victims.get(run_id, place))
-        notices: list[CancelNotice] = []
-        for run_id in sorted(victims):
-            event_id, name, _ = events[victims[run_id]]
-            error = ErrorInfo(
-                message=f"{cancel_reason(event_id)} ({name})", code="CANCELLED", retryable=False
-            )
-            audit = {"cause": "cancel-on-event", "event_id": event_id, "event": name}
-            try:
-                outcome = cancel(tx, run_id, error, audit)
-            except (RunNotFound, Conflict):
-                ended.add(run_id)  # it ended meanwhile (it was racing us): nothing to cancel
-                continue
-            cancelled[victims[run_id]].append(outcome)
-            if outcome.session_id is not None and outcome.job_id is not None:
-                notices.append(
-                    CancelNotice(run_id, outcome.session_id, outcome.job_id, cancel_reason(event_id))
-                )
-            ended.add(run_id)
-        notify_cancels(tx, notices)
-        if ended:
-            gone = sorted(ended)
-            tx.execute(f"DELETE FROM cancel_subscriptions WHERE run_id IN ({placeholders(len(gone))})", gone)
-        if expired:
-            tx.executemany(
-                "DELETE FROM cancel_subscriptions WHERE cancel_key = ? AND run_id = ? AND spec = ?",
-                expired,
-            )
-        return cancelled
 
-    @staticmethod
-    def _condition_holds(condition: str, trigger: dict[str, Any], incoming: tuple[str, str, Any]) -> bool:
-        """A cancel-on ``expression``: true cancels; false or an error does not."""
-        event_id, name, data = incoming
+
+
+def cancel_on_events(
+    tx: Tx, events: Sequence[tuple[str, str, Any]], paths: dict[str, list[str]]
+) -> list[list[CancelOutcome]]:
+    """Cancel the runs these events (``(event_id, name, data)``, in order)
+    cancel (module docstring): per event, the runs it cancelled."""
+    cancelled: list[list[CancelOutcome]] = [[] for _ in events]
+    keyed: dict[str, int] = {}
+    for place, (_, name, data) in enumerate(events):
+        for key in _event_keys(name, data, paths.get(name, ())):
+            keyed.setdefault(key, place)
+    if not keyed:
+        return cancelled
+    keys = sorted(keyed)
+    rows = tx.fetchall(
+        "SELECT s.cancel_key, s.run_id, s.spec, s.condition,"
+        " CASE WHEN s.expires_at IS NULL OR s.expires_at > ironflow_now() THEN 1 ELSE 0 END,"
+        " r.status, r.event_id, e.name, e.data"
+        " FROM cancel_subscriptions s LEFT JOIN runs r ON r.id = s.run_id"
+        # The run's triggering event, only for a row with a condition.
+        " LEFT JOIN events e ON s.condition IS NOT NULL AND e.id = r.event_id"
+        f" WHERE s.cancel_key IN ({placeholders(len(keys))}) ORDER BY s.run_id, s.spec",
+        keys,
+    )
+    ended: set[str] = set()
+    expired: list[tuple[str, str, int]] = []
+    victims: dict[str, int] = {}  # run id -> the first event that cancels it
+    for key, run_id, spec, condition, live, status, trigger_id, trigger_name, trigger_data in rows:
+        if status is None or status in TERMINAL_RUN_STATUSES:
+            ended.add(run_id)
+            continue
+        if not live:
+            expired.append((key, run_id, spec))
+            continue
+        place = keyed[key]
+        trigger = {"name": trigger_name, "data": dec(trigger_data), "id": trigger_id}
+        if condition is not None and not condition_holds(condition, trigger, events[place]):
+            continue
+        victims[run_id] = min(place, victims.get(run_id, place))
+    notices: list[CancelNotice] = []
+    for run_id in sorted(victims):
+        event_id, name, _ = events[victims[run_id]]
+        error = ErrorInfo(
+            message=f"{cancel_reason(event_id)} ({name})", code="CANCELLED", retryable=False
+        )
+        audit = {"cause": "cancel-on-event", "event_id": event_id, "event": name}
         try:
-            return compile_expression(condition, CANCEL_VARIABLES).test(
-                {"event": trigger, "async": {"name": name, "data": data, "id": event_id}}
+            outcome = cancel(tx, run_id, error, audit)
+        except (RunNotFound, Conflict):
+            ended.add(run_id)  # it ended meanwhile (it was racing us): nothing to cancel
+            continue
+        cancelled[victims[run_id]].append(outcome)
+        if outcome.session_id is not None and outcome.job_id is not None:
+            notices.append(
+                CancelNotice(run_id, outcome.session_id, outcome.job_id, cancel_reason(event_id))
             )
-        except (EvaluationError, ExpressionError):
-            return False
+        ended.add(run_id)
+    notify_cancels(tx, notices)
+    if ended:
+        gone = sorted(ended)
+        tx.execute(f"DELETE FROM cancel_subscriptions WHERE run_id IN ({placeholders(len(gone))})", gone)
+    if expired:
+        tx.executemany(
+            "DELETE FROM cancel_subscriptions WHERE cancel_key = ? AND run_id = ? AND spec = ?",
+            expired,
+        )
+    return cancelled
+
+
+
+def condition_holds(condition: str, trigger: dict[str, Any], incoming: tuple[str, str, Any]) -> bool:
+    """A cancel-on ``expression``: true cancels; false or an error does not."""
+    event_id, name, data = incoming
+    try:
+        return compile_expression(condition, CANCEL_VARIABLES).test(
+            {"event": trigger, "async": {"name": name, "data": data, "id": event_id}}
+        )
+    except (EvaluationError, ExpressionError):
+        return False

@@ -38,13 +38,10 @@ from ironflow.protocol import (
     RunRecord,
     RunResult,
     StepRecord,
-    concurrency_keyed,
-    lookup_path,
 )
 from ironflow.store.base import Store
-from ironflow.store.dispatch_flow import priority_of, set_priorities
-from ironflow.store.records import Fence, RecoveredSegment
-from ironflow.store.transitions import enqueue
+from ironflow.store.filters import CompiledDefinitions
+from ironflow.store.records import CancelNotice, Fence, RecoveredSegment
 from ironflow.store.tx import (  # re-exported: the store modules import them from here
     Tx as Tx,
 )
@@ -151,16 +148,6 @@ def token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
-def _concurrency_key(fd: FunctionDef, data: Any) -> str | None:
-    keyed = concurrency_keyed(fd)  # the one keyed constraint (layered limits)
-    if keyed is None or keyed.key is None:
-        return None
-    value = lookup_path(data, keyed.key)
-    if value is None:
-        return None
-    return value if isinstance(value, str) else enc(value)
-
-
 def triggered(fd: FunctionDef, name: str) -> bool:
     for trigger in fd.triggers:
         if trigger.event is None:  # a cron trigger (ironflow/store/cron.py)
@@ -264,6 +251,27 @@ def new_run(fd: FunctionDef) -> NewRun:
 # ── the shared store ─────────────────────────────────────────────────────────
 
 
+def fences_alive(tx: Tx, fences: Sequence[Fence]) -> set[str]:
+    """The runs of ``fences`` (different runs) whose fence is the live
+    lease (:func:`fence_join`): one statement. It locks nothing: right for
+    SQLite's single writer; on PostgreSQL a verdict that must still hold
+    at commit needs a lock (``steps.record_live``)."""
+    if not fences:
+        return set()
+    return {
+        row[0]
+        for row in tx.fetchall(
+            "WITH f (run_id, execution_seq, session_id, digest) AS (VALUES "
+            + ", ".join(["(?, ?, ?, ?)"] * len(fences))
+            + f") SELECT c.run_id FROM f CROSS JOIN concurrency_leases c WHERE {fence_join('c', 'f')}",
+            tuple(
+                v for fence in fences
+                for v in (fence.run_id, fence.execution_seq, fence.session_id, token_hash(fence.lease_token))
+            ),
+        )
+    }
+
+
 class SqlStoreBase(Store):
     """The machinery every concern shares: the transaction hook, definition
     decoding, run creation, the fence check (the transitions they share are
@@ -272,6 +280,8 @@ class SqlStoreBase(Store):
     def __init__(self) -> None:
         # Decoded FunctionDefs keyed by their stored JSON text (decode once per version).
         self._defs: dict[str, FunctionDef] = {}
+        # Their compilations: filters, keys (ironflow/store/filters.py).
+        self.definitions = CompiledDefinitions()
         # Called (in Trio, after commit) with the ids of runs this node ended.
         self._run_end_listeners: list[Callable[[list[str]], None]] = []
         # Called (in Trio, after commit, before the above) with the results of
@@ -282,6 +292,9 @@ class SqlStoreBase(Store):
         # Called (in Trio, after commit) when a registration may have changed
         # cron schedules (ironflow/store/cron.py): the scheduler re-reads.
         self._schedule_listeners: list[Callable[[], None]] = []
+        # Called (in Trio, after commit) with the jobs a cancel took from
+        # workers (ironflow/store/cancel_on.py): their sessions send Cancel.
+        self._cancel_listeners: list[Callable[[list[CancelNotice]], None]] = []
 
     def _fence_alive(self, tx: Tx, fence: Fence) -> bool:
         """Whether ``fence`` is the live lease (:data:`FENCE_SQL`)."""
@@ -292,27 +305,6 @@ class SqlStoreBase(Store):
             )
             is not None
         )
-
-    @staticmethod
-    def _fences_alive(tx: Tx, fences: Sequence[Fence]) -> set[str]:
-        """The runs of ``fences`` (different runs) whose fence is the live
-        lease (:func:`fence_join`): one statement. It locks nothing: right for
-        SQLite's single writer; on PostgreSQL a verdict that must still hold
-        at commit needs a lock (``steps._record_live``)."""
-        if not fences:
-            return set()
-        return {
-            row[0]
-            for row in tx.fetchall(
-                "WITH f (run_id, execution_seq, session_id, digest) AS (VALUES "
-                + ", ".join(["(?, ?, ?, ?)"] * len(fences))
-                + f") SELECT c.run_id FROM f CROSS JOIN concurrency_leases c WHERE {fence_join('c', 'f')}",
-                tuple(
-                    v for fence in fences
-                    for v in (fence.run_id, fence.execution_seq, fence.session_id, token_hash(fence.lease_token))
-                ),
-            )
-        }
 
     @staticmethod
     def _fence_params(fence: Fence) -> tuple[Any, ...]:
@@ -379,6 +371,19 @@ class SqlStoreBase(Store):
                 self._wake_listeners.remove(listener)
 
         return unregister
+
+    # PostgreSQL sets it: cancel notices travel by NOTIFY, to every node (as
+    # its Tx's ``notifies_nodes`` says), this one included, so nothing is
+    # announced after commit (postgres.py's listener announces them).
+    _notifies_cancels = False
+
+    def on_jobs_cancelled(self, listener: Callable[[list[CancelNotice]], None]) -> None:
+        self._cancel_listeners.append(listener)
+
+    def _announce_cancels(self, notices: list[CancelNotice]) -> None:
+        if notices:
+            for listener in self._cancel_listeners:
+                listener(notices)
 
     def _announce_wake(self, wake_at: float | None) -> None:
         if wake_at is not None:
@@ -451,56 +456,6 @@ class SqlStoreBase(Store):
         row = tx.fetchone("SELECT ironflow_now()")
         assert row is not None
         return float(row[0])
-
-    def _create_run(
-        self,
-        tx: Tx,
-        fd: FunctionDef,
-        event_id: str,
-        data: Any,
-        *,
-        parent_run_id: str | None = None,
-        parent_step_id: str | None = None,
-        new: NewRun | None = None,
-        event_name: str = INVOKED_EVENT,
-    ) -> str:
-        """Create a run of ``fd`` for event ``event_id`` (named ``event_name``:
-        what a CEL key or priority reads as ``event.name``) and queue its first
-        segment (``new``: the id, hold and kind an ingest chose); its id."""
-        new = new or new_run(fd)
-        run_id = new.run_id
-        ckey = self._run_key(fd, event_name, data, event_id)
-        tx.execute(
-            "INSERT INTO runs (id, function_id, event_id, parent_run_id, parent_step_id, status,"
-            " attempt, max_attempts, recovery_count, current_execution_seq, concurrency_key,"
-            " timeout_s, batch_size, created_at, updated_at) VALUES (?, ?, ?, ?, ?,"
-            " 'waiting_for_capacity', 1, ?, 0, 1, ?, ?, ?, ironflow_now(), ironflow_now())",
-            (
-                run_id,
-                fd.id,
-                event_id,
-                parent_run_id,
-                parent_step_id,
-                max(1, fd.retries.max_attempts),
-                ckey,
-                fd.timeout_s,
-                1 if new.batch else None,
-            ),
-        )
-        enqueue(tx, run_id, 1, fd.id, ckey, new.delay_s, new.reason)
-        self._subscribe_cancels(tx, [(run_id, fd, data)])
-        if fd.priority is not None:  # flow control : store/flow.py
-            set_priorities(tx, [(run_id, priority_of(fd, event_name, data))])
-        return run_id
-
-    # Trigger filters, expression keys and cancel-on (ironflow/store/filters.py,
-    # cancel_on.py) override these two hooks.
-    def _run_key(self, fd: FunctionDef, name: str, data: Any, event_id: str) -> str | None:
-        """The concurrency key of a new run of ``fd`` for this event."""
-        return _concurrency_key(fd, data)
-
-    def _subscribe_cancels(self, tx: Tx, runs: list[tuple[str, FunctionDef, Any]]) -> None:
-        """New runs ``(run_id, definition, event data)``: record their cancel-on subscriptions."""
 
     @staticmethod
     def _insert_event(

@@ -51,6 +51,7 @@ from ironflow.protocol.cron import (
 )
 from ironflow.store.base import FunctionNotFound
 from ironflow.store.core import SqlStoreBase, Tx
+from ironflow.store.creation import create_run
 from ironflow.store.function_life import NO_LIVE_WORKER, live_function_ids
 from ironflow.store.records import CronFired
 from ironflow.store.transitions import write_audit
@@ -147,7 +148,7 @@ class CronOps(SqlStoreBase):
         ):
             return None
         data = tick_data(cron, tz, scheduled_at)
-        run_id = self._create_run(tx, fd, event_id, data, event_name=CRON_EVENT)
+        run_id = create_run(tx, self.definitions, fd, event_id, data, event_name=CRON_EVENT)
         self._insert_event(tx, event_id, CRON_EVENT, data, None, [run_id])
         return run_id
 

@@ -14,6 +14,7 @@ import msgspec
 from ironflow.protocol import EventList, EventRecord, FlowNote
 from ironflow.store.base import FunctionNotFound, NotFound, RunNotFound
 from ironflow.store.core import SqlStoreBase, Tx, dec, enc
+from ironflow.store.creation import create_run
 from ironflow.store.filters import EventNotes, notes_decode
 from ironflow.store.pages import Keyset, PageQuery, read_page
 from ironflow.store.records import PageRequest
@@ -91,7 +92,7 @@ class EventReadOps(SqlStoreBase):
                     f"run {run_id}'s function has a stored definition this version refuses;"
                     " restart its worker to register it again"
                 )
-            new_run_id = self._create_run(tx, fd, event_id, dec(data_text), event_name=event_name)
+            new_run_id = create_run(tx, self.definitions, fd, event_id, dec(data_text), event_name=event_name)
             row = tx.fetchone("SELECT run_ids FROM events WHERE id = ?", (event_id,))
             run_ids = (dec(row[0]) if row else None) or []
             tx.execute(

@@ -44,14 +44,26 @@ from ironflow.store.core import (
     INVOKED_EVENT,
     MAX_STATEMENT_PARAMS,
     RUN_COLS,
+    SqlStoreBase,
     Tx,
     enc,
     fence_join,
     run_record,
     token_hash,
 )
+from ironflow.store.creation import create_run
 from ironflow.store.records import Fence, JobOutcome, StepResult
-from ironflow.store.steps import STEP_INSERT, STEP_RESULT_UPSERT, STEP_ROW_PARAMS, StepResultOps
+from ironflow.store.steps import (
+    STEP_INSERT,
+    STEP_RESULT_UPSERT,
+    STEP_ROW_PARAMS,
+    record_live,
+    record_many,
+    step_fields,
+    step_rows,
+    write_steps,
+    write_steps_unaudited,
+)
 from ironflow.store.transitions import (
     RUN_END_FIGURES,
     TERMINAL_SQL,
@@ -84,8 +96,12 @@ _BEGUN_AND_ENDED = (
 )
 
 
-class FenceOps(StepResultOps):
+class FenceOps(SqlStoreBase):
     """The fence and a segment's life (see the module docstring)."""
+
+    # A job's last step results are written as steps.py's StepResultOps
+    # writes any (the same seam: a test store overrides it on the store).
+    _record_live = staticmethod(record_live)
 
     def _take_lease(self, tx: Tx, fence: Fence) -> tuple[float, str | None]:
         """Delete the fenced lease and free its credit; return when the segment
@@ -337,7 +353,7 @@ class FenceOps(StepResultOps):
         result) begins and ends here (:meth:`_begin_and_complete`: its
         reservation is its fence, no lease is written); the others' last step
         results are written under their leases, then they complete."""
-        prepared = [(fence, self._step_fields(steps)) for fence, _, steps in items]
+        prepared = [(fence, step_fields(steps)) for fence, _, steps in items]
 
         def work(tx: Tx) -> list[outcome.Outcome[JobOutcome]]:
             refused: dict[str, outcome.Outcome[Any]] = {}
@@ -359,7 +375,7 @@ class FenceOps(StepResultOps):
             recorded = dict(refused)
             recorded.update(zip(
                 (fence.run_id for fence, _ in todo),
-                self._record_many(tx, todo)
+                record_many(tx, todo, self._record_live)
                 if any(fields for _, fields in todo)
                 else [outcome.Value(None) for _ in todo],
                 strict=True,
@@ -408,7 +424,7 @@ class FenceOps(StepResultOps):
             (f.run_id, f.execution_seq, f.session_id, token_hash(f.lease_token), enc(output))
             for (f, _), (_, output, _) in items
         ]
-        steps = self._step_rows([prepared for prepared, _ in items])
+        steps = step_rows([prepared for prepared, _ in items])
         # With data-modifying WITH the unaudited runs' steps go in the same
         # statement when they fit one (no step twice: an upsert changes a row once).
         folded = tx.modifying_with and _one_statement(steps, len(rows) * 5 + len(steps) * STEP_ROW_PARAMS)
@@ -422,9 +438,9 @@ class FenceOps(StepResultOps):
                 )
         audited = [row for row in steps if row[0] in begun and begun[row[0]][4]]
         if folded or audited:
-            self._write_steps(tx, audited if folded else [row for row in steps if row[0] in begun])
+            write_steps(tx, audited if folded else [row for row in steps if row[0] in begun])
         else:  # nothing to audit, every seq known
-            self._write_steps_unaudited(
+            write_steps_unaudited(
                 tx, [row for row in steps if row[0] in begun], {fence.run_id: fence.execution_seq for fence, _ in fences}
             )
         return {
@@ -671,8 +687,9 @@ class FenceOps(StepResultOps):
                     return JobOutcome(fence.run_id, "waiting", resumed[0], resumed[1])
                 event_id = new_id("evt")
                 try:
-                    invoke_run_id = self._create_run(
+                    invoke_run_id = create_run(
                         tx,
+                        self.definitions,
                         self._fdef(row[0]),
                         event_id,
                         info.input,

@@ -10,7 +10,8 @@ was filtered, so an emit pays no statement for this), and read back by
 
 A definition's expressions are compiled once per stored definition version:
 the store decodes each stored definition text once (``SqlStoreBase._fdef``)
-and compiles each decoded definition once (:meth:`FilterOps._compiled`).
+and compiles each decoded definition once (:class:`CompiledDefinitions`, one
+per store: ``SqlStoreBase.definitions``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from ironflow.definitions import (
 from ironflow.expressions import EvaluationError
 from ironflow.protocol import FilterNote, FunctionDef, concurrency_keyed
 from ironflow.store.base import KeyEvaluationFailed
-from ironflow.store.core import SqlStoreBase
 
 # Most compiled definitions kept (one per function id; a new version replaces
 # its function's entry): past it the cache starts over.
@@ -61,18 +61,19 @@ class EventNotes(msgspec.Struct, frozen=True):
 notes_decode = msgspec.json.Decoder(EventNotes).decode
 
 
-class FilterOps(SqlStoreBase):
-    """Compiled definitions, start verdicts and run keys (module docstring)."""
+class CompiledDefinitions:
+    """Compiled definitions, start verdicts and run keys (module docstring):
+    a store's cache of compilations, called on the Trio thread or in its
+    transactions' work alike (a dict read and write, no await between)."""
 
     def __init__(self) -> None:
-        super().__init__()
         # function id → (the decoded definition it was compiled from, its compilation).
-        self._compiled_defs: dict[str, tuple[FunctionDef, CompiledDefinition]] = {}
+        self._by_function: dict[str, tuple[FunctionDef, CompiledDefinition]] = {}
 
-    def _compiled(self, fd: FunctionDef) -> CompiledDefinition | None:
+    def compiled(self, fd: FunctionDef) -> CompiledDefinition | None:
         """``fd`` compiled, once per decoded definition; None if it no longer
         compiles (stored by a version with other rules: it starts nothing)."""
-        cache = self._compiled_defs
+        cache = self._by_function
         entry = cache.get(fd.id)
         if entry is not None and entry[0] is fd:
             return entry[1]
@@ -85,7 +86,7 @@ class FilterOps(SqlStoreBase):
         cache[fd.id] = (fd, compiled)
         return compiled
 
-    def _judge(
+    def judge(
         self, fds: list[FunctionDef], event_id: str, name: str, data: Any
     ) -> tuple[list[FunctionDef], list[FilterNote]]:
         """The functions event ``name`` starts a run of, and a note for each it
@@ -94,7 +95,7 @@ class FilterOps(SqlStoreBase):
         notes: list[FilterNote] = []
         binding = EventBinding(name, data, event_id)  # converted once for all the filters
         for fd in fds:
-            compiled = self._compiled(fd)
+            compiled = self.compiled(fd)
             if compiled is None:
                 notes.append(FilterNote(fd.id, "its stored definition no longer compiles", True))
                 continue
@@ -115,8 +116,9 @@ class FilterOps(SqlStoreBase):
             starting.append(fd)
         return starting, notes
 
-    def _run_key(self, fd: FunctionDef, name: str, data: Any, event_id: str) -> str | None:
-        """The concurrency key of a new run of ``fd`` (core.SqlStoreBase hook).
+    def run_key(self, fd: FunctionDef, name: str, data: Any, event_id: str) -> str | None:
+        """The concurrency key of a new run of ``fd`` for this event (its
+        path or its expression: a run's ``concurrency_key``).
 
         Raises:
           KeyEvaluationFailed: its key expression failed on this event.
@@ -124,7 +126,7 @@ class FilterOps(SqlStoreBase):
         keyed = concurrency_keyed(fd)  # the one keyed constraint (layered limits)
         if keyed is None or keyed.key is None:
             return None
-        compiled = self._compiled(fd)
+        compiled = self.compiled(fd)
         if compiled is None:
             return None
         try:

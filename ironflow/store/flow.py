@@ -2,7 +2,7 @@
 and a full concurrency key's ``on_limit`` (ironflow/protocol/flow.py;
 docs/flow-control.md).
 
-An ingest hands the functions an event triggers to :meth:`FlowOps._flow`,
+An ingest hands the functions an event triggers to :meth:`IngestFlow.flow`,
 which decides, in the ingest's own transaction, by the database clock, and
 answers the runs to create (:class:`~ironflow.store.core.NewRun`: ids chosen
 here, so a row can name its run before it exists; a held first segment for
@@ -75,6 +75,7 @@ from ironflow.store.base import Conflict, RunNotFound
 from ironflow.store.cancel_on import notify_cancels
 from ironflow.store.core import NewRun, SqlStoreBase, Tx, dec, enc, iso_time, new_run, placeholders
 from ironflow.store.errors import KeyEvaluationFailed
+from ironflow.store.filters import CompiledDefinitions
 from ironflow.store.records import CancelNotice, CancelOutcome
 from ironflow.store.transitions import TERMINAL_SQL, cancel
 
@@ -85,7 +86,7 @@ _NO_KEY = ""
 
 
 class FlowResult(msgspec.Struct):
-    """What :meth:`FlowOps._flow` decided for one event."""
+    """What :meth:`IngestFlow.flow` decided for one event."""
 
     # The runs the event starts, ids chosen here (flow control's rows already
     # name them): the caller creates them with the event (PostgreSQL: in one
@@ -137,7 +138,7 @@ class FlowGroup:
     ``touch(key)`` before a decision reads a key's runs: the second time in a
     group, the runs planned so far are created first (``create``).
     ``claimed``: the upserted rows of the group's first event of each
-    singleton and batch key (:meth:`FlowOps._claim_keys`, one statement per
+    singleton and batch key (:meth:`IngestFlow.claim_keys`, one statement per
     table), taken by that event's decision instead of its own upsert."""
 
     def __init__(self, create: Callable[[], None]) -> None:
@@ -193,10 +194,15 @@ def _key(source: str | None, name: str, data: Any, event_id: str) -> str:
     return _NO_KEY if text is None else text
 
 
-class FlowOps(SqlStoreBase):
-    """Rate limit, debounce, singleton and batch decisions of an ingest."""
+class IngestFlow:
+    """Rate limit, debounce, singleton and batch decisions of an ingest, in
+    its transaction: one per store (``IngestOps``), holding nothing but the
+    store's compilations (a key is computed as the run's would be)."""
 
-    def _flow(
+    def __init__(self, definitions: CompiledDefinitions) -> None:
+        self.definitions = definitions
+
+    def flow(
         self, tx: Tx, fds: list[FunctionDef], event_id: str, name: str, data: Any,
         group: FlowGroup | None = None,
     ) -> FlowResult:
@@ -211,7 +217,7 @@ class FlowOps(SqlStoreBase):
                 result.runs.append(new_run(fd))
         return result
 
-    def _claim_keys(self, tx: Tx, group: FlowGroup, events: list[tuple[str, str, Any, list[FunctionDef]]]) -> None:
+    def claim_keys(self, tx: Tx, group: FlowGroup, events: list[tuple[str, str, Any, list[FunctionDef]]]) -> None:
         """Upsert, in one statement per table and in key order, the singleton,
         batch and on_limit rows of the first event of each key among ``events``
         (``(event_id, name, data, starting functions)``), and count the on_limit
@@ -405,7 +411,7 @@ class FlowOps(SqlStoreBase):
         """The ``on_limit_keys`` key of a new run of ``fd``: '' for none, 'k:<key>'."""
         c = on_limit_of(fd)
         assert c is not None
-        ckey = self._run_key(fd, name, data, event_id) if c.key is not None else None
+        ckey = self.definitions.run_key(fd, name, data, event_id) if c.key is not None else None
         return _NO_KEY if ckey is None else "k:" + ckey
 
     @staticmethod
@@ -589,6 +595,9 @@ class FlowOps(SqlStoreBase):
         tx.execute(
             "UPDATE batches SET size = ? WHERE function_id = ? AND key = ?", (size + 1, fd.id, key)
         )
+
+class FlowOps(SqlStoreBase):
+    """The reads of ingest-side flow control: debounced runs pending."""
 
     # ── the event record and the reads ──────────────────────────────────────
 

@@ -1,6 +1,6 @@
 """Ingest: events in (idempotency window, the trigger index, trigger filters,
-cancel-on, runs created), parked ``wait_for_event`` steps resolved, direct
-invocations, cancellation.
+cancel-on, runs created; with a trace's ``traceparent`` if they carry one),
+parked ``wait_for_event`` steps resolved, direct invocations, cancellation.
 """
 
 from __future__ import annotations
@@ -14,12 +14,18 @@ from ironflow.protocol import (
     FunctionDef,
 )
 from ironflow.store.base import FunctionNotFound
-from ironflow.store.cancel_on import CancelOnOps, cancel_paths_sql, cancel_reason
+from ironflow.store.cancel_on import (
+    cancel_on_events,
+    cancel_paths_sql,
+    cancel_reason,
+    subscribe_cancels,
+)
 from ironflow.store.core import (
     INVOKED_EVENT,
     MAX_STATEMENT_PARAMS,
     NamedLock,
     NewRun,
+    SqlStoreBase,
     Tx,
     dec,
     enc,
@@ -28,8 +34,9 @@ from ironflow.store.core import (
     trigger_patterns,
     triggered,
 )
+from ironflow.store.creation import create_run
 from ironflow.store.filters import notes_text
-from ironflow.store.flow import FlowGroup, FlowOps, FlowResult, has_flow
+from ironflow.store.flow import FlowGroup, FlowResult, IngestFlow, has_flow
 from ironflow.store.records import CancelNotice, CancelOutcome, IngestResult
 from ironflow.store.transitions import cancel
 from ironflow.store.waits import ingest_locks, resolve_waits, wait_paths_sql
@@ -44,12 +51,18 @@ def _cancelled_ids(results: list[IngestResult]) -> list[str]:
     return [o.run_id for r in results for o in r.cancelled if not o.compensating]
 
 
-class IngestOps(FlowOps, CancelOnOps):
+class IngestOps(SqlStoreBase):
     """Events in, runs created, waits resolved, invocations, cancellation."""
 
-    # The waits an ingest resolves (waits.py), reached through the class so a
-    # test subclass can plant a bug (tests/sim/bugs.py), as ``flow_plan_class``.
+    # The waits an ingest resolves (waits.py) and its flow decisions
+    # (flow.py), reached through the class so a test subclass can plant a
+    # bug (tests/sim/bugs.py), as ``flow_plan_class``.
     _resolve_waits = staticmethod(resolve_waits)
+    ingest_flow_class: type[IngestFlow] = IngestFlow
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._ingest_flow = self.ingest_flow_class(self.definitions)
 
     def _ingest(
         self, tx: Tx, name: str, data: Any, idempotency_key: str | None, window_s: float
@@ -76,13 +89,13 @@ class IngestOps(FlowOps, CancelOnOps):
         paused functions (:meth:`_triggered_and_waited`)."""
         event_id = new_id("evt")
         # Cancel first: the event never cancels a run it starts (cancel_on.py).
-        cancelled = self._cancel_on_events(tx, [(event_id, name, data)], cancel_paths)[0]
+        cancelled = cancel_on_events(tx, [(event_id, name, data)], cancel_paths)[0]
         # A paused function starts nothing; the answer names it (ironflow/store/cron.py).
         live = [fd for fd in functions if fd.id not in paused and triggered(fd, name)]
         # Trigger filters and key expressions (filters.py), then ingest-side flow
         # control (store/flow.py) for the functions declaring it.
-        fds, filtered = self._judge(live, event_id, name, data)
-        flow = self._flow(tx, fds, event_id, name, data) if any(has_flow(fd) for fd in fds) else None
+        fds, filtered = self.definitions.judge(live, event_id, name, data)
+        flow = self._ingest_flow.flow(tx, fds, event_id, name, data) if any(has_flow(fd) for fd in fds) else None
         note = notes_text(filtered, [o.run_id for o in cancelled])
         flow_json = None if flow is None else flow.flow_json()
         run_ids = self._create_runs_with_event(
@@ -139,7 +152,7 @@ class IngestOps(FlowOps, CancelOnOps):
             run_ids: list[str] = []
             for planned in runs:
                 new = planned if isinstance(planned, NewRun) else new_run(planned)
-                fd, run_id, ckey = new.fd, new.run_id, self._run_key(new.fd, name, data, event_id)
+                fd, run_id, ckey = new.fd, new.run_id, self.definitions.run_key(new.fd, name, data, event_id)
                 if new.reason == "new":
                     run_ids.append(run_id)
                 run_rows += [
@@ -190,7 +203,7 @@ class IngestOps(FlowOps, CancelOnOps):
             tx.execute(events_sql, event_rows)
             tx.execute(runs_sql, run_rows)
             tx.execute(queue_sql, queue_rows)
-        self._subscribe_cancels(tx, subscribing)
+        subscribe_cancels(tx, subscribing)
         self._first_batch_events(tx, batched)
         if prioritised:
             from ironflow.store.dispatch_flow import set_priorities
@@ -298,6 +311,31 @@ class IngestOps(FlowOps, CancelOnOps):
             self._ingest_locks(events),
         )
 
+    async def ingest_traced_events(
+        self,
+        events: list[tuple[str, Any, str | None, str | None]],
+        *,
+        idempotency_window_s: float,
+    ) -> list[IngestResult]:
+        """:meth:`ingest_events` for events that carry a W3C ``traceparent``
+        (ironflow/tracing.py): the same transaction, plus one UPDATE recording
+        it on each new event (a duplicate keeps the one it was first stored
+        with); every assignment of its runs then carries it (dispatch.py reads
+        ``events.traceparent``). Only an emit that has a trace pays the UPDATE."""
+        plain = [(name, data, key) for name, data, key, _ in events]
+
+        def work(tx: Tx) -> list[IngestResult]:
+            results = self._ingest_group(tx, plain, idempotency_window_s)
+            for result, (_, _, _, traceparent) in zip(results, events, strict=True):
+                if traceparent is not None and not result.duplicate:
+                    tx.execute(
+                        "UPDATE events SET traceparent = ? WHERE id = ?",
+                        (traceparent, result.event_id),
+                    )
+            return results
+
+        return await self._transact_ingest(work, lambda results: results, self._ingest_locks(plain))
+
     def _ingest_group(
         self, tx: Tx, events: list[tuple[str, Any, str | None]], idempotency_window_s: float
     ) -> list[IngestResult]:
@@ -338,15 +376,15 @@ class IngestOps(FlowOps, CancelOnOps):
         judged = []
         for name, data in events:
             event_id = new_id("evt")
-            starting, filtered = self._judge(live, event_id, name, data)
+            starting, filtered = self.definitions.judge(live, event_id, name, data)
             note = notes_text(filtered, [])
             if note is not None:
                 notes[event_id] = note
             judged.append((event_id, name, data, starting))
-        self._claim_keys(tx, group, judged)
+        self._ingest_flow.claim_keys(tx, group, judged)
         for event_id, name, data, starting in judged:
             flow = (
-                self._flow(tx, starting, event_id, name, data, group)
+                self._ingest_flow.flow(tx, starting, event_id, name, data, group)
                 if any(has_flow(fd) for fd in starting) else None
             )
             flows.append(flow)
@@ -388,7 +426,7 @@ class IngestOps(FlowOps, CancelOnOps):
                     f"function {function_id} has a stored definition this version refuses;"
                     " restart its worker to register it again"
                 )
-            run_id = self._create_run(tx, fd, event_id, data)
+            run_id = create_run(tx, self.definitions, fd, event_id, data)
             self._insert_event(tx, event_id, INVOKED_EVENT, data, None, [run_id])
             return run_id
 

@@ -58,6 +58,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
+import msgspec
 import outcome
 import psycopg
 import trio
@@ -71,7 +72,7 @@ from ironflow.store.base import (
     CommitOutcomeUnknown,
     StoreUnavailable,
 )
-from ironflow.store.cancel_on import CANCEL_CHANNEL
+from ironflow.store.cancel_on import CANCEL_CHANNEL, notices_decode
 from ironflow.store.chain import chained
 from ironflow.store.core import NamedLock, Tx
 from ironflow.store.handback import hand_back
@@ -565,6 +566,14 @@ class PostgresStore(SqlStore):
         # bounds the thread, and its connection is its own.
         result = await outcome.acapture(partial(trio.to_thread.run_sync, run, abandon_on_cancel=True))
         return settle(self.availability, result, unavailable)
+
+    def _announce_cancel_payload(self, payload: str) -> None:
+        """A NOTIFY from :data:`CANCEL_CHANNEL` (the listener below)."""
+        try:
+            notices = notices_decode(payload)
+        except msgspec.DecodeError:
+            return  # not ours
+        self._announce_cancels(notices)
 
     def abandon_calls(self) -> None:
         self._abandoning = True

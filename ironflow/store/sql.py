@@ -14,12 +14,11 @@ from one module per concern so each seed mechanism reads on its own:
 - ``wake_claims``: the waker's claims and loop 2, the stale-claim sweeper;
 - ``dispatch``: reservations and assignments; ``dispatch_flow``: flow
   control at dispatch (concurrency keys, throttles, priority);
-- ``ingest``: events, runs, invocations, cancellation; ``filters``: trigger
+- ``ingest``: events (with a trace's ``traceparent``), runs, invocations, cancellation; ``filters``: trigger
   filters and expression keys; ``flow``: ingest-side flow control;
   ``cancel_on``: cancel on an event; ``compensation``: a cancelled run's undos;
 - ``sessions``: worker registration, functions, pull-session ownership;
 - ``run_control``: resume and pause a run;
-- ``traces``: events ingested with a trace's ``traceparent``;
 - ``outage``: the probe and the blind time given back after an outage;
 - ``cron``: cron ticks claimed and fired, functions paused and resumed;
 - ``function_life``: functions live (a worker within ``function_live_s``), deleted, restored;
@@ -43,6 +42,7 @@ from ironflow.store.cron import CronOps
 from ironflow.store.dispatch import DispatchOps
 from ironflow.store.event_reads import EventReadOps
 from ironflow.store.fence import FenceOps, completed_ids, completed_results, distinct_runs
+from ironflow.store.flow import FlowOps
 from ironflow.store.function_life import FunctionLifeOps
 from ironflow.store.gauges import GaugeOps
 from ironflow.store.history import RetentionOps
@@ -54,12 +54,12 @@ from ironflow.store.records import Fence, IngestResult, JobOutcome, Reservations
 from ironflow.store.run_control import RunControlOps
 from ironflow.store.sessions import SessionOps
 from ironflow.store.stats import StatsOps
-from ironflow.store.traces import TraceOps
+from ironflow.store.steps import StepResultOps
 from ironflow.store.wake_claims import WakeLoop
 
 
 class SqlStore(
-    TraceOps, SessionOps, FenceOps, IngestOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
+    SessionOps, FenceOps, StepResultOps, IngestOps, FlowOps, DispatchOps, CapacityLoop, WakeLoop, ReadOps, RetentionOps, KeyOps,
     EventReadOps, GaugeOps, StatsOps, OutageOps, CronOps, FunctionLifeOps,
     RunControlOps,  # resume / pause a run
 ):

@@ -65,12 +65,14 @@ from ironflow.store.core import (
     run_record,
     token_hash,
 )
+from ironflow.store.creation import create_run
 from ironflow.store.cron import _SCHEDULE_COLS, _due
 from ironflow.store.dispatch_flow import FlowPlan
 from ironflow.store.fence import _BEGUN_AND_ENDED
+from ironflow.store.flow import IngestFlow
 from ironflow.store.records import CronFired
 from ironflow.store.sqlite import SqliteStore
-from ironflow.store.steps import _STEP_AUDITED_FUNCTION, STEP_RESULT_UPSERT
+from ironflow.store.steps import _STEP_AUDITED_FUNCTION, STEP_RESULT_UPSERT, audit_steps
 from ironflow.store.transitions import TERMINAL_SQL, audit_if_enabled, resume, write_audit
 from ironflow.store.waits import park_locks
 from tests.sim.pg import SimPostgresStore
@@ -177,7 +179,7 @@ class ThrottleIgnored(SqliteStore):
     flow_plan_class = ThrottleIgnoredPlan
 
 
-class SingletonIgnored(SqliteStore):
+class SingletonIgnoredFlow(IngestFlow):
     """An ingest that never looks at a singleton's run in flight: every event
     starts a run."""
 
@@ -189,7 +191,7 @@ class KeyCountIgnored(SqliteStore):
     flow_plan_class = KeyCountIgnoredPlan
 
 
-class RateLimitOneExtra(SqliteStore):
+class RateLimitOneExtraFlow(IngestFlow):
     """``_rate_limit_passes`` (ironflow/store/flow.py) with its condition one
     interval short: ``max(tat, now) <= now + period``."""
 
@@ -228,7 +230,7 @@ class _RunEventKept:
         return self._tx.execute(sql, params)
 
 
-class DebounceKeepsFirstEvent(SqliteStore):
+class DebounceKeepsFirstEventFlow(IngestFlow):
     """``_debounce`` (ironflow/store/flow.py) without moving the pending run
     to the joining event."""
 
@@ -236,7 +238,7 @@ class DebounceKeepsFirstEvent(SqliteStore):
         super()._debounce(_RunEventKept(tx), fd, key, event_id, result)  # type: ignore[arg-type]
 
 
-class DebounceNeverJoins(SqliteStore):
+class DebounceNeverJoinsFlow(IngestFlow):
     """A debounced run's (or a batch's) held queue row is never found still filling."""
 
     @staticmethod
@@ -244,7 +246,7 @@ class DebounceNeverJoins(SqliteStore):
         return None
 
 
-class BatchOverfills(SqliteStore):
+class BatchOverfillsFlow(IngestFlow):
     """``_batch`` (ironflow/store/flow.py) comparing the batch's size with
     ``max_size + 1``."""
 
@@ -253,6 +255,25 @@ class BatchOverfills(SqliteStore):
         wider = msgspec.structs.replace(fd.batch, max_size=fd.batch.max_size + 1)
         super()._batch(tx, msgspec.structs.replace(fd, batch=wider), key, event_id, result, group)
 
+
+class SingletonIgnored(SqliteStore):
+    ingest_flow_class = SingletonIgnoredFlow
+
+
+class RateLimitOneExtra(SqliteStore):
+    ingest_flow_class = RateLimitOneExtraFlow
+
+
+class DebounceKeepsFirstEvent(SqliteStore):
+    ingest_flow_class = DebounceKeepsFirstEventFlow
+
+
+class DebounceNeverJoins(SqliteStore):
+    ingest_flow_class = DebounceNeverJoinsFlow
+
+
+class BatchOverfills(SqliteStore):
+    ingest_flow_class = BatchOverfillsFlow
 
 class LateTickMissed(SqliteStore):
     """Every due tick is taken for a missed one: only the catch-up policy
@@ -443,7 +464,7 @@ class FalseStale(SimPostgresStore):
             if len(written) < len(mine) and not self._fence_alive(tx, fence):
                 continue  # "nothing was written": all refused (rows may have been)
             live.add(run_id)
-            self._audit_steps(tx, mine, written)
+            audit_steps(tx, mine, written)
         return live
 
 
@@ -459,7 +480,7 @@ class CronClaimUnguarded(SimPostgresStore):
     def _claim_tick(self, tx: Tx, fd: FunctionDef, cron: str, tz: str, scheduled_at: float, node_id: str) -> str:
         event_id = new_id("evt")
         data = tick_data(cron, tz, scheduled_at)
-        run_id = self._create_run(tx, fd, event_id, data, event_name=CRON_EVENT)
+        run_id = create_run(tx, self.definitions, fd, event_id, data, event_name=CRON_EVENT)
         self._insert_event(tx, event_id, CRON_EVENT, data, None, [run_id])
         return run_id
 

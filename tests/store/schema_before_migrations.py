@@ -413,7 +413,7 @@ _ADDED_COLUMNS = [
     ("dispatch_queue", "reservation_snapshot", "TEXT"),
     ("concurrency_leases", "began_at", "{REAL}"),
     ("concurrency_leases", "began_snapshot", "TEXT"),
-    # The W3C traceparent its runs' spans descend from (ironflow/store/traces.py).
+    # The W3C traceparent its runs' spans descend from (ironflow/store/ingest.py).
     ("events", "traceparent", "TEXT"),
     # Function pause (ironflow/store/cron.py): when it was paused, NULL = not paused.
     ("functions", "paused_at", "{REAL}"),

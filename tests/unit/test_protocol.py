@@ -17,6 +17,6 @@ def test_lookup_path_reads_dicts_and_list_indexes_with_or_without_a_data_prefix(
 
 def test_the_sdk_and_the_store_use_the_same_lookup() -> None:
     from ironflow.sdk import context
-    from ironflow.store import core
+    from ironflow.store import waits
 
-    assert context.lookup_path is core.lookup_path is lookup_path
+    assert context.lookup_path is waits.lookup_path is lookup_path
