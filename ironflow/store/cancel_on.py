@@ -63,7 +63,7 @@ from ironflow.store.base import Conflict, RunNotFound
 from ironflow.store.core import Tx, dec, placeholders
 from ironflow.store.records import CancelNotice, CancelOutcome
 from ironflow.store.transitions import cancel
-from ironflow.store.waits import wait_key
+from ironflow.store.waits import first_event_by_key, wait_key
 
 # LISTEN/NOTIFY channel of the jobs whose runs an event cancelled (PostgreSQL).
 CANCEL_CHANNEL = "ironflow_cancel"
@@ -159,10 +159,7 @@ def cancel_on_events(
     """Cancel the runs these events (``(event_id, name, data)``, in order)
     cancel (module docstring): per event, the runs it cancelled."""
     cancelled: list[list[CancelOutcome]] = [[] for _ in events]
-    keyed: dict[str, int] = {}
-    for place, (_, name, data) in enumerate(events):
-        for key in _event_keys(name, data, paths.get(name, ())):
-            keyed.setdefault(key, place)
+    keyed = first_event_by_key(events, paths, _event_keys)
     if not keyed:
         return cancelled
     keys = sorted(keyed)

@@ -64,7 +64,7 @@ by its run's end (``transitions.end_run``).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -114,6 +114,22 @@ def event_keys(name: str, data: Any, paths: Iterable[str]) -> list[str]:
         wait_key(name, None, None) if path == "" else wait_key(name, path, lookup_path(data, path))
         for path in paths
     ]
+
+
+def first_event_by_key(
+    events: Sequence[tuple[str, str, Any]],
+    paths: dict[str, list[str]],
+    keys_of: Callable[[str, Any, Sequence[str]], list[str]],
+) -> dict[str, int]:
+    """Each key ``keys_of(name, data, paths of the name)`` gives for any of
+    ``events`` (``(event_id, name, data)``, in order) → the place of the
+    first event that carries it: a wait (or a cancel-on row) is resolved by
+    the first event that matches it."""
+    keyed: dict[str, int] = {}
+    for place, (_, name, data) in enumerate(events):
+        for key in keys_of(name, data, paths.get(name, ())):
+            keyed.setdefault(key, place)
+    return keyed
 
 
 def _name_lock(event: str) -> str:
@@ -246,10 +262,7 @@ def resolve_waits(
     the first of them that matches it; the runs each event resumed.
     ``paths``: the match paths waited on per name (:func:`wait_paths_sql`)."""
     resumed: list[list[str]] = [[] for _ in events]
-    keyed: dict[str, int] = {}  # wait key -> the first event that satisfies it
-    for place, (_, name, data) in enumerate(events):
-        for key in event_keys(name, data, paths.get(name, ())):
-            keyed.setdefault(key, place)
+    keyed = first_event_by_key(events, paths, event_keys)  # wait key -> the first event that satisfies it
     if not keyed:
         return resumed
     keys = sorted(keyed)
