@@ -6,8 +6,8 @@ turns ``/readyz`` to 503 within about that; a probe that has not answered
 within ``store_probe_timeout_s`` (a database gone silent: a partition holds
 packets and closes nothing) marks the store down too, unless other calls
 reached the database meanwhile (the probe queued behind a loaded node's
-work). Past half its timeout a direct probe, on a connection of its own,
-races the queued one: calls of this node that all wait on locks are no
+work). Past a fifth of its timeout a direct probe, on a connection of its
+own, races the queued one: calls of this node that all wait on locks are no
 outage. Any store call that meets an outage marks the store down itself
 (``ironflow/store/availability.py``).
 
@@ -37,10 +37,13 @@ log = logging.getLogger("ironflow.store")
 
 
 # Share of the probe timeout after which a read probe still queued behind
-# this node's calls is joined by a direct one (its own connection): calls that
-# wait on locks (a deadlock PostgreSQL breaks after its 1 s deadlock_timeout)
-# hold every connection of the node without the database being silent.
-DIRECT_AFTER = 0.5
+# this node's calls is joined by a direct one (PostgreSQL: the monitor's own
+# connection, one round trip): calls that wait on locks (a deadlock
+# PostgreSQL breaks after its 1 s deadlock_timeout) hold every connection of
+# the node without the database being silent. Early, so the direct one has
+# most of the timeout on a loaded machine; an idle node's queued probe answers
+# long before, so it seldom runs.
+DIRECT_AFTER = 0.2
 
 
 async def _probe(store: Store, timeout_s: float, *, write: bool) -> bool:

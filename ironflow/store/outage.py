@@ -56,10 +56,18 @@ class OutageOps(SqlStoreBase):
             tx.execute("INSERT INTO store_probe (id, pad) VALUES (1, ?)", ("x" * PROBE_BYTES,))
             tx.execute("DELETE FROM store_probe WHERE id = 1")
 
-        if write or direct:
+        if write:
             await self._outage_transact(work)
+        elif direct:
+            await self._direct_read_probe(work)
         else:
             await self._transact(work)
+
+    async def _direct_read_probe(self, work: Callable[[Tx], None]) -> None:
+        """A read probe not queued behind this node's calls: the write probe's
+        transaction by default; PostgreSQL reads on the monitor's own
+        long-lived connection (one round trip, no connection made per probe)."""
+        await self._outage_transact(work)
 
     async def give_back_blind_time(self, node_id: str, blind_s: float) -> int:
         def work(tx: Tx) -> int:

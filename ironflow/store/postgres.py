@@ -473,6 +473,11 @@ class PostgresStore(SqlStore):
         # Taking a request (actor) and withdrawing it (cancelled caller) are decided under it.
         self._state_lock = threading.Lock()
         self._actors: list[_Actor] = []
+        # The store monitor's own connection for its direct read probes
+        # (:meth:`_direct_read_probe`), idle between them; taken by the probe
+        # that uses it, so an abandoned probe's thread keeps it to itself.
+        self._monitor_conn: psycopg.Connection[Any] | None = None
+        self._monitor_lock = threading.Lock()
         self._duty = _Duty()
         self.availability = Availability()
         self.availability.on_down = self._answer_held
@@ -539,6 +544,46 @@ class PostgresStore(SqlStore):
                     raise
                 time.sleep(SCHEMA_RETRY_S * attempt)
 
+    async def _direct_read_probe(self, work: Callable[[Tx], None]) -> None:
+        """``work`` (the read probe) on the monitor's own connection, made on
+        first use and after any failure: one round trip that no lock wait or
+        backlog of this node's delays, and no connection made per probe (a
+        fresh one costs a backend start, slow on a loaded server)."""
+
+        def fresh() -> psycopg.Connection[Any]:
+            conn = connect(self.url, self.timings)
+            conn.execute(self.session_bounds)
+            return conn
+
+        def run() -> None:
+            with self._monitor_lock:
+                kept, self._monitor_conn = self._monitor_conn, None
+            conn = kept or fresh()
+            try:
+                try:
+                    work(PgTx(conn, {}))
+                except psycopg.Error:
+                    if conn is not kept:
+                        raise
+                    # The kept connection went stale while idle (a server
+                    # restart, a proxy's timeout; the fast path reports it as
+                    # a DatabaseError): one fresh try decides.
+                    conn.close()
+                    conn = fresh()
+                    work(PgTx(conn, {}))
+            except BaseException:
+                conn.close()
+                raise
+            with self._monitor_lock:
+                spare, self._monitor_conn = self._monitor_conn, conn
+            if spare is not None:  # made while an abandoned probe held this one
+                spare.close()
+
+        # Abandoned on cancel (the monitor's probe timeout): the TCP bounds
+        # end the thread, and the connection it holds is its own.
+        result = await outcome.acapture(partial(trio.to_thread.run_sync, run, abandon_on_cancel=True))
+        settle(self.availability, result, unavailable)
+
     async def _outage_transact(self, work: Callable[[Tx], T]) -> T:
         """``work`` in one transaction on a fresh connection of its own (not
         queued behind the actors' groups: a recovering node's backlog must not
@@ -591,6 +636,10 @@ class PostgresStore(SqlStore):
             )))
 
     async def close(self) -> None:
+        with self._monitor_lock:
+            monitor, self._monitor_conn = self._monitor_conn, None
+        if monitor is not None:
+            monitor.close()  # idle: only a probe that answered puts it back
         if not self._actors:
             return
         actors, self._actors = self._actors, []

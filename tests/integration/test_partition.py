@@ -35,6 +35,7 @@ import pytest
 import trio
 
 import ironflow
+from actors import store_monitor
 from ironflow.node import Node
 from ironflow.store import StoreTimeout, StoreUnavailable
 from ironflow.store.core import Tx
@@ -347,3 +348,51 @@ async def test_a_lock_a_foreign_session_holds_is_given_up_at_the_lock_timeout_as
         finally:
             operator.rollback()
             await store.close()
+
+
+async def test_calls_that_all_wait_on_a_lock_are_no_outage_and_a_stale_monitor_connection_is_replaced(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every connection of the node waits on a row an operator's session holds
+    # (as two nodes' deadlocked group commits do until PostgreSQL breaks
+    # them): the read probe queued behind them cannot answer, the database can.
+    config = node_config(pg_url, Path("/nonexistent"), **PG_BOUNDS)
+    timeout_s = config.timings.store_probe_timeout_s
+    with psycopg.connect(pg_url, autocommit=True) as setup:
+        setup.execute("CREATE TABLE held (id int PRIMARY KEY, v text)")
+        setup.execute("INSERT INTO held VALUES (1, 'before')")
+    store = PostgresStore(pg_url, connections=2, timings=config.timings)
+    await store.open()
+    with psycopg.connect(pg_url) as operator:
+        operator.execute("SELECT v FROM held WHERE id = 1 FOR UPDATE")
+        try:
+            async with trio.open_nursery() as waiting:
+                for i in range(2):  # a group on duty, then one relieving it (postgres._Duty)
+                    waiting.start_soon(_update_held, store, i)
+                    await trio.sleep(0.2)
+                # Both connections now wait on the row: a third call queues behind them.
+                assert await store_monitor._probe(store, timeout_s, write=False)
+                assert store.availability.up
+                monitor = store._monitor_conn
+                assert monitor is not None, "the direct probe answered on the monitor's connection"
+                # That connection dies while idle (a server restart, a proxy's
+                # timeout): the next direct probe makes a new one, no outage.
+                operator.execute("SELECT pg_terminate_backend(%s)", (monitor.info.backend_pid,))
+                assert await store_monitor._probe(store, timeout_s, write=False)
+                assert store.availability.up and store._monitor_conn is not monitor
+                # Without the direct probe the same wait reads as an outage.
+                monkeypatch.setattr(store_monitor, "DIRECT_AFTER", 10.0)
+                assert not await store_monitor._probe(store, timeout_s, write=False)
+                assert not store.availability.up
+                operator.rollback()
+        finally:
+            await store.close()
+
+
+async def _update_held(store: PostgresStore, i: int) -> None:
+    """A call that waits on the row ``held`` 1 until the operator lets go (or
+    is answered when the store is marked down)."""
+    try:
+        await store._transact(lambda tx: tx.execute("UPDATE held SET v = ? WHERE id = 1", (f"node {i}",)))
+    except StoreUnavailable:
+        pass
