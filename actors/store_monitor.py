@@ -22,6 +22,7 @@ does it mark the store up, which wakes the waiting actors and sessions.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import trio
@@ -117,6 +118,9 @@ async def _watch(
 ) -> None:
     availability = store.availability
     task_status.started()
+    # The direct probe's connection made now, not first on a loaded server.
+    with trio.move_on_after(timeout_s), answered_when_down(), contextlib.suppress(StoreUnavailable):
+        await store.probe(write=False, direct=True)
     while True:
         metrics.STORE_AVAILABLE.set(1 if availability.up else 0)
         await trio.sleep(period)
