@@ -34,9 +34,11 @@ FAILED_RUNS = 150
 NAPPING_RUNS = 100
 # A bulk resume page: small, so each node makes many calls and the two sweeps cross.
 PAGE = 10
-# The durable sleep: longer than the pause and the early resumes take, so
-# those land inside it; the other half is resumed after it ended.
-NAP_S = 4.0
+# The durable sleep: longer than the emits, the pause and the early resumes
+# take on a loaded machine (at 4 s a run's sleep ended before the last
+# emitted run had begun its own), so those land inside it; the other half
+# is resumed after it ended.
+NAP_S = 6.0
 # Bounds on a failure, not timing guesses.
 SETTLE_S = 30.0
 
