@@ -544,21 +544,23 @@ class PostgresStore(SqlStore):
                     raise
                 time.sleep(SCHEMA_RETRY_S * attempt)
 
+    def _own_connection(self) -> psycopg.Connection[Any]:
+        """A connection of the monitor's, not an actor's: the TCP and session
+        bounds of every connection of the node (called in a thread)."""
+        conn = connect(self.url, self.timings)
+        conn.execute(self.session_bounds)
+        return conn
+
     async def _direct_read_probe(self, work: Callable[[Tx], None]) -> None:
         """``work`` (the read probe) on the monitor's own connection, made on
         first use and after any failure: one round trip that no lock wait or
         backlog of this node's delays, and no connection made per probe (a
         fresh one costs a backend start, slow on a loaded server)."""
 
-        def fresh() -> psycopg.Connection[Any]:
-            conn = connect(self.url, self.timings)
-            conn.execute(self.session_bounds)
-            return conn
-
         def run() -> None:
             with self._monitor_lock:
                 kept, self._monitor_conn = self._monitor_conn, None
-            conn = kept or fresh()
+            conn = kept or self._own_connection()
             try:
                 try:
                     work(PgTx(conn, {}))
@@ -569,7 +571,7 @@ class PostgresStore(SqlStore):
                     # restart, a proxy's timeout; the fast path reports it as
                     # a DatabaseError): one fresh try decides.
                     conn.close()
-                    conn = fresh()
+                    conn = self._own_connection()
                     work(PgTx(conn, {}))
             except BaseException:
                 conn.close()
@@ -592,8 +594,7 @@ class PostgresStore(SqlStore):
         as a standby."""
 
         def run() -> T:
-            with connect(self.url, self.timings) as conn:
-                conn.execute(self.session_bounds)
+            with self._own_connection() as conn:
                 row = conn.execute(
                     "SELECT pg_is_in_recovery(), current_setting('transaction_read_only')"
                 ).fetchone()

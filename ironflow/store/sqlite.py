@@ -172,16 +172,17 @@ class _Inline:
         deliver(result)
 
 
-# How long a store opening the file retries the switch to WAL (sqlite3's own
-# busy timeout, which that switch does not wait out).
-_WAL_SWITCH_S = 5.0
+# How long a connection waits for another's lock (PRAGMA busy_timeout), and
+# how long a store opening the file retries the switch to WAL, which SQLite
+# does not wait out by that timeout.
+_BUSY_TIMEOUT_S = 5.0
 
 
 def _to_wal(conn: sqlite3.Connection) -> None:
     """``PRAGMA journal_mode=WAL``, retried while another store opening the
     same new file holds its lock: SQLite answers that switch "database is
     locked" at once instead of calling the busy handler."""
-    deadline = time.monotonic() + _WAL_SWITCH_S
+    deadline = time.monotonic() + _BUSY_TIMEOUT_S
     while True:
         try:
             conn.execute("PRAGMA journal_mode=WAL")
@@ -323,7 +324,7 @@ class SqliteStore(SqlStore):
         _to_wal(conn)
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
-        conn.execute("PRAGMA busy_timeout=5000")
+        conn.execute(f"PRAGMA busy_timeout={round(_BUSY_TIMEOUT_S * 1000)}")
         conn.create_function("ironflow_now", 0, self._db_clock)
         conn.create_function("ironflow_clock", 0, self._db_clock)  # see schema.PG_CLOCK_FUNCTION
         # The write lock first: a second store opening the file waits (busy_timeout)
@@ -411,7 +412,7 @@ class SqliteStore(SqlStore):
         """A read connection: query-only, with the store's clock."""
         conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         conn.execute("PRAGMA query_only=ON")
-        conn.execute("PRAGMA busy_timeout=5000")
+        conn.execute(f"PRAGMA busy_timeout={round(_BUSY_TIMEOUT_S * 1000)}")
         conn.create_function("ironflow_now", 0, self._db_clock)
         conn.create_function("ironflow_clock", 0, self._db_clock)
         return conn
